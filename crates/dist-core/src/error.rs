@@ -1,0 +1,207 @@
+//! `DistError`, the one error type of every dist backend.
+
+use std::time::Duration;
+
+/// Shorthand for results whose error is [`DistError`].
+pub type Result<T, E = DistError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in a dist operation. Each variant names the reporting rank and,
+/// where there is one, the peer, the operation and the sizes involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistError {
+    /// A wait passed its deadline while the peer was (as far as we know) still connected.
+    #[error("rank {rank}: {op} timed out after {waited:.3?} waiting for peer {peer}")]
+    Timeout {
+        /// The rank that waited.
+        rank: usize,
+        /// What was being waited for, such as `recv(tag 0, 4096 bytes)`.
+        op: String,
+        /// The rank that did not answer.
+        peer: usize,
+        /// How long was waited.
+        waited: Duration,
+    },
+
+    /// The connection to a peer closed or broke: the process exited, was killed, or reset it.
+    #[error("rank {rank}: peer {peer} gone during {op}: {cause}")]
+    PeerGone {
+        /// The rank that noticed.
+        rank: usize,
+        /// The rank that is gone.
+        peer: usize,
+        /// The operation that noticed it.
+        op: String,
+        /// What the transport saw (end of stream, reset, …).
+        cause: String,
+    },
+
+    /// A message's length differs from the buffer posted for it. Nothing was written to the
+    /// buffer and the message stays queued.
+    #[error(
+        "rank {rank}: {op} from peer {peer}: expected {expected} bytes, got a message of {got}"
+    )]
+    SizeMismatch {
+        /// The receiving rank.
+        rank: usize,
+        /// The sender.
+        peer: usize,
+        /// The operation.
+        op: String,
+        /// The buffer's length in bytes.
+        expected: usize,
+        /// The message's length in bytes.
+        got: usize,
+    },
+
+    /// A rank argument outside `0..world_size`.
+    #[error("rank {rank}: {op}: rank {given} is out of range for world size {world_size}")]
+    InvalidRank {
+        /// The calling rank.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// The rank that was passed.
+        given: usize,
+        /// The job's size.
+        world_size: usize,
+    },
+
+    /// An argument other than a rank is invalid (a buffer of the wrong length, a zero world size).
+    #[error("rank {rank}: {op}: {reason}")]
+    InvalidArgument {
+        /// The calling rank.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Not every rank joined the job before the init deadline.
+    #[error(
+        "rank {rank}: rendezvous failed after {waited:.1?}: {joined} of {world_size} ranks joined, \
+         missing ranks {missing:?}{}",
+        if detail.is_empty() { String::new() } else { format!(" ({detail})") }
+    )]
+    RendezvousFailed {
+        /// The rank that gave up.
+        rank: usize,
+        /// How many ranks had joined.
+        joined: usize,
+        /// The expected number of ranks.
+        world_size: usize,
+        /// The ranks that had not joined (as far as this rank knows).
+        missing: Vec<usize>,
+        /// How long was waited.
+        waited: Duration,
+        /// The last problem seen, such as the last connection error.
+        detail: String,
+    },
+
+    /// A handshake was refused, by us or by the other side.
+    #[error("rank {rank}: handshake with {peer} refused: {reason}")]
+    HandshakeRefused {
+        /// The rank reporting the refusal.
+        rank: usize,
+        /// Who the other side was (an address, or a rank).
+        peer: String,
+        /// Why, as the refusing side put it.
+        reason: String,
+    },
+
+    /// The ranks disagree about a collective: a different operation, element type, count, reduce
+    /// op or root.
+    #[error("rank {rank}: {op}: rank {peer} disagrees: {detail}")]
+    CollectiveMismatch {
+        /// The rank that noticed.
+        rank: usize,
+        /// This rank's call.
+        op: String,
+        /// The rank whose call differs.
+        peer: usize,
+        /// How the two calls differ.
+        detail: String,
+    },
+
+    /// Another rank failed a collective and told this one to stop.
+    #[error("rank {rank}: {op} aborted because rank {origin} failed: {reason}")]
+    Aborted {
+        /// The rank reporting.
+        rank: usize,
+        /// This rank's call.
+        op: String,
+        /// The rank that failed first.
+        origin: usize,
+        /// Its error.
+        reason: String,
+    },
+
+    /// A configuration value or environment variable is missing or malformed.
+    #[error("configuration error: {what}: {reason}")]
+    Config {
+        /// The setting or variable.
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// An operating-system I/O error, with what was being done.
+    #[error("rank {rank}: {context}: {source}")]
+    Io {
+        /// The rank it happened on.
+        rank: usize,
+        /// What was being done (`bind 0.0.0.0:29500`, `connect to rank 0 at …`).
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl DistError {
+    /// The peer this error is about, if it names one.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            DistError::Timeout { peer, .. }
+            | DistError::PeerGone { peer, .. }
+            | DistError::SizeMismatch { peer, .. }
+            | DistError::CollectiveMismatch { peer, .. } => Some(*peer),
+            DistError::Aborted { origin, .. } => Some(*origin),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_rank_peer_and_sizes() {
+        let e = DistError::SizeMismatch {
+            rank: 1,
+            peer: 3,
+            op: "recv(tag 0)".into(),
+            expected: 8,
+            got: 16,
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 1: recv(tag 0) from peer 3: expected 8 bytes, got a message of 16"
+        );
+        assert_eq!(e.peer(), Some(3));
+        let e = DistError::RendezvousFailed {
+            rank: 0,
+            joined: 2,
+            world_size: 4,
+            missing: vec![2, 3],
+            waited: Duration::from_secs(5),
+            detail: String::new(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 0: rendezvous failed after 5.0s: 2 of 4 ranks joined, missing ranks [2, 3]"
+        );
+    }
+}

@@ -1,0 +1,295 @@
+//! Configuration of a [`TcpBackend`](crate::TcpBackend): the builder and the environment.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use dist_core::{DistError, Result};
+
+/// Default deadline of every operation after init.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default deadline for the whole job to form.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default time a connection gets to complete its handshake before it is dropped.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Everything a [`TcpBackend`](crate::TcpBackend) needs to form a job.
+#[derive(Clone)]
+pub struct TcpConfig {
+    pub(crate) rank: usize,
+    pub(crate) world_size: usize,
+    pub(crate) master: String,
+    pub(crate) bind: Option<std::net::IpAddr>,
+    pub(crate) timeout: Duration,
+    pub(crate) init_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) linger: Duration,
+    pub(crate) secret: Option<Vec<u8>>,
+    pub(crate) local_rank: Option<usize>,
+}
+
+impl std::fmt::Debug for TcpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConfig")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("master", &self.master)
+            .field("bind", &self.bind)
+            .field("timeout", &self.timeout)
+            .field("init_timeout", &self.init_timeout)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("linger", &self.linger)
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("local_rank", &self.local_rank)
+            .finish()
+    }
+}
+
+impl TcpConfig {
+    /// A configuration with the defaults: `master` is rank 0's `host:port`.
+    pub fn new(rank: usize, world_size: usize, master: impl Into<String>) -> TcpConfig {
+        TcpConfig {
+            rank,
+            world_size,
+            master: master.into(),
+            bind: None,
+            timeout: DEFAULT_TIMEOUT,
+            init_timeout: DEFAULT_INIT_TIMEOUT,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            linger: Duration::from_secs(30),
+            secret: None,
+            local_rank: None,
+        }
+    }
+
+    /// Reads the torchrun convention: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, and
+    /// `LOCAL_RANK` when present; and dist's own `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds)
+    /// and `DIST_SECRET` when present.
+    pub fn from_env() -> Result<TcpConfig> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`TcpConfig::from_env`] over any lookup function (for tests and embedding).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
+        let required = |k: &str| {
+            get(k).ok_or_else(|| DistError::Config {
+                what: k.into(),
+                reason: "not set (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+                    .into(),
+            })
+        };
+        let number = |k: &str, v: String| {
+            v.trim().parse::<usize>().map_err(|_| DistError::Config {
+                what: k.into(),
+                reason: format!("{v:?} is not a non-negative integer"),
+            })
+        };
+        let seconds = |k: &str| -> Result<Option<Duration>> {
+            get(k)
+                .map(|v| match v.trim().parse::<f64>() {
+                    Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+                    _ => Err(DistError::Config {
+                        what: k.into(),
+                        reason: format!("{v:?} is not a positive number of seconds"),
+                    }),
+                })
+                .transpose()
+        };
+        let rank = number("RANK", required("RANK")?)?;
+        let world_size = number("WORLD_SIZE", required("WORLD_SIZE")?)?;
+        let addr = required("MASTER_ADDR")?;
+        if addr.trim().is_empty() {
+            return Err(DistError::Config {
+                what: "MASTER_ADDR".into(),
+                reason: "is empty".into(),
+            });
+        }
+        let port_text = required("MASTER_PORT")?;
+        let port: u16 = port_text.trim().parse().map_err(|_| DistError::Config {
+            what: "MASTER_PORT".into(),
+            reason: format!("{port_text:?} is not a port number (0-65535)"),
+        })?;
+        let host = addr.trim();
+        let master = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        let mut cfg = TcpConfig::new(rank, world_size, master);
+        cfg.local_rank = get("LOCAL_RANK")
+            .map(|v| number("LOCAL_RANK", v))
+            .transpose()?;
+        if let Some(t) = seconds("DIST_TIMEOUT")? {
+            cfg.timeout = t;
+        }
+        if let Some(t) = seconds("DIST_INIT_TIMEOUT")? {
+            cfg.init_timeout = t;
+        }
+        if let Some(s) = get("DIST_SECRET") {
+            cfg.secret = Some(s.into_bytes());
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The deadline of every operation that takes none (default 300 s; `DIST_TIMEOUT`).
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+
+    /// The deadline for the job to form (default 120 s; `DIST_INIT_TIMEOUT`).
+    pub fn init_timeout(mut self, t: Duration) -> Self {
+        self.init_timeout = t;
+        self
+    }
+
+    /// How long a new connection may take to complete its handshake (default 5 s).
+    pub fn handshake_timeout(mut self, t: Duration) -> Self {
+        self.handshake_timeout = t;
+        self
+    }
+
+    /// How long dropping the backend waits for peers to close their side, so that the last
+    /// messages sent are not lost (default 30 s).
+    pub fn linger(mut self, t: Duration) -> Self {
+        self.linger = t;
+        self
+    }
+
+    /// The local address this rank listens on for its peers (default: the address it uses to
+    /// reach rank 0; rank 0 listens on `master`).
+    pub fn bind(mut self, ip: std::net::IpAddr) -> Self {
+        self.bind = Some(ip);
+        self
+    }
+
+    /// A shared secret every rank must prove it knows (HMAC-SHA256 challenge-response; the
+    /// secret never crosses the wire). `DIST_SECRET` sets it from the environment.
+    pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The job's size.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The rank on this host, when the launcher gave one.
+    pub fn local_rank(&self) -> Option<usize> {
+        self.local_rank
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.world_size == 0 || self.world_size > u32::MAX as usize {
+            return Err(DistError::Config {
+                what: "world size".into(),
+                reason: format!("{} is not in 1..=2^32-1", self.world_size),
+            });
+        }
+        if self.rank >= self.world_size {
+            return Err(DistError::InvalidRank {
+                rank: self.rank,
+                op: "init".into(),
+                given: self.rank,
+                world_size: self.world_size,
+            });
+        }
+        if self.secret.as_ref().is_some_and(|s| s.is_empty()) {
+            return Err(DistError::Config {
+                what: "shared secret".into(),
+                reason: "is empty".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn master_addr(&self) -> Result<SocketAddr> {
+        self.master
+            .to_socket_addrs()
+            .map_err(|e| DistError::Config {
+                what: "master address".into(),
+                reason: format!("cannot resolve {:?}: {e}", self.master),
+            })?
+            .next()
+            .ok_or_else(|| DistError::Config {
+                what: "master address".into(),
+                reason: format!("{:?} resolves to no address", self.master),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    const OK: [(&str, &str); 4] = [
+        ("RANK", "2"),
+        ("WORLD_SIZE", "4"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    #[test]
+    fn reads_torchrun_variables() {
+        let mut v = OK.to_vec();
+        v.push(("LOCAL_RANK", "1"));
+        v.push(("DIST_TIMEOUT", "2.5"));
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!((c.rank, c.world_size, c.local_rank), (2, 4, Some(1)));
+        assert_eq!(c.master, "127.0.0.1:29500");
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        let v6 = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "::1"),
+            ("MASTER_PORT", "1"),
+        ];
+        assert_eq!(TcpConfig::from_lookup(env(&v6)).unwrap().master, "[::1]:1");
+    }
+
+    #[test]
+    fn names_missing_and_malformed_variables() {
+        for missing in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            let v: Vec<_> = OK.iter().copied().filter(|(k, _)| *k != missing).collect();
+            let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+            assert!(e.contains(missing) && e.contains("not set"), "{e}");
+        }
+        for (k, bad) in [
+            ("RANK", "two"),
+            ("WORLD_SIZE", "-1"),
+            ("MASTER_PORT", "70000"),
+            ("DIST_TIMEOUT", "0"),
+            ("LOCAL_RANK", "x"),
+        ] {
+            let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
+            v.push((k, bad));
+            let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(bad), "{e}");
+        }
+        let mut v = OK.to_vec();
+        v[0] = ("RANK", "4");
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
+    }
+
+    #[test]
+    fn debug_hides_the_secret() {
+        let c = TcpConfig::new(0, 1, "x:1").secret("hunter2");
+        assert!(!format!("{c:?}").contains("hunter2"));
+    }
+}

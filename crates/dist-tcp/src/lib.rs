@@ -1,0 +1,327 @@
+//! The TCP backend of dist: ranks rendezvous through rank 0, authenticate each other, and keep
+//! a full mesh of TCP connections over which tagged messages travel with no copy on the large
+//! message path.
+//!
+//! ```no_run
+//! use dist_core::Backend;
+//! use dist_tcp::TcpBackend;
+//!
+//! # fn main() -> Result<(), dist_core::DistError> {
+//! // RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun sets them.
+//! let b = TcpBackend::from_env()?;
+//! let (me, n) = (b.rank(), b.world_size());
+//! b.send(format!("hello from {me}").as_bytes(), (me + 1) % n)?;
+//! let mut buf = vec![0u8; format!("hello from {}", (me + n - 1) % n).len()];
+//! b.recv(&mut buf, (me + n - 1) % n)?;
+//! b.barrier()?;
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+mod config;
+mod init;
+mod peer;
+pub mod wire;
+
+use std::net::Shutdown;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dist_core::{Backend, DistError, Result, Tag};
+
+pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
+pub use peer::AbortNotice;
+use peer::{Aborts, Meta, Peer};
+use wire::FrameKind;
+
+/// The tag of the dissemination barrier's messages.
+const BARRIER_TAG: Tag = Tag::system(1);
+
+struct Shared {
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    linger: Duration,
+    peers: Vec<Arc<Peer>>,
+    aborts: Arc<Aborts>,
+}
+
+/// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
+pub struct TcpBackend {
+    shared: Arc<Shared>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpBackend")
+            .field("rank", &self.shared.rank)
+            .field("world_size", &self.shared.world)
+            .finish()
+    }
+}
+
+impl TcpBackend {
+    /// Joins the job as `rank` of `world_size`, with rank 0 listening on `master` (`host:port`),
+    /// and the default timeouts. Returns once every rank is connected to every other.
+    pub fn new(rank: usize, world_size: usize, master: impl Into<String>) -> Result<TcpBackend> {
+        Self::with_config(TcpConfig::new(rank, world_size, master))
+    }
+
+    /// A configuration to adjust (timeouts, bind address, shared secret) before joining with
+    /// [`TcpBackend::with_config`].
+    pub fn builder(rank: usize, world_size: usize, master: impl Into<String>) -> TcpConfig {
+        TcpConfig::new(rank, world_size, master)
+    }
+
+    /// Joins the job as torchrun describes it in the environment (see [`TcpConfig::from_env`]).
+    pub fn from_env() -> Result<TcpBackend> {
+        Self::with_config(TcpConfig::from_env()?)
+    }
+
+    /// Joins the job described by `cfg`.
+    pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
+        let streams = init::form(&cfg)?;
+        let me = cfg.rank;
+        let aborts = Arc::new(Aborts::default());
+        let mut peers = Vec::with_capacity(cfg.world_size);
+        for (r, s) in streams.into_iter().enumerate() {
+            peers.push(Arc::new(match s {
+                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone())?,
+                None => Peer::loopback(me, aborts.clone()),
+            }));
+        }
+        let shared = Arc::new(Shared {
+            rank: me,
+            world: cfg.world_size,
+            timeout: cfg.timeout,
+            linger: cfg.linger,
+            peers,
+            aborts,
+        });
+        let mut readers = Vec::new();
+        for p in shared.peers.iter() {
+            let Some(stream) = p.reader_stream() else {
+                continue;
+            };
+            let stream = stream.map_err(|source| DistError::Io {
+                rank: me,
+                context: format!("clone the socket of peer {}", p.rank),
+                source,
+            })?;
+            let peer = p.clone();
+            let weak = Arc::downgrade(&shared);
+            let sink: peer::AbortSink = Arc::new(move |notice| {
+                if let Some(s) = weak.upgrade() {
+                    s.note_abort(notice);
+                }
+            });
+            let handle = std::thread::Builder::new()
+                .name(format!("dist-rx-{me}-from-{}", p.rank))
+                .spawn(move || peer.read_loop(stream, sink))
+                .map_err(|source| DistError::Io {
+                    rank: me,
+                    context: "spawn a reader thread".into(),
+                    source,
+                })?;
+            readers.push(handle);
+        }
+        Ok(TcpBackend { shared, readers })
+    }
+
+    fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
+        self.shared
+            .peers
+            .get(r)
+            .map(|p| &**p)
+            .ok_or_else(|| DistError::InvalidRank {
+                rank: self.shared.rank,
+                op: op(),
+                given: r,
+                world_size: self.shared.world,
+            })
+    }
+
+    /// Sends `data` to `dst` on `tag` with sixteen bytes of `meta` for the receiver (the
+    /// collectives use it for their call descriptor).
+    pub fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
+        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+        self.peer(dst, &op)?
+            .send(FrameKind::Data, tag.to_wire(), data, meta, &op)
+    }
+
+    /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
+    pub fn recv_meta(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<Meta> {
+        let len = buf.len();
+        let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
+        self.peer(src, &op)?.recv(buf, tag.to_wire(), deadline, &op)
+    }
+
+    /// Sends `send` to `dst` while receiving `recv` from `src`, both on `tag`: the receive is
+    /// posted first, so the payload lands in `recv` as it arrives, with no copy, while this
+    /// thread writes. Returns the received message's meta.
+    pub fn send_recv_meta(
+        &self,
+        send: &[u8],
+        dst: usize,
+        recv: &mut [u8],
+        src: usize,
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+    ) -> Result<Meta> {
+        let rlen = recv.len();
+        let rop = || format!("recv from {src} (tag {tag}, {rlen} bytes)");
+        let src_peer = self.peer(src, &rop)?;
+        let sop = || format!("send to {dst} (tag {tag}, {} bytes)", send.len());
+        let dst_peer = self.peer(dst, &sop)?;
+        src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, || {
+            dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop)
+        })
+    }
+
+    /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
+    /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early.
+    pub fn broadcast_abort(&self, tag: Tag, reason: &str) {
+        for p in self
+            .shared
+            .peers
+            .iter()
+            .filter(|p| p.rank != self.shared.rank)
+        {
+            let op = || format!("abort notice to {}", p.rank);
+            if let Err(e) = p.send(
+                FrameKind::Abort,
+                tag.to_wire(),
+                reason.as_bytes(),
+                [0; 16],
+                &op,
+            ) {
+                tracing::debug!(rank = self.shared.rank, peer = p.rank, error = %e, "abort notice not delivered");
+            }
+        }
+    }
+
+    /// The abort notices received so far.
+    pub fn abort_notices(&self) -> Vec<AbortNotice> {
+        self.shared.aborts.notices()
+    }
+}
+
+impl Shared {
+    fn note_abort(&self, n: AbortNotice) {
+        tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
+        self.aborts.raise(n);
+        for p in &self.peers {
+            p.wake();
+        }
+    }
+}
+
+impl Backend for TcpBackend {
+    fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
+    fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
+        self.send_meta(data, dst, tag, [0; 16])
+    }
+
+    fn recv_tagged_timeout(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: Tag,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.recv_meta(buf, src, tag, Instant::now() + timeout)
+            .map(|_| ())
+    }
+
+    fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
+        // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
+        // after ceil(log2 n) rounds each rank has heard, transitively, from all others.
+        let deadline = Instant::now() + timeout;
+        let (me, n) = (self.shared.rank, self.shared.world);
+        let mut d = 1;
+        while d < n {
+            let to = (me + d) % n;
+            let from = (me + n - d) % n;
+            self.send_recv_meta(&[], to, &mut [], from, BARRIER_TAG, [0; 16], deadline)
+                .map_err(|e| relabel(e, "barrier"))?;
+            d *= 2;
+        }
+        Ok(())
+    }
+}
+
+/// Puts the name of the user-facing operation in front of a transport error's op.
+fn relabel(e: DistError, what: &str) -> DistError {
+    match e {
+        DistError::Timeout {
+            rank,
+            op,
+            peer,
+            waited,
+        } => DistError::Timeout {
+            rank,
+            op: format!("{what}: {op}"),
+            peer,
+            waited,
+        },
+        DistError::PeerGone {
+            rank,
+            peer,
+            op,
+            cause,
+        } => DistError::PeerGone {
+            rank,
+            peer,
+            op: format!("{what}: {op}"),
+            cause,
+        },
+        other => other,
+    }
+}
+
+impl Drop for TcpBackend {
+    fn drop(&mut self) {
+        // Close our sending side, then wait (up to the linger time) for each peer to close
+        // theirs, so that nothing they sent us is cut off by a reset, and nothing we sent them is
+        // lost. Then close everything.
+        for p in &self.shared.peers {
+            p.shutdown(Shutdown::Write);
+        }
+        let deadline = Instant::now() + self.shared.linger;
+        for p in &self.shared.peers {
+            if !p.wait_closed(deadline) {
+                tracing::debug!(
+                    rank = self.shared.rank,
+                    peer = p.rank,
+                    "peer did not close in time"
+                );
+            }
+        }
+        for p in &self.shared.peers {
+            p.shutdown(Shutdown::Both);
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}

@@ -1,0 +1,631 @@
+//! The wire format as pure functions over bytes: the handshake messages, the rendezvous table,
+//! the init status messages and the frame header. Nothing here touches a socket, so every decoder
+//! can be tested (and fuzzed) on arbitrary, truncated or oversized input.
+//!
+//! All integers are little-endian. Every handshake message has a fixed size, so a peer can make
+//! us read at most [`HELLO_LEN`] bytes before it has been checked, whatever it sends.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// The first eight bytes of every handshake message.
+pub const MAGIC: [u8; 8] = *b"dist\0tcp";
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Length of a random nonce and of an HMAC-SHA256 proof.
+pub const NONCE_LEN: usize = 32;
+/// Length of a [`Hello`].
+pub const HELLO_LEN: usize = 64;
+/// Longest reason text a [`Reply`] or [`Status`] carries.
+pub const REASON_LEN: usize = 128;
+/// Length of a [`Reply`].
+pub const REPLY_LEN: usize = 8 + 4 + NONCE_LEN + NONCE_LEN + 2 + REASON_LEN;
+/// Length of a [`Status`].
+pub const STATUS_LEN: usize = 4 + 4 + 2 + REASON_LEN;
+/// Length of a [`FrameHeader`].
+pub const FRAME_HEADER_LEN: usize = 40;
+/// Length of one rank's entry in the rendezvous table.
+pub const TABLE_ENTRY_LEN: usize = 19;
+/// Length of the rendezvous table's fixed part.
+pub const TABLE_HEAD_LEN: usize = 8 + 8 + 4;
+
+/// Why a connection sends its [`Hello`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Purpose {
+    /// A rank joining the job through rank 0.
+    Rendezvous = 1,
+    /// A rank connecting to a lower rank to complete the full mesh.
+    Mesh = 2,
+}
+
+/// The first message of every connection, from the connecting side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Protocol version of the sender.
+    pub version: u16,
+    /// Why it connects.
+    pub purpose: Purpose,
+    /// Whether the sender is configured with a shared secret.
+    pub has_secret: bool,
+    /// The world size the sender was started with.
+    pub world_size: u32,
+    /// The rank the sender claims.
+    pub rank: u32,
+    /// The port of the sender's own listener (rendezvous only; 0 otherwise).
+    pub listen_port: u16,
+    /// The job id handed out by rank 0 (mesh only; 0 otherwise).
+    pub job_id: u64,
+    /// The sender's random nonce.
+    pub nonce: [u8; NONCE_LEN],
+}
+
+/// A malformed handshake message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Fewer bytes than the message needs.
+    Truncated {
+        /// Bytes needed.
+        need: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// The message does not start with [`MAGIC`]: not a dist peer.
+    BadMagic([u8; 8]),
+    /// A field has a value this version does not know.
+    BadField(&'static str, u64),
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::Truncated { need, got } => {
+                write!(f, "truncated message: need {need} bytes, got {got}")
+            }
+            DecodeError::BadMagic(m) => write!(
+                f,
+                "not a dist peer: first bytes {:?} are not the magic {:?}",
+                String::from_utf8_lossy(m),
+                String::from_utf8_lossy(&MAGIC)
+            ),
+            DecodeError::BadField(name, v) => write!(f, "invalid {name} {v}"),
+        }
+    }
+}
+
+fn need(buf: &[u8], n: usize) -> Result<(), DecodeError> {
+    if buf.len() < n {
+        Err(DecodeError::Truncated {
+            need: n,
+            got: buf.len(),
+        })
+    } else {
+        Ok(())
+    }
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn check_magic(buf: &[u8]) -> Result<(), DecodeError> {
+    need(buf, 8)?;
+    let m: [u8; 8] = buf[..8].try_into().expect("8 bytes");
+    if m != MAGIC {
+        return Err(DecodeError::BadMagic(m));
+    }
+    Ok(())
+}
+
+impl Hello {
+    /// Encodes the message.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..8].copy_from_slice(&MAGIC);
+        b[8..10].copy_from_slice(&self.version.to_le_bytes());
+        b[10] = self.purpose as u8;
+        b[11] = u8::from(self.has_secret);
+        b[12..16].copy_from_slice(&self.world_size.to_le_bytes());
+        b[16..20].copy_from_slice(&self.rank.to_le_bytes());
+        b[20..22].copy_from_slice(&self.listen_port.to_le_bytes());
+        b[24..32].copy_from_slice(&self.job_id.to_le_bytes());
+        b[32..64].copy_from_slice(&self.nonce);
+        b
+    }
+
+    /// Decodes the message; the version is returned as sent and checked by the caller, so that a
+    /// newer peer gets a refusal that names both versions.
+    pub fn decode(buf: &[u8]) -> Result<Hello, DecodeError> {
+        check_magic(buf)?;
+        need(buf, HELLO_LEN)?;
+        let purpose = match buf[10] {
+            1 => Purpose::Rendezvous,
+            2 => Purpose::Mesh,
+            p => return Err(DecodeError::BadField("purpose", p.into())),
+        };
+        let has_secret = match buf[11] {
+            0 => false,
+            1 => true,
+            f => return Err(DecodeError::BadField("flags", f.into())),
+        };
+        Ok(Hello {
+            version: u16_at(buf, 8),
+            purpose,
+            has_secret,
+            world_size: u32_at(buf, 12),
+            rank: u32_at(buf, 16),
+            listen_port: u16_at(buf, 20),
+            job_id: u64_at(buf, 24),
+            nonce: buf[32..64].try_into().expect("32 bytes"),
+        })
+    }
+}
+
+/// Codes in [`Reply::code`] and [`Status::code`]; 0 means go on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Refusal {
+    /// Not a dist peer.
+    BadMagic = 1,
+    /// Another protocol version.
+    Version = 2,
+    /// Another world size.
+    WorldSize = 3,
+    /// A rank outside the range this listener accepts.
+    RankOutOfRange = 4,
+    /// The rank has already joined.
+    DuplicateRank = 5,
+    /// One side has a shared secret and the other has none.
+    SecretConfig = 6,
+    /// The proof of the shared secret is wrong.
+    WrongSecret = 7,
+    /// A mesh connection from another job.
+    WrongJob = 8,
+    /// A malformed message or one for another purpose.
+    Protocol = 9,
+    /// The job is aborting: another rank failed to initialise.
+    Abort = 10,
+}
+
+impl Refusal {
+    fn from_code(c: u32) -> Option<Refusal> {
+        use Refusal::*;
+        [
+            BadMagic,
+            Version,
+            WorldSize,
+            RankOutOfRange,
+            DuplicateRank,
+            SecretConfig,
+            WrongSecret,
+            WrongJob,
+            Protocol,
+            Abort,
+        ]
+        .into_iter()
+        .find(|r| *r as u32 == c)
+    }
+}
+
+/// The server's answer to a [`Hello`], and its final verdict after the proof.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// `None` to go on; otherwise why the connection is refused.
+    pub refusal: Option<Refusal>,
+    /// The server's nonce.
+    pub nonce: [u8; NONCE_LEN],
+    /// The server's proof of the shared secret (zeros without one).
+    pub proof: [u8; NONCE_LEN],
+    /// A human-readable reason for a refusal.
+    pub reason: String,
+}
+
+fn put_reason(dst: &mut [u8], reason: &str) {
+    // Cut at a character boundary so that the text stays valid UTF-8.
+    let mut n = reason.len().min(REASON_LEN);
+    while !reason.is_char_boundary(n) {
+        n -= 1;
+    }
+    dst[..2].copy_from_slice(&(n as u16).to_le_bytes());
+    dst[2..2 + n].copy_from_slice(&reason.as_bytes()[..n]);
+}
+
+fn get_reason(src: &[u8]) -> Result<String, DecodeError> {
+    let n = u16_at(src, 0) as usize;
+    if n > REASON_LEN {
+        return Err(DecodeError::BadField("reason length", n as u64));
+    }
+    Ok(String::from_utf8_lossy(&src[2..2 + n]).into_owned())
+}
+
+impl Reply {
+    /// An acceptance carrying the server's nonce and proof.
+    pub fn accept(nonce: [u8; NONCE_LEN], proof: [u8; NONCE_LEN]) -> Reply {
+        Reply {
+            refusal: None,
+            nonce,
+            proof,
+            reason: String::new(),
+        }
+    }
+
+    /// A refusal.
+    pub fn refuse(why: Refusal, reason: impl Into<String>) -> Reply {
+        Reply {
+            refusal: Some(why),
+            nonce: [0; NONCE_LEN],
+            proof: [0; NONCE_LEN],
+            reason: reason.into(),
+        }
+    }
+
+    /// Encodes the message.
+    pub fn encode(&self) -> [u8; REPLY_LEN] {
+        let mut b = [0u8; REPLY_LEN];
+        b[..8].copy_from_slice(&MAGIC);
+        b[8..12].copy_from_slice(&self.refusal.map_or(0, |r| r as u32).to_le_bytes());
+        b[12..44].copy_from_slice(&self.nonce);
+        b[44..76].copy_from_slice(&self.proof);
+        put_reason(&mut b[76..], &self.reason);
+        b
+    }
+
+    /// Decodes the message.
+    pub fn decode(buf: &[u8]) -> Result<Reply, DecodeError> {
+        check_magic(buf)?;
+        need(buf, REPLY_LEN)?;
+        let code = u32_at(buf, 8);
+        let refusal = match code {
+            0 => None,
+            c => {
+                Some(Refusal::from_code(c).ok_or(DecodeError::BadField("refusal code", c.into()))?)
+            }
+        };
+        Ok(Reply {
+            refusal,
+            nonce: buf[12..44].try_into().expect("32 bytes"),
+            proof: buf[44..76].try_into().expect("32 bytes"),
+            reason: get_reason(&buf[76..])?,
+        })
+    }
+}
+
+/// Init progress between rank 0 and the others, after the table: `Ready` from each rank once
+/// its mesh is complete, then `Go` (or `Failed` with the reason) from rank 0 to all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// The sender's connections are all up.
+    Ready,
+    /// Everyone is ready: the job has formed.
+    Go,
+    /// The sender could not finish; the job fails.
+    Failed(String),
+}
+
+impl Status {
+    /// Encodes the message; `rank` is the sender's.
+    pub fn encode(&self, rank: u32) -> [u8; STATUS_LEN] {
+        let mut b = [0u8; STATUS_LEN];
+        let (code, reason) = match self {
+            Status::Ready => (1u32, ""),
+            Status::Go => (2, ""),
+            Status::Failed(r) => (3, r.as_str()),
+        };
+        b[..4].copy_from_slice(&code.to_le_bytes());
+        b[4..8].copy_from_slice(&rank.to_le_bytes());
+        put_reason(&mut b[8..], reason);
+        b
+    }
+
+    /// Decodes the message into the sender's rank and the status.
+    pub fn decode(buf: &[u8]) -> Result<(u32, Status), DecodeError> {
+        need(buf, STATUS_LEN)?;
+        let rank = u32_at(buf, 4);
+        let s = match u32_at(buf, 0) {
+            1 => Status::Ready,
+            2 => Status::Go,
+            3 => Status::Failed(get_reason(&buf[8..])?),
+            c => return Err(DecodeError::BadField("status code", c.into())),
+        };
+        Ok((rank, s))
+    }
+}
+
+/// Encodes the rendezvous table rank 0 sends each rank: the job id and every rank's listener.
+pub fn encode_table(job_id: u64, addrs: &[std::net::SocketAddr]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(TABLE_HEAD_LEN + addrs.len() * TABLE_ENTRY_LEN);
+    b.extend_from_slice(&MAGIC);
+    b.extend_from_slice(&job_id.to_le_bytes());
+    b.extend_from_slice(&(addrs.len() as u32).to_le_bytes());
+    for a in addrs {
+        let (family, ip) = match a.ip() {
+            std::net::IpAddr::V4(v4) => (4u8, v4.to_ipv6_mapped().octets()),
+            std::net::IpAddr::V6(v6) => (6u8, v6.octets()),
+        };
+        b.push(family);
+        b.extend_from_slice(&a.port().to_le_bytes());
+        b.extend_from_slice(&ip);
+    }
+    b
+}
+
+/// Decodes the table's fixed part: the job id and the number of entries that follow.
+pub fn decode_table_head(buf: &[u8]) -> Result<(u64, u32), DecodeError> {
+    check_magic(buf)?;
+    need(buf, TABLE_HEAD_LEN)?;
+    Ok((u64_at(buf, 8), u32_at(buf, 16)))
+}
+
+/// Decodes the table's entries.
+pub fn decode_table_entries(
+    buf: &[u8],
+    n: usize,
+) -> Result<Vec<std::net::SocketAddr>, DecodeError> {
+    need(buf, n * TABLE_ENTRY_LEN)?;
+    buf.chunks_exact(TABLE_ENTRY_LEN)
+        .take(n)
+        .map(|e| {
+            let port = u16_at(e, 1);
+            let ip = std::net::Ipv6Addr::from(<[u8; 16]>::try_from(&e[3..19]).expect("16 bytes"));
+            match e[0] {
+                4 => ip
+                    .to_ipv4_mapped()
+                    .map(|v4| std::net::SocketAddr::from((v4, port)))
+                    .ok_or(DecodeError::BadField("ipv4 address", 0)),
+                6 => Ok(std::net::SocketAddr::from((ip, port))),
+                f => Err(DecodeError::BadField("address family", f.into())),
+            }
+        })
+        .collect()
+}
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum FrameKind {
+    /// A message for a receiver.
+    Data = 1,
+    /// The sender's collective failed; the payload is its error text.
+    Abort = 2,
+}
+
+/// The header in front of every message after the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the frame carries.
+    pub kind: FrameKind,
+    /// The message's tag ([`dist_core::Tag::to_wire`]).
+    pub tag: u64,
+    /// Payload length in bytes.
+    pub len: u64,
+    /// Sixteen bytes for the layer above: the collectives put their call descriptor here.
+    pub meta: [u8; 16],
+}
+
+/// A malformed frame header: the stream can no longer be trusted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// An unknown kind.
+    Kind(u32),
+    /// Reserved flag bits set.
+    Flags(u32),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Kind(k) => write!(f, "unknown frame kind {k}"),
+            FrameError::Flags(x) => write!(f, "reserved frame flags {x:#x} set"),
+        }
+    }
+}
+
+impl FrameHeader {
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
+        let mut b = [0u8; FRAME_HEADER_LEN];
+        b[..4].copy_from_slice(&(self.kind as u32).to_le_bytes());
+        b[8..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b[24..40].copy_from_slice(&self.meta);
+        b
+    }
+
+    /// Decodes a header.
+    pub fn decode(b: &[u8; FRAME_HEADER_LEN]) -> Result<FrameHeader, FrameError> {
+        let kind = match u32_at(b, 0) {
+            1 => FrameKind::Data,
+            2 => FrameKind::Abort,
+            k => return Err(FrameError::Kind(k)),
+        };
+        let flags = u32_at(b, 4);
+        if flags != 0 {
+            return Err(FrameError::Flags(flags));
+        }
+        Ok(FrameHeader {
+            kind,
+            tag: u64_at(b, 8),
+            len: u64_at(b, 16),
+            meta: b[24..40].try_into().expect("16 bytes"),
+        })
+    }
+}
+
+/// Which side of the handshake computes a proof.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The connecting rank.
+    Client,
+    /// The accepting rank.
+    Server,
+}
+
+fn keyed(secret: &[u8], side: Side, hello: &Hello, server_nonce: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(match side {
+        Side::Client => b"dist/tcp client proof v1",
+        Side::Server => b"dist/tcp server proof v1",
+    });
+    mac.update(&hello.nonce);
+    mac.update(server_nonce);
+    mac.update(&[hello.purpose as u8]);
+    mac.update(&hello.rank.to_le_bytes());
+    mac.update(&hello.world_size.to_le_bytes());
+    mac.update(&hello.job_id.to_le_bytes());
+    mac
+}
+
+/// The HMAC-SHA256 proof that `side` knows `secret`, bound to both nonces and to the claimed
+/// rank, world size, purpose and job, so it cannot be replayed on another connection or for
+/// another rank. The secret itself never crosses the wire.
+pub fn proof(secret: &[u8], side: Side, hello: &Hello, server_nonce: &[u8; NONCE_LEN]) -> [u8; 32] {
+    keyed(secret, side, hello, server_nonce)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Checks a proof in constant time.
+pub fn verify_proof(
+    secret: &[u8],
+    side: Side,
+    hello: &Hello,
+    server_nonce: &[u8; NONCE_LEN],
+    got: &[u8; NONCE_LEN],
+) -> bool {
+    keyed(secret, side, hello, server_nonce)
+        .verify_slice(got)
+        .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello() -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            purpose: Purpose::Mesh,
+            has_secret: true,
+            world_size: 5,
+            rank: 3,
+            listen_port: 29_501,
+            job_id: 0xdead_beef,
+            nonce: [7; NONCE_LEN],
+        }
+    }
+
+    #[test]
+    fn hello_round_trips_and_rejects_truncation_and_garbage() {
+        let h = hello();
+        let b = h.encode();
+        assert_eq!(Hello::decode(&b), Ok(h));
+        for n in 0..HELLO_LEN {
+            assert!(Hello::decode(&b[..n]).is_err(), "decoded {n} bytes");
+        }
+        // A longer buffer decodes the first HELLO_LEN bytes only.
+        let mut long = b.to_vec();
+        long.extend_from_slice(&[0xff; 1000]);
+        assert_eq!(Hello::decode(&long), Ok(h));
+        let http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0";
+        assert!(matches!(Hello::decode(http), Err(DecodeError::BadMagic(_))));
+        let mut bad = b;
+        bad[10] = 9;
+        assert_eq!(
+            Hello::decode(&bad),
+            Err(DecodeError::BadField("purpose", 9))
+        );
+        bad = b;
+        bad[11] = 2;
+        assert_eq!(Hello::decode(&bad), Err(DecodeError::BadField("flags", 2)));
+    }
+
+    #[test]
+    fn reply_and_status_round_trip_and_cut_long_reasons() {
+        let r = Reply::refuse(Refusal::DuplicateRank, "rank 3 already joined");
+        assert_eq!(Reply::decode(&r.encode()), Ok(r));
+        let a = Reply::accept([1; NONCE_LEN], [2; NONCE_LEN]);
+        assert_eq!(Reply::decode(&a.encode()), Ok(a));
+        let long = "é".repeat(200);
+        let d = Reply::decode(&Reply::refuse(Refusal::Protocol, long).encode()).unwrap();
+        assert!(d.reason.len() <= REASON_LEN && d.reason.chars().all(|c| c == 'é'));
+        let mut bad = r.encode();
+        bad[8] = 99;
+        assert!(Reply::decode(&bad).is_err());
+        bad = r.encode();
+        bad[76] = 0xff; // reason length 255 > REASON_LEN
+        assert!(Reply::decode(&bad).is_err());
+        for s in [
+            Status::Ready,
+            Status::Go,
+            Status::Failed("rank 2: refused".into()),
+        ] {
+            assert_eq!(Status::decode(&s.encode(4)), Ok((4, s)));
+        }
+        assert!(Status::decode(&[0u8; STATUS_LEN]).is_err());
+        assert!(Status::decode(&[1u8; 3]).is_err());
+    }
+
+    #[test]
+    fn table_round_trips_v4_and_v6() {
+        let addrs: Vec<std::net::SocketAddr> = vec![
+            "127.0.0.1:29500".parse().unwrap(),
+            "[::1]:40000".parse().unwrap(),
+            "10.1.2.3:1".parse().unwrap(),
+        ];
+        let b = encode_table(42, &addrs);
+        let (job, n) = decode_table_head(&b).unwrap();
+        assert_eq!((job, n), (42, 3));
+        assert_eq!(
+            decode_table_entries(&b[TABLE_HEAD_LEN..], 3).unwrap(),
+            addrs
+        );
+        assert!(decode_table_entries(&b[TABLE_HEAD_LEN..b.len() - 1], 3).is_err());
+        assert!(decode_table_head(&b[..10]).is_err());
+    }
+
+    #[test]
+    fn frame_header_round_trips_and_rejects_unknown_kinds() {
+        let h = FrameHeader {
+            kind: FrameKind::Data,
+            tag: u64::MAX,
+            len: 1 << 40,
+            meta: [3; 16],
+        };
+        assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+        let mut b = h.encode();
+        b[0] = 77;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::Kind(77)));
+        b = h.encode();
+        b[5] = 1;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::Flags(0x100)));
+    }
+
+    #[test]
+    fn proofs_bind_secret_side_and_claim() {
+        let h = hello();
+        let sn = [9; NONCE_LEN];
+        let p = proof(b"s3cret", Side::Client, &h, &sn);
+        assert!(verify_proof(b"s3cret", Side::Client, &h, &sn, &p));
+        assert!(!verify_proof(b"other", Side::Client, &h, &sn, &p));
+        assert!(!verify_proof(b"s3cret", Side::Server, &h, &sn, &p));
+        let mut h2 = h;
+        h2.rank = 4;
+        assert!(!verify_proof(b"s3cret", Side::Client, &h2, &sn, &p));
+        assert!(!verify_proof(
+            b"s3cret",
+            Side::Client,
+            &h,
+            &[8; NONCE_LEN],
+            &p
+        ));
+    }
+}
