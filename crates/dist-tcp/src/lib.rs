@@ -187,6 +187,13 @@ impl TcpBackend {
         })
     }
 
+    /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
+    /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
+    /// fit).
+    pub fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
+        self.shared.peers.get(src)?.peek(tag.to_wire())
+    }
+
     /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
     /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early.
     pub fn broadcast_abort(&self, tag: Tag, reason: &str) {

@@ -551,7 +551,7 @@ mod tests {
     #[test]
     fn reply_and_status_round_trip_and_cut_long_reasons() {
         let r = Reply::refuse(Refusal::DuplicateRank, "rank 3 already joined");
-        assert_eq!(Reply::decode(&r.encode()), Ok(r));
+        assert_eq!(Reply::decode(&r.encode()), Ok(r.clone()));
         let a = Reply::accept([1; NONCE_LEN], [2; NONCE_LEN]);
         assert_eq!(Reply::decode(&a.encode()), Ok(a));
         let long = "é".repeat(200);

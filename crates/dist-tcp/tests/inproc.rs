@@ -1,0 +1,247 @@
+//! In-process tests of the TCP backend: ranks as threads of one test, on loopback.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dist_core::{Backend, DistError, Tag};
+use dist_tcp::wire::{self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Reply};
+use dist_tcp::{TcpBackend, TcpConfig};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
+    TcpBackend::builder(rank, world, format!("127.0.0.1:{port}"))
+        .init_timeout(Duration::from_secs(20))
+        .timeout(Duration::from_secs(20))
+        .linger(Duration::from_secs(5))
+}
+
+/// Runs `f` on every rank of a fresh job, each in its own thread, and returns their results.
+fn job<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(TcpBackend) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let port = free_port();
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            let f = f.clone();
+            thread::spawn(move || f(TcpBackend::with_config(cfg(r, world, port)).unwrap()))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn ring_messages_self_sends_and_barrier() {
+    let out = job(3, |b| {
+        let (me, n) = (b.rank(), b.world_size());
+        b.send(&[me as u8; 5], (me + 1) % n).unwrap();
+        b.send_tagged(b"self", me, Tag::user(9)).unwrap();
+        let mut buf = [0u8; 5];
+        b.recv(&mut buf, (me + n - 1) % n).unwrap();
+        let mut own = [0u8; 4];
+        b.recv_tagged(&mut own, me, Tag::user(9)).unwrap();
+        assert_eq!(&own, b"self");
+        for _ in 0..50 {
+            b.barrier().unwrap();
+        }
+        buf[0]
+    });
+    assert_eq!(out, vec![2, 0, 1]);
+}
+
+#[test]
+fn size_mismatch_keeps_the_message_and_the_connection() {
+    job(2, |b| {
+        if b.rank() == 0 {
+            b.send(&[7u8; 16], 1).unwrap();
+            b.send(&[8u8; 4], 1).unwrap();
+        } else {
+            let mut small = [0u8; 8];
+            let e = b.recv(&mut small, 0).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    DistError::SizeMismatch {
+                        rank: 1,
+                        peer: 0,
+                        expected: 8,
+                        got: 16,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert_eq!(small, [0u8; 8], "the buffer was written");
+            let mut right = [0u8; 16];
+            b.recv(&mut right, 0).unwrap();
+            assert_eq!(right, [7u8; 16]);
+            let mut next = [0u8; 4];
+            b.recv(&mut next, 0).unwrap();
+            assert_eq!(next, [8u8; 4]);
+        }
+        b.barrier().unwrap();
+    });
+}
+
+#[test]
+fn invalid_ranks_are_errors() {
+    job(2, |b| {
+        let e = b.send(&[1], 2).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("rank 2 is out of range for world size 2"),
+            "{e}"
+        );
+        let e = b.recv(&mut [0], 5).unwrap_err();
+        assert!(matches!(e, DistError::InvalidRank { given: 5, .. }), "{e}");
+    });
+    let e = TcpBackend::new(3, 3, "127.0.0.1:1").unwrap_err();
+    assert!(matches!(e, DistError::InvalidRank { given: 3, .. }), "{e}");
+}
+
+#[test]
+fn rendezvous_timeout_names_the_missing_ranks() {
+    let port = free_port();
+    let t = thread::spawn(move || {
+        TcpBackend::with_config(cfg(1, 4, port).init_timeout(Duration::from_secs(2)))
+    });
+    let e =
+        TcpBackend::with_config(cfg(0, 4, port).init_timeout(Duration::from_secs(1))).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(&e, DistError::RendezvousFailed { joined: 2, missing, .. } if missing == &vec![2, 3]),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("2 of 4 ranks joined, missing ranks [2, 3]"),
+        "{msg}"
+    );
+    assert!(t.join().unwrap().is_err());
+}
+
+fn raw_hello(rank: u32, world: u32) -> Hello {
+    Hello {
+        version: PROTOCOL_VERSION,
+        purpose: Purpose::Rendezvous,
+        has_secret: false,
+        world_size: world,
+        rank,
+        listen_port: 1,
+        job_id: 0,
+        nonce: [1; NONCE_LEN],
+    }
+}
+
+fn connect(port: u16) -> TcpStream {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => {
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                return s;
+            }
+            // Rank 0 has not bound its port yet.
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("cannot connect: {e}"),
+        }
+    }
+}
+
+fn read_reply(s: &mut TcpStream) -> Reply {
+    let mut b = [0u8; REPLY_LEN];
+    s.read_exact(&mut b).unwrap();
+    Reply::decode(&b).unwrap()
+}
+
+/// A client that completes the handshake by hand as `rank`, claiming a slot.
+fn claim(port: u16, rank: u32, world: u32) -> (TcpStream, Reply) {
+    let mut s = connect(port);
+    s.write_all(&raw_hello(rank, world).encode()).unwrap();
+    let r = read_reply(&mut s);
+    if r.refusal.is_some() {
+        return (s, r);
+    }
+    s.write_all(&[0; NONCE_LEN]).unwrap();
+    let v = read_reply(&mut s);
+    (s, v)
+}
+
+#[test]
+fn a_duplicate_rank_is_refused_and_told_why() {
+    let port = free_port();
+    let root = thread::spawn(move || {
+        TcpBackend::with_config(cfg(0, 3, port).init_timeout(Duration::from_secs(3)))
+    });
+    let (_first, ok) = claim(port, 1, 3);
+    assert_eq!(ok.refusal, None, "{}", ok.reason);
+    let (_second, refused) = claim(port, 1, 3);
+    assert_eq!(refused.refusal, Some(wire::Refusal::DuplicateRank));
+    assert!(
+        refused.reason.contains("duplicate rank 1"),
+        "{}",
+        refused.reason
+    );
+    let (_, wrong_world) = claim(port, 2, 5);
+    assert_eq!(wrong_world.refusal, Some(wire::Refusal::WorldSize));
+    assert!(
+        wrong_world
+            .reason
+            .contains("world size 5 does not match rank 0's 3"),
+        "{}",
+        wrong_world.reason
+    );
+    // Rank 2 never comes: rank 0 names it.
+    let e = root.join().unwrap().unwrap_err();
+    assert!(e.to_string().contains("missing ranks [2]"), "{e}");
+}
+
+#[test]
+fn wrong_secret_is_refused_on_both_sides_and_right_one_joins() {
+    let port = free_port();
+    let root = thread::spawn(move || {
+        TcpBackend::with_config(cfg(0, 2, port).secret("right")).map(|b| b.rank())
+    });
+    let e = TcpBackend::with_config(cfg(1, 2, port).secret("wrong")).unwrap_err();
+    assert!(
+        matches!(&e, DistError::HandshakeRefused { .. })
+            && e.to_string().contains("failed to prove the shared secret"),
+        "{e}"
+    );
+    let e = TcpBackend::with_config(cfg(1, 2, port)).unwrap_err();
+    assert!(e.to_string().contains("requires a shared secret"), "{e}");
+    let b = TcpBackend::with_config(cfg(1, 2, port).secret("right")).unwrap();
+    assert_eq!(root.join().unwrap().unwrap(), 0);
+    drop(b);
+}
+
+#[test]
+fn timeout_names_the_silent_peer() {
+    job(2, |b| {
+        let t = Instant::now();
+        let e = b
+            .recv_timeout(&mut [0u8; 4], 1 - b.rank(), Duration::from_millis(300))
+            .unwrap_err();
+        let waited = t.elapsed();
+        assert!(
+            matches!(e, DistError::Timeout { peer, .. } if peer == 1 - b.rank()),
+            "{e}"
+        );
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_millis(800),
+            "{waited:?}"
+        );
+        b.barrier().unwrap();
+    });
+}
