@@ -1,1 +1,113 @@
-fn main() {}
+//! `cargo xtask`: the project's own tooling. `test-multirank` launches the multi-process tests,
+//! `demo` runs the main job for a new user, `test` runs every test.
+
+mod launch;
+mod multirank;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "dist's project tooling")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Launch the multi-rank test programs for several world sizes.
+    TestMultirank(multirank::Args),
+    /// Four local ranks exchange messages, verify them, and print latency and bandwidth.
+    Demo {
+        /// Number of ranks.
+        #[arg(short = 'n', long, default_value_t = 4)]
+        ranks: usize,
+    },
+    /// Every test: formatting, clippy, unit tests and the multi-rank tests.
+    Test,
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Where cargo puts release binaries.
+pub fn release_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+        .join("release")
+}
+
+/// Runs `cargo ARGS` in the workspace root and fails if it fails.
+pub fn cargo(args: &[&str]) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("$ cargo {}", args.join(" "));
+    let status = Command::new(cargo)
+        .args(args)
+        .current_dir(root())
+        .status()
+        .context("run cargo")?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::TestMultirank(args) => multirank::run(&args),
+        Cmd::Demo { ranks } => demo(ranks),
+        Cmd::Test => test(),
+    }
+}
+
+fn demo(ranks: usize) -> Result<()> {
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-multirank",
+        "--bin",
+        "dist-demo",
+    ])?;
+    let job = launch::Job {
+        program: release_dir().join("dist-demo"),
+        args: Vec::new(),
+        world: ranks,
+        timeout: std::time::Duration::from_secs(300),
+        label: String::new(),
+        env: Vec::new(),
+        plain_rank0: true,
+    };
+    match launch::run(&job)? {
+        launch::Outcome::Passed => Ok(()),
+        launch::Outcome::Failed(why) => bail!("demo failed: {why}"),
+    }
+}
+
+fn test() -> Result<()> {
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&["test", "--workspace"])?;
+    multirank::run(&multirank::Args {
+        world_sizes: vec![2, 3, 4, 5, 8],
+        ..multirank::Args::default()
+    })
+}

@@ -365,24 +365,28 @@ fn client_handshake(
     if reply.refusal.is_some() {
         return Err(refused(reply.reason));
     }
-    let proof = match secret {
-        Some(s) => {
-            if !wire::verify_proof(s, Side::Server, hello, &reply.nonce, &reply.proof) {
-                return Err(refused(
-                    "the other side failed to prove the shared secret".into(),
-                ));
-            }
-            wire::proof(s, Side::Client, hello, &reply.nonce)
-        }
-        None => [0; NONCE_LEN],
+    // Send our proof even when the other side's is wrong, so that it can judge ours and both
+    // sides report the mismatch.
+    let (proof, peer_proved) = match secret {
+        Some(s) => (
+            wire::proof(s, Side::Client, hello, &reply.nonce),
+            wire::verify_proof(s, Side::Server, hello, &reply.nonce, &reply.proof),
+        ),
+        None => ([0; NONCE_LEN], true),
     };
     write_by(stream, &proof, deadline).map_err(io("send proof"))?;
-    read_exact_by(stream, &mut buf, deadline).map_err(io("read verdict"))?;
-    let verdict = Reply::decode(&buf).map_err(|e| refused(format!("malformed verdict: {e}")))?;
-    if verdict.refusal.is_some() {
-        return Err(refused(verdict.reason));
+    let verdict = read_exact_by(stream, &mut buf, deadline)
+        .map_err(|e| e.to_string())
+        .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
+    match verdict {
+        Ok(v) if v.refusal.is_some() => Err(refused(v.reason)),
+        _ if !peer_proved => Err(refused(
+            "the other side failed to prove the shared secret: the ranks have different secrets"
+                .into(),
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => Err(refused(format!("no verdict: {e}"))),
     }
-    Ok(())
 }
 
 /// Connects to `addr`, retrying with backoff until `deadline`.

@@ -5,13 +5,21 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, Read};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use dist_core::{DistError, Result, Tag};
 
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
+
+/// Messages at least this long wait up to [`GRACE`] for a receive before being queued.
+const GRACE_MIN_LEN: usize = 64 << 10;
+/// How long a large message waits for its receive to be posted.
+const GRACE: Duration = Duration::from_millis(5);
+
+/// How long a receiver spins for its message before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
 
 /// Sixteen bytes the layer above attaches to a message (see [`FrameHeader::meta`]).
 pub(crate) type Meta = [u8; 16];
@@ -53,6 +61,8 @@ struct State {
     posted: VecDeque<Posted>,
     queued: HashMap<u64, VecDeque<Queued>>,
     next_id: u64,
+    /// Threads blocked on the condition variable; nobody is notified when there are none.
+    sleepers: usize,
 }
 
 // SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
@@ -141,6 +151,8 @@ pub(crate) struct Peer {
     stream: Option<TcpStream>,
     state: Mutex<State>,
     cond: Condvar,
+    /// Bumped whenever a receive completes, for waiters that spin before they sleep.
+    events: AtomicU64,
     aborts: Arc<Aborts>,
 }
 
@@ -215,8 +227,10 @@ impl Peer {
                 posted: VecDeque::new(),
                 queued: HashMap::new(),
                 next_id: 0,
+                sleepers: 0,
             }),
             cond: Condvar::new(),
+            events: AtomicU64::new(0),
             aborts,
         })
     }
@@ -233,8 +247,10 @@ impl Peer {
                 posted: VecDeque::new(),
                 queued: HashMap::new(),
                 next_id: 0,
+                sleepers: 0,
             }),
             cond: Condvar::new(),
+            events: AtomicU64::new(0),
             aborts,
         }
     }
@@ -242,6 +258,34 @@ impl Peer {
     /// A second handle on the socket for the reader thread.
     pub(crate) fn reader_stream(&self) -> Option<std::io::Result<TcpStream>> {
         self.stream.as_ref().map(TcpStream::try_clone)
+    }
+
+    /// Blocks on the condition variable (at most `limit`), counted in `sleepers`.
+    fn sleep<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        limit: Option<Duration>,
+    ) -> MutexGuard<'a, State> {
+        st.sleepers += 1;
+        let mut st = match limit {
+            Some(d) => {
+                self.cond
+                    .wait_timeout(st, d)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+            None => self.cond.wait(st).unwrap_or_else(|p| p.into_inner()),
+        };
+        st.sleepers -= 1;
+        st
+    }
+
+    /// Wakes the threads blocked on the condition variable, if any, and any spinning waiter.
+    fn notify(&self, st: &State) {
+        self.events.fetch_add(1, Ordering::Release);
+        if st.sleepers > 0 {
+            self.cond.notify_all();
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -357,7 +401,7 @@ impl Peer {
                 .or_default()
                 .push_back(Queued { data, meta });
         }
-        self.cond.notify_all();
+        self.notify(&st);
     }
 
     /// Receives the next message on `tag` into `buf` by `deadline`; returns its meta.
@@ -414,6 +458,10 @@ impl Peer {
             len,
             slot: Slot::Open,
         });
+        // The reader may be holding a large message back for a receive like this one.
+        if st.sleepers > 0 {
+            self.cond.notify_all();
+        }
         drop(st);
         // From here the reader may write into `buf`: the guard withdraws the receive (waiting out
         // a fill in progress) on every way out, unwinding included, before `buf` is released.
@@ -439,6 +487,7 @@ impl Peer {
     ) -> Result<Meta> {
         let mut st = self.lock();
         let mut timed_out = false;
+        let mut spun = false;
         loop {
             let i = st
                 .posted
@@ -467,6 +516,19 @@ impl Peer {
                 st.posted.remove(i);
                 return Err(self.aborts.error(self.me, op()));
             }
+            if !spun {
+                // Spin briefly before sleeping: a reply that comes within microseconds is then
+                // picked up without the reader thread having to wake this one.
+                spun = true;
+                let seen = self.events.load(Ordering::Acquire);
+                drop(st);
+                let until = Instant::now() + SPIN;
+                while self.events.load(Ordering::Acquire) == seen && Instant::now() < until {
+                    std::thread::yield_now();
+                }
+                st = self.lock();
+                continue;
+            }
             let now = Instant::now();
             if !timed_out && now >= deadline {
                 if open {
@@ -476,14 +538,10 @@ impl Peer {
                 timed_out = true;
                 self.cut_stalled();
             }
-            st = if timed_out {
-                self.cond.wait(st).unwrap_or_else(|p| p.into_inner())
-            } else {
-                self.cond
-                    .wait_timeout(st, deadline.saturating_duration_since(now))
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0
-            };
+            st = self.sleep(
+                st,
+                (!timed_out).then(|| deadline.saturating_duration_since(now)),
+            );
         }
     }
 
@@ -519,14 +577,7 @@ impl Peer {
                 cut = true;
                 self.cut_stalled();
             }
-            st = if cut {
-                self.cond.wait(st).unwrap_or_else(|p| p.into_inner())
-            } else {
-                self.cond
-                    .wait_timeout(st, deadline.saturating_duration_since(now))
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0
-            };
+            st = self.sleep(st, (!cut).then(|| deadline.saturating_duration_since(now)));
         }
     }
 
@@ -550,8 +601,8 @@ impl Peer {
 
     /// Wakes every waiter so that it rechecks the abort flag.
     pub(crate) fn wake(&self) {
-        let _st = self.lock();
-        self.cond.notify_all();
+        let st = self.lock();
+        self.notify(&st);
     }
 
     /// Waits until the reader has seen the connection end, or `deadline`. True if it has.
@@ -565,11 +616,7 @@ impl Peer {
             if left.is_zero() {
                 return false;
             }
-            st = self
-                .cond
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            st = self.sleep(st, Some(left));
         }
         true
     }
@@ -595,7 +642,7 @@ impl Peer {
                 p.slot = Slot::Done(Outcome::Gone(cause.clone()));
             }
         }
-        self.cond.notify_all();
+        self.notify(&st);
     }
 
     /// Shuts the socket down in both directions (on drop, or to break a hung connection).
@@ -606,7 +653,10 @@ impl Peer {
     }
 
     /// The reader thread's body: runs until the connection ends, then fails all waiters.
-    pub(crate) fn read_loop(&self, mut stream: TcpStream, on_abort: AbortSink) {
+    pub(crate) fn read_loop(&self, stream: TcpStream, on_abort: AbortSink) {
+        // Buffered, so that a small message's header and payload take one system call; reads of
+        // large payloads bypass the buffer and land in the receiver's memory directly.
+        let mut stream = std::io::BufReader::with_capacity(64 << 10, stream);
         let cause = match self.read_frames(&mut stream, &on_abort) {
             Ok(()) => "connection closed by peer".to_string(),
             Err(e) => e,
@@ -617,7 +667,7 @@ impl Peer {
 
     fn read_frames(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut impl Read,
         on_abort: &AbortSink,
     ) -> std::result::Result<(), String> {
         let mut hdr = [0u8; FRAME_HEADER_LEN];
@@ -655,12 +705,31 @@ impl Peer {
     /// Lands one payload: into a posted buffer of the right size, else into the queue.
     fn land(
         &self,
-        stream: &mut TcpStream,
+        stream: &mut impl Read,
         tag: u64,
         len: usize,
         meta: Meta,
     ) -> std::result::Result<(), String> {
         let mut st = self.lock();
+        let open = |st: &State| {
+            st.posted
+                .iter()
+                .any(|p| p.tag == tag && matches!(p.slot, Slot::Open))
+        };
+        if len >= GRACE_MIN_LEN && !open(&st) {
+            // A large message nobody waits for yet. Streaming receivers post their next buffer
+            // a moment after the last one filled: give them that moment, so the payload lands
+            // in place instead of in a fresh allocation and a second copy. Correctness does not
+            // depend on it; after the grace period the message is queued as usual.
+            let until = Instant::now() + GRACE;
+            while !open(&st) {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                st = self.sleep(st, Some(left));
+            }
+        }
         let target = st
             .posted
             .iter_mut()
@@ -687,7 +756,7 @@ impl Peer {
                         }
                     });
                 }
-                self.cond.notify_all();
+                self.notify(&st);
                 r.map_err(|e| format!("connection lost mid-message: {}", describe(&e)))
             }
             _ => {
@@ -735,7 +804,7 @@ fn describe(e: &std::io::Error) -> String {
 }
 
 /// Reads until `buf` is full or the stream ends; returns how much was read.
-fn read_full(stream: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+fn read_full(stream: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
         match stream.read(&mut buf[n..]) {
@@ -748,7 +817,7 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
-fn skip(stream: &mut TcpStream, mut n: usize) -> std::io::Result<()> {
+fn skip(stream: &mut impl Read, mut n: usize) -> std::io::Result<()> {
     let mut scratch = [0u8; 4096];
     while n > 0 {
         let k = n.min(scratch.len());

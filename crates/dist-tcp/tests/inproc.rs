@@ -216,7 +216,7 @@ fn wrong_secret_is_refused_on_both_sides_and_right_one_joins() {
     let e = TcpBackend::with_config(cfg(1, 2, port).secret("wrong")).unwrap_err();
     assert!(
         matches!(&e, DistError::HandshakeRefused { .. })
-            && e.to_string().contains("failed to prove the shared secret"),
+            && e.to_string().contains("wrong shared secret from rank 1"),
         "{e}"
     );
     let e = TcpBackend::with_config(cfg(1, 2, port)).unwrap_err();

@@ -1,0 +1,148 @@
+//! Point-to-point benchmark between ranks 0 and 1, beside a plain socket pair measured in the
+//! same run: median one-way latency of small messages (ping-pong), and streaming throughput of
+//! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`.
+
+// A binary crate: `pub` in its modules means "used by main", nothing is exported.
+#![allow(unreachable_pub)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use dist_core::{Backend, Tag};
+
+const LAT_ITERS: usize = 10_000;
+const STREAM_BYTES: usize = 64 << 20;
+const STREAM_MSGS: usize = 48;
+const ROUNDS: usize = 5;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Ping-pong `iters` times; returns each round trip's time.
+fn pingpong(iters: usize, mut one: impl FnMut()) -> Vec<f64> {
+    for _ in 0..1000 {
+        one();
+    }
+    (0..iters)
+        .map(|_| {
+            let t = Instant::now();
+            one();
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+fn main() {
+    common::init_logging();
+    let cfg = common::config();
+    let (me, n) = (cfg.rank(), cfg.world_size());
+    assert!(n == 2, "run with exactly 2 ranks");
+    let port: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
+    // The plain pair: rank 1 listens on MASTER_PORT + 1, rank 0 connects.
+    let mut plain = if me == 1 {
+        let l = TcpListener::bind(("127.0.0.1", port + 1)).expect("bind the plain pair's port");
+        l.accept().unwrap().0
+    } else {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match TcpStream::connect(("127.0.0.1", port + 1)) {
+                Ok(s) => break s,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "plain pair: {e}");
+                    // Rank 1 may not be listening yet: retry.
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+    };
+    plain.set_nodelay(true).unwrap();
+    let b = common::join();
+    let peer = 1 - me;
+    let tag = Tag::user(1);
+    let mut small = [0u8; 8];
+    let mut results = Vec::new();
+    for round in 0..ROUNDS {
+        // Latency, plain pair then dist.
+        let p = pingpong(LAT_ITERS, || {
+            if me == 0 {
+                plain.write_all(&small).unwrap();
+                plain.read_exact(&mut small).unwrap();
+            } else {
+                plain.read_exact(&mut small).unwrap();
+                plain.write_all(&small).unwrap();
+            }
+        });
+        let d = pingpong(LAT_ITERS, || {
+            if me == 0 {
+                b.send_tagged(&small, peer, tag).unwrap();
+                b.recv_tagged(&mut small, peer, tag).unwrap();
+            } else {
+                b.recv_tagged(&mut small, peer, tag).unwrap();
+                b.send_tagged(&small, peer, tag).unwrap();
+            }
+        });
+        let (lat_plain, lat_dist) = (median(p) / 2.0, median(d) / 2.0);
+        // Throughput, plain pair then dist.
+        let mut big = vec![1u8; STREAM_BYTES];
+        let mut ack = [0u8; 1];
+        let t = Instant::now();
+        for _ in 0..STREAM_MSGS {
+            if me == 0 {
+                plain.write_all(&big).unwrap();
+            } else {
+                plain.read_exact(&mut big).unwrap();
+            }
+        }
+        if me == 0 {
+            plain.read_exact(&mut ack).unwrap();
+        } else {
+            plain.write_all(&ack).unwrap();
+        }
+        let bw_plain = (STREAM_BYTES * STREAM_MSGS) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        let t = Instant::now();
+        for _ in 0..STREAM_MSGS {
+            if me == 0 {
+                b.send_tagged(&big, peer, tag).unwrap();
+            } else {
+                b.recv_tagged(&mut big, peer, tag).unwrap();
+            }
+        }
+        if me == 0 {
+            b.recv_tagged(&mut ack, peer, tag).unwrap();
+        } else {
+            b.send_tagged(&ack, peer, tag).unwrap();
+        }
+        let bw_dist = (STREAM_BYTES * STREAM_MSGS) as f64 / t.elapsed().as_secs_f64() / 1e9;
+        if me == 0 {
+            println!(
+                "round {round}: latency plain {:.2} us, dist {:.2} us; throughput plain {bw_plain:.2} GB/s, dist {bw_dist:.2} GB/s",
+                lat_plain * 1e6,
+                lat_dist * 1e6
+            );
+        }
+        results.push((lat_plain, lat_dist, bw_plain, bw_dist));
+    }
+    if me == 0 {
+        let m = |f: fn(&(f64, f64, f64, f64)) -> f64| median(results.iter().map(f).collect());
+        let (lp, ld, bp, bd) = (m(|r| r.0), m(|r| r.1), m(|r| r.2), m(|r| r.3));
+        println!();
+        println!("| measure | plain socket pair | dist TcpBackend | ratio (dist / plain) |");
+        println!("| --- | --- | --- | --- |");
+        println!(
+            "| median one-way latency, 8 B | {:.2} us | {:.2} us | {:.2} |",
+            lp * 1e6,
+            ld * 1e6,
+            ld / lp
+        );
+        println!(
+            "| streaming throughput, 64 MiB messages | {bp:.2} GB/s | {bd:.2} GB/s | {:.2} |",
+            bd / bp
+        );
+    }
+    b.barrier().unwrap();
+}
