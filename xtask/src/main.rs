@@ -1,6 +1,9 @@
 //! `cargo xtask`: the project's own tooling. `test-multirank` launches the multi-process tests,
 //! `demo` runs the main job for a new user, `test` runs every test.
 
+// A binary crate: `pub` in its modules means "used by main", nothing is exported.
+#![allow(unreachable_pub)]
+
 mod launch;
 mod multirank;
 

@@ -169,10 +169,8 @@ impl TcpBackend {
     /// thread writes. Returns the received message's meta.
     pub fn send_recv_meta(
         &self,
-        send: &[u8],
-        dst: usize,
-        recv: &mut [u8],
-        src: usize,
+        (send, dst): (&[u8], usize),
+        (recv, src): (&mut [u8], usize),
         tag: Tag,
         meta: Meta,
         deadline: Instant,
@@ -269,7 +267,7 @@ impl Backend for TcpBackend {
         while d < n {
             let to = (me + d) % n;
             let from = (me + n - d) % n;
-            self.send_recv_meta(&[], to, &mut [], from, BARRIER_TAG, [0; 16], deadline)
+            self.send_recv_meta((&[], to), (&mut [], from), BARRIER_TAG, [0; 16], deadline)
                 .map_err(|e| relabel(e, "barrier"))?;
             d *= 2;
         }

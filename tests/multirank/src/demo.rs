@@ -1,20 +1,15 @@
 //! The demo `cargo xtask demo` runs: the ranks exchange messages around the mesh and verify
 //! every byte, pass barriers, and rank 0 prints point-to-point latency and bandwidth to rank 1.
 
-// A binary crate: `pub` in its modules means "used by main", nothing is exported.
-#![allow(unreachable_pub)]
-
-mod common;
-
 use std::time::Instant;
 
 use dist_core::{Backend, Tag};
 
-use common::{fill, first_difference, seed};
+use dist_multirank::{fill, first_difference, seed};
 
 fn main() {
-    common::init_logging();
-    let b = common::join();
+    dist_multirank::init_logging();
+    let b = dist_multirank::join();
     let (me, n) = (b.rank(), b.world_size());
     if me == 0 {
         println!("dist demo: {n} ranks over TCP on this host");

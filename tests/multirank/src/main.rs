@@ -6,7 +6,6 @@
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
 
-mod common;
 mod p2p;
 
 use std::process::ExitCode;
@@ -24,7 +23,7 @@ const CASES: &[Case] = &[
 ];
 
 fn main() -> ExitCode {
-    common::init_logging();
+    dist_multirank::init_logging();
     let arg = std::env::args().nth(1).unwrap_or_default();
     if arg == "--list" {
         for (name, _) in CASES {

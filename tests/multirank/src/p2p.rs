@@ -8,7 +8,7 @@ use dist_core::{Backend, DistError, Tag};
 use dist_tcp::TcpBackend;
 use dist_tcp::wire::{Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Refusal, Reply};
 
-use crate::common::{self, fill, first_difference, join, seed};
+use dist_multirank::{self as common, fill, first_difference, join, seed};
 
 /// Every ordered pair exchanges messages of 0 B, 1 B, 4 KiB, 16 MiB and 256 MiB; every byte is
 /// checked.

@@ -2,11 +2,6 @@
 //! same run: median one-way latency of small messages (ping-pong), and streaming throughput of
 //! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`.
 
-// A binary crate: `pub` in its modules means "used by main", nothing is exported.
-#![allow(unreachable_pub)]
-
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -38,8 +33,8 @@ fn pingpong(iters: usize, mut one: impl FnMut()) -> Vec<f64> {
 }
 
 fn main() {
-    common::init_logging();
-    let cfg = common::config();
+    dist_multirank::init_logging();
+    let cfg = dist_multirank::config();
     let (me, n) = (cfg.rank(), cfg.world_size());
     assert!(n == 2, "run with exactly 2 ranks");
     let port: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
@@ -61,7 +56,7 @@ fn main() {
         }
     };
     plain.set_nodelay(true).unwrap();
-    let b = common::join();
+    let b = dist_multirank::join();
     let peer = 1 - me;
     let tag = Tag::user(1);
     let mut small = [0u8; 8];

@@ -1,4 +1,5 @@
-//! Helpers shared by the multi-rank programs: environment, patterns, logging.
+//! Helpers shared by the multi-rank programs (tests, demo, benchmarks): environment, patterns,
+//! logging.
 
 use std::time::Duration;
 
