@@ -32,6 +32,8 @@ enum Cmd {
     },
     /// Every test: formatting, clippy, unit tests and the multi-rank tests.
     Test,
+    /// Point-to-point latency and throughput of two ranks beside a plain socket pair.
+    BenchP2p,
 }
 
 /// The workspace root.
@@ -68,33 +70,28 @@ pub fn cargo(args: &[&str]) -> Result<()> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::TestMultirank(args) => multirank::run(&args),
-        Cmd::Demo { ranks } => demo(ranks),
+        Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
+        Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
     }
 }
 
-fn demo(ranks: usize) -> Result<()> {
-    cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-multirank",
-        "--bin",
-        "dist-demo",
-    ])?;
+/// Builds a release binary of the multi-rank package and runs `ranks` ranks of it, rank 0's
+/// output unprefixed.
+fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
+    cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
     let job = launch::Job {
-        program: release_dir().join("dist-demo"),
-        args: Vec::new(),
+        program: release_dir().join(bin),
+        args,
         world: ranks,
-        timeout: std::time::Duration::from_secs(300),
+        timeout: std::time::Duration::from_secs(600),
         label: String::new(),
         env: Vec::new(),
         plain_rank0: true,
     };
     match launch::run(&job)? {
         launch::Outcome::Passed => Ok(()),
-        launch::Outcome::Failed(why) => bail!("demo failed: {why}"),
+        launch::Outcome::Failed(why) => bail!("{bin} failed: {why}"),
     }
 }
 
