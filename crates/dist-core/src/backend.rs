@@ -1,6 +1,6 @@
 //! The `Backend` trait: point-to-point messages and a barrier among `world_size` ranks.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
@@ -120,6 +120,46 @@ pub trait Backend: Send + Sync {
     fn barrier(&self) -> Result<()> {
         self.barrier_timeout(self.default_timeout())
     }
+}
+
+/// Sixteen bytes a transport carries beside each message for the layer above; the collectives
+/// put their call descriptor there.
+pub type Meta = [u8; 16];
+
+/// What the collectives need from a backend that moves bytes: messages with a [`Meta`] beside
+/// them, a send overlapped with a receive, and a way to tell every rank that an operation
+/// failed. Every backend that implements it gets all of [`Collectives`](crate::Collectives).
+pub trait Transport: Backend {
+    /// Sends `data` to `dst` on `tag`, with `meta` for the receiver.
+    fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()>;
+
+    /// Receives the next message from `src` on `tag` into `buf` by `deadline`; returns its meta.
+    /// A message of another length is a `SizeMismatch` and stays queued.
+    fn recv_meta(&self, buf: &mut [u8], src: usize, tag: Tag, deadline: Instant) -> Result<Meta>;
+
+    /// Sends `send.0` to rank `send.1` while receiving into `recv.0` from rank `recv.1`, both on
+    /// `tag`; the two transfers proceed at once. Returns the received message's meta.
+    fn send_recv_meta(
+        &self,
+        send: (&[u8], usize),
+        recv: (&mut [u8], usize),
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+    ) -> Result<Meta>;
+
+    /// The length and meta of the next message queued from `src` on `tag`, if one is queued.
+    fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)>;
+
+    /// Tells every other rank that this rank's operation on `tag` failed with `reason`. From
+    /// then on their waits on system tags fail with [`DistError::Aborted`](crate::DistError).
+    fn broadcast_abort(&self, tag: Tag, reason: &str);
+
+    /// The first abort notice received, as `(rank, reason)`.
+    fn abort_notice(&self) -> Option<(usize, String)>;
+
+    /// A number that increases by one with each collective this rank starts.
+    fn next_collective(&self) -> u64;
 }
 
 #[cfg(test)]

@@ -18,9 +18,11 @@
 #![warn(missing_docs)]
 
 mod backend;
+pub mod collectives;
 mod error;
 mod types;
 
-pub use backend::{Backend, Tag};
+pub use backend::{Backend, Meta, Tag, Transport};
+pub use collectives::Collectives;
 pub use error::{DistError, Result};
 pub use types::{DType, Element, ReduceOp};

@@ -228,28 +228,19 @@ macro_rules! float_element {
                         acc.iter_mut().zip(other).for_each(|(a, b)| *a += *b)
                     }
                     ReduceOp::Prod => acc.iter_mut().zip(other).for_each(|(a, b)| *a *= *b),
-                    // Written as selects so the loop vectorises; a NaN on either side wins.
+                    // Written as selects so the loop vectorises; a NaN on either side wins
+                    // (`y < x` and `y > x` are false when `x` is NaN, so `x` is kept).
                     ReduceOp::Min => acc.iter_mut().zip(other).for_each(|(a, b)| {
                         let (x, y) = (*a, *b);
-                        *a = if x.is_nan() || y < x { y } else { x };
+                        *a = if y < x || y.is_nan() { y } else { x };
                     }),
                     ReduceOp::Max => acc.iter_mut().zip(other).for_each(|(a, b)| {
                         let (x, y) = (*a, *b);
-                        *a = if x.is_nan() || y > x || y.is_nan() {
-                            y
-                        } else {
-                            x
-                        };
+                        *a = if y > x || y.is_nan() { y } else { x };
                     }),
                     ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
                         return Err(not_for_floats(op, $d));
                     }
-                }
-                if matches!(op, ReduceOp::Min) {
-                    // `y < x` is false for a NaN `y`: carry it over in a second, branch-free pass.
-                    acc.iter_mut()
-                        .zip(other)
-                        .for_each(|(a, b)| *a = if b.is_nan() { *b } else { *a });
                 }
                 Ok(())
             }

@@ -25,14 +25,15 @@ pub mod wire;
 
 use std::net::Shutdown;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use dist_core::{Backend, DistError, Result, Tag};
+use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
 pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
 pub use peer::AbortNotice;
-use peer::{Aborts, Meta, Peer};
+use peer::{Aborts, Peer};
 use wire::FrameKind;
 
 /// The tag of the dissemination barrier's messages.
@@ -45,6 +46,7 @@ struct Shared {
     linger: Duration,
     peers: Vec<Arc<Peer>>,
     aborts: Arc<Aborts>,
+    collectives: AtomicU64,
 }
 
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
@@ -99,6 +101,7 @@ impl TcpBackend {
             linger: cfg.linger,
             peers,
             aborts,
+            collectives: AtomicU64::new(0),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -143,16 +146,23 @@ impl TcpBackend {
             })
     }
 
+    /// The abort notices received so far.
+    pub fn abort_notices(&self) -> Vec<AbortNotice> {
+        self.shared.aborts.notices()
+    }
+}
+
+impl Transport for TcpBackend {
     /// Sends `data` to `dst` on `tag` with sixteen bytes of `meta` for the receiver (the
     /// collectives use it for their call descriptor).
-    pub fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
+    fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
         let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
         self.peer(dst, &op)?
             .send(FrameKind::Data, tag.to_wire(), data, meta, &op)
     }
 
     /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
-    pub fn recv_meta(
+    fn recv_meta(
         &self,
         buf: &mut [u8],
         src: usize,
@@ -167,7 +177,7 @@ impl TcpBackend {
     /// Sends `send` to `dst` while receiving `recv` from `src`, both on `tag`: the receive is
     /// posted first, so the payload lands in `recv` as it arrives, with no copy, while this
     /// thread writes. Returns the received message's meta.
-    pub fn send_recv_meta(
+    fn send_recv_meta(
         &self,
         (send, dst): (&[u8], usize),
         (recv, src): (&mut [u8], usize),
@@ -188,13 +198,13 @@ impl TcpBackend {
     /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
     /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
     /// fit).
-    pub fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
+    fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
         self.shared.peers.get(src)?.peek(tag.to_wire())
     }
 
     /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
     /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early.
-    pub fn broadcast_abort(&self, tag: Tag, reason: &str) {
+    fn broadcast_abort(&self, tag: Tag, reason: &str) {
         for p in self
             .shared
             .peers
@@ -214,9 +224,17 @@ impl TcpBackend {
         }
     }
 
-    /// The abort notices received so far.
-    pub fn abort_notices(&self) -> Vec<AbortNotice> {
-        self.shared.aborts.notices()
+    fn abort_notice(&self) -> Option<(usize, String)> {
+        self.shared
+            .aborts
+            .notices()
+            .into_iter()
+            .next()
+            .map(|n| (n.from, n.reason))
+    }
+
+    fn next_collective(&self) -> u64 {
+        self.shared.collectives.fetch_add(1, Ordering::Relaxed)
     }
 }
 

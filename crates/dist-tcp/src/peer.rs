@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use dist_core::{DistError, Result, Tag};
+use dist_core::{DistError, Meta, Result, Tag};
 
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
@@ -21,8 +21,6 @@ const GRACE: Duration = Duration::from_millis(5);
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Sixteen bytes the layer above attaches to a message (see [`FrameHeader::meta`]).
-pub(crate) type Meta = [u8; 16];
 
 /// A message that arrived before anyone asked for it.
 struct Queued {

@@ -1,0 +1,946 @@
+//! Collectives on host buffers, written once against [`Transport`] so that every backend that
+//! moves bytes gets them.
+//!
+//! Algorithms, for any world size (not only powers of two):
+//!
+//! | collective | small messages | large messages |
+//! | --- | --- | --- |
+//! | all_reduce | recursive doubling (non-powers of two fold the extra ranks in and out) | ring reduce-scatter + ring all-gather |
+//! | broadcast | binomial tree | pipelined chain in 1 MiB chunks |
+//! | reduce | binomial tree | ring reduce-scatter, then each segment to the root |
+//! | all_gather | ring | ring |
+//! | reduce_scatter | ring | ring |
+//! | all_to_all(v) | pairwise exchange | pairwise exchange |
+//! | gather, scatter | direct to / from the root | direct |
+//!
+//! Within a step the receive is posted before the send starts, so both directions move at
+//! once and the payload lands in place. Every message carries a 16-byte descriptor of the call
+//! (collective, element type, count, reduce op, root, sequence number) in its header: a rank
+//! whose call differs is found by the first rank that hears from it, with no extra round trip,
+//! and that rank tells every other, so every rank returns an error instead of hanging or
+//! computing garbage. After such an error (or a dead peer, or a timeout) the backend's
+//! collectives stay aborted: create a new backend to go on.
+
+use std::cell::RefCell;
+use std::time::Instant;
+
+use crate::backend::{Meta, Tag, Transport};
+use crate::error::{DistError, Result};
+use crate::types::{DType, Element, ReduceOp};
+
+/// The tag every collective message travels on. Collectives are called in the same order on
+/// every rank, and messages between two ranks on one tag keep their order, so one tag suffices.
+pub const COLLECTIVE_TAG: Tag = Tag::system(2);
+
+/// all_reduce messages up to this size use recursive doubling; larger ones the ring.
+pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
+/// broadcast messages up to this size use the binomial tree; larger ones the pipelined chain.
+pub const BROADCAST_CHAIN_MIN: usize = 256 << 10;
+/// reduce messages up to this size use the binomial tree; larger ones the ring.
+pub const REDUCE_RING_MIN: usize = 256 << 10;
+/// The chunk of the pipelined broadcast.
+pub const CHAIN_CHUNK: usize = 1 << 20;
+
+/// Which collective a call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum Kind {
+    /// [`Collectives::all_reduce`]
+    AllReduce = 1,
+    /// [`Collectives::broadcast`]
+    Broadcast = 2,
+    /// [`Collectives::reduce`]
+    Reduce = 3,
+    /// [`Collectives::all_gather`]
+    AllGather = 4,
+    /// [`Collectives::gather`]
+    Gather = 5,
+    /// [`Collectives::scatter`]
+    Scatter = 6,
+    /// [`Collectives::reduce_scatter`]
+    ReduceScatter = 7,
+    /// [`Collectives::all_to_all`]
+    AllToAll = 8,
+    /// [`Collectives::all_to_all_v`]
+    AllToAllV = 9,
+}
+
+impl Kind {
+    const ALL: [Kind; 9] = [
+        Kind::AllReduce,
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::AllGather,
+        Kind::Gather,
+        Kind::Scatter,
+        Kind::ReduceScatter,
+        Kind::AllToAll,
+        Kind::AllToAllV,
+    ];
+
+    /// The collective's name, as in `all_reduce`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+            Kind::AllGather => "all_gather",
+            Kind::Gather => "gather",
+            Kind::Scatter => "scatter",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllToAll => "all_to_all",
+            Kind::AllToAllV => "all_to_all_v",
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| *k as u8 == c)
+    }
+
+    fn has_root(self) -> bool {
+        matches!(
+            self,
+            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
+        )
+    }
+
+    fn has_op(self) -> bool {
+        matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
+    }
+}
+
+/// The descriptor of one collective call, as it travels in every message's meta.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Desc {
+    kind: u8,
+    dtype: u8,
+    op: u8,
+    root: u32,
+    seq: u16,
+    count: u64,
+}
+
+impl Desc {
+    fn encode(&self) -> Meta {
+        let mut m = [0u8; 16];
+        m[0] = self.kind;
+        m[1] = self.dtype;
+        m[2] = self.op;
+        m[3..6].copy_from_slice(&self.root.to_le_bytes()[..3]);
+        m[6..8].copy_from_slice(&self.seq.to_le_bytes());
+        m[8..16].copy_from_slice(&self.count.to_le_bytes());
+        m
+    }
+
+    fn decode(m: &Meta) -> Desc {
+        Desc {
+            kind: m[0],
+            dtype: m[1],
+            op: m[2],
+            root: u32::from_le_bytes([m[3], m[4], m[5], 0]),
+            seq: u16::from_le_bytes([m[6], m[7]]),
+            count: u64::from_le_bytes(m[8..16].try_into().expect("8 bytes")),
+        }
+    }
+
+    fn kind_name(&self) -> String {
+        Kind::from_code(self.kind).map_or_else(|| format!("unknown op {}", self.kind), |k| k.name().into())
+    }
+
+    fn dtype_name(&self) -> String {
+        DType::from_code(self.dtype).map_or_else(|| format!("type {}", self.dtype), |d| d.to_string())
+    }
+
+    fn op_name(&self) -> &'static str {
+        [
+            "-", "sum", "prod", "min", "max", "avg", "premulsum", "band", "bor", "bxor",
+        ]
+        .get(self.op as usize)
+        .copied()
+        .unwrap_or("?")
+    }
+
+    /// `all_reduce(f32 x 100, sum)`.
+    fn describe(&self) -> String {
+        let mut s = format!("{}({} x {}", self.kind_name(), self.dtype_name(), self.count);
+        let kind = Kind::from_code(self.kind);
+        if kind.is_some_and(Kind::has_op) {
+            s += &format!(", {}", self.op_name());
+        }
+        if kind.is_some_and(Kind::has_root) {
+            s += &format!(", root {}", self.root);
+        }
+        s + ")"
+    }
+
+    /// How `theirs` differs from this (ours), for the error message.
+    fn differences(&self, theirs: &Desc) -> String {
+        let mut d = Vec::new();
+        if self.kind != theirs.kind {
+            d.push(format!("it called {} where this rank called {}", theirs.kind_name(), self.kind_name()));
+        } else {
+            if self.dtype != theirs.dtype {
+                d.push(format!("element type {} vs {} here", theirs.dtype_name(), self.dtype_name()));
+            }
+            if self.count != theirs.count {
+                d.push(format!("count {} vs {} here", theirs.count, self.count));
+            }
+            if self.op != theirs.op {
+                d.push(format!("reduce op {} vs {} here", theirs.op_name(), self.op_name()));
+            }
+            if self.root != theirs.root {
+                d.push(format!("root {} vs {} here", theirs.root, self.root));
+            }
+        }
+        if self.seq != theirs.seq && d.is_empty() {
+            d.push(format!(
+                "it is at collective #{} and this rank at #{} (a rank skipped or added a collective)",
+                theirs.seq, self.seq
+            ));
+        }
+        if d.is_empty() {
+            d.push("message sizes differ".into());
+        }
+        format!("{} ({})", d.join(", "), theirs.describe())
+    }
+}
+
+thread_local! {
+    /// Scratch space reused across calls, so that no collective allocates per step (nor, once
+    /// warm, per call). `u64` backing keeps it aligned for every element type.
+    static SCRATCH: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with a scratch slice of `len` elements.
+fn with_scratch<T: Element, R>(len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    let bytes = len * std::mem::size_of::<T>();
+    let words = bytes.div_ceil(8);
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => {
+            if v.len() < words {
+                v.resize(words, 0);
+            }
+            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut v[..words]);
+            f(bytemuck::cast_slice_mut(&mut b[..bytes]))
+        }
+        // Only if a collective runs inside another on one thread: use fresh memory.
+        Err(_) => {
+            let mut v = vec![0u64; words];
+            let b: &mut [u8] = bytemuck::cast_slice_mut(&mut v[..]);
+            f(bytemuck::cast_slice_mut(&mut b[..bytes]))
+        }
+    })
+}
+
+fn bytes<T: Element>(x: &[T]) -> &[u8] {
+    bytemuck::cast_slice(x)
+}
+
+fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(x)
+}
+
+/// Two disjoint ranges of one slice, the first shared and the second mutable.
+fn split_pair<T>(x: &mut [T], a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> (&[T], &mut [T]) {
+    debug_assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
+    if a.start < b.start {
+        let (lo, hi) = x.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = x.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+/// The element range of segment `i` when `count` elements are cut into `n` near-equal parts.
+fn segment(count: usize, n: usize, i: usize) -> std::ops::Range<usize> {
+    // 128-bit so that huge counts times n cannot overflow.
+    let at = |k: usize| (k as u128 * count as u128 / n as u128) as usize;
+    at(i)..at(i + 1)
+}
+
+/// One collective call in progress: the backend, this rank, the descriptor and the deadline.
+struct Call<'a, B: Transport + ?Sized> {
+    b: &'a B,
+    me: usize,
+    n: usize,
+    desc: Desc,
+    meta: Meta,
+    deadline: Instant,
+}
+
+impl<B: Transport + ?Sized> Call<'_, B> {
+    fn op_text(&self) -> String {
+        self.desc.describe()
+    }
+
+    fn send(&self, data: &[u8], dst: usize) -> Result<()> {
+        self.b.send_meta(data, dst, COLLECTIVE_TAG, self.meta)
+    }
+
+    fn recv(&self, buf: &mut [u8], src: usize) -> Result<()> {
+        let len = buf.len();
+        match self.b.recv_meta(buf, src, COLLECTIVE_TAG, self.deadline) {
+            Ok(m) => self.check(&m, src),
+            Err(e) => Err(self.explain(e, src, len)),
+        }
+    }
+
+    fn send_recv(&self, send: &[u8], dst: usize, recv: &mut [u8], src: usize) -> Result<()> {
+        let len = recv.len();
+        match self
+            .b
+            .send_recv_meta((send, dst), (recv, src), COLLECTIVE_TAG, self.meta, self.deadline)
+        {
+            Ok(m) => self.check(&m, src),
+            Err(e) => Err(self.explain(e, src, len)),
+        }
+    }
+
+    fn check(&self, got: &Meta, src: usize) -> Result<()> {
+        if *got == self.meta {
+            return Ok(());
+        }
+        Err(DistError::CollectiveMismatch {
+            rank: self.me,
+            op: self.op_text(),
+            peer: src,
+            detail: self.desc.differences(&Desc::decode(got)),
+        })
+    }
+
+    /// A size mismatch is a disagreement between the calls: say how they differ.
+    fn explain(&self, e: DistError, src: usize, expected: usize) -> DistError {
+        match e {
+            DistError::SizeMismatch { got, .. } => {
+                let detail = match self.b.peek_meta(src, COLLECTIVE_TAG) {
+                    Some((_, m)) if m != self.meta => self.desc.differences(&Desc::decode(&m)),
+                    _ => format!(
+                        "it sends {got} bytes where this rank expects {expected} (counts disagree)"
+                    ),
+                };
+                DistError::CollectiveMismatch {
+                    rank: self.me,
+                    op: self.op_text(),
+                    peer: src,
+                    detail,
+                }
+            }
+            DistError::Timeout { rank, peer, waited, .. } => DistError::Timeout {
+                rank,
+                op: self.op_text(),
+                peer,
+                waited,
+            },
+            DistError::PeerGone { rank, peer, cause, .. } => DistError::PeerGone {
+                rank,
+                peer,
+                op: self.op_text(),
+                cause,
+            },
+            DistError::Aborted { rank, origin, reason, .. } => DistError::Aborted {
+                rank,
+                op: self.op_text(),
+                origin,
+                reason,
+            },
+            other => other,
+        }
+    }
+
+    fn invalid(&self, reason: String) -> DistError {
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: self.op_text(),
+            reason,
+        }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.n {
+            return Err(DistError::InvalidRank {
+                rank: self.me,
+                op: self.op_text(),
+                given: root,
+                world_size: self.n,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(self.invalid(format!("{what} has {got} elements, expected {want}")));
+        }
+        Ok(())
+    }
+
+    fn check_op<T: Element>(&self, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE).map_err(|r| self.invalid(r))
+    }
+}
+
+/// Runs one collective: refuses at once if an earlier one aborted; on failure, tells every other
+/// rank, so that none of them waits for this one until its deadline.
+fn run<B: Transport + ?Sized, T: Element, R>(
+    b: &B,
+    kind: Kind,
+    count: usize,
+    op: Option<ReduceOp>,
+    root: usize,
+    f: impl FnOnce(&Call<'_, B>) -> Result<R>,
+) -> Result<R> {
+    let desc = Desc {
+        kind: kind as u8,
+        dtype: T::DTYPE as u8,
+        op: op.map_or(0, ReduceOp::code),
+        root: (root as u32) & 0x00ff_ffff,
+        seq: b.next_collective() as u16,
+        count: count as u64,
+    };
+    let call = Call {
+        b,
+        me: b.rank(),
+        n: b.world_size(),
+        desc,
+        meta: desc.encode(),
+        deadline: Instant::now() + b.default_timeout(),
+    };
+    if let Some((origin, reason)) = b.abort_notice() {
+        return Err(DistError::Aborted {
+            rank: call.me,
+            op: call.op_text(),
+            origin,
+            reason,
+        });
+    }
+    let r = f(&call);
+    if let Err(e) = &r
+        && !matches!(e, DistError::Aborted { .. })
+    {
+        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+    }
+    r
+}
+
+/// Applies the scaling that `Avg` and `PreMulSum` need after (or before) a sum.
+fn finish<T: Element>(x: &mut [T], op: ReduceOp, n: usize) {
+    if matches!(op, ReduceOp::Avg) {
+        T::scale(x, None, n);
+    }
+}
+
+fn premul<T: Element>(x: &mut [T], op: ReduceOp) {
+    if let ReduceOp::PreMulSum(s) = op {
+        T::scale(x, Some(s), 1);
+    }
+}
+
+fn reduce<T: Element>(c: &Call<'_, impl Transport + ?Sized>, acc: &mut [T], other: &[T], op: ReduceOp) -> Result<()> {
+    T::reduce_into(op, acc, other).map_err(|e| c.invalid(e.to_string()))
+}
+
+/// Recursive doubling over the largest power of two `p <= n`; the first `2 (n - p)` ranks pair
+/// up first (odd ranks take their even neighbour's data) and get the result back at the end.
+fn all_reduce_doubling<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp) -> Result<()> {
+    let (me, n) = (c.me, c.n);
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let rem = n - p;
+    with_scratch::<T, _>(data.len(), |tmp| {
+        let virt = if me < 2 * rem {
+            if me % 2 == 0 {
+                c.send(bytes(data), me + 1)?;
+                None
+            } else {
+                c.recv(bytes_mut(tmp), me - 1)?;
+                reduce(c, data, tmp, op)?;
+                Some(me / 2)
+            }
+        } else {
+            Some(me - rem)
+        };
+        if let Some(v) = virt {
+            let mut mask = 1;
+            while mask < p {
+                let pv = v ^ mask;
+                let partner = if pv < rem { pv * 2 + 1 } else { pv + rem };
+                c.send_recv(bytes(data), partner, bytes_mut(tmp), partner)?;
+                // a op b == b op a exactly for these ops, so both partners hold the same bits.
+                reduce(c, data, tmp, op)?;
+                mask <<= 1;
+            }
+        }
+        if me < 2 * rem {
+            if me % 2 == 1 {
+                c.send(bytes(data), me - 1)?;
+            } else {
+                c.recv(bytes_mut(data), me + 1)?;
+            }
+        }
+        Ok(())
+    })?;
+    finish(data, op, n);
+    Ok(())
+}
+
+/// Ring reduce-scatter in place: `data` is cut into `n` segments; afterwards this rank holds
+/// the full reduction of segment `(me + off) % n`.
+fn ring_reduce_scatter<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+    off: usize,
+) -> Result<()> {
+    let (me, n) = (c.me, c.n);
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let max_seg = (0..n).map(|i| segment(data.len(), n, i).len()).max().unwrap_or(0);
+    with_scratch::<T, _>(max_seg, |tmp| {
+        for s in 0..n - 1 {
+            let send = segment(data.len(), n, (me + off + 2 * n - 1 - s) % n);
+            let recv = segment(data.len(), n, (me + off + 2 * n - 2 - s) % n);
+            let tmp = &mut tmp[..recv.len()];
+            c.send_recv(bytes(&data[send]), right, bytes_mut(tmp), left)?;
+            reduce(c, &mut data[recv], tmp, op)?;
+        }
+        Ok(())
+    })
+}
+
+/// Ring all-gather in place: rank `r` holds segment `(r + off) % n`; afterwards all do.
+fn ring_all_gather<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], off: usize) -> Result<()> {
+    let (me, n) = (c.me, c.n);
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    for s in 0..n - 1 {
+        let send = segment(data.len(), n, (me + off + n - s) % n);
+        let recv = segment(data.len(), n, (me + off + 2 * n - s - 1) % n);
+        let (out, inb) = split_pair(data, send, recv);
+        c.send_recv(bytes(out), right, bytes_mut(inb), left)?;
+    }
+    Ok(())
+}
+
+fn all_reduce_ring<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp) -> Result<()> {
+    ring_reduce_scatter(c, data, op, 1)?;
+    let own = segment(data.len(), c.n, (c.me + 1) % c.n);
+    finish(&mut data[own], op, c.n);
+    ring_all_gather(c, data, 1)
+}
+
+/// The parent and children of virtual rank `v` in a binomial tree over `n` ranks rooted at 0,
+/// children largest subtree first.
+fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+    let parent = (v > 0).then(|| v & (v - 1));
+    let limit = if v == 0 { n.next_power_of_two() } else { v & v.wrapping_neg() };
+    let mut children = Vec::new();
+    let mut m = limit >> 1;
+    while m > 0 {
+        if v + m < n {
+            children.push(v + m);
+        }
+        m >>= 1;
+    }
+    (parent, children)
+}
+
+fn broadcast_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], root: usize) -> Result<()> {
+    let n = c.n;
+    let v = (c.me + n - root) % n;
+    let real = |x: usize| (x + root) % n;
+    let (parent, children) = binomial(v, n);
+    if let Some(p) = parent {
+        c.recv(bytes_mut(data), real(p))?;
+    }
+    for ch in children {
+        c.send(bytes(data), real(ch))?;
+    }
+    Ok(())
+}
+
+fn broadcast_chain<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], root: usize) -> Result<()> {
+    let n = c.n;
+    let v = (c.me + n - root) % n;
+    let (prev, next) = ((c.me + n - 1) % n, (c.me + 1) % n);
+    let per = (CHAIN_CHUNK / std::mem::size_of::<T>()).max(1);
+    let chunks = data.len().div_ceil(per);
+    let len = data.len();
+    let chunk = |i: usize| i * per..((i + 1) * per).min(len);
+    if v == 0 {
+        for i in 0..chunks {
+            c.send(bytes(&data[chunk(i)]), next)?;
+        }
+        return Ok(());
+    }
+    c.recv(bytes_mut(&mut data[chunk(0)]), prev)?;
+    for i in 0..chunks {
+        let last_rank = v == n - 1;
+        match (last_rank, i + 1 < chunks) {
+            (false, true) => {
+                let (out, inb) = split_pair(data, chunk(i), chunk(i + 1));
+                c.send_recv(bytes(out), next, bytes_mut(inb), prev)?;
+            }
+            (false, false) => c.send(bytes(&data[chunk(i)]), next)?,
+            (true, true) => c.recv(bytes_mut(&mut data[chunk(i + 1)]), prev)?,
+            (true, false) => {}
+        }
+    }
+    Ok(())
+}
+
+fn reduce_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    let n = c.n;
+    let v = (c.me + n - root) % n;
+    let real = |x: usize| (x + root) % n;
+    let (parent, mut children) = binomial(v, n);
+    // Smallest subtrees first: they finish first.
+    children.reverse();
+    with_scratch::<T, _>(data.len(), |tmp| {
+        for ch in children {
+            c.recv(bytes_mut(tmp), real(ch))?;
+            reduce(c, data, tmp, op)?;
+        }
+        Ok(())
+    })?;
+    match parent {
+        Some(p) => c.send(bytes(data), real(p)),
+        None => {
+            finish(data, op, n);
+            Ok(())
+        }
+    }
+}
+
+fn reduce_ring<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    let (me, n) = (c.me, c.n);
+    ring_reduce_scatter(c, data, op, 1)?;
+    let owned = |r: usize| (r + 1) % n;
+    let len = data.len();
+    if me == root {
+        for r in (0..n).filter(|r| *r != root) {
+            c.recv(bytes_mut(&mut data[segment(len, n, owned(r))]), r)?;
+        }
+        finish(data, op, n);
+    } else {
+        c.send(bytes(&data[segment(data.len(), n, owned(me))]), root)?;
+    }
+    Ok(())
+}
+
+/// The collectives, for every backend that implements [`Transport`].
+///
+/// All ranks must call the same collectives in the same order with matching arguments; a rank
+/// that does not is reported on every rank as [`DistError::CollectiveMismatch`] (on the ranks that
+/// noticed) or [`DistError::Aborted`] (on the others). Each call waits at most the backend's
+/// default timeout.
+pub trait Collectives: Transport {
+    /// Reduces `data` over all ranks with `op`, in place: every rank ends with the result.
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        run::<_, T, _>(self, Kind::AllReduce, data.len(), Some(op), 0, |c| {
+            c.check_op::<T>(op)?;
+            premul(data, op);
+            if c.n == 1 {
+                return Ok(());
+            }
+            if std::mem::size_of_val(data) <= ALL_REDUCE_RING_MIN || data.len() < c.n {
+                all_reduce_doubling(c, data, op)
+            } else {
+                all_reduce_ring(c, data, op)
+            }
+        })
+    }
+
+    /// [`Collectives::all_reduce`] out of place: `output` gets the reduction of every rank's
+    /// `input`; `input` is not modified.
+    fn all_reduce_into<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+        if input.len() != output.len() {
+            let e = DistError::InvalidArgument {
+                rank: self.rank(),
+                op: format!("all_reduce({} x {})", T::DTYPE, input.len()),
+                reason: format!("output has {} elements, input {}", output.len(), input.len()),
+            };
+            self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+            return Err(e);
+        }
+        output.copy_from_slice(input);
+        self.all_reduce(output, op)
+    }
+
+    /// Copies `data` on `root` to every other rank's `data`.
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<()> {
+        run::<_, T, _>(self, Kind::Broadcast, data.len(), None, root, |c| {
+            c.check_root(root)?;
+            if c.n == 1 {
+                return Ok(());
+            }
+            if std::mem::size_of_val(data) <= BROADCAST_CHAIN_MIN {
+                broadcast_tree(c, data, root)
+            } else {
+                broadcast_chain(c, data, root)
+            }
+        })
+    }
+
+    /// Reduces `data` over all ranks with `op` into `data` on `root`. On the other ranks `data`
+    /// serves as scratch space and its contents afterwards are unspecified; see
+    /// [`Collectives::reduce_into`] to keep the input.
+    fn reduce<T: Element>(&self, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        run::<_, T, _>(self, Kind::Reduce, data.len(), Some(op), root, |c| {
+            c.check_root(root)?;
+            c.check_op::<T>(op)?;
+            premul(data, op);
+            if c.n == 1 {
+                return Ok(());
+            }
+            if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
+                reduce_tree(c, data, op, root)
+            } else {
+                reduce_ring(c, data, op, root)
+            }
+        })
+    }
+
+    /// [`Collectives::reduce`] out of place: `input` is kept; `output` (same length) receives the
+    /// result on `root` and is scratch elsewhere.
+    fn reduce_into<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        if input.len() != output.len() {
+            let e = DistError::InvalidArgument {
+                rank: self.rank(),
+                op: format!("reduce({} x {})", T::DTYPE, input.len()),
+                reason: format!("output has {} elements, input {}", output.len(), input.len()),
+            };
+            self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+            return Err(e);
+        }
+        output.copy_from_slice(input);
+        self.reduce(output, op, root)
+    }
+
+    /// Every rank's `input` (all of one length `k`) concatenated in rank order into every rank's
+    /// `output` (`k * world_size` elements).
+    fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        run::<_, T, _>(self, Kind::AllGather, input.len(), None, 0, |c| {
+            let k = input.len();
+            c.check_len("output", output.len(), k * c.n)?;
+            output[c.me * k..(c.me + 1) * k].copy_from_slice(input);
+            if c.n == 1 {
+                return Ok(());
+            }
+            // Blocks of exactly k: `segment` of n*k over n is block i.
+            ring_all_gather(c, output, 0)
+        })
+    }
+
+    /// Every rank's `input` (length `k`) concatenated in rank order into `output` on `root`
+    /// (`k * world_size` elements; pass `None` elsewhere).
+    fn gather<T: Element>(&self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<()> {
+        run::<_, T, _>(self, Kind::Gather, input.len(), None, root, |c| {
+            c.check_root(root)?;
+            let k = input.len();
+            if c.me != root {
+                return c.send(bytes(input), root);
+            }
+            let Some(out) = output else {
+                return Err(c.invalid("the root must pass an output buffer".into()));
+            };
+            c.check_len("output", out.len(), k * c.n)?;
+            out[root * k..(root + 1) * k].copy_from_slice(input);
+            for r in (0..c.n).filter(|r| *r != root) {
+                c.recv(bytes_mut(&mut out[r * k..(r + 1) * k]), r)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Block `r` of `input` on `root` (`k * world_size` elements; `None` elsewhere) into rank
+    /// `r`'s `output` (`k` elements).
+    fn scatter<T: Element>(&self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()> {
+        run::<_, T, _>(self, Kind::Scatter, output.len(), None, root, |c| {
+            c.check_root(root)?;
+            let k = output.len();
+            if c.me != root {
+                return c.recv(bytes_mut(output), root);
+            }
+            let Some(inp) = input else {
+                return Err(c.invalid("the root must pass an input buffer".into()));
+            };
+            c.check_len("input", inp.len(), k * c.n)?;
+            for r in (0..c.n).filter(|r| *r != root) {
+                c.send(bytes(&inp[r * k..(r + 1) * k]), r)?;
+            }
+            output.copy_from_slice(&inp[root * k..(root + 1) * k]);
+            Ok(())
+        })
+    }
+
+    /// Reduces every rank's `input` (`k * world_size` elements) with `op` and leaves block `r` of
+    /// the result in rank `r`'s `output` (`k` elements).
+    fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+        run::<_, T, _>(self, Kind::ReduceScatter, output.len(), Some(op), 0, |c| {
+            c.check_op::<T>(op)?;
+            let k = output.len();
+            c.check_len("input", input.len(), k * c.n)?;
+            if c.n == 1 {
+                output.copy_from_slice(input);
+                premul(output, op);
+                return Ok(());
+            }
+            // The ring works in place, so it runs on a copy; the copy is this rank's scratch
+            // of the size the algorithm needs anyway.
+            let mut work = input.to_vec();
+            premul(&mut work, op);
+            ring_reduce_scatter(c, &mut work, op, 0)?;
+            output.copy_from_slice(&work[c.me * k..(c.me + 1) * k]);
+            finish(output, op, c.n);
+            Ok(())
+        })
+    }
+
+    /// Block `j` of this rank's `input` (`k * world_size` elements) goes to rank `j`, landing
+    /// in block `r` (this rank's) of its `output`.
+    fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        run::<_, T, _>(self, Kind::AllToAll, input.len(), None, 0, |c| {
+            let n = c.n;
+            if input.len() % n != 0 {
+                return Err(c.invalid(format!(
+                    "input has {} elements, not a multiple of the world size {n}",
+                    input.len()
+                )));
+            }
+            c.check_len("output", output.len(), input.len())?;
+            let k = input.len() / n;
+            let counts = vec![k; n];
+            exchange(c, input, &counts, output, &counts)
+        })
+    }
+
+    /// [`Collectives::all_to_all`] with uneven blocks: `send_counts[j]` elements of `input` (in
+    /// rank order) go to rank `j`; `recv_counts[j]` elements arrive from rank `j`. The counts
+    /// must agree pairwise across ranks; a disagreement is reported as a mismatch.
+    fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        run::<_, T, _>(self, Kind::AllToAllV, 0, None, 0, |c| {
+            let n = c.n;
+            c.check_len("send_counts", send_counts.len(), n)?;
+            c.check_len("recv_counts", recv_counts.len(), n)?;
+            c.check_len("input", input.len(), send_counts.iter().sum())?;
+            c.check_len("output", output.len(), recv_counts.iter().sum())?;
+            exchange(c, input, send_counts, output, recv_counts)
+        })
+    }
+}
+
+impl<B: Transport + ?Sized> Collectives for B {}
+
+/// Pairwise exchange: in step `s` send to `me + s` while receiving from `me - s`.
+fn exchange<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    input: &[T],
+    send_counts: &[usize],
+    output: &mut [T],
+    recv_counts: &[usize],
+) -> Result<()> {
+    let (me, n) = (c.me, c.n);
+    let offsets = |counts: &[usize]| {
+        let mut o = Vec::with_capacity(n + 1);
+        o.push(0);
+        for x in counts {
+            o.push(o.last().copied().unwrap_or(0) + x);
+        }
+        o
+    };
+    let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+    if send_counts[me] != recv_counts[me] {
+        return Err(c.invalid(format!(
+            "sends {} elements to itself but expects {}",
+            send_counts[me], recv_counts[me]
+        )));
+    }
+    output[ro[me]..ro[me + 1]].copy_from_slice(&input[so[me]..so[me + 1]]);
+    for s in 1..n {
+        let (dst, src) = ((me + s) % n, (me + n - s) % n);
+        c.send_recv(
+            bytes(&input[so[dst]..so[dst + 1]]),
+            dst,
+            bytes_mut(&mut output[ro[src]..ro[src + 1]]),
+            src,
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_round_trips_and_explains_differences() {
+        let a = Desc {
+            kind: Kind::AllReduce as u8,
+            dtype: DType::F32 as u8,
+            op: ReduceOp::Sum.code(),
+            root: 0,
+            seq: 7,
+            count: 1 << 40,
+        };
+        assert_eq!(Desc::decode(&a.encode()), a);
+        assert_eq!(a.describe(), "all_reduce(f32 x 1099511627776, sum)");
+        let b = Desc { count: 5, dtype: DType::I32 as u8, ..a };
+        assert_eq!(
+            a.differences(&b),
+            "element type i32 vs f32 here, count 5 vs 1099511627776 here (all_reduce(i32 x 5, sum))"
+        );
+        let c = Desc { kind: Kind::Broadcast as u8, root: 2, ..a };
+        assert!(a.differences(&c).starts_with("it called broadcast where this rank called all_reduce"));
+        let d = Desc { seq: 8, ..a };
+        assert!(a.differences(&d).contains("skipped or added a collective"));
+    }
+
+    #[test]
+    fn segments_cover_everything_once() {
+        for count in [0usize, 1, 5, 7, 100, 1001] {
+            for n in 1..10 {
+                let mut next = 0;
+                for i in 0..n {
+                    let s = segment(count, n, i);
+                    assert_eq!(s.start, next);
+                    next = s.end;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+
+    #[test]
+    fn binomial_tree_reaches_every_rank_once() {
+        for n in 1..20 {
+            let mut seen = vec![0; n];
+            seen[0] = 1;
+            for v in 0..n {
+                let (parent, children) = binomial(v, n);
+                assert_eq!(parent.is_none(), v == 0);
+                for ch in children {
+                    assert_eq!(binomial(ch, n).0, Some(v));
+                    seen[ch] += 1;
+                }
+            }
+            assert!(seen.iter().all(|s| *s == 1), "n={n}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn split_pair_gives_disjoint_ranges_either_way() {
+        let mut x = [0, 1, 2, 3, 4, 5];
+        let (a, b) = split_pair(&mut x, 0..2, 3..6);
+        assert_eq!(a, &[0, 1]);
+        b[0] = 9;
+        let (a, b) = split_pair(&mut x, 4..6, 1..3);
+        assert_eq!(a, &[4, 5]);
+        assert_eq!(b, &[1, 2]);
+        assert_eq!(x[3], 9);
+    }
+}
