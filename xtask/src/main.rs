@@ -67,8 +67,18 @@ pub fn cargo(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().cmd {
+fn main() -> std::process::ExitCode {
+    match dispatch(Cli::parse().cmd) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cmd: Cmd) -> Result<()> {
+    match cmd {
         Cmd::TestMultirank(args) => multirank::run(&args),
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
@@ -79,7 +89,15 @@ fn main() -> Result<()> {
 /// Builds a release binary of the multi-rank package and runs `ranks` ranks of it, rank 0's
 /// output unprefixed.
 fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
-    cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
+    cargo(&[
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "dist-multirank",
+        "--bin",
+        bin,
+    ])?;
     let job = launch::Job {
         program: release_dir().join(bin),
         args,

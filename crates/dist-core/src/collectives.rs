@@ -145,16 +145,27 @@ impl Desc {
     }
 
     fn kind_name(&self) -> String {
-        Kind::from_code(self.kind).map_or_else(|| format!("unknown op {}", self.kind), |k| k.name().into())
+        Kind::from_code(self.kind)
+            .map_or_else(|| format!("unknown op {}", self.kind), |k| k.name().into())
     }
 
     fn dtype_name(&self) -> String {
-        DType::from_code(self.dtype).map_or_else(|| format!("type {}", self.dtype), |d| d.to_string())
+        DType::from_code(self.dtype)
+            .map_or_else(|| format!("type {}", self.dtype), |d| d.to_string())
     }
 
     fn op_name(&self) -> &'static str {
         [
-            "-", "sum", "prod", "min", "max", "avg", "premulsum", "band", "bor", "bxor",
+            "-",
+            "sum",
+            "prod",
+            "min",
+            "max",
+            "avg",
+            "premulsum",
+            "band",
+            "bor",
+            "bxor",
         ]
         .get(self.op as usize)
         .copied()
@@ -163,7 +174,12 @@ impl Desc {
 
     /// `all_reduce(f32 x 100, sum)`.
     fn describe(&self) -> String {
-        let mut s = format!("{}({} x {}", self.kind_name(), self.dtype_name(), self.count);
+        let mut s = format!(
+            "{}({} x {}",
+            self.kind_name(),
+            self.dtype_name(),
+            self.count
+        );
         let kind = Kind::from_code(self.kind);
         if kind.is_some_and(Kind::has_op) {
             s += &format!(", {}", self.op_name());
@@ -178,16 +194,28 @@ impl Desc {
     fn differences(&self, theirs: &Desc) -> String {
         let mut d = Vec::new();
         if self.kind != theirs.kind {
-            d.push(format!("it called {} where this rank called {}", theirs.kind_name(), self.kind_name()));
+            d.push(format!(
+                "it called {} where this rank called {}",
+                theirs.kind_name(),
+                self.kind_name()
+            ));
         } else {
             if self.dtype != theirs.dtype {
-                d.push(format!("element type {} vs {} here", theirs.dtype_name(), self.dtype_name()));
+                d.push(format!(
+                    "element type {} vs {} here",
+                    theirs.dtype_name(),
+                    self.dtype_name()
+                ));
             }
             if self.count != theirs.count {
                 d.push(format!("count {} vs {} here", theirs.count, self.count));
             }
             if self.op != theirs.op {
-                d.push(format!("reduce op {} vs {} here", theirs.op_name(), self.op_name()));
+                d.push(format!(
+                    "reduce op {} vs {} here",
+                    theirs.op_name(),
+                    self.op_name()
+                ));
             }
             if self.root != theirs.root {
                 d.push(format!("root {} vs {} here", theirs.root, self.root));
@@ -242,7 +270,11 @@ fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
 }
 
 /// Two disjoint ranges of one slice, the first shared and the second mutable.
-fn split_pair<T>(x: &mut [T], a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> (&[T], &mut [T]) {
+fn split_pair<T>(
+    x: &mut [T],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&[T], &mut [T]) {
     debug_assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
     if a.start < b.start {
         let (lo, hi) = x.split_at_mut(b.start);
@@ -289,10 +321,13 @@ impl<B: Transport + ?Sized> Call<'_, B> {
 
     fn send_recv(&self, send: &[u8], dst: usize, recv: &mut [u8], src: usize) -> Result<()> {
         let len = recv.len();
-        match self
-            .b
-            .send_recv_meta((send, dst), (recv, src), COLLECTIVE_TAG, self.meta, self.deadline)
-        {
+        match self.b.send_recv_meta(
+            (send, dst),
+            (recv, src),
+            COLLECTIVE_TAG,
+            self.meta,
+            self.deadline,
+        ) {
             Ok(m) => self.check(&m, src),
             Err(e) => Err(self.explain(e, src, len)),
         }
@@ -310,8 +345,20 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         })
     }
 
-    /// A size mismatch is a disagreement between the calls: say how they differ.
+    /// A size mismatch is a disagreement between the calls: say how they differ. A peer that
+    /// left or went quiet after another rank aborted the call is reported as that abort, the
+    /// cause.
     fn explain(&self, e: DistError, src: usize, expected: usize) -> DistError {
+        if matches!(e, DistError::PeerGone { .. } | DistError::Timeout { .. })
+            && let Some((origin, reason)) = self.b.abort_notice()
+        {
+            return DistError::Aborted {
+                rank: self.me,
+                op: self.op_text(),
+                origin,
+                reason,
+            };
+        }
         match e {
             DistError::SizeMismatch { got, .. } => {
                 let detail = match self.b.peek_meta(src, COLLECTIVE_TAG) {
@@ -327,19 +374,28 @@ impl<B: Transport + ?Sized> Call<'_, B> {
                     detail,
                 }
             }
-            DistError::Timeout { rank, peer, waited, .. } => DistError::Timeout {
+            DistError::Timeout {
+                rank, peer, waited, ..
+            } => DistError::Timeout {
                 rank,
                 op: self.op_text(),
                 peer,
                 waited,
             },
-            DistError::PeerGone { rank, peer, cause, .. } => DistError::PeerGone {
+            DistError::PeerGone {
+                rank, peer, cause, ..
+            } => DistError::PeerGone {
                 rank,
                 peer,
                 op: self.op_text(),
                 cause,
             },
-            DistError::Aborted { rank, origin, reason, .. } => DistError::Aborted {
+            DistError::Aborted {
+                rank,
+                origin,
+                reason,
+                ..
+            } => DistError::Aborted {
                 rank,
                 op: self.op_text(),
                 origin,
@@ -408,17 +464,30 @@ fn run<B: Transport + ?Sized, T: Element, R>(
         deadline: Instant::now() + b.default_timeout(),
     };
     if let Some((origin, reason)) = b.abort_notice() {
-        return Err(DistError::Aborted {
+        let e = DistError::Aborted {
+            rank: call.me,
+            op: call.op_text(),
+            origin,
+            reason,
+        };
+        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+        return Err(e);
+    }
+    let mut r = f(&call);
+    if r.is_ok()
+        && let Some((origin, reason)) = b.abort_notice()
+    {
+        // Another rank failed this call (or an earlier one) after this rank's part was done.
+        r = Err(DistError::Aborted {
             rank: call.me,
             op: call.op_text(),
             origin,
             reason,
         });
     }
-    let r = f(&call);
-    if let Err(e) = &r
-        && !matches!(e, DistError::Aborted { .. })
-    {
+    if let Err(e) = &r {
+        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
+        // hear it from this one before it sees this one leave.
         b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
     }
     r
@@ -437,13 +506,22 @@ fn premul<T: Element>(x: &mut [T], op: ReduceOp) {
     }
 }
 
-fn reduce<T: Element>(c: &Call<'_, impl Transport + ?Sized>, acc: &mut [T], other: &[T], op: ReduceOp) -> Result<()> {
+fn reduce<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    acc: &mut [T],
+    other: &[T],
+    op: ReduceOp,
+) -> Result<()> {
     T::reduce_into(op, acc, other).map_err(|e| c.invalid(e.to_string()))
 }
 
 /// Recursive doubling over the largest power of two `p <= n`; the first `2 (n - p)` ranks pair
 /// up first (odd ranks take their even neighbour's data) and get the result back at the end.
-fn all_reduce_doubling<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp) -> Result<()> {
+fn all_reduce_doubling<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     let (me, n) = (c.me, c.n);
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let rem = n - p;
@@ -494,7 +572,10 @@ fn ring_reduce_scatter<T: Element>(
 ) -> Result<()> {
     let (me, n) = (c.me, c.n);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-    let max_seg = (0..n).map(|i| segment(data.len(), n, i).len()).max().unwrap_or(0);
+    let max_seg = (0..n)
+        .map(|i| segment(data.len(), n, i).len())
+        .max()
+        .unwrap_or(0);
     with_scratch::<T, _>(max_seg, |tmp| {
         for s in 0..n - 1 {
             let send = segment(data.len(), n, (me + off + 2 * n - 1 - s) % n);
@@ -508,7 +589,11 @@ fn ring_reduce_scatter<T: Element>(
 }
 
 /// Ring all-gather in place: rank `r` holds segment `(r + off) % n`; afterwards all do.
-fn ring_all_gather<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], off: usize) -> Result<()> {
+fn ring_all_gather<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    off: usize,
+) -> Result<()> {
     let (me, n) = (c.me, c.n);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     for s in 0..n - 1 {
@@ -520,7 +605,11 @@ fn ring_all_gather<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut
     Ok(())
 }
 
-fn all_reduce_ring<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp) -> Result<()> {
+fn all_reduce_ring<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     ring_reduce_scatter(c, data, op, 1)?;
     let own = segment(data.len(), c.n, (c.me + 1) % c.n);
     finish(&mut data[own], op, c.n);
@@ -531,7 +620,11 @@ fn all_reduce_ring<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut
 /// children largest subtree first.
 fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
     let parent = (v > 0).then(|| v & (v - 1));
-    let limit = if v == 0 { n.next_power_of_two() } else { v & v.wrapping_neg() };
+    let limit = if v == 0 {
+        n.next_power_of_two()
+    } else {
+        v & v.wrapping_neg()
+    };
     let mut children = Vec::new();
     let mut m = limit >> 1;
     while m > 0 {
@@ -543,7 +636,11 @@ fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
     (parent, children)
 }
 
-fn broadcast_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], root: usize) -> Result<()> {
+fn broadcast_tree<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    root: usize,
+) -> Result<()> {
     let n = c.n;
     let v = (c.me + n - root) % n;
     let real = |x: usize| (x + root) % n;
@@ -557,7 +654,11 @@ fn broadcast_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut 
     Ok(())
 }
 
-fn broadcast_chain<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], root: usize) -> Result<()> {
+fn broadcast_chain<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    root: usize,
+) -> Result<()> {
     let n = c.n;
     let v = (c.me + n - root) % n;
     let (prev, next) = ((c.me + n - 1) % n, (c.me + 1) % n);
@@ -587,7 +688,12 @@ fn broadcast_chain<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut
     Ok(())
 }
 
-fn reduce_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+fn reduce_tree<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let n = c.n;
     let v = (c.me + n - root) % n;
     let real = |x: usize| (x + root) % n;
@@ -610,7 +716,12 @@ fn reduce_tree<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T]
     }
 }
 
-fn reduce_ring<T: Element>(c: &Call<'_, impl Transport + ?Sized>, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+fn reduce_ring<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let (me, n) = (c.me, c.n);
     ring_reduce_scatter(c, data, op, 1)?;
     let owned = |r: usize| (r + 1) % n;
@@ -651,12 +762,21 @@ pub trait Collectives: Transport {
 
     /// [`Collectives::all_reduce`] out of place: `output` gets the reduction of every rank's
     /// `input`; `input` is not modified.
-    fn all_reduce_into<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    fn all_reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         if input.len() != output.len() {
             let e = DistError::InvalidArgument {
                 rank: self.rank(),
                 op: format!("all_reduce({} x {})", T::DTYPE, input.len()),
-                reason: format!("output has {} elements, input {}", output.len(), input.len()),
+                reason: format!(
+                    "output has {} elements, input {}",
+                    output.len(),
+                    input.len()
+                ),
             };
             self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
             return Err(e);
@@ -701,12 +821,22 @@ pub trait Collectives: Transport {
 
     /// [`Collectives::reduce`] out of place: `input` is kept; `output` (same length) receives the
     /// result on `root` and is scratch elsewhere.
-    fn reduce_into<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+    fn reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         if input.len() != output.len() {
             let e = DistError::InvalidArgument {
                 rank: self.rank(),
                 op: format!("reduce({} x {})", T::DTYPE, input.len()),
-                reason: format!("output has {} elements, input {}", output.len(), input.len()),
+                reason: format!(
+                    "output has {} elements, input {}",
+                    output.len(),
+                    input.len()
+                ),
             };
             self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
             return Err(e);
@@ -753,7 +883,12 @@ pub trait Collectives: Transport {
 
     /// Block `r` of `input` on `root` (`k * world_size` elements; `None` elsewhere) into rank
     /// `r`'s `output` (`k` elements).
-    fn scatter<T: Element>(&self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()> {
+    fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         run::<_, T, _>(self, Kind::Scatter, output.len(), None, root, |c| {
             c.check_root(root)?;
             let k = output.len();
@@ -774,7 +909,12 @@ pub trait Collectives: Transport {
 
     /// Reduces every rank's `input` (`k * world_size` elements) with `op` and leaves block `r` of
     /// the result in rank `r`'s `output` (`k` elements).
-    fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         run::<_, T, _>(self, Kind::ReduceScatter, output.len(), Some(op), 0, |c| {
             c.check_op::<T>(op)?;
             let k = output.len();
@@ -889,13 +1029,24 @@ mod tests {
         };
         assert_eq!(Desc::decode(&a.encode()), a);
         assert_eq!(a.describe(), "all_reduce(f32 x 1099511627776, sum)");
-        let b = Desc { count: 5, dtype: DType::I32 as u8, ..a };
+        let b = Desc {
+            count: 5,
+            dtype: DType::I32 as u8,
+            ..a
+        };
         assert_eq!(
             a.differences(&b),
             "element type i32 vs f32 here, count 5 vs 1099511627776 here (all_reduce(i32 x 5, sum))"
         );
-        let c = Desc { kind: Kind::Broadcast as u8, root: 2, ..a };
-        assert!(a.differences(&c).starts_with("it called broadcast where this rank called all_reduce"));
+        let c = Desc {
+            kind: Kind::Broadcast as u8,
+            root: 2,
+            ..a
+        };
+        assert!(
+            a.differences(&c)
+                .starts_with("it called broadcast where this rank called all_reduce")
+        );
         let d = Desc { seq: 8, ..a };
         assert!(a.differences(&d).contains("skipped or added a collective"));
     }

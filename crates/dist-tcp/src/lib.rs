@@ -25,7 +25,7 @@ pub mod wire;
 
 use std::net::Shutdown;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,7 @@ struct Shared {
     peers: Vec<Arc<Peer>>,
     aborts: Arc<Aborts>,
     collectives: AtomicU64,
+    abort_sent: AtomicBool,
 }
 
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
@@ -102,6 +103,7 @@ impl TcpBackend {
             peers,
             aborts,
             collectives: AtomicU64::new(0),
+            abort_sent: AtomicBool::new(false),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -162,13 +164,7 @@ impl Transport for TcpBackend {
     }
 
     /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
-    fn recv_meta(
-        &self,
-        buf: &mut [u8],
-        src: usize,
-        tag: Tag,
-        deadline: Instant,
-    ) -> Result<Meta> {
+    fn recv_meta(&self, buf: &mut [u8], src: usize, tag: Tag, deadline: Instant) -> Result<Meta> {
         let len = buf.len();
         let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
         self.peer(src, &op)?.recv(buf, tag.to_wire(), deadline, &op)
@@ -203,8 +199,13 @@ impl Transport for TcpBackend {
     }
 
     /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
-    /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early.
+    /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early. Only the
+    /// first call sends anything: a rank reports its first failure (its own, or one it heard of
+    /// and passes on, so that ranks that have not heard yet do before they see this one leave).
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
+        if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
+            return;
+        }
         for p in self
             .shared
             .peers

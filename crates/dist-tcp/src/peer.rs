@@ -21,7 +21,6 @@ const GRACE: Duration = Duration::from_millis(5);
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
-
 /// A message that arrived before anyone asked for it.
 struct Queued {
     data: Vec<u8>,

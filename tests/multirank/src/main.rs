@@ -6,6 +6,7 @@
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
 
+mod coll;
 mod p2p;
 
 use std::process::ExitCode;
@@ -20,6 +21,15 @@ const CASES: &[Case] = &[
     ("p2p_peer_death", p2p::peer_death),
     ("p2p_strangers", p2p::strangers),
     ("p2p_secret", p2p::secret),
+    ("coll_reductions", coll::reductions_all),
+    ("coll_movement", coll::movement_all),
+    ("coll_invalid_op", coll::invalid_op),
+    ("coll_mismatch_count", coll::mismatch_count),
+    ("coll_mismatch_dtype", coll::mismatch_dtype),
+    ("coll_mismatch_op", coll::mismatch_op),
+    ("coll_mismatch_root", coll::mismatch_root),
+    ("coll_mismatch_kind", coll::mismatch_kind),
+    ("coll_peer_death", coll::peer_death),
 ];
 
 fn main() -> ExitCode {

@@ -1,0 +1,511 @@
+//! Collective cases: every collective x element type x valid reduce op against references
+//! computed here from every rank's deterministic inputs; every root; mismatches; a dead rank.
+
+use std::time::{Duration, Instant};
+
+use dist_core::{Backend, Collectives, DType, DistError, Element, ReduceOp};
+use dist_multirank::join;
+use dist_tcp::TcpBackend;
+use half::{bf16, f16};
+
+/// Counts: empty, one, a prime, one not divisible by any world size tested, and one large
+/// enough (for every type) to take the ring and chain paths.
+fn counts() -> [usize; 5] {
+    [0, 1, 13, 1009, 70_001]
+}
+
+/// A test element: deterministic inputs, its valid ops, and an independent reference.
+trait TestElem: Element + Copy {
+    /// The input of rank `r` at index `i`; NaN where `nan` asks and the type has one.
+    fn val(r: usize, i: usize, nan: bool) -> Self;
+    fn ops() -> Vec<ReduceOp>;
+    /// Whether `got` matches the reduction of every rank's input at `i`.
+    fn matches(op: ReduceOp, n: usize, i: usize, nan: bool, got: Self) -> bool;
+}
+
+macro_rules! int_elem {
+    ($t:ty, $signed:expr) => {
+        impl TestElem for $t {
+            fn val(r: usize, i: usize, _nan: bool) -> Self {
+                let x = (r * 37 + i * 11 + 5) % 97;
+                if $signed {
+                    (x as i64 - 48) as $t
+                } else {
+                    x as $t
+                }
+            }
+
+            fn ops() -> Vec<ReduceOp> {
+                vec![
+                    ReduceOp::Sum,
+                    ReduceOp::Prod,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                    ReduceOp::Avg,
+                    ReduceOp::PreMulSum(3.0),
+                    ReduceOp::BitAnd,
+                    ReduceOp::BitOr,
+                    ReduceOp::BitXor,
+                ]
+            }
+
+            fn matches(op: ReduceOp, n: usize, i: usize, _nan: bool, got: Self) -> bool {
+                let v = |r| <$t>::val(r, i, false);
+                let mut acc = match op {
+                    ReduceOp::PreMulSum(s) => v(0).wrapping_mul(s as $t),
+                    _ => v(0),
+                };
+                for r in 1..n {
+                    acc = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(v(r)),
+                        ReduceOp::PreMulSum(s) => acc.wrapping_add(v(r).wrapping_mul(s as $t)),
+                        ReduceOp::Prod => acc.wrapping_mul(v(r)),
+                        ReduceOp::Min => acc.min(v(r)),
+                        ReduceOp::Max => acc.max(v(r)),
+                        ReduceOp::BitAnd => acc & v(r),
+                        ReduceOp::BitOr => acc | v(r),
+                        ReduceOp::BitXor => acc ^ v(r),
+                        _ => unreachable!("no other ops are tested"),
+                    };
+                }
+                if matches!(op, ReduceOp::Avg) {
+                    acc /= n as $t;
+                }
+                acc == got
+            }
+        }
+    };
+}
+
+int_elem!(i8, true);
+int_elem!(u8, false);
+int_elem!(i32, true);
+int_elem!(u32, false);
+int_elem!(i64, true);
+int_elem!(u64, false);
+
+/// Float inputs are in {-2, -1, 0.5, 1, 2}: sums and products of up to 8 of them are exact in
+/// every float type, so only `Avg` needs the tolerance.
+fn float_val(r: usize, i: usize, nan: bool) -> f64 {
+    if nan && r == 1 && i % 5 == 3 {
+        return f64::NAN;
+    }
+    [-2.0, -1.0, 0.5, 1.0, 2.0][(r * 7 + i * 3) % 5]
+}
+
+fn float_ref(op: ReduceOp, n: usize, i: usize, nan: bool) -> f64 {
+    let v = |r| float_val(r, i, nan);
+    let mut acc = match op {
+        ReduceOp::PreMulSum(s) => v(0) * s,
+        _ => v(0),
+    };
+    for r in 1..n {
+        let x = v(r);
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + x,
+            ReduceOp::PreMulSum(s) => acc + x * s,
+            ReduceOp::Prod => acc * x,
+            ReduceOp::Min if acc.is_nan() || x.is_nan() => f64::NAN,
+            ReduceOp::Max if acc.is_nan() || x.is_nan() => f64::NAN,
+            ReduceOp::Min => acc.min(x),
+            ReduceOp::Max => acc.max(x),
+            _ => unreachable!("no other ops are tested"),
+        };
+    }
+    if matches!(op, ReduceOp::Avg) {
+        acc /= n as f64;
+    }
+    acc
+}
+
+macro_rules! float_elem {
+    ($t:ty, $tol:expr) => {
+        impl TestElem for $t {
+            fn val(r: usize, i: usize, nan: bool) -> Self {
+                <$t as Element>::from_f64(float_val(r, i, nan))
+            }
+
+            fn ops() -> Vec<ReduceOp> {
+                vec![
+                    ReduceOp::Sum,
+                    ReduceOp::Prod,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                    ReduceOp::Avg,
+                    ReduceOp::PreMulSum(0.5),
+                ]
+            }
+
+            /// Exact but for `Avg`, which may round once more: within `$tol` relative.
+            fn matches(op: ReduceOp, n: usize, i: usize, nan: bool, got: Self) -> bool {
+                let want = float_ref(op, n, i, nan);
+                let got = Element::to_f64(got);
+                if want.is_nan() || got.is_nan() {
+                    return want.is_nan() && got.is_nan();
+                }
+                (got - want).abs() <= $tol * want.abs().max(1.0)
+            }
+        }
+    };
+}
+
+float_elem!(f32, 1e-6);
+float_elem!(f64, 1e-12);
+float_elem!(f16, 2e-3);
+float_elem!(bf16, 1e-2);
+
+fn bits<T: Element>(x: &[T]) -> &[u8] {
+    bytemuck::cast_slice(x)
+}
+
+/// A value no input takes, to poison outputs before each call.
+fn poison<T: Element>(x: &mut [T]) {
+    bytemuck::cast_slice_mut::<T, u8>(x).fill(0x5A);
+}
+
+fn check_reduced<T: TestElem>(
+    what: &str,
+    op: ReduceOp,
+    n: usize,
+    base: usize,
+    nan: bool,
+    got: &[T],
+) {
+    for (j, g) in got.iter().enumerate() {
+        assert!(
+            T::matches(op, n, base + j, nan, *g),
+            "{what} {} {op}: element {j} is {g:?}, wrong",
+            T::DTYPE
+        );
+    }
+}
+
+fn reductions<T: TestElem>(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    for op in T::ops() {
+        let nan = matches!(op, ReduceOp::Min | ReduceOp::Max);
+        for count in counts() {
+            let input: Vec<T> = (0..count).map(|i| T::val(me, i, nan)).collect();
+            // all_reduce, in place and out of place.
+            let mut data = input.clone();
+            b.all_reduce(&mut data, op)
+                .unwrap_or_else(|e| panic!("{e}"));
+            check_reduced("all_reduce", op, n, 0, nan, &data);
+            let mut out = vec![T::val(0, 0, false); count];
+            poison(&mut out);
+            b.all_reduce_into(&input, &mut out, op)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                bits(&out),
+                bits(&data),
+                "all_reduce_into differs from all_reduce"
+            );
+            // reduce, to every root.
+            for root in 0..n {
+                let mut out = input.clone();
+                if me == root {
+                    poison(&mut out);
+                }
+                b.reduce_into(&input, &mut out, op, root)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                if me == root {
+                    check_reduced("reduce", op, n, 0, nan, &out);
+                }
+            }
+            // reduce_scatter: block `me` of the reduction of n * count elements.
+            let full: Vec<T> = (0..n * count).map(|i| T::val(me, i, nan)).collect();
+            let mut block = vec![T::val(0, 0, false); count];
+            poison(&mut block);
+            b.reduce_scatter(&full, &mut block, op)
+                .unwrap_or_else(|e| panic!("{e}"));
+            check_reduced("reduce_scatter", op, n, me * count, nan, &block);
+        }
+    }
+}
+
+fn movement<T: TestElem>(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    let v = |r, i| T::val(r, i, false);
+    for count in counts() {
+        let mine: Vec<T> = (0..count).map(|i| v(me, i)).collect();
+        for root in 0..n {
+            let mut data = mine.clone();
+            if me != root {
+                poison(&mut data);
+            }
+            b.broadcast(&mut data, root)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let want: Vec<T> = (0..count).map(|i| v(root, i)).collect();
+            assert_eq!(
+                bits(&data),
+                bits(&want),
+                "broadcast from {root}, {count} x {}",
+                T::DTYPE
+            );
+
+            let mut all = vec![v(0, 0); count * n];
+            poison(&mut all);
+            b.gather(&mine, (me == root).then_some(&mut all[..]), root)
+                .unwrap_or_else(|e| panic!("{e}"));
+            if me == root {
+                for r in 0..n {
+                    let want: Vec<T> = (0..count).map(|i| v(r, i)).collect();
+                    assert_eq!(
+                        bits(&all[r * count..(r + 1) * count]),
+                        bits(&want),
+                        "gather block {r}"
+                    );
+                }
+            }
+
+            let source: Vec<T> = (0..count * n).map(|i| v(root, i)).collect();
+            let mut part = vec![v(0, 0); count];
+            poison(&mut part);
+            b.scatter((me == root).then_some(&source[..]), &mut part, root)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                bits(&part),
+                bits(&source[me * count..(me + 1) * count]),
+                "scatter from {root}"
+            );
+        }
+        let mut all = vec![v(0, 0); count * n];
+        poison(&mut all);
+        b.all_gather(&mine, &mut all)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for r in 0..n {
+            let want: Vec<T> = (0..count).map(|i| v(r, i)).collect();
+            assert_eq!(
+                bits(&all[r * count..(r + 1) * count]),
+                bits(&want),
+                "all_gather block {r}"
+            );
+        }
+        // all_to_all: block j of rank r's input is v(r, j * count + i).
+        let input: Vec<T> = (0..count * n).map(|i| v(me, i)).collect();
+        let mut out = vec![v(0, 0); count * n];
+        poison(&mut out);
+        b.all_to_all(&input, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for r in 0..n {
+            let want: Vec<T> = (0..count).map(|i| v(r, me * count + i)).collect();
+            assert_eq!(
+                bits(&out[r * count..(r + 1) * count]),
+                bits(&want),
+                "all_to_all block {r}"
+            );
+        }
+        // all_to_all_v: rank i sends c(i, j) elements to rank j.
+        let c = |i: usize, j: usize| (i * 2 + j) % 4 + count % 3;
+        let send: Vec<usize> = (0..n).map(|j| c(me, j)).collect();
+        let recv: Vec<usize> = (0..n).map(|i| c(i, me)).collect();
+        let input: Vec<T> = (0..send.iter().sum()).map(|i| v(me, i)).collect();
+        let mut out = vec![v(0, 0); recv.iter().sum()];
+        poison(&mut out);
+        b.all_to_all_v(&input, &send, &mut out, &recv)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut at = 0;
+        for i in 0..n {
+            let from: usize = (0..me).map(|j| c(i, j)).sum();
+            let want: Vec<T> = (from..from + c(i, me)).map(|x| v(i, x)).collect();
+            assert_eq!(
+                bits(&out[at..at + c(i, me)]),
+                bits(&want),
+                "all_to_all_v from {i}"
+            );
+            at += c(i, me);
+        }
+    }
+}
+
+fn each_type(b: &TcpBackend, f: &dyn Fn(&TcpBackend, DType)) {
+    for d in DType::ALL {
+        f(b, d);
+    }
+}
+
+macro_rules! dispatch {
+    ($d:expr, $f:ident, $b:expr) => {
+        match $d {
+            DType::F32 => $f::<f32>($b),
+            DType::F64 => $f::<f64>($b),
+            DType::F16 => $f::<f16>($b),
+            DType::BF16 => $f::<bf16>($b),
+            DType::I8 => $f::<i8>($b),
+            DType::U8 => $f::<u8>($b),
+            DType::I32 => $f::<i32>($b),
+            DType::U32 => $f::<u32>($b),
+            DType::I64 => $f::<i64>($b),
+            DType::U64 => $f::<u64>($b),
+            other => panic!("untested type {other}"),
+        }
+    };
+}
+
+/// all_reduce, reduce (every root) and reduce_scatter: every type, every valid op, every count.
+pub fn reductions_all() {
+    let b = join();
+    let t = Instant::now();
+    each_type(&b, &|b, d| dispatch!(d, reductions, b));
+    println!("reductions verified in {:.1?}", t.elapsed());
+}
+
+/// broadcast, gather, scatter (every root), all_gather, all_to_all(v): every type and count.
+pub fn movement_all() {
+    let b = join();
+    let t = Instant::now();
+    each_type(&b, &|b, d| dispatch!(d, movement, b));
+    println!("data movement verified in {:.1?}", t.elapsed());
+}
+
+/// Bitwise ops on floats are refused with a clear error, on every rank, before any message.
+pub fn invalid_op() {
+    let b = join();
+    let e = b
+        .all_reduce(&mut [1.0f32; 4], ReduceOp::BitXor)
+        .unwrap_err();
+    assert!(e.to_string().contains("bxor is not defined for f32"), "{e}");
+}
+
+/// Runs a mismatched call. A rank that only sends in it (a broadcast root, say) cannot see the
+/// mismatch then; it learns from the ranks that did at its next collective. So every rank must
+/// get an error within the bad call and two more all_reduces, and it must say `expect`.
+fn expect_mismatch(expect: &[&str], bad: impl FnOnce(&TcpBackend) -> Result<(), DistError>) {
+    let b = join();
+    let t = Instant::now();
+    let e = match bad(&b) {
+        Err(e) => e,
+        Ok(()) => (0..2)
+            .find_map(|_| b.all_reduce(&mut [1u8; 3], ReduceOp::Sum).err())
+            .expect("a mismatch went unnoticed"),
+    };
+    let text = e.to_string();
+    assert!(
+        matches!(
+            e,
+            DistError::CollectiveMismatch { .. } | DistError::Aborted { .. }
+        ),
+        "{text}"
+    );
+    assert!(
+        expect.iter().any(|x| text.contains(x)),
+        "expected one of {expect:?} in: {text}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    println!("{text}");
+}
+
+/// The last rank passes another count.
+pub fn mismatch_count() {
+    expect_mismatch(&["count 100 vs 101", "count 101 vs 100"], |b| {
+        let n = if b.rank() == b.world_size() - 1 {
+            101
+        } else {
+            100
+        };
+        b.all_reduce(&mut vec![1.0f32; n], ReduceOp::Sum)
+    });
+}
+
+/// The last rank passes another element type of the same size.
+pub fn mismatch_dtype() {
+    expect_mismatch(
+        &["element type i32 vs f32", "element type f32 vs i32"],
+        |b| {
+            if b.rank() == b.world_size() - 1 {
+                b.all_reduce(&mut [1i32; 64], ReduceOp::Sum)
+            } else {
+                b.all_reduce(&mut [1.0f32; 64], ReduceOp::Sum)
+            }
+        },
+    );
+}
+
+/// The last rank passes another reduce op.
+pub fn mismatch_op() {
+    expect_mismatch(&["reduce op max vs sum", "reduce op sum vs max"], |b| {
+        let op = if b.rank() == b.world_size() - 1 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        b.all_reduce(&mut [1u32; 1000], op)
+    });
+}
+
+/// The last rank broadcasts from another root.
+pub fn mismatch_root() {
+    expect_mismatch(&["root", "it called"], |b| {
+        let n = b.world_size();
+        let root = if b.rank() == n - 1 { n - 1 } else { 0 };
+        b.broadcast(&mut [7u64; 32], root)
+    });
+}
+
+/// The last rank calls another collective.
+pub fn mismatch_kind() {
+    expect_mismatch(&["it called"], |b| {
+        let n = b.world_size();
+        if b.rank() == n - 1 {
+            let mut out = vec![0f32; 16 * n];
+            b.all_gather(&[1.0f32; 16], &mut out)
+        } else {
+            b.all_reduce(&mut [1.0f32; 16], ReduceOp::Sum)
+        }
+    });
+}
+
+/// The last rank is killed in the middle of an all_reduce: every other rank fails promptly
+/// with an error naming it.
+pub fn peer_death() {
+    let b = join();
+    let (me, n) = (b.rank(), b.world_size());
+    let victim = n - 1;
+    let mut data = vec![1.0f32; 4 << 20];
+    if me == victim {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let b = &b;
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                for i in 0.. {
+                    if b.all_reduce(&mut data, ReduceOp::Sum).is_err() {
+                        break;
+                    }
+                    let _ = tx.send(i);
+                }
+            });
+            // After the second all_reduce: the third is under way on every rank.
+            rx.recv().unwrap();
+            rx.recv().unwrap();
+            println!("exiting abruptly mid all_reduce");
+            std::process::exit(0);
+        });
+    }
+    let (e, call) = loop {
+        let t = Instant::now();
+        if let Err(e) = b.all_reduce(&mut data, ReduceOp::Sum) {
+            break (e, t.elapsed());
+        }
+    };
+    // A healthy 16 MiB all_reduce takes well under a second here; the timeout is 60 s.
+    assert!(
+        call < Duration::from_secs(5),
+        "the failing all_reduce took {call:?}: {e}"
+    );
+    let t = Instant::now();
+    let text = e.to_string();
+    let names = match &e {
+        DistError::PeerGone { peer, .. } => *peer == victim,
+        DistError::Aborted { reason, .. } => reason.contains(&format!("peer {victim} gone")),
+        _ => false,
+    };
+    assert!(names, "expected an error naming rank {victim}: {text}");
+    // And the next collective refuses at once.
+    let again = b.all_reduce(&mut [1u8], ReduceOp::Sum).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(1), "{again}");
+    println!("{text}");
+}
