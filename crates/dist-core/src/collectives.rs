@@ -940,7 +940,7 @@ pub trait Collectives: Transport {
     fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         run::<_, T, _>(self, Kind::AllToAll, input.len(), None, 0, |c| {
             let n = c.n;
-            if input.len() % n != 0 {
+            if !input.len().is_multiple_of(n) {
                 return Err(c.invalid(format!(
                     "input has {} elements, not a multiple of the world size {n}",
                     input.len()
