@@ -34,6 +34,39 @@ enum Cmd {
     Test,
     /// Point-to-point latency and throughput of two ranks beside a plain socket pair.
     BenchP2p,
+    /// The nccl-tests table for one collective over a range of sizes.
+    Perf(PerfArgs),
+}
+
+#[derive(clap::Args)]
+struct PerfArgs {
+    /// Transport: tcp.
+    #[arg(long, default_value = "tcp")]
+    backend: String,
+    /// all_reduce, broadcast, reduce, all_gather, reduce_scatter, all_to_all or sendrecv.
+    #[arg(long, default_value = "all_reduce")]
+    op: String,
+    /// Number of ranks.
+    #[arg(short = 'n', long = "nranks", default_value_t = 4)]
+    ranks: usize,
+    /// Smallest size (bytes; K, M, G suffixes).
+    #[arg(short = 'b', default_value = "8")]
+    min: String,
+    /// Largest size.
+    #[arg(short = 'e', default_value = "64M")]
+    max: String,
+    /// Factor between sizes.
+    #[arg(short = 'f', default_value = "4")]
+    factor: String,
+    /// Element type (f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Verify one call's result at every size.
+    #[arg(long)]
+    check: bool,
+    /// Timed iterations per size (default: by size, 5 to 1000).
+    #[arg(long)]
+    iters: Option<usize>,
 }
 
 /// The workspace root.
@@ -83,6 +116,24 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
+        Cmd::Perf(a) => {
+            if a.backend != "tcp" {
+                bail!("unknown backend {:?} (this build knows: tcp)", a.backend);
+            }
+            let mut args: Vec<String> = [
+                "--op", &a.op, "-b", &a.min, "-e", &a.max, "-f", &a.factor, "--dtype", &a.dtype,
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            if a.check {
+                args.push("--check".into());
+            }
+            if let Some(i) = a.iters {
+                args.extend(["--iters".into(), i.to_string()]);
+            }
+            launch_release("dist-perf", a.ranks, args)
+        }
     }
 }
 

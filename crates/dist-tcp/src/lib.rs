@@ -122,9 +122,10 @@ impl TcpBackend {
                     s.note_abort(notice);
                 }
             });
+            peer.set_abort_sink(sink);
             let handle = std::thread::Builder::new()
                 .name(format!("dist-rx-{me}-from-{}", p.rank))
-                .spawn(move || peer.read_loop(stream, sink))
+                .spawn(move || peer.read_loop(stream))
                 .map_err(|source| DistError::Io {
                     rank: me,
                     context: "spawn a reader thread".into(),
@@ -205,6 +206,15 @@ impl Transport for TcpBackend {
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
         if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
             return;
+        }
+        // Remember it here too: this rank's later collectives (and other threads' waits on
+        // system tags) fail at once with it, as they do on the ranks that hear of it.
+        if self.shared.aborts.notices().is_empty() {
+            self.shared.note_abort(AbortNotice {
+                from: self.shared.rank,
+                tag,
+                reason: reason.to_string(),
+            });
         }
         for p in self
             .shared

@@ -1,12 +1,14 @@
 //! One peer's connection after the handshake: the writer (callers' threads write frames directly,
-//! one at a time), the reader thread (reads every frame and lands its payload in the buffer a
-//! receiver has posted, or queues it), and the matching of messages to receivers by tag.
+//! one at a time), the read side (frames are read without blocking, by the peer's reader thread
+//! or by a receiver spinning for its message, and each payload lands in the buffer a receiver
+//! has posted, or in the queue), and the matching of messages to receivers by tag.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{IoSlice, Read};
+use std::io::IoSlice;
+use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use dist_core::{DistError, Meta, Result, Tag};
@@ -38,7 +40,7 @@ enum Outcome {
 enum Slot {
     /// Waiting for a message.
     Open,
-    /// The reader thread is writing a payload into the buffer.
+    /// A payload is being written into the buffer (under the read-side lock).
     Filling,
     Done(Outcome),
 }
@@ -64,10 +66,103 @@ struct State {
 
 // SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
 // thread borrows mutably for as long as the entry is in `posted`; that thread removes the entry
-// before it returns (waiting out a fill in progress), and only the thread that moved the entry to
-// `Filling` writes through the pointer. So moving `State` between threads (inside the mutex) never
-// lets the pointer outlive or alias its buffer.
+// before it returns, and never while it is `Filling` (a fill ends, or the connection is shut and
+// the fill dropped, under the read-side lock first). Only the holder of the read-side lock writes
+// through the pointer. So moving `State` between threads (inside its mutex) never lets the
+// pointer outlive or alias its buffer.
 unsafe impl Send for State {}
+
+/// Where the read side is in the byte stream.
+enum Frame {
+    /// Between frames.
+    Header,
+    /// A payload landing in the posted buffer of receive `id`.
+    Fill {
+        id: u64,
+        ptr: *mut u8,
+        len: usize,
+        done: usize,
+        meta: Meta,
+    },
+    /// A payload nobody waits for (yet), read into fresh memory.
+    Queue {
+        tag: u64,
+        data: Vec<u8>,
+        done: usize,
+        meta: Meta,
+    },
+    /// An abort notice's text (the first 64 KiB of it).
+    Abort {
+        tag: u64,
+        text: Vec<u8>,
+        left: usize,
+    },
+    /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
+    /// or `until` passes (then it is queued).
+    Held { header: FrameHeader, until: Instant },
+}
+
+/// The read side of a connection: a 64 KiB buffer in front of the socket, and the frame in
+/// progress. Every read is non-blocking, so the lock around it is only ever held briefly.
+struct Rx {
+    sock: socket2::Socket,
+    buf: Box<[u8]>,
+    lo: usize,
+    hi: usize,
+    frame: Frame,
+    dead: bool,
+}
+
+// SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
+// through only while this struct's mutex is held and the receive is `Filling`.
+unsafe impl Send for Rx {}
+
+/// What a call to [`Peer::progress`] ended with.
+enum Step {
+    /// Some bytes were consumed.
+    Progress,
+    /// Nothing to read now.
+    Idle,
+    /// A large frame waits for its receive to be posted, at most until then.
+    Held(Instant),
+    /// The connection ended.
+    Closed(String),
+}
+
+const RX_BUF: usize = 64 << 10;
+const MSG_DONTWAIT: i32 = 0x40;
+
+fn would_block(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::WouldBlock
+}
+
+/// Receives into `dst` without blocking.
+fn recv_now(sock: &socket2::Socket, dst: &mut [u8]) -> std::io::Result<usize> {
+    // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and `recv` only writes initialised bytes
+    // into the slice, so viewing initialised memory as maybe-uninitialised is sound.
+    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+    loop {
+        match sock.recv_with_flags(dst, MSG_DONTWAIT) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+impl Rx {
+    /// Reads more of the stream into the buffer; `Ok(0)` at its end.
+    fn read_more(&mut self) -> std::io::Result<usize> {
+        if self.lo == self.hi {
+            (self.lo, self.hi) = (0, 0);
+        } else if self.hi == self.buf.len() {
+            self.buf.copy_within(self.lo..self.hi, 0);
+            (self.lo, self.hi) = (0, self.hi - self.lo);
+        }
+        let n = recv_now(&self.sock, &mut self.buf[self.hi..])?;
+        self.hi += n;
+        Ok(n)
+    }
+}
 
 /// Withdraws a posted receive when dropped while armed.
 struct PostGuard<'a> {
@@ -148,9 +243,12 @@ pub(crate) struct Peer {
     stream: Option<TcpStream>,
     state: Mutex<State>,
     cond: Condvar,
-    /// Bumped whenever a receive completes, for waiters that spin before they sleep.
-    events: AtomicU64,
+    /// The read side, shared by the reader thread and spinning receivers; `None` for loopback.
+    rx: Option<Mutex<Rx>>,
+    /// Receivers spinning on this peer right now; the reader thread stands back meanwhile.
+    spinners: AtomicUsize,
     aborts: Arc<Aborts>,
+    on_abort: OnceLock<AbortSink>,
 }
 
 struct Writer {
@@ -214,10 +312,21 @@ impl Peer {
         let sock = socket2::Socket::from(w);
         sock.set_write_timeout(Some(timeout))
             .map_err(|e| io("set send timeout", e))?;
+        let r = stream.try_clone().map_err(|e| io("clone socket", e))?;
         Ok(Peer {
             me,
             rank,
             writer: Some(Mutex::new(Writer { sock, broken: None })),
+            rx: Some(Mutex::new(Rx {
+                sock: socket2::Socket::from(r),
+                buf: vec![0u8; RX_BUF].into_boxed_slice(),
+                lo: 0,
+                hi: 0,
+                frame: Frame::Header,
+                dead: false,
+            })),
+            spinners: AtomicUsize::new(0),
+            on_abort: OnceLock::new(),
             stream: Some(stream),
             state: Mutex::new(State {
                 closed: None,
@@ -227,7 +336,6 @@ impl Peer {
                 sleepers: 0,
             }),
             cond: Condvar::new(),
-            events: AtomicU64::new(0),
             aborts,
         })
     }
@@ -238,6 +346,9 @@ impl Peer {
             me,
             rank: me,
             writer: None,
+            rx: None,
+            spinners: AtomicUsize::new(0),
+            on_abort: OnceLock::new(),
             stream: None,
             state: Mutex::new(State {
                 closed: None,
@@ -247,7 +358,6 @@ impl Peer {
                 sleepers: 0,
             }),
             cond: Condvar::new(),
-            events: AtomicU64::new(0),
             aborts,
         }
     }
@@ -277,9 +387,8 @@ impl Peer {
         st
     }
 
-    /// Wakes the threads blocked on the condition variable, if any, and any spinning waiter.
+    /// Wakes the threads blocked on the condition variable, if any.
     fn notify(&self, st: &State) {
-        self.events.fetch_add(1, Ordering::Release);
         if st.sleepers > 0 {
             self.cond.notify_all();
         }
@@ -513,16 +622,12 @@ impl Peer {
                 st.posted.remove(i);
                 return Err(self.aborts.error(self.me, op()));
             }
-            if !spun {
-                // Spin briefly before sleeping: a reply that comes within microseconds is then
-                // picked up without the reader thread having to wake this one.
+            if !spun && self.rx.is_some() {
+                // Spin briefly before sleeping, reading the socket ourselves: a message that
+                // comes within microseconds then lands with no thread switch at all.
                 spun = true;
-                let seen = self.events.load(Ordering::Acquire);
                 drop(st);
-                let until = Instant::now() + SPIN;
-                while self.events.load(Ordering::Acquire) == seen && Instant::now() < until {
-                    std::thread::yield_now();
-                }
+                self.spin(id, deadline.min(Instant::now() + spin_time()));
                 st = self.lock();
                 continue;
             }
@@ -533,7 +638,13 @@ impl Peer {
                     return Err(self.timeout(op(), started));
                 }
                 timed_out = true;
-                self.cut_stalled();
+                // The peer stalled in the middle of a payload that is landing in our buffer.
+                // We may not return while it can still be written: cut the connection, which
+                // ends the fill, under the read-side lock, before we go on.
+                drop(st);
+                self.cut("the peer stalled mid-message past a receiver's deadline");
+                st = self.lock();
+                continue;
             }
             st = self.sleep(
                 st,
@@ -542,17 +653,51 @@ impl Peer {
         }
     }
 
-    /// The peer stalled in the middle of a payload that is landing in a caller's buffer, past
-    /// the caller's deadline. The caller may not return while the reader can still write to the
-    /// buffer: cut the connection, which stops the reader at once and releases the buffer.
-    fn cut_stalled(&self) {
-        tracing::warn!(
-            rank = self.me,
-            peer = self.rank,
-            "peer stalled mid-message past the deadline; closing the connection"
-        );
-        if let Some(s) = &self.stream {
-            let _ = s.shutdown(Shutdown::Both);
+    /// Reads the socket from this thread until receive `id` is done or `until` passes, as long
+    /// as nobody else is reading it at that moment.
+    fn spin(&self, id: u64, until: Instant) {
+        let Some(rx) = &self.rx else { return };
+        self.spinners.fetch_add(1, Ordering::AcqRel);
+        loop {
+            if let Ok(mut r) = rx.try_lock()
+                && let Step::Closed(cause) = self.progress(&mut r)
+            {
+                self.shut(&mut r, cause);
+            }
+            let done = self
+                .lock()
+                .posted
+                .iter()
+                .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
+            if done || Instant::now() >= until {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        self.spinners.fetch_sub(1, Ordering::AcqRel);
+        // The reader thread may be standing back for us.
+        let st = self.lock();
+        self.notify(&st);
+    }
+
+    /// Ends the connection: no more bytes are read, every waiting receive fails with `cause`.
+    /// Called with the read side locked, so that no fill is in progress once it returns.
+    fn shut(&self, rx: &mut Rx, cause: String) {
+        if !rx.dead {
+            rx.dead = true;
+            rx.frame = Frame::Header;
+            let _ = rx.sock.shutdown(Shutdown::Both);
+            tracing::debug!(rank = self.me, peer = self.rank, %cause, "connection ended");
+        }
+        self.close(cause);
+    }
+
+    /// Cuts the connection from a receiver's thread.
+    fn cut(&self, cause: &str) {
+        tracing::warn!(rank = self.me, peer = self.rank, "{cause}; closing the connection");
+        if let Some(rx) = &self.rx {
+            let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
+            self.shut(&mut r, cause.to_string());
         }
     }
 
@@ -572,7 +717,10 @@ impl Peer {
             let now = Instant::now();
             if !cut && now >= deadline {
                 cut = true;
-                self.cut_stalled();
+                drop(st);
+                self.cut("a receive was withdrawn while its message was arriving too slowly");
+                st = self.lock();
+                continue;
             }
             st = self.sleep(st, (!cut).then(|| deadline.saturating_duration_since(now)));
         }
@@ -634,8 +782,10 @@ impl Peer {
         if st.closed.is_none() {
             st.closed = Some(cause.clone());
         }
+        // Callers hold the read-side lock with the connection shut, or there is none
+        // (loopback): no fill is in progress, so `Filling` entries end here too.
         for p in st.posted.iter_mut() {
-            if matches!(p.slot, Slot::Open) {
+            if matches!(p.slot, Slot::Open | Slot::Filling) {
                 p.slot = Slot::Done(Outcome::Gone(cause.clone()));
             }
         }
@@ -649,126 +799,249 @@ impl Peer {
         }
     }
 
-    /// The reader thread's body: runs until the connection ends, then fails all waiters.
-    pub(crate) fn read_loop(&self, stream: TcpStream, on_abort: AbortSink) {
-        // Buffered, so that a small message's header and payload take one system call; reads of
-        // large payloads bypass the buffer and land in the receiver's memory directly.
-        let mut stream = std::io::BufReader::with_capacity(64 << 10, stream);
-        let cause = match self.read_frames(&mut stream, &on_abort) {
-            Ok(()) => "connection closed by peer".to_string(),
-            Err(e) => e,
-        };
-        tracing::debug!(rank = self.me, peer = self.rank, %cause, "reader finished");
-        self.close(cause);
+    /// Sets the hook that hears of abort frames.
+    pub(crate) fn set_abort_sink(&self, sink: AbortSink) {
+        let _ = self.on_abort.set(sink);
     }
 
-    fn read_frames(
-        &self,
-        stream: &mut impl Read,
-        on_abort: &AbortSink,
-    ) -> std::result::Result<(), String> {
-        let mut hdr = [0u8; FRAME_HEADER_LEN];
+    /// The reader thread's body: waits for bytes, reads them without blocking, and runs until
+    /// the connection ends. It stands back while a receiver spins on this peer, which then reads
+    /// for itself.
+    pub(crate) fn read_loop(&self, probe: TcpStream) {
+        let Some(rx) = &self.rx else { return };
+        let mut held_until: Option<Instant> = None;
         loop {
-            // A clean end of stream is only clean between frames.
-            match read_full(stream, &mut hdr) {
-                Ok(0) => return Ok(()),
-                Ok(n) if n < FRAME_HEADER_LEN => {
-                    return Err(format!(
-                        "connection closed in a frame header ({n} of {FRAME_HEADER_LEN} bytes)"
-                    ));
+            {
+                let mut st = self.lock();
+                loop {
+                    if st.closed.is_some() {
+                        return;
+                    }
+                    let spinning = self.spinners.load(Ordering::Acquire) > 0;
+                    let holding = held_until.filter(|u| *u > Instant::now());
+                    if !spinning && holding.is_none() {
+                        break;
+                    }
+                    // A receive being posted, or the spinner leaving, wakes us.
+                    let limit = holding.map(|u| u.saturating_duration_since(Instant::now()));
+                    st = self.sleep(st, limit);
+                    if holding.is_some() && !spinning {
+                        break;
+                    }
                 }
-                Ok(_) => {}
-                Err(e) => return Err(describe(&e)),
             }
-            let h = FrameHeader::decode(&hdr).map_err(|e| format!("protocol error: {e}"))?;
-            let len = usize::try_from(h.len)
-                .map_err(|_| format!("protocol error: frame of {} bytes", h.len))?;
-            match h.kind {
-                FrameKind::Abort => {
-                    let mut text = vec![0u8; len.min(64 * 1024)];
-                    stream.read_exact(&mut text).map_err(|e| describe(&e))?;
-                    skip(stream, len - text.len()).map_err(|e| describe(&e))?;
-                    on_abort(AbortNotice {
-                        from: self.rank,
-                        tag: Tag::from_wire(h.tag),
-                        reason: String::from_utf8_lossy(&text).into_owned(),
-                    });
+            if held_until.is_none() {
+                // Block until bytes (or the end of the stream) arrive, without taking them.
+                let _ = probe.peek(&mut [0u8; 1]);
+            }
+            let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
+            held_until = None;
+            match self.progress(&mut r) {
+                Step::Closed(cause) => {
+                    self.shut(&mut r, cause);
+                    return;
                 }
-                FrameKind::Data => self.land(stream, h.tag, len, h.meta)?,
+                Step::Held(until) => held_until = Some(until),
+                Step::Progress | Step::Idle => {}
             }
         }
     }
 
-    /// Lands one payload: into a posted buffer of the right size, else into the queue.
-    fn land(
-        &self,
-        stream: &mut impl Read,
-        tag: u64,
-        len: usize,
-        meta: Meta,
-    ) -> std::result::Result<(), String> {
-        let mut st = self.lock();
-        let open = |st: &State| {
-            st.posted
-                .iter()
-                .any(|p| p.tag == tag && matches!(p.slot, Slot::Open))
+    /// Reads whatever has arrived, without blocking, and moves frames along: into posted
+    /// buffers, into the queue, or to the abort hook.
+    fn progress(&self, rx: &mut Rx) -> Step {
+        if rx.dead {
+            return Step::Closed("connection closed".into());
+        }
+        let mut moved = false;
+        let io_end = |e: std::io::Error, moved: bool| {
+            if would_block(&e) {
+                if moved { Step::Progress } else { Step::Idle }
+            } else {
+                Step::Closed(describe(&e))
+            }
         };
-        if len >= GRACE_MIN_LEN && !open(&st) {
-            // A large message nobody waits for yet. Streaming receivers post their next buffer
-            // a moment after the last one filled: give them that moment, so the payload lands
-            // in place instead of in a fresh allocation and a second copy. Correctness does not
-            // depend on it; after the grace period the message is queued as usual.
-            let until = Instant::now() + GRACE;
-            while !open(&st) {
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
+        loop {
+            match &mut rx.frame {
+                Frame::Header => {
+                    while rx.hi - rx.lo < FRAME_HEADER_LEN {
+                        match rx.read_more() {
+                            Ok(0) if rx.hi == rx.lo => {
+                                return Step::Closed("connection closed by peer".into());
+                            }
+                            Ok(0) => {
+                                return Step::Closed(format!(
+                                    "connection closed in a frame header ({} of {FRAME_HEADER_LEN} bytes)",
+                                    rx.hi - rx.lo
+                                ));
+                            }
+                            Ok(_) => moved = true,
+                            Err(e) => return io_end(e, moved),
+                        }
+                    }
+                    let raw: [u8; FRAME_HEADER_LEN] = rx.buf[rx.lo..rx.lo + FRAME_HEADER_LEN]
+                        .try_into()
+                        .expect("a header's worth of bytes");
+                    rx.lo += FRAME_HEADER_LEN;
+                    moved = true;
+                    let h = match FrameHeader::decode(&raw) {
+                        Ok(h) => h,
+                        Err(e) => return Step::Closed(format!("protocol error: {e}")),
+                    };
+                    let Ok(len) = usize::try_from(h.len) else {
+                        return Step::Closed(format!("protocol error: frame of {} bytes", h.len));
+                    };
+                    rx.frame = match h.kind {
+                        FrameKind::Abort => Frame::Abort {
+                            tag: h.tag,
+                            text: Vec::with_capacity(len.min(64 << 10)),
+                            left: len,
+                        },
+                        FrameKind::Data => self.route(h, len, None),
+                    };
                 }
-                st = self.sleep(st, Some(left));
+                Frame::Held { header, until } => {
+                    let (h, until) = (*header, *until);
+                    rx.frame = self.route(h, h.len as usize, Some(until));
+                    if matches!(rx.frame, Frame::Held { .. }) {
+                        return Step::Held(until);
+                    }
+                }
+                Frame::Fill { id, ptr, len, done, meta } => {
+                    if *done < *len {
+                        // SAFETY: receive `id` is `Filling` and we hold the read-side lock: its
+                        // owner cannot release the buffer before the fill ends (see `State`), and
+                        // `len` is the buffer's length.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
+                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, dst) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *done += n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let (id, meta) = (*id, *meta);
+                    let mut st = self.lock();
+                    if let Some(p) = st.posted.iter_mut().find(|p| p.id == id) {
+                        p.slot = Slot::Done(Outcome::Delivered(meta));
+                    }
+                    self.notify(&st);
+                    drop(st);
+                    rx.frame = Frame::Header;
+                }
+                Frame::Queue { tag, data, done, meta } => {
+                    if *done < data.len() {
+                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, &mut data[*done..]) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *done += n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let (tag, meta) = (*tag, *meta);
+                    let data = std::mem::take(data);
+                    rx.frame = Frame::Header;
+                    self.offer(tag, Payload::Owned(data), meta);
+                }
+                Frame::Abort { tag, text, left } => {
+                    if *left > 0 {
+                        let mut scratch = [0u8; 4096];
+                        let k = (*left).min(scratch.len());
+                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, &mut scratch[..k]) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                let room = (64 << 10) - text.len().min(64 << 10);
+                                text.extend_from_slice(&scratch[..n.min(room)]);
+                                *left -= n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let notice = AbortNotice {
+                        from: self.rank,
+                        tag: Tag::from_wire(*tag),
+                        reason: String::from_utf8_lossy(text).into_owned(),
+                    };
+                    rx.frame = Frame::Header;
+                    match self.on_abort.get() {
+                        Some(sink) => sink(notice),
+                        None => self.aborts.raise(notice),
+                    }
+                }
             }
         }
-        let target = st
+    }
+
+    /// Decides where a data frame's payload goes: the first open receive on its tag with a
+    /// buffer of its size, else the queue. A large message that nobody waits for yet is held
+    /// in the socket for a moment first: streaming receivers post their next buffer just after
+    /// the last one filled, and the payload then lands in place instead of in fresh memory.
+    fn route(&self, h: FrameHeader, len: usize, held_until: Option<Instant>) -> Frame {
+        let mut st = self.lock();
+        let open = st
             .posted
             .iter_mut()
-            .find(|p| p.tag == tag && matches!(p.slot, Slot::Open))
-            .filter(|p| p.len == len)
-            .map(|p| {
+            .find(|p| p.tag == h.tag && matches!(p.slot, Slot::Open));
+        match open {
+            Some(p) if p.len == len => {
                 p.slot = Slot::Filling;
-                (p.id, p.ptr)
-            });
-        match target {
-            Some((id, ptr)) => {
-                drop(st);
-                // SAFETY: the entry is `Filling`, which only this thread sets and clears; its
-                // owner waits (see `recv`) until it is `Done` before touching or freeing the
-                // buffer, and `len` is the buffer's length.
-                let buf = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-                let r = stream.read_exact(buf);
-                let mut st = self.lock();
-                if let Some(p) = st.posted.iter_mut().find(|p| p.id == id) {
-                    p.slot = Slot::Done(match &r {
-                        Ok(()) => Outcome::Delivered(meta),
-                        Err(e) => {
-                            Outcome::Gone(format!("connection lost mid-message: {}", describe(e)))
-                        }
-                    });
+                return Frame::Fill {
+                    id: p.id,
+                    ptr: p.ptr,
+                    len,
+                    done: 0,
+                    meta: h.meta,
+                };
+            }
+            None if len >= GRACE_MIN_LEN => {
+                let until = held_until.unwrap_or_else(|| Instant::now() + GRACE);
+                if Instant::now() < until {
+                    return Frame::Held { header: h, until };
                 }
-                self.notify(&st);
-                r.map_err(|e| format!("connection lost mid-message: {}", describe(&e)))
             }
-            _ => {
-                // No receive waits with a buffer of this size: read the message whole, then offer
-                // it again (a receive may have been posted meanwhile) or keep it.
-                drop(st);
-                let mut data = vec![0u8; len];
-                stream
-                    .read_exact(&mut data)
-                    .map_err(|e| format!("connection lost mid-message: {}", describe(&e)))?;
-                self.offer(tag, Payload::Owned(data), meta);
-                Ok(())
-            }
+            // A receive of another size is told so when the message has been queued.
+            _ => {}
+        }
+        Frame::Queue {
+            tag: h.tag,
+            data: vec![0u8; len],
+            done: 0,
+            meta: h.meta,
         }
     }
+}
+
+/// [`Rx::pull`] on the fields of a borrowed `Rx` (so that the frame can be borrowed beside it).
+fn rx_pull(
+    sock: &mut socket2::Socket,
+    buf: &mut [u8],
+    lo: &mut usize,
+    hi: &mut usize,
+    dst: &mut [u8],
+) -> std::io::Result<usize> {
+    if *lo == *hi {
+        (*lo, *hi) = (0, 0);
+        if dst.len() >= buf.len() / 2 {
+            return recv_now(sock, dst);
+        }
+        let n = recv_now(sock, buf)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        *hi = n;
+    }
+    let n = dst.len().min(*hi - *lo);
+    dst[..n].copy_from_slice(&buf[*lo..*lo + n]);
+    *lo += n;
+    Ok(n)
 }
 
 enum Payload<'a> {
@@ -800,26 +1073,13 @@ fn describe(e: &std::io::Error) -> String {
     }
 }
 
-/// Reads until `buf` is full or the stream ends; returns how much was read.
-fn read_full(stream: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match stream.read(&mut buf[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(n)
-}
-
-fn skip(stream: &mut impl Read, mut n: usize) -> std::io::Result<()> {
-    let mut scratch = [0u8; 4096];
-    while n > 0 {
-        let k = n.min(scratch.len());
-        stream.read_exact(&mut scratch[..k])?;
-        n -= k;
-    }
-    Ok(())
+fn spin_time() -> Duration {
+    static S: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *S.get_or_init(|| {
+        std::env::var("DIST_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_micros)
+            .unwrap_or(SPIN)
+    })
 }
