@@ -20,6 +20,9 @@ const GRACE_MIN_LEN: usize = 64 << 10;
 /// How long a large message waits for its receive to be posted.
 const GRACE: Duration = Duration::from_millis(5);
 
+/// How often the reader thread drains a connection that nobody is waiting on.
+const IDLE_DRAIN: Duration = Duration::from_millis(20);
+
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 
@@ -62,6 +65,12 @@ struct State {
     next_id: u64,
     /// Threads blocked on the condition variable; nobody is notified when there are none.
     sleepers: usize,
+    /// The reader thread is blocked on `reader_cond`.
+    reader_sleeping: bool,
+    /// ... and it is holding a large message back for a receive to be posted.
+    reader_holding: bool,
+    /// The backend is being dropped and waits for the peer to close its side.
+    closing: bool,
 }
 
 // SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
@@ -242,7 +251,10 @@ pub(crate) struct Peer {
     /// A handle used only to shut the connection down.
     stream: Option<TcpStream>,
     state: Mutex<State>,
+    /// Receivers sleep on this one.
     cond: Condvar,
+    /// The reader thread sleeps on this one, so that delivering a message wakes no one else.
+    reader_cond: Condvar,
     /// The read side, shared by the reader thread and spinning receivers; `None` for loopback.
     rx: Option<Mutex<Rx>>,
     /// Receivers spinning on this peer right now; the reader thread stands back meanwhile.
@@ -334,8 +346,12 @@ impl Peer {
                 queued: HashMap::new(),
                 next_id: 0,
                 sleepers: 0,
+                reader_sleeping: false,
+                reader_holding: false,
+                closing: false,
             }),
             cond: Condvar::new(),
+            reader_cond: Condvar::new(),
             aborts,
         })
     }
@@ -356,8 +372,12 @@ impl Peer {
                 queued: HashMap::new(),
                 next_id: 0,
                 sleepers: 0,
+                reader_sleeping: false,
+                reader_holding: false,
+                closing: false,
             }),
             cond: Condvar::new(),
+            reader_cond: Condvar::new(),
             aborts,
         }
     }
@@ -387,7 +407,32 @@ impl Peer {
         st
     }
 
-    /// Wakes the threads blocked on the condition variable, if any.
+    /// Blocks the reader thread (at most `limit`) until [`Peer::wake_reader`].
+    fn reader_sleep<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        limit: Duration,
+        holding: bool,
+    ) -> MutexGuard<'a, State> {
+        st.reader_sleeping = true;
+        st.reader_holding = holding;
+        let mut st = self
+            .reader_cond
+            .wait_timeout(st, limit)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        st.reader_sleeping = false;
+        st.reader_holding = false;
+        st
+    }
+
+    fn wake_reader(&self, st: &State) {
+        if st.reader_sleeping {
+            self.reader_cond.notify_one();
+        }
+    }
+
+    /// Wakes the receivers blocked on the condition variable, if any.
     fn notify(&self, st: &State) {
         if st.sleepers > 0 {
             self.cond.notify_all();
@@ -565,8 +610,8 @@ impl Peer {
             slot: Slot::Open,
         });
         // The reader may be holding a large message back for a receive like this one.
-        if st.sleepers > 0 {
-            self.cond.notify_all();
+        if st.reader_holding {
+            self.wake_reader(&st);
         }
         drop(st);
         // From here the reader may write into `buf`: the guard withdraws the receive (waiting out
@@ -629,6 +674,14 @@ impl Peer {
                 drop(st);
                 self.spin(id, deadline.min(Instant::now() + spin_time()));
                 st = self.lock();
+                let done = st
+                    .posted
+                    .iter()
+                    .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
+                if !done {
+                    // About to sleep: the reader thread must now watch the socket for us.
+                    self.wake_reader(&st);
+                }
                 continue;
             }
             let now = Instant::now();
@@ -675,9 +728,6 @@ impl Peer {
             std::thread::yield_now();
         }
         self.spinners.fetch_sub(1, Ordering::AcqRel);
-        // The reader thread may be standing back for us.
-        let st = self.lock();
-        self.notify(&st);
     }
 
     /// Ends the connection: no more bytes are read, every waiting receive fails with `cause`.
@@ -747,7 +797,8 @@ impl Peer {
     /// Wakes every waiter so that it rechecks the abort flag.
     pub(crate) fn wake(&self) {
         let st = self.lock();
-        self.notify(&st);
+        self.cond.notify_all();
+        self.wake_reader(&st);
     }
 
     /// Waits until the reader has seen the connection end, or `deadline`. True if it has.
@@ -756,6 +807,8 @@ impl Peer {
             return true;
         }
         let mut st = self.lock();
+        st.closing = true;
+        self.wake_reader(&st);
         while st.closed.is_none() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -790,6 +843,7 @@ impl Peer {
             }
         }
         self.notify(&st);
+        self.wake_reader(&st);
     }
 
     /// Shuts the socket down in both directions (on drop, or to break a hung connection).
@@ -804,38 +858,49 @@ impl Peer {
         let _ = self.on_abort.set(sink);
     }
 
-    /// The reader thread's body: waits for bytes, reads them without blocking, and runs until
-    /// the connection ends. It stands back while a receiver spins on this peer, which then reads
-    /// for itself.
+    /// The reader thread's body, until the connection ends. While a receiver sleeps waiting on
+    /// this peer, or a frame is half read, it blocks until bytes arrive and moves them along.
+    /// Otherwise it stays off the socket, so that a spinning receiver reads its message itself
+    /// with no thread switch, and only drains the socket every [`IDLE_DRAIN`] (unexpected
+    /// messages must not fill the sender's buffers while nobody receives).
     pub(crate) fn read_loop(&self, probe: TcpStream) {
         let Some(rx) = &self.rx else { return };
         let mut held_until: Option<Instant> = None;
+        let mut mid_frame = false;
         loop {
-            {
+            let watch = {
                 let mut st = self.lock();
                 loop {
                     if st.closed.is_some() {
                         return;
                     }
-                    let spinning = self.spinners.load(Ordering::Acquire) > 0;
-                    let holding = held_until.filter(|u| *u > Instant::now());
-                    if !spinning && holding.is_none() {
-                        break;
+                    let now = Instant::now();
+                    if let Some(until) = held_until.filter(|u| *u > now) {
+                        // A large message waits for its receive: a post (or the grace period
+                        // ending) moves it on.
+                        st = self.reader_sleep(st, until - now, true);
+                        held_until = None;
+                        break false;
                     }
-                    // A receive being posted, or the spinner leaving, wakes us.
-                    let limit = holding.map(|u| u.saturating_duration_since(Instant::now()));
-                    st = self.sleep(st, limit);
-                    if holding.is_some() && !spinning {
-                        break;
+                    let sleeping = st
+                        .posted
+                        .iter()
+                        .any(|p| !matches!(p.slot, Slot::Done(_)));
+                    let spinning = self.spinners.load(Ordering::Acquire) > 0;
+                    if st.closing || ((sleeping || mid_frame) && !spinning) {
+                        break true;
+                    }
+                    st = self.reader_sleep(st, IDLE_DRAIN, false);
+                    if st.closed.is_none() {
+                        break false;
                     }
                 }
-            }
-            if held_until.is_none() {
+            };
+            if watch {
                 // Block until bytes (or the end of the stream) arrive, without taking them.
                 let _ = probe.peek(&mut [0u8; 1]);
             }
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
-            held_until = None;
             match self.progress(&mut r) {
                 Step::Closed(cause) => {
                     self.shut(&mut r, cause);
@@ -844,6 +909,7 @@ impl Peer {
                 Step::Held(until) => held_until = Some(until),
                 Step::Progress | Step::Idle => {}
             }
+            mid_frame = !matches!(r.frame, Frame::Header);
         }
     }
 
