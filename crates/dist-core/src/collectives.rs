@@ -38,6 +38,9 @@ pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
 pub const BROADCAST_CHAIN_MIN: usize = 256 << 10;
 /// reduce messages up to this size use the binomial tree; larger ones the ring.
 pub const REDUCE_RING_MIN: usize = 256 << 10;
+/// The largest piece of a ring step: small enough to stay in cache between its arrival and
+/// its reduction.
+pub const RING_PIECE: usize = 256 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
 
@@ -572,17 +575,24 @@ fn ring_reduce_scatter<T: Element>(
 ) -> Result<()> {
     let (me, n) = (c.me, c.n);
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-    let max_seg = (0..n)
-        .map(|i| segment(data.len(), n, i).len())
-        .max()
-        .unwrap_or(0);
-    with_scratch::<T, _>(max_seg, |tmp| {
+    // Each step's segment moves in pieces of at most RING_PIECE bytes, each received into a
+    // small scratch buffer and reduced at once, while it is still in cache.
+    let piece = (RING_PIECE / std::mem::size_of::<T>()).max(1);
+    with_scratch::<T, _>(piece.min(data.len()), |tmp| {
         for s in 0..n - 1 {
             let send = segment(data.len(), n, (me + off + 2 * n - 1 - s) % n);
             let recv = segment(data.len(), n, (me + off + 2 * n - 2 - s) % n);
-            let tmp = &mut tmp[..recv.len()];
-            c.send_recv(bytes(&data[send]), right, bytes_mut(tmp), left)?;
-            reduce(c, &mut data[recv], tmp, op)?;
+            let pieces = send.len().max(recv.len()).div_ceil(piece).max(1);
+            for k in 0..pieces {
+                let part = |r: &std::ops::Range<usize>| {
+                    let lo = (r.start + k * piece).min(r.end);
+                    lo..(lo + piece).min(r.end)
+                };
+                let (sp, rp) = (part(&send), part(&recv));
+                let tmp = &mut tmp[..rp.len()];
+                c.send_recv(bytes(&data[sp]), right, bytes_mut(tmp), left)?;
+                reduce(c, &mut data[rp], tmp, op)?;
+            }
         }
         Ok(())
     })

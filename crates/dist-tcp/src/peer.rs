@@ -274,11 +274,12 @@ impl std::fmt::Debug for Peer {
     }
 }
 
+/// MSG_NOSIGNAL: a closed peer is an EPIPE error, never a SIGPIPE that kills the process.
+const MSG_NOSIGNAL: i32 = libc_msg_nosignal();
+
 fn write_all_vectored(sock: &socket2::Socket, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    // MSG_NOSIGNAL: a closed peer is an EPIPE error, never a SIGPIPE that kills the process.
-    const FLAGS: i32 = libc_msg_nosignal();
     while !bufs.is_empty() {
-        match sock.send_vectored_with_flags(bufs, FLAGS) {
+        match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -473,36 +474,123 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let started = Instant::now();
-        match write_all_vectored(&w.sock, &mut bufs) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // A frame may be half written: the stream is no longer in step with the reader on
-                // the other side, so close it; both sides then see the peer as gone.
-                let timed_out = matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                );
-                let cause = if timed_out {
-                    format!(
-                        "send blocked for {:.1?}: peer not reading",
-                        started.elapsed()
-                    )
-                } else {
-                    format!("send failed: {e}")
-                };
-                w.broken = Some(cause.clone());
-                let _ = w.sock.shutdown(Shutdown::Both);
-                if timed_out {
-                    Err(DistError::Timeout {
-                        rank: self.me,
-                        op: op(),
-                        peer: self.rank,
-                        waited: started.elapsed(),
-                    })
-                } else {
-                    Err(self.gone(op(), cause))
-                }
+        write_all_vectored(&w.sock, &mut bufs).map_err(|e| self.send_failed(&mut w, e, started, op))
+    }
+
+    /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
+    /// socket is written without blocking and, whenever it is full, `src`'s socket is read, so
+    /// that neither direction waits on a thread switch. If neither moves for a spin period the
+    /// thread stops spinning: the reader thread takes the receive and the send blocks.
+    pub(crate) fn send_while_receiving(
+        &self,
+        tag: u64,
+        data: &[u8],
+        meta: Meta,
+        op: &dyn Fn() -> String,
+        src: &Peer,
+        id: u64,
+    ) -> Result<()> {
+        let (Some(writer), Some(rx)) = (&self.writer, &src.rx) else {
+            return self.send(FrameKind::Data, tag, data, meta, op);
+        };
+        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(cause) = &w.broken {
+            return Err(self.gone(op(), cause.clone()));
+        }
+        if let Some(cause) = &self.lock().closed {
+            return Err(self.gone(op(), cause.clone()));
+        }
+        let header = FrameHeader {
+            kind: FrameKind::Data,
+            tag,
+            len: data.len() as u64,
+            meta,
+        }
+        .encode();
+        let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
+        let mut bufs = &mut bufs[..];
+        let started = Instant::now();
+        let spin = spin_time();
+        src.spinners.fetch_add(1, Ordering::AcqRel);
+        let mut spinning = true;
+        let mut idle_since: Option<Instant> = None;
+        let mut received = false;
+        let r = loop {
+            if bufs.is_empty() {
+                break Ok(());
             }
+            let mut moved = false;
+            match w.sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT) {
+                Ok(n) => {
+                    IoSlice::advance_slices(&mut bufs, n);
+                    moved = true;
+                }
+                Err(e) if would_block(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
+            if !received && let Ok(mut r) = rx.try_lock() {
+                match src.progress(&mut r) {
+                    Step::Progress => moved = true,
+                    Step::Closed(cause) => src.shut(&mut r, cause),
+                    Step::Idle | Step::Held(_) => {}
+                }
+                drop(r);
+                received = src
+                    .lock()
+                    .posted
+                    .iter()
+                    .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
+            }
+            if moved {
+                idle_since = None;
+                continue;
+            }
+            let now = Instant::now();
+            if now - *idle_since.get_or_insert(now) > spin {
+                // Stop spinning: the reader thread takes the receive, and this thread blocks
+                // on the send (within the socket's send timeout).
+                src.spinners.fetch_sub(1, Ordering::AcqRel);
+                spinning = false;
+                src.wake_reader(&src.lock());
+                break write_all_vectored(&w.sock, bufs);
+            }
+            std::thread::yield_now();
+        };
+        if spinning {
+            src.spinners.fetch_sub(1, Ordering::AcqRel);
+        }
+        r.map_err(|e| self.send_failed(&mut w, e, started, op))
+    }
+
+    /// A send failed part-way: a frame may be half written, so the stream is no longer in step
+    /// with the reader on the other side. Close it; both sides then see the peer as gone.
+    fn send_failed(
+        &self,
+        w: &mut Writer,
+        e: std::io::Error,
+        started: Instant,
+        op: &dyn Fn() -> String,
+    ) -> DistError {
+        let timed_out = matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        );
+        let cause = if timed_out {
+            format!("send blocked for {:.1?}: peer not reading", started.elapsed())
+        } else {
+            format!("send failed: {e}")
+        };
+        w.broken = Some(cause.clone());
+        let _ = w.sock.shutdown(Shutdown::Both);
+        if timed_out {
+            DistError::Timeout {
+                rank: self.me,
+                op: op(),
+                peer: self.rank,
+                waited: started.elapsed(),
+            }
+        } else {
+            self.gone(op(), cause)
         }
     }
 
@@ -563,19 +651,21 @@ impl Peer {
         deadline: Instant,
         op: &dyn Fn() -> String,
     ) -> Result<Meta> {
-        self.recv_overlapped(buf, tag, deadline, op, || Ok(()))
+        self.recv_overlapped(buf, tag, deadline, op, false, |_| Ok(()))
     }
 
     /// Posts a receive of `buf`, runs `during` (a send, typically), then waits for the receive.
-    /// The payload can land in `buf` while `during` runs. If `during` fails, its error is
-    /// returned once the receive has been withdrawn.
+    /// The payload can land in `buf` while `during` runs; when `during` may block for a while
+    /// (`long`: a large send), the reader thread is woken to take it meanwhile. If `during`
+    /// fails, its error is returned once the receive has been withdrawn.
     pub(crate) fn recv_overlapped(
         &self,
         buf: &mut [u8],
         tag: u64,
         deadline: Instant,
         op: &dyn Fn() -> String,
-        during: impl FnOnce() -> Result<()>,
+        long: bool,
+        during: impl FnOnce(Option<u64>) -> Result<()>,
     ) -> Result<Meta> {
         let started = Instant::now();
         let len = buf.len();
@@ -591,13 +681,13 @@ impl Peer {
                 Ok(m.meta)
             };
             drop(st);
-            during()?;
+            during(None)?;
             return r;
         }
         if let Some(cause) = &st.closed {
             let e = self.gone(op(), cause.clone());
             drop(st);
-            during()?;
+            during(None)?;
             return Err(e);
         }
         let id = st.next_id;
@@ -609,8 +699,9 @@ impl Peer {
             len,
             slot: Slot::Open,
         });
-        // The reader may be holding a large message back for a receive like this one.
-        if st.reader_holding {
+        // The reader may be holding a large message back for a receive like this one; or we are
+        // about to be busy sending, and it must take the message as it comes.
+        if st.reader_holding || long {
             self.wake_reader(&st);
         }
         drop(st);
@@ -622,7 +713,7 @@ impl Peer {
             deadline,
             armed: true,
         };
-        during()?;
+        during(Some(id))?;
         guard.armed = false;
         self.wait(id, tag, len, started, deadline, op)
     }
