@@ -187,12 +187,19 @@ impl Transport for TcpBackend {
         let src_peer = self.peer(src, &rop)?;
         let sop = || format!("send to {dst} (tag {tag}, {} bytes)", send.len());
         let dst_peer = self.peer(dst, &sop)?;
-        src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, false, |posted| {
-            match posted {
-                Some(id) => dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id),
+        src_peer.recv_overlapped(
+            recv,
+            tag.to_wire(),
+            deadline,
+            &rop,
+            false,
+            |posted| match posted {
+                Some(id) => {
+                    dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id)
+                }
                 None => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
-            }
-        })
+            },
+        )
     }
 
     /// The length and meta of the next message queued from `src` on `tag`, if one has arrived

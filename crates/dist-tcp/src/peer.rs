@@ -520,7 +520,10 @@ impl Peer {
                 break Ok(());
             }
             let mut moved = false;
-            match w.sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT) {
+            match w
+                .sock
+                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT)
+            {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
                     moved = true;
@@ -576,7 +579,10 @@ impl Peer {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
         );
         let cause = if timed_out {
-            format!("send blocked for {:.1?}: peer not reading", started.elapsed())
+            format!(
+                "send blocked for {:.1?}: peer not reading",
+                started.elapsed()
+            )
         } else {
             format!("send failed: {e}")
         };
@@ -835,7 +841,11 @@ impl Peer {
 
     /// Cuts the connection from a receiver's thread.
     fn cut(&self, cause: &str) {
-        tracing::warn!(rank = self.me, peer = self.rank, "{cause}; closing the connection");
+        tracing::warn!(
+            rank = self.me,
+            peer = self.rank,
+            "{cause}; closing the connection"
+        );
         if let Some(rx) = &self.rx {
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             self.shut(&mut r, cause.to_string());
@@ -973,10 +983,7 @@ impl Peer {
                         held_until = None;
                         break false;
                     }
-                    let sleeping = st
-                        .posted
-                        .iter()
-                        .any(|p| !matches!(p.slot, Slot::Done(_)));
+                    let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
                     let spinning = self.spinners.load(Ordering::Acquire) > 0;
                     if st.closing || ((sleeping || mid_frame) && !spinning) {
                         break true;
@@ -1064,12 +1071,19 @@ impl Peer {
                         return Step::Held(until);
                     }
                 }
-                Frame::Fill { id, ptr, len, done, meta } => {
+                Frame::Fill {
+                    id,
+                    ptr,
+                    len,
+                    done,
+                    meta,
+                } => {
                     if *done < *len {
                         // SAFETY: receive `id` is `Filling` and we hold the read-side lock: its
                         // owner cannot release the buffer before the fill ends (see `State`), and
                         // `len` is the buffer's length.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
                         match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, dst) {
                             Ok(0) => return Step::Closed("connection closed mid-message".into()),
                             Ok(n) => {
@@ -1089,9 +1103,20 @@ impl Peer {
                     drop(st);
                     rx.frame = Frame::Header;
                 }
-                Frame::Queue { tag, data, done, meta } => {
+                Frame::Queue {
+                    tag,
+                    data,
+                    done,
+                    meta,
+                } => {
                     if *done < data.len() {
-                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, &mut data[*done..]) {
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut data[*done..],
+                        ) {
                             Ok(0) => return Step::Closed("connection closed mid-message".into()),
                             Ok(n) => {
                                 *done += n;
@@ -1110,7 +1135,13 @@ impl Peer {
                     if *left > 0 {
                         let mut scratch = [0u8; 4096];
                         let k = (*left).min(scratch.len());
-                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, &mut scratch[..k]) {
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut scratch[..k],
+                        ) {
                             Ok(0) => return Step::Closed("connection closed mid-message".into()),
                             Ok(n) => {
                                 let room = (64 << 10) - text.len().min(64 << 10);

@@ -3,7 +3,8 @@
 
 use std::time::Instant;
 
-use dist_core::{Backend, Tag};
+use dist_core::{Backend, Collectives, ReduceOp, Tag};
+use dist_tcp::TcpBackend;
 
 use dist_multirank::{fill, first_difference, seed};
 
@@ -100,7 +101,112 @@ fn main() {
         }
     }
     b.barrier().unwrap();
+    collectives(&b);
     if me == 0 {
         println!("\nall ranks verified every byte");
     }
+}
+
+/// Each collective once on 100,003 f32 values per rank (a prime count), checked on every rank.
+fn collectives(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    let k = 100_003;
+    let v = |r: usize, i: usize| ((r * 7 + i) % 11) as f32;
+    let sum = |i: usize| (0..n).map(|r| v(r, i)).sum::<f32>();
+    if me == 0 {
+        println!("\ncollectives, {n} ranks, {k} f32 per rank, each checked on every rank");
+        println!("{:>16} {:>12}", "collective", "time (us)");
+    }
+    let report = |name: &str, t: Instant, ok: bool| {
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        assert!(ok, "{name} gave a wrong result on rank {me}");
+        // Every rank checked; rank 0 prints the slowest rank's time.
+        let mut slowest = [us];
+        b.all_reduce(&mut slowest, ReduceOp::Max).unwrap();
+        if me == 0 {
+            println!("{name:>16} {:>12.1}", slowest[0]);
+        }
+    };
+    let mine: Vec<f32> = (0..k).map(|i| v(me, i)).collect();
+
+    let mut x = mine.clone();
+    let t = Instant::now();
+    b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    report(
+        "all_reduce",
+        t,
+        x.iter().enumerate().all(|(i, y)| *y == sum(i)),
+    );
+
+    let mut x = mine.clone();
+    let t = Instant::now();
+    b.broadcast(&mut x, n - 1).unwrap();
+    report(
+        "broadcast",
+        t,
+        x.iter().enumerate().all(|(i, y)| *y == v(n - 1, i)),
+    );
+
+    let mut x = vec![0f32; k];
+    let t = Instant::now();
+    b.reduce_into(&mine, &mut x, ReduceOp::Sum, 0).unwrap();
+    report(
+        "reduce",
+        t,
+        me != 0 || x.iter().enumerate().all(|(i, y)| *y == sum(i)),
+    );
+
+    let mut all = vec![0f32; k * n];
+    let t = Instant::now();
+    b.all_gather(&mine, &mut all).unwrap();
+    report(
+        "all_gather",
+        t,
+        all.iter().enumerate().all(|(i, y)| *y == v(i / k, i % k)),
+    );
+
+    let full: Vec<f32> = (0..k * n).map(|i| v(me, i)).collect();
+    let mut part = vec![0f32; k];
+    let t = Instant::now();
+    b.reduce_scatter(&full, &mut part, ReduceOp::Sum).unwrap();
+    report(
+        "reduce_scatter",
+        t,
+        part.iter().enumerate().all(|(i, y)| *y == sum(me * k + i)),
+    );
+
+    let mut out = vec![0f32; k * n];
+    let t = Instant::now();
+    b.all_to_all(&full, &mut out).unwrap();
+    report(
+        "all_to_all",
+        t,
+        out.iter()
+            .enumerate()
+            .all(|(i, y)| *y == v(i / k, me * k + i % k)),
+    );
+
+    let mut g = vec![0f32; k * n];
+    let t = Instant::now();
+    b.gather(&mine, (me == 0).then_some(&mut g[..]), 0).unwrap();
+    report(
+        "gather",
+        t,
+        me != 0 || g.iter().enumerate().all(|(i, y)| *y == v(i / k, i % k)),
+    );
+
+    let src: Vec<f32> = (0..k * n).map(|i| v(0, i)).collect();
+    let mut part = vec![0f32; k];
+    let t = Instant::now();
+    b.scatter((me == 0).then_some(&src[..]), &mut part, 0)
+        .unwrap();
+    report(
+        "scatter",
+        t,
+        part.iter().enumerate().all(|(i, y)| *y == v(0, me * k + i)),
+    );
+
+    let t = Instant::now();
+    b.barrier().unwrap();
+    report("barrier", t, true);
 }

@@ -97,7 +97,10 @@ fn opts() -> Opts {
             "-b" => o.min = parse_size(&val()),
             "-e" => o.max = parse_size(&val()),
             "-f" => o.factor = val().parse().expect("factor"),
-            "--dtype" => o.dtype = DType::parse(&val()).unwrap_or_else(|| panic!("unknown dtype {:?}", val())),
+            "--dtype" => {
+                o.dtype =
+                    DType::parse(&val()).unwrap_or_else(|| panic!("unknown dtype {:?}", val()))
+            }
             "--iters" => o.iters = Some(val().parse().expect("iters")),
             "--warmup" => o.warmup = Some(val().parse().expect("warmup")),
             "--check" => {
@@ -109,7 +112,10 @@ fn opts() -> Opts {
         }
         i += 2;
     }
-    assert!(o.factor >= 2 && o.min >= 1 && o.max >= o.min, "bad size range");
+    assert!(
+        o.factor >= 2 && o.min >= 1 && o.max >= o.min,
+        "bad size range"
+    );
     o
 }
 
@@ -201,10 +207,18 @@ fn one_size<T: Element>(b: &TcpBackend, o: &Opts, size: usize) {
             "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.1} {algbw:>8.3} {:>8.3} {:>6}",
             T::DTYPE.name(),
             if o.op.reduces() { "sum" } else { "none" },
-            if matches!(o.op, Op::Broadcast | Op::Reduce) { "0" } else { "-1" },
+            if matches!(o.op, Op::Broadcast | Op::Reduce) {
+                "0"
+            } else {
+                "-1"
+            },
             secs[0] * 1e6,
             algbw * o.op.bus_factor(n),
-            if o.check { bad[0].to_string() } else { "N/A".into() },
+            if o.check {
+                bad[0].to_string()
+            } else {
+                "N/A".into()
+            },
         );
     }
 }
@@ -227,7 +241,11 @@ fn main() {
             o.op,
             b.world_size(),
             o.dtype,
-            if o.check { "(checked)" } else { "(not checked)" }
+            if o.check {
+                "(checked)"
+            } else {
+                "(not checked)"
+            }
         );
         println!(
             "# {:>10} {:>12} {:>8} {:>6} {:>4} {:>10} {:>8} {:>8} {:>6}",

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Side by side: dist's all_reduce (cargo xtask perf) and Open MPI's MPI_Allreduce over TCP on
+# loopback, f32 sum, 4 ranks, 8 B to 64 MiB, alternating ROUNDS times (default 3) so that both
+# see the same machine; prints the median of each size as a markdown table with the ratios.
+# Needs Debian's openmpi-bin and libopenmpi-dev.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rounds="${ROUNDS:-3}"
+ranks="${RANKS:-4}"
+out="$(mktemp -d)"
+cargo build --release --quiet -p dist-multirank --bin dist-perf
+for i in $(seq "$rounds"); do
+    cargo xtask perf --op all_reduce -n "$ranks" -b 8 -e 64M -f 2 --check >"$out/dist.$i" 2>&1
+    benches/peers/run-openmpi.sh -n "$ranks" -b 8 -e 64M -f 2 >"$out/mpi.$i" 2>&1
+done
+python3 - "$out" "$rounds" <<'PY'
+import statistics, sys
+d, rounds = sys.argv[1], int(sys.argv[2])
+def load(prefix):
+    rows = {}
+    for i in range(1, rounds + 1):
+        for line in open(f"{d}/{prefix}.{i}"):
+            f = line.split()
+            if len(f) >= 9 and f[0].isdigit():
+                rows.setdefault(int(f[0]), []).append((float(f[5]), float(f[7]), f[8]))
+    return rows
+dist, mpi = load("dist"), load("mpi")
+algo = lambda b: "recursive doubling" if b <= 64 * 1024 else "ring RS+AG, 256 KiB pieces"
+print("| bytes | dist µs | Open MPI µs | time ratio (MPI/dist) | dist busbw GB/s | Open MPI busbw GB/s | busbw ratio (dist/MPI) | dist verified | dist algorithm |")
+print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+for b in sorted(set(dist) & set(mpi)):
+    dt = statistics.median(x[0] for x in dist[b]); mt = statistics.median(x[0] for x in mpi[b])
+    db = statistics.median(x[1] for x in dist[b]); mb = statistics.median(x[1] for x in mpi[b])
+    wrong = sum(int(x[2]) for x in dist[b] if x[2].isdigit())
+    print(f"| {b} | {dt:.1f} | {mt:.1f} | {mt/dt:.2f} | {db:.3f} | {mb:.3f} | {db/mb if mb else float('nan'):.2f} | {'yes' if wrong == 0 else f'{wrong} wrong'} | {algo(b)} |")
+PY
