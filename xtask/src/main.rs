@@ -4,6 +4,7 @@
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
 
+mod bindgen;
 mod launch;
 mod multirank;
 
@@ -36,6 +37,8 @@ enum Cmd {
     BenchP2p,
     /// The nccl-tests table for one collective over a range of sizes.
     Perf(PerfArgs),
+    /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
+    Bindgen(bindgen::Args),
 }
 
 #[derive(clap::Args)]
@@ -85,6 +88,27 @@ pub fn release_dir() -> PathBuf {
         .join("release")
 }
 
+/// Formats Rust source with the toolchain's rustfmt.
+pub fn rustfmt(src: &str) -> Result<String> {
+    use std::io::Write;
+    let mut child = Command::new("rustfmt")
+        .args(["--edition", "2024", "--emit", "stdout"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("run rustfmt")?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(src.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!("rustfmt failed on the generated bindings");
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
 /// Runs `cargo ARGS` in the workspace root and fails if it fails.
 pub fn cargo(args: &[&str]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -115,6 +139,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::TestMultirank(args) => multirank::run(&args),
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
+        Cmd::Bindgen(a) => bindgen::run(&a),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
         Cmd::Perf(a) => {
             if a.backend != "tcp" {

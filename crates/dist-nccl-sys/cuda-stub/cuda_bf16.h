@@ -1,0 +1,1 @@
+/* Empty stand-in for the CUDA toolkit's cuda_bf16.h (see cuda_runtime.h here). */
