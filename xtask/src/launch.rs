@@ -29,8 +29,13 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Outcome {
     Passed,
+    /// Some rank said it cannot run here (exit status 77), none failed.
+    Skipped,
     Failed(String),
 }
+
+/// The exit status with which a test program says "skipped" (automake's convention).
+pub const SKIP_STATUS: i32 = 77;
 
 /// A port that was free a moment ago.
 pub fn free_port() -> Result<u16> {
@@ -117,6 +122,7 @@ pub fn run(job: &Job) -> Result<Outcome> {
         children.push(Some(child));
     }
     let started = Instant::now();
+    let mut skipped = false;
     let outcome = loop {
         let mut running = Vec::new();
         let mut failure = None;
@@ -124,6 +130,10 @@ pub fn run(job: &Job) -> Result<Outcome> {
             let Some(child) = slot else { continue };
             match child.try_wait() {
                 Ok(Some(status)) if status.success() => *slot = None,
+                Ok(Some(status)) if status.code() == Some(SKIP_STATUS) => {
+                    skipped = true;
+                    *slot = None;
+                }
                 Ok(Some(status)) => {
                     failure = Some(format!("rank {rank} failed ({status})"));
                     *slot = None;
@@ -140,7 +150,7 @@ pub fn run(job: &Job) -> Result<Outcome> {
             break Outcome::Failed(f);
         }
         if running.is_empty() {
-            break Outcome::Passed;
+            break if skipped { Outcome::Skipped } else { Outcome::Passed };
         }
         if started.elapsed() > job.timeout {
             break Outcome::Failed(format!(

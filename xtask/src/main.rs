@@ -5,6 +5,7 @@
 #![allow(unreachable_pub)]
 
 mod bindgen;
+mod bundle;
 mod launch;
 mod multirank;
 
@@ -39,6 +40,13 @@ enum Cmd {
     Perf(PerfArgs),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
+    /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
+    /// on a host with no Rust toolchain: `FOLDER/run test-multirank --backend nccl`.
+    Bundle {
+        /// Where (default: bundle/ in the workspace).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -70,6 +78,9 @@ struct PerfArgs {
     /// Timed iterations per size (default: by size, 5 to 1000).
     #[arg(long)]
     iters: Option<usize>,
+    /// nccl: also time a bare ncclAllReduce loop in the same program.
+    #[arg(long)]
+    bare: bool,
 }
 
 /// The workspace root.
@@ -141,10 +152,13 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
+        Cmd::Bundle { out } => bundle::run(out),
         Cmd::Perf(a) => {
-            if a.backend != "tcp" {
-                bail!("unknown backend {:?} (this build knows: tcp)", a.backend);
-            }
+            let bin = match a.backend.as_str() {
+                "tcp" => "dist-perf",
+                "nccl" => "dist-nccl-perf",
+                other => bail!("unknown backend {other:?} (tcp or nccl)"),
+            };
             let mut args: Vec<String> = [
                 "--op", &a.op, "-b", &a.min, "-e", &a.max, "-f", &a.factor, "--dtype", &a.dtype,
             ]
@@ -157,7 +171,10 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             if let Some(i) = a.iters {
                 args.extend(["--iters".into(), i.to_string()]);
             }
-            launch_release("dist-perf", a.ranks, args)
+            if a.bare {
+                args.push("--bare".into());
+            }
+            launch_release(bin, a.ranks, args)
         }
     }
 }
@@ -185,6 +202,10 @@ fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
     };
     match launch::run(&job)? {
         launch::Outcome::Passed => Ok(()),
+        launch::Outcome::Skipped => {
+            println!("{bin}: skipped (see its output for why)");
+            Ok(())
+        }
         launch::Outcome::Failed(why) => bail!("{bin} failed: {why}"),
     }
 }

@@ -9,10 +9,10 @@ use crate::launch::{self, Job, Outcome};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// World sizes to run (repeatable).
-    #[arg(short = 'n', long = "world-size", default_values_t = [2, 3, 4, 8])]
+    /// World sizes to run (repeatable; default 2, 3, 4, 8 for tcp, 2 for nccl).
+    #[arg(short = 'n', long = "world-size")]
     pub world_sizes: Vec<usize>,
-    /// Transport under test.
+    /// Transport under test: tcp, or nccl (one process per GPU).
     #[arg(long, default_value = "tcp")]
     pub backend: String,
     /// Seconds one case may take at one world size before every rank is killed.
@@ -25,7 +25,7 @@ pub struct Args {
 impl Default for Args {
     fn default() -> Args {
         Args {
-            world_sizes: vec![2, 3, 4, 8],
+            world_sizes: Vec::new(),
             backend: "tcp".into(),
             timeout: 300,
             filter: None,
@@ -34,19 +34,24 @@ impl Default for Args {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    if args.backend != "tcp" {
-        bail!("unknown backend {:?} (this build knows: tcp)", args.backend);
-    }
-    crate::cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-multirank",
-        "--bin",
-        "dist-multirank",
-    ])?;
-    let program = crate::release_dir().join("dist-multirank");
+    let (bin, default_sizes): (&str, &[usize]) = match args.backend.as_str() {
+        "tcp" => ("dist-multirank", &[2, 3, 4, 8]),
+        "nccl" => ("dist-nccl-tests", &[2]),
+        other => bail!("unknown backend {other:?} (tcp or nccl)"),
+    };
+    let world_sizes = if args.world_sizes.is_empty() {
+        default_sizes.to_vec()
+    } else {
+        args.world_sizes.clone()
+    };
+    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
+        // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
+        Some(dir) => std::path::PathBuf::from(dir).join(bin),
+        None => {
+            crate::cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
+            crate::release_dir().join(bin)
+        }
+    };
     let listed = std::process::Command::new(&program)
         .arg("--list")
         .output()
@@ -59,8 +64,8 @@ pub fn run(args: &Args) -> Result<()> {
     if cases.is_empty() {
         bail!("no case matches {:?}", args.filter);
     }
-    let (mut passed, mut failed) = (0, Vec::new());
-    for &n in &args.world_sizes {
+    let (mut passed, mut skipped, mut failed) = (0, 0, Vec::new());
+    for &n in &world_sizes {
         for case in &cases {
             let job = Job {
                 program: program.clone(),
@@ -77,6 +82,10 @@ pub fn run(args: &Args) -> Result<()> {
                     passed += 1;
                     println!("test {case} (world size {n}) ... ok ({:.1?})", t.elapsed());
                 }
+                Outcome::Skipped => {
+                    skipped += 1;
+                    println!("test {case} (world size {n}) ... skipped");
+                }
                 Outcome::Failed(why) => {
                     println!("test {case} (world size {n}) ... FAILED: {why}");
                     failed.push(format!("{case} (world size {n}): {why}"));
@@ -90,7 +99,11 @@ pub fn run(args: &Args) -> Result<()> {
             println!("    {f}");
         }
     }
-    println!("{passed} passed, {} failed", failed.len());
+    if skipped > 0 {
+        println!("{passed} passed, {} failed, {skipped} skipped", failed.len());
+    } else {
+        println!("{passed} passed, {} failed", failed.len());
+    }
     if !failed.is_empty() {
         bail!("{} multi-rank case(s) failed", failed.len());
     }

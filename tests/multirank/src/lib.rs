@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
+use dist_core::{Element, ReduceOp};
 use dist_tcp::{TcpBackend, TcpConfig};
+use half::{bf16, f16};
 
 /// Logs to stderr when `RUST_LOG` asks for it; quiet otherwise.
 pub fn init_logging() {
@@ -62,3 +64,145 @@ pub fn first_difference(buf: &[u8], seed: u64) -> Option<usize> {
 pub fn seed(src: usize, dst: usize, k: u64) -> u64 {
     ((src as u64) << 40) ^ ((dst as u64) << 20) ^ k
 }
+
+/// A test element: deterministic inputs, its valid ops, and an independent reference.
+pub trait TestElem: Element + Copy {
+    /// The input of rank `r` at index `i`; NaN where `nan` asks and the type has one.
+    fn val(r: usize, i: usize, nan: bool) -> Self;
+    /// The reduce ops valid for the type.
+    fn ops() -> Vec<ReduceOp>;
+    /// Whether `got` matches the reduction of every rank's input at `i`.
+    fn matches(op: ReduceOp, n: usize, i: usize, nan: bool, got: Self) -> bool;
+}
+
+macro_rules! int_elem {
+    ($t:ty, $signed:expr) => {
+        impl TestElem for $t {
+            fn val(r: usize, i: usize, _nan: bool) -> Self {
+                let x = (r * 37 + i * 11 + 5) % 97;
+                if $signed {
+                    (x as i64 - 48) as $t
+                } else {
+                    x as $t
+                }
+            }
+
+            fn ops() -> Vec<ReduceOp> {
+                vec![
+                    ReduceOp::Sum,
+                    ReduceOp::Prod,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                    ReduceOp::Avg,
+                    ReduceOp::PreMulSum(3.0),
+                    ReduceOp::BitAnd,
+                    ReduceOp::BitOr,
+                    ReduceOp::BitXor,
+                ]
+            }
+
+            fn matches(op: ReduceOp, n: usize, i: usize, _nan: bool, got: Self) -> bool {
+                let v = |r| <$t>::val(r, i, false);
+                let mut acc = match op {
+                    ReduceOp::PreMulSum(s) => v(0).wrapping_mul(s as $t),
+                    _ => v(0),
+                };
+                for r in 1..n {
+                    acc = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(v(r)),
+                        ReduceOp::PreMulSum(s) => acc.wrapping_add(v(r).wrapping_mul(s as $t)),
+                        ReduceOp::Prod => acc.wrapping_mul(v(r)),
+                        ReduceOp::Min => acc.min(v(r)),
+                        ReduceOp::Max => acc.max(v(r)),
+                        ReduceOp::BitAnd => acc & v(r),
+                        ReduceOp::BitOr => acc | v(r),
+                        ReduceOp::BitXor => acc ^ v(r),
+                        _ => unreachable!("no other ops are tested"),
+                    };
+                }
+                if matches!(op, ReduceOp::Avg) {
+                    acc /= n as $t;
+                }
+                acc == got
+            }
+        }
+    };
+}
+
+int_elem!(i8, true);
+int_elem!(u8, false);
+int_elem!(i32, true);
+int_elem!(u32, false);
+int_elem!(i64, true);
+int_elem!(u64, false);
+
+/// Float inputs are in {-2, -1, 0.5, 1, 2}: sums and products of up to 8 of them are exact in
+/// every float type, so only `Avg` needs the tolerance.
+pub fn float_val(r: usize, i: usize, nan: bool) -> f64 {
+    if nan && r == 1 && i % 5 == 3 {
+        return f64::NAN;
+    }
+    [-2.0, -1.0, 0.5, 1.0, 2.0][(r * 7 + i * 3) % 5]
+}
+
+pub fn float_ref(op: ReduceOp, n: usize, i: usize, nan: bool) -> f64 {
+    let v = |r| float_val(r, i, nan);
+    let mut acc = match op {
+        ReduceOp::PreMulSum(s) => v(0) * s,
+        _ => v(0),
+    };
+    for r in 1..n {
+        let x = v(r);
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + x,
+            ReduceOp::PreMulSum(s) => acc + x * s,
+            ReduceOp::Prod => acc * x,
+            ReduceOp::Min if acc.is_nan() || x.is_nan() => f64::NAN,
+            ReduceOp::Max if acc.is_nan() || x.is_nan() => f64::NAN,
+            ReduceOp::Min => acc.min(x),
+            ReduceOp::Max => acc.max(x),
+            _ => unreachable!("no other ops are tested"),
+        };
+    }
+    if matches!(op, ReduceOp::Avg) {
+        acc /= n as f64;
+    }
+    acc
+}
+
+macro_rules! float_elem {
+    ($t:ty, $tol:expr) => {
+        impl TestElem for $t {
+            fn val(r: usize, i: usize, nan: bool) -> Self {
+                <$t as Element>::from_f64(float_val(r, i, nan))
+            }
+
+            fn ops() -> Vec<ReduceOp> {
+                vec![
+                    ReduceOp::Sum,
+                    ReduceOp::Prod,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                    ReduceOp::Avg,
+                    ReduceOp::PreMulSum(0.5),
+                ]
+            }
+
+            /// Exact but for `Avg`, which may round once more: within `$tol` relative.
+            fn matches(op: ReduceOp, n: usize, i: usize, nan: bool, got: Self) -> bool {
+                let want = float_ref(op, n, i, nan);
+                let got = Element::to_f64(got);
+                if want.is_nan() || got.is_nan() {
+                    return want.is_nan() && got.is_nan();
+                }
+                (got - want).abs() <= $tol * want.abs().max(1.0)
+            }
+        }
+    };
+}
+
+float_elem!(f32, 1e-6);
+float_elem!(f64, 1e-12);
+float_elem!(f16, 2e-3);
+float_elem!(bf16, 1e-2);
+

@@ -1,0 +1,59 @@
+//! Safe NCCL on cudarc device buffers: communicators with deadlines, every collective and
+//! point-to-point call with its arguments checked before NCCL sees them, and a watchdog that
+//! aborts a communicator whose work stops making progress, so a dead peer never hangs the
+//! process.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cudarc::driver::CudaContext;
+//! use dist_core::ReduceOp;
+//! use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let nccl = Arc::new(Nccl::load()?);
+//! // Rank 0 makes the id and every rank gets it (over TCP, from the launcher, ...).
+//! let id = UniqueId::new(&nccl)?;
+//! let ctx = CudaContext::new(0)?;
+//! let comm = Communicator::init_rank(nccl, &ctx, 0, 1, &id, CommConfig::default())?;
+//! let mut x = comm.stream().clone_htod(&[1.0f32; 1024])?;
+//! comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+//! comm.synchronize()?;
+//! # Ok(()) }
+//! ```
+//!
+//! Communicators are created nonblocking, so that no NCCL call can block a thread: init and
+//! every call are polled against their deadline, and the watchdog can always take the
+//! communicator's lock to abort it. After an abort (a timeout, an asynchronous error, or
+//! [`Communicator::abort`]) every call returns [`NcclError::Aborted`].
+
+#![warn(missing_docs)]
+
+mod comm;
+mod error;
+mod types;
+
+pub use comm::{CommConfig, Communicator, Group, Ops, UniqueId};
+pub use dist_nccl_sys::{LoadError, Library as Nccl};
+pub use error::{NcclError, Result};
+pub use types::NcclType;
+
+/// Whether a CUDA device can be used here: the driver loads and reports at least one device.
+/// Tests and benchmarks use it to skip themselves on machines without a GPU.
+pub fn cuda_device_count() -> usize {
+    // cudarc panics when it cannot find the driver library: look for it first.
+    // SAFETY: loading the CUDA driver library runs only its own initialisers.
+    let present = ["libcuda.so.1", "libcuda.so"]
+        .iter()
+        .any(|n| unsafe { libloading::Library::new(n) }.is_ok());
+    if !present {
+        return 0;
+    }
+    std::panic::catch_unwind(|| {
+        cudarc::driver::result::init()
+            .ok()
+            .and_then(|()| cudarc::driver::result::device::get_count().ok())
+    })
+    .ok()
+    .flatten()
+    .map_or(0, |n| n.max(0) as usize)
+}

@@ -1,0 +1,375 @@
+//! The NCCL multi-rank test program, one process per GPU: `dist-nccl-tests CASE` as the rank
+//! the launcher describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or
+//! `--list`. The unique id travels over TCP (a `TcpBackend` broadcast from rank 0). Without a
+//! usable GPU for every local rank, a case prints "skipped: ..." and exits with 77, which
+//! `cargo xtask test-multirank --backend nccl` counts as skipped.
+
+// A binary crate: `pub` in its modules means "used by main", nothing is exported.
+#![allow(unreachable_pub)]
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use dist_core::{Backend, Collectives, DType, ReduceOp};
+use dist_multirank::TestElem;
+use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
+use dist_tcp::TcpBackend;
+use half::{bf16, f16};
+
+const SKIP: u8 = 77;
+
+struct Rig {
+    tcp: TcpBackend,
+    comm: Communicator,
+}
+
+/// Forms the TCP job, shares a unique id from rank 0, and creates the communicator on the GPU
+/// of this rank's local rank.
+fn rig(timeout: Duration) -> Result<Rig, String> {
+    let devices = dist_nccl::cuda_device_count();
+    let cfg = dist_multirank::config();
+    let local = cfg.local_rank().unwrap_or(cfg.rank());
+    let local_world: usize = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cfg.world_size());
+    if devices == 0 {
+        return Err("skipped: no CUDA device".into());
+    }
+    if local_world > devices {
+        return Err(format!("skipped: {local_world} local ranks but {devices} CUDA devices"));
+    }
+    let tcp = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    let mut id = [0u8; 128];
+    if tcp.rank() == 0 {
+        id = *UniqueId::new(&nccl).unwrap_or_else(|e| panic!("{e}")).as_bytes();
+    }
+    tcp.broadcast(&mut id, 0).unwrap_or_else(|e| panic!("{e}"));
+    let id = UniqueId::from_bytes(&id).unwrap();
+    let ctx = CudaContext::new(local).unwrap_or_else(|e| panic!("cuda:{local}: {e}"));
+    let comm = Communicator::init_rank(
+        nccl,
+        &ctx,
+        tcp.rank(),
+        tcp.world_size(),
+        &id,
+        CommConfig {
+            timeout,
+            name: Some("test".into()),
+            ..CommConfig::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    Ok(Rig { tcp, comm })
+}
+
+fn up<T: NcclType>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
+    s.clone_htod(x).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn down<T: NcclType + Default>(comm: &Communicator, x: &CudaSlice<T>) -> Vec<T> {
+    comm.synchronize().unwrap_or_else(|e| panic!("{e}"));
+    comm.stream().clone_dtoh(x).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A poison value no input takes, so that an output left unwritten is seen.
+fn poison<T: TestElem>(n: usize) -> Vec<T> {
+    let mut v = vec![T::val(0, 0, false); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).fill(0x5A);
+    v
+}
+
+fn bits<T: TestElem>(x: &[T]) -> &[u8] {
+    bytemuck::cast_slice(x)
+}
+
+/// Every collective of one element type, every valid op, every root, against host references.
+fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let s = r.comm.stream();
+    let ops: Vec<ReduceOp> = T::ops()
+        .into_iter()
+        .filter(|o| !matches!(o, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor))
+        .collect();
+    for &count in counts {
+        let mine: Vec<T> = (0..count).map(|i| T::val(me, i, false)).collect();
+        let full: Vec<T> = (0..count * n).map(|i| T::val(me, i, false)).collect();
+        let check = |what: &str, op: ReduceOp, base: usize, got: &[T]| {
+            for (j, g) in got.iter().enumerate() {
+                assert!(
+                    T::matches(op, n, base + j, false, *g),
+                    "{what} {} {op} count {count}: element {j} is {g:?}",
+                    <T as NcclType>::DTYPE
+                );
+            }
+        };
+        for &op in &ops {
+            let send = up(s, &mine);
+            let mut out = up(s, &poison::<T>(count));
+            r.comm.all_reduce(&send, &mut out, op).unwrap_or_else(|e| panic!("{e}"));
+            check("all_reduce", op, 0, &down(&r.comm, &out));
+            let mut inplace = up(s, &mine);
+            r.comm.all_reduce_in_place(&mut inplace, op).unwrap_or_else(|e| panic!("{e}"));
+            check("all_reduce in place", op, 0, &down(&r.comm, &inplace));
+            for root in 0..n {
+                let mut out = up(s, &poison::<T>(count));
+                r.comm
+                    .reduce(&send, (me == root).then_some(&mut out), op, root)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                if me == root {
+                    check("reduce", op, 0, &down(&r.comm, &out));
+                }
+            }
+            let big = up(s, &full);
+            let mut part = up(s, &poison::<T>(count));
+            r.comm.reduce_scatter(&big, &mut part, op).unwrap_or_else(|e| panic!("{e}"));
+            check("reduce_scatter", op, me * count, &down(&r.comm, &part));
+        }
+        for root in 0..n {
+            let mut b = if me == root { up(s, &mine) } else { up(s, &poison::<T>(count)) };
+            r.comm.broadcast(&mut b, root).unwrap_or_else(|e| panic!("{e}"));
+            let want: Vec<T> = (0..count).map(|i| T::val(root, i, false)).collect();
+            assert_eq!(bits(&down(&r.comm, &b)), bits(&want), "broadcast from {root}");
+
+            let send = up(s, &mine);
+            let mut all = up(s, &poison::<T>(count * n));
+            r.comm
+                .gather(&send, (me == root).then_some(&mut all), root)
+                .unwrap_or_else(|e| panic!("{e}"));
+            if me == root {
+                let got = down(&r.comm, &all);
+                for q in 0..n {
+                    let want: Vec<T> = (0..count).map(|i| T::val(q, i, false)).collect();
+                    assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "gather block {q}");
+                }
+            }
+            let src: Vec<T> = (0..count * n).map(|i| T::val(root, i, false)).collect();
+            let src_d = up(s, &src);
+            let mut part = up(s, &poison::<T>(count));
+            r.comm
+                .scatter((me == root).then_some(&src_d), &mut part, root)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(bits(&down(&r.comm, &part)), bits(&src[me * count..(me + 1) * count]), "scatter from {root}");
+        }
+        let send = up(s, &mine);
+        let mut all = up(s, &poison::<T>(count * n));
+        r.comm.all_gather(&send, &mut all).unwrap_or_else(|e| panic!("{e}"));
+        let got = down(&r.comm, &all);
+        for q in 0..n {
+            let want: Vec<T> = (0..count).map(|i| T::val(q, i, false)).collect();
+            assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "all_gather block {q}");
+        }
+        let big = up(s, &full);
+        let mut out = up(s, &poison::<T>(count * n));
+        r.comm.all_to_all(&big, &mut out).unwrap_or_else(|e| panic!("{e}"));
+        let got = down(&r.comm, &out);
+        for q in 0..n {
+            let want: Vec<T> = (0..count).map(|i| T::val(q, me * count + i, false)).collect();
+            assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "all_to_all block {q}");
+        }
+        // send/recv around the ring, fused in a group.
+        let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+        let mut inb = up(s, &poison::<T>(count));
+        {
+            let g = r.comm.group().unwrap_or_else(|e| panic!("{e}"));
+            r.comm.send(&send, right).unwrap_or_else(|e| panic!("{e}"));
+            r.comm.recv(&mut inb, left).unwrap_or_else(|e| panic!("{e}"));
+            g.end().unwrap_or_else(|e| panic!("{e}"));
+        }
+        let want: Vec<T> = (0..count).map(|i| T::val(left, i, false)).collect();
+        assert_eq!(bits(&down(&r.comm, &inb)), bits(&want), "recv from {left}");
+    }
+}
+
+fn each_type(r: &Rig, counts: &[usize]) {
+    for d in DType::ALL {
+        match d {
+            DType::F32 => one_type::<f32>(r, counts),
+            DType::F64 => one_type::<f64>(r, counts),
+            DType::F16 => one_type::<f16>(r, counts),
+            DType::BF16 => one_type::<bf16>(r, counts),
+            DType::I8 => one_type::<i8>(r, counts),
+            DType::U8 => one_type::<u8>(r, counts),
+            DType::I32 => one_type::<i32>(r, counts),
+            DType::U32 => one_type::<u32>(r, counts),
+            DType::I64 => one_type::<i64>(r, counts),
+            DType::U64 => one_type::<u64>(r, counts),
+            other => panic!("untested type {other}"),
+        }
+    }
+}
+
+/// Counts: one, a prime, and one large enough for NCCL's large-message paths.
+const COUNTS: [usize; 3] = [1, 1009, 1 << 20 | 3];
+
+fn collectives() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let t = Instant::now();
+    each_type(&r, &COUNTS);
+    println!("every collective x type x op verified in {:.1?}", t.elapsed());
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// The same over NCCL's socket transport, the stand-in for two hosts.
+fn collectives_socket() -> Result<(), String> {
+    // SAFETY: set before any other thread of this process exists (the first thing the case
+    // does), so no one reads the environment concurrently.
+    unsafe {
+        std::env::set_var("NCCL_P2P_DISABLE", "1");
+        std::env::set_var("NCCL_SHM_DISABLE", "1");
+    }
+    let r = rig(Duration::from_secs(60))?;
+    each_type(&r, &[1, 1009, 65_537]);
+    println!("every collective verified over NCCL's socket transport");
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// Split into two groups (by rank parity) that run different collectives at once.
+fn split() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let color = (me % 2) as u32;
+    let sub = r
+        .comm
+        .split(Some(color), me as i32, CommConfig::default())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("every rank has a color");
+    let members: Vec<usize> = (0..n).filter(|q| q % 2 == me % 2).collect();
+    assert_eq!(sub.size(), members.len());
+    assert_eq!(sub.rank(), members.iter().position(|q| *q == me).unwrap());
+    let s = sub.stream().clone();
+    if color == 0 {
+        let mut x = up(&s, &vec![me as f32 + 1.0; 4096]);
+        sub.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        let want: f32 = members.iter().map(|q| *q as f32 + 1.0).sum();
+        assert!(down(&sub, &x).iter().all(|v| *v == want));
+    } else {
+        let mut x = up(&s, &vec![me as u64; 4096]);
+        sub.broadcast(&mut x, 0).unwrap();
+        assert!(down(&sub, &x).iter().all(|v| *v == members[0] as u64));
+    }
+    // The parent still works.
+    let mut y = up(r.comm.stream(), &[1i32; 7]);
+    r.comm.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap();
+    assert_eq!(down(&r.comm, &y), vec![n as i32; 7]);
+    drop(sub);
+    r.tcp.barrier().unwrap();
+    println!("split into {} groups ran different collectives at once", n.min(2));
+    Ok(())
+}
+
+/// Misuse of sizes, devices, roots and peers is an error before anything is enqueued, and the
+/// buffers are left as they were.
+fn misuse() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let n = r.comm.size();
+    let s = r.comm.stream();
+    let send = up(s, &[1.0f32; 10]);
+    let mut out = up(s, &poison::<f32>(10 * n + 1));
+    let before = down(&r.comm, &out);
+    let expect = |res: Result<(), NcclError>, text: &str| {
+        let e = res.expect_err("misuse accepted");
+        assert!(matches!(e, NcclError::InvalidArgument { .. }), "{e}");
+        assert!(e.to_string().contains(text), "{e}");
+        println!("refused: {e}");
+    };
+    expect(r.comm.all_gather(&send, &mut out), &format!("recv has {} elements, expected {}", 10 * n + 1, 10 * n));
+    expect(r.comm.reduce_scatter(&send, &mut out, ReduceOp::Sum), "send has 10 elements");
+    expect(r.comm.broadcast(&mut out, n), &format!("root {n} is out of range"));
+    expect(r.comm.send(&send, n + 5), &format!("peer {} is out of range", n + 5));
+    expect(r.comm.all_reduce(&send, &mut out, ReduceOp::Sum), "recv has");
+    expect(r.comm.all_reduce_in_place(&mut out, ReduceOp::BitXor), "NCCL has no reduce op bxor");
+    expect(r.comm.reduce(&send, None, ReduceOp::Sum, r.comm.rank()), "the root must pass a receive buffer");
+    if dist_nccl::cuda_device_count() > 1 {
+        // A buffer on another GPU.
+        let other = CudaContext::new((r.comm.device() + 1) % dist_nccl::cuda_device_count()).unwrap();
+        let foreign = other.default_stream().clone_htod(&[1.0f32; 10]).unwrap();
+        let mut mine = up(s, &[0.0f32; 10]);
+        expect(r.comm.all_reduce(&foreign, &mut mine, ReduceOp::Sum), "send is on cuda:");
+        expect(r.comm.on(&other.default_stream()).all_reduce_in_place(&mut mine, ReduceOp::Sum), "the stream is on cuda:");
+    }
+    assert_eq!(bits(&down(&r.comm, &out)), bits(&before), "a refused call touched memory");
+    // The communicator is still healthy.
+    let mut y = up(s, &[2u8; 3]);
+    r.comm.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap();
+    assert_eq!(down(&r.comm, &y), vec![2 * n as u8; 3]);
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// The last rank exits in the middle of a collective; the others' watchdogs end theirs with an
+/// error within the deadline instead of hanging.
+fn peer_death() -> Result<(), String> {
+    let deadline = Duration::from_secs(8);
+    let r = rig(deadline)?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let s = r.comm.stream();
+    let mut x = up(s, &vec![1.0f32; 1 << 24]);
+    r.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    r.comm.synchronize().unwrap();
+    r.tcp.barrier().unwrap();
+    if me == n - 1 {
+        println!("exiting abruptly before the next all_reduce");
+        std::process::exit(0);
+    }
+    let t = Instant::now();
+    let e = (0..100)
+        .find_map(|_| {
+            r.comm
+                .all_reduce_in_place(&mut x, ReduceOp::Sum)
+                .and_then(|()| r.comm.synchronize())
+                .err()
+        })
+        .expect("collectives with a dead peer kept succeeding");
+    let waited = t.elapsed();
+    println!("after {waited:.1?}: {e}");
+    assert!(matches!(e, NcclError::Timeout { .. } | NcclError::Aborted { .. } | NcclError::Nccl { .. }), "{e}");
+    assert!(waited < deadline + Duration::from_secs(5), "took {waited:?} with a deadline of {deadline:?}");
+    // And the communicator refuses from now on, at once.
+    let t = Instant::now();
+    assert!(r.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    Ok(())
+}
+
+type Case = (&'static str, fn() -> Result<(), String>);
+
+const CASES: &[Case] = &[
+    ("nccl_collectives", collectives),
+    ("nccl_collectives_socket", collectives_socket),
+    ("nccl_split", split),
+    ("nccl_misuse", misuse),
+    ("nccl_peer_death", peer_death),
+];
+
+fn main() -> ExitCode {
+    dist_multirank::init_logging();
+    let arg = std::env::args().nth(1).unwrap_or_default();
+    if arg == "--list" {
+        for (name, _) in CASES {
+            println!("{name}");
+        }
+        return ExitCode::SUCCESS;
+    }
+    match CASES.iter().find(|(name, _)| *name == arg) {
+        Some((name, run)) => match run() {
+            Ok(()) => {
+                println!("{name}: ok");
+                ExitCode::SUCCESS
+            }
+            Err(skip) => {
+                println!("{name}: {skip}");
+                ExitCode::from(SKIP)
+            }
+        },
+        None => {
+            eprintln!("usage: dist-nccl-tests --list | CASE (unknown case {arg:?})");
+            ExitCode::from(2)
+        }
+    }
+}
