@@ -21,12 +21,22 @@ if [ -n "$torch_nccl" ] && [ -f "$torch_nccl" ]; then export DIST_NCCL_LIBRARY="
 status=0
 "$bundle/run" test-multirank --backend nccl -n "$n" 2>&1 | tee "$out/nccl-tests.log" | grep -E "^test |passed|failed|skipped" || true
 grep -q " 0 failed" "$out/nccl-tests.log" || status=1
+# Every table goes into one file (the device tool brings back few files), each under a header.
+tables="$out/tables.txt"
+: > "$tables"
+section() { echo; echo "## $*"; } >> "$tables"
 for op in all_reduce all_gather sendrecv reduce_scatter broadcast; do
     extra=""; [ "$op" = all_reduce ] && extra="--bare"
-    "$bundle/run" perf --backend nccl --op "$op" -n "$n" -b 8 -e 1G -f 4 --check $extra > "$out/dist-nccl-$op.txt" 2>&1 || status=1
+    section "dist-nccl $op, $n GPUs: run perf --backend nccl --op $op -n $n -b 8 -e 1G -f 4 --check $extra"
+    "$bundle/run" perf --backend nccl --op "$op" -n "$n" -b 8 -e 1G -f 4 --check $extra 2>&1 | grep -v "^\[" >> "$tables" || status=1
+    if [ "$op" = all_reduce ]; then
+        section "torch nccl all_reduce, $n GPUs: torch_allreduce.py --backend nccl -n $n -b 8 -e 1G -f 4"
+        python3 "$bundle/torch_allreduce.py" --backend nccl -n "$n" -b 8 -e 1G -f 4 2>&1 | grep -v Warning | grep -v "return func" >> "$tables" || status=1
+    fi
 done
-python3 "$bundle/torch_allreduce.py" --backend nccl -n "$n" -b 8 -e 1G -f 4 > "$out/torch-nccl-all_reduce.txt" 2>&1 || status=1
-# CPU side: Gloo beside dist's TCP all_reduce, 4 ranks.
-"$bundle/run" perf --backend tcp --op all_reduce -n 4 -b 8 -e 64M -f 4 --check > "$out/dist-tcp-all_reduce-4.txt" 2>&1 || status=1
-python3 "$bundle/torch_allreduce.py" --backend gloo -n 4 -b 8 -e 64M -f 4 > "$out/torch-gloo-all_reduce-4.txt" 2>&1 || status=1
+# CPU side: Gloo beside dist's TCP all_reduce, 4 ranks, on this host's CPUs.
+section "dist tcp all_reduce, 4 CPU ranks: run perf --backend tcp --op all_reduce -n 4 -b 8 -e 64M -f 4 --check"
+"$bundle/run" perf --backend tcp --op all_reduce -n 4 -b 8 -e 64M -f 4 --check 2>&1 | grep -v "^\[" >> "$tables" || status=1
+section "torch gloo all_reduce, 4 CPU ranks: torch_allreduce.py --backend gloo -n 4 -b 8 -e 64M -f 4"
+python3 "$bundle/torch_allreduce.py" --backend gloo -n 4 -b 8 -e 64M -f 4 2>&1 | grep -v Warning | grep -v "return func" >> "$tables" || status=1
 exit $status

@@ -182,17 +182,16 @@ fn dispatch(cmd: Cmd) -> Result<()> {
 /// Builds a release binary of the multi-rank package and runs `ranks` ranks of it, rank 0's
 /// output unprefixed.
 fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
-    cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-multirank",
-        "--bin",
-        bin,
-    ])?;
+    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
+        // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
+        Some(dir) => PathBuf::from(dir).join(bin),
+        None => {
+            cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
+            release_dir().join(bin)
+        }
+    };
     let job = launch::Job {
-        program: release_dir().join(bin),
+        program,
         args,
         world: ranks,
         timeout: std::time::Duration::from_secs(600),

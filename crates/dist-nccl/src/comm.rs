@@ -426,33 +426,53 @@ impl Communicator {
     }
 
     /// Splits this communicator: ranks passing the same `color` form a new one, ordered by
-    /// `key` (then by rank). A rank passing `None` takes part in the call but joins none.
-    pub fn split(&self, color: Option<u32>, key: i32, cfg: CommConfig) -> Result<Option<Communicator>> {
-        let f = self
-            .shared
-            .nccl
-            .get("ncclCommSplit", &self.shared.nccl.raw().ncclCommSplit)?;
-        let color = match color {
-            Some(c) if c <= i32::MAX as u32 => c as i32,
-            Some(c) => {
-                return Err(self.invalid("split", format!("color {c} is over 2^31-1")));
-            }
-            None => -1,
-        };
+    /// `key` (then by rank). Every rank of this communicator must call it, within the init
+    /// deadline of `cfg`.
+    pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
+        let nccl = self.shared.nccl.clone();
+        let f = nccl.get("ncclCommSplit", &nccl.raw().ncclCommSplit)?;
+        if color > i32::MAX as u32 {
+            return Err(self.invalid("split", format!("color {color} is over 2^31-1")));
+        }
         let name = cfg
             .name
             .as_ref()
             .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
-        let mut conf = config(&self.shared.nccl, &cfg, name.as_ref());
-        let mut new: ncclComm_t = std::ptr::null_mut();
+        let mut conf = config(&nccl, &cfg, name.as_ref());
+        // A nonblocking split writes the new handle when it completes, from NCCL's thread:
+        // the slot lives on the heap and is only read through volatile loads, and if we give
+        // up waiting it is leaked, so that a late write lands in memory that is still ours.
+        let slot: &'static mut ncclComm_t = Box::leak(Box::new(std::ptr::null_mut()));
+        let slot_ptr: *mut ncclComm_t = slot;
         self.shared.call("split", |c| {
-            // SAFETY: `c` is live (checked under the lock); the pointers are valid.
-            unsafe { f(c, color, key, &mut new, &mut conf) }
+            // SAFETY: `c` is live (checked under the lock); the slot and config are valid,
+            // and the slot outlives any write NCCL makes to it (see above).
+            unsafe { f(c, color as i32, key, slot_ptr, &mut conf) }
         })?;
-        if new.is_null() {
-            return Ok(None);
-        }
-        let nccl = self.shared.nccl.clone();
+        let started = Instant::now();
+        let new = loop {
+            // SAFETY: the slot is valid memory; NCCL may write it concurrently, hence volatile.
+            let v = unsafe { std::ptr::read_volatile(slot_ptr) };
+            if !v.is_null() {
+                break v;
+            }
+            if let Some(e) = self.async_error() {
+                return Err(e);
+            }
+            if started.elapsed() > cfg.init_timeout {
+                let mut h = self.shared.lock();
+                let why = Abort::Timeout {
+                    op: "split".into(),
+                    waited: started.elapsed(),
+                };
+                self.shared.abort_locked(&mut h, why.clone());
+                return Err(self.shared.aborted_error("split", &why));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        // The handle is ours now; the slot can go.
+        // SAFETY: NCCL wrote the slot once, on completion, and will not write it again.
+        drop(unsafe { Box::from_raw(slot_ptr) });
         let (count, rank) = (
             nccl.get("ncclCommCount", &nccl.raw().ncclCommCount)?,
             nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank)?,
@@ -461,39 +481,20 @@ impl Communicator {
             .ctx
             .new_stream()
             .map_err(cuda(&self.shared.who, "create a stream"))?;
-        let who = format!("{} split {color}", self.shared.who);
-        let shared_tmp = Shared {
-            nccl: nccl.clone(),
-            handle: Mutex::new(Handle {
-                comm: new,
-                aborted: None,
-            }),
-            who: who.clone(),
-            timeout: cfg.init_timeout,
-            enqueued: AtomicU64::new(0),
-            last_op: AtomicUsize::new(0),
-            stop: Mutex::new(false),
-            wake: Condvar::new(),
-            stream: stream.clone(),
-            _name: None,
-        };
-        {
-            let mut h = shared_tmp.lock();
-            shared_tmp.wait_ready(&mut h, "split", cfg.init_timeout)?;
-        }
         let (mut n, mut r) = (0i32, 0i32);
-        // SAFETY: `new` is a live communicator; the pointers are valid for one int each.
+        // SAFETY: `new` is a communicator NCCL handed back; the pointers are valid. Both calls
+        // wait for its initialisation to finish.
         let (a, b) = unsafe { (count(new, &mut n), rank(new, &mut r)) };
-        if a != ncclResult_t::ncclSuccess || b != ncclResult_t::ncclSuccess {
-            return Err(nccl_error(&nccl, &who, "query the split communicator", a, Some(new)));
-        }
         let who = format!(
-            "nccl comm {}rank {r}/{n} on cuda:{} (split of {})",
+            "nccl comm {}rank {r}/{n} on cuda:{} (split {color} of {})",
             cfg.name.as_ref().map_or(String::new(), |x| format!("'{x}' ")),
             self.device,
             self.shared.who
         );
-        Self::finish(nccl, self.ctx.clone(), stream, new, r as usize, n as usize, who, name, &cfg).map(Some)
+        if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
+            return Err(nccl_error(&nccl, &who, "query the split communicator", bad, Some(new)));
+        }
+        Self::finish(nccl, self.ctx.clone(), stream, new, r as usize, n as usize, who, name, &cfg)
     }
 
     /// This rank in the communicator.
