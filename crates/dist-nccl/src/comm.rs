@@ -83,6 +83,10 @@ pub struct CommConfig {
     pub max_ctas: Option<i32>,
     /// A name for logs and errors.
     pub name: Option<String>,
+    /// Keep NCCL's nonblocking mode for every call (each call then goes through an NCCL
+    /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
+    /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
+    pub nonblocking_calls: bool,
 }
 
 impl Default for CommConfig {
@@ -93,6 +97,7 @@ impl Default for CommConfig {
             min_ctas: None,
             max_ctas: None,
             name: None,
+            nonblocking_calls: false,
         }
     }
 }
@@ -155,8 +160,11 @@ struct Handle {
     aborted: Option<Abort>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one call at a time: the mutex
-// around this handle serialises every call.
+// SAFETY: an NCCL communicator may be used from any thread. The mutex around this handle
+// guards its state; calls run outside it, counted in `Shared::in_flight`, so that one blocked
+// inside NCCL can be aborted from another thread (which NCCL supports). A call is admitted only
+// under the mutex and while the handle is live; an abort, under the mutex, first lets calls in
+// flight reach NCCL, so none enters after the communicator is freed.
 unsafe impl Send for Handle {}
 
 /// What the communicator, its watchdog and its `Ops` share.
@@ -172,6 +180,9 @@ struct Shared {
     wake: Condvar,
     stream: Arc<CudaStream>,
     _name: Option<CString>,
+    /// NCCL calls running now (outside the mutex), and calls started so far.
+    in_flight: AtomicUsize,
+    calls: AtomicU64,
 }
 
 const OP_NAMES: &[&str] = &[
@@ -213,13 +224,27 @@ impl Shared {
     }
 
     /// Runs one NCCL call on the communicator, refusing if it was aborted, and waits (polling,
-    /// within the timeout) while a nonblocking call is still in progress.
+    /// within the timeout) while a nonblocking call is still in progress. The call itself runs
+    /// outside the mutex: if it blocks (a blocking communicator), the watchdog can still abort.
     fn call(&self, op: &str, f: impl FnOnce(ncclComm_t) -> ncclResult_t) -> Result<()> {
+        let comm = {
+            let h = self.lock();
+            if let Some(why) = &h.aborted {
+                return Err(self.aborted_error(op, why));
+            }
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            self.calls.fetch_add(1, Ordering::AcqRel);
+            h.comm
+        };
+        let r = f(comm);
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if r == ncclResult_t::ncclSuccess {
+            return Ok(());
+        }
         let mut h = self.lock();
         if let Some(why) = &h.aborted {
             return Err(self.aborted_error(op, why));
         }
-        let r = f(h.comm);
         self.settle(&mut h, op, r)
     }
 
@@ -262,12 +287,19 @@ impl Shared {
         }
     }
 
-    /// `ncclCommAbort`, once; afterwards the handle is dead and every call refuses.
+    /// `ncclCommAbort`, once; afterwards the handle is dead and every call refuses. Called with
+    /// the mutex held, so no new call is admitted meanwhile.
     fn abort_locked(&self, h: &mut Handle, why: Abort) {
         if h.aborted.is_some() {
             return;
         }
         tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");
+        // Calls admitted a moment ago reach NCCL (or finish) first; one still in flight after
+        // that is blocked inside NCCL, which ncclCommAbort then releases.
+        let until = Instant::now() + Duration::from_millis(200);
+        while self.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::yield_now();
+        }
         if let Ok(f) = self.nccl.get("ncclCommAbort", &self.nccl.raw().ncclCommAbort) {
             // SAFETY: the communicator is live and no other call runs on it (we hold its lock);
             // after this the handle is never used again (`aborted` is set).
@@ -299,7 +331,7 @@ fn cuda(who: &str, op: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Nccl
     move |source| NcclError::Cuda { comm, op, source }
 }
 
-fn config(nccl: &Nccl, cfg: &CommConfig, name: Option<&CString>) -> ncclConfig_t {
+fn config(nccl: &Nccl, cfg: &CommConfig, name: Option<&CString>, blocking: bool) -> ncclConfig_t {
     const UNDEF: i32 = i32::MIN;
     ncclConfig_t {
         size: std::mem::size_of::<ncclConfig_t>(),
@@ -307,7 +339,7 @@ fn config(nccl: &Nccl, cfg: &CommConfig, name: Option<&CString>) -> ncclConfig_t
         // The struct's version is the older of the header's and the library's, so that an
         // older NCCL reads only the fields it knows.
         version: nccl.version().min(version_code(2, 28, 9)) as u32,
-        blocking: 0,
+        blocking: i32::from(blocking),
         cgaClusterSize: UNDEF,
         minCTAs: cfg.min_ctas.unwrap_or(UNDEF),
         maxCTAs: cfg.max_ctas.unwrap_or(UNDEF),
@@ -355,14 +387,24 @@ impl Communicator {
             .name
             .as_ref()
             .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
-        let mut conf = config(&nccl, &cfg, name.as_ref());
+        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: every pointer is valid for the call; NCCL copies the config and the name.
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
         if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
             return Err(nccl_error(&nccl, &who, "ncclCommInitRankConfig", r, None));
         }
-        Self::finish(nccl, ctx.clone(), stream, comm, rank, size, who, name, &cfg)
+        let formed = Self::finish(nccl, ctx.clone(), stream, comm, rank, size, who, name, &cfg)?;
+        if cfg.nonblocking_calls {
+            return Ok(formed);
+        }
+        // The communicator formed in nonblocking mode, so that init had a deadline and could be
+        // aborted. Calls on a nonblocking communicator each go through an NCCL thread (tens of
+        // µs); a blocking child with the same ranks (split, color 0, same order) makes them as
+        // cheap as plain NCCL. The watchdog can still abort a call that blocks.
+        let child = formed.split_mode(0, rank as i32, cfg, true)?;
+        drop(formed);
+        Ok(child)
     }
 
     #[allow(clippy::too_many_arguments, reason = "one private constructor's parts")]
@@ -391,6 +433,8 @@ impl Communicator {
             wake: Condvar::new(),
             stream,
             _name: name,
+            in_flight: AtomicUsize::new(0),
+            calls: AtomicU64::new(0),
         });
         {
             let mut h = shared.lock();
@@ -429,6 +473,11 @@ impl Communicator {
     /// `key` (then by rank). Every rank of this communicator must call it, within the init
     /// deadline of `cfg`.
     pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
+        let blocking = !cfg.nonblocking_calls;
+        self.split_mode(color, key, cfg, blocking)
+    }
+
+    fn split_mode(&self, color: u32, key: i32, cfg: CommConfig, blocking: bool) -> Result<Communicator> {
         let nccl = self.shared.nccl.clone();
         let f = nccl.get("ncclCommSplit", &nccl.raw().ncclCommSplit)?;
         if color > i32::MAX as u32 {
@@ -438,7 +487,7 @@ impl Communicator {
             .name
             .as_ref()
             .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
-        let mut conf = config(&nccl, &cfg, name.as_ref());
+        let mut conf = config(&nccl, &cfg, name.as_ref(), blocking);
         // A nonblocking split writes the new handle when it completes, from NCCL's thread:
         // the slot lives on the heap and is only read through volatile loads, and if we give
         // up waiting it is leaked, so that a late write lands in memory that is still ours.
@@ -649,6 +698,8 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
     // The enqueue count behind the marker, and when the marker was recorded.
     let mut pending: Option<(u64, Instant)> = None;
     let mut marked = 0u64;
+    // A host call seen in flight: which one (by count), and since when.
+    let mut stuck: Option<(u64, Instant)> = None;
     loop {
         {
             let stop = shared.stop.lock().unwrap_or_else(|p| p.into_inner());
@@ -679,6 +730,28 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
                 shared.abort_locked(&mut h, Abort::Error(e.to_string()));
                 return;
             }
+        }
+        // A call blocked inside NCCL for the whole timeout (a blocking communicator waiting on a
+        // peer that is gone) is ended by aborting.
+        if shared.in_flight.load(Ordering::Acquire) > 0 {
+            let g = shared.calls.load(Ordering::Acquire);
+            match stuck {
+                Some((sg, since)) if sg == g && since.elapsed() > shared.timeout => {
+                    let op = OP_NAMES[shared.last_op.load(Ordering::Relaxed).min(OP_NAMES.len() - 1)];
+                    shared.abort_locked(
+                        &mut h,
+                        Abort::Timeout {
+                            op: format!("a call after {op}"),
+                            waited: since.elapsed(),
+                        },
+                    );
+                    return;
+                }
+                Some((sg, _)) if sg == g => {}
+                _ => stuck = Some((g, Instant::now())),
+            }
+        } else {
+            stuck = None;
         }
         drop(h);
         match pending {
