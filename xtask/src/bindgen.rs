@@ -86,8 +86,8 @@ pub fn run(args: &Args) -> Result<()> {
     let text = generate(&header)?;
     let out = output();
     if args.check {
-        let committed = std::fs::read_to_string(&out)
-            .with_context(|| format!("read {}", out.display()))?;
+        let committed =
+            std::fs::read_to_string(&out).with_context(|| format!("read {}", out.display()))?;
         // Compare after formatting both the same way.
         if crate::rustfmt(&text)? != committed {
             bail!(

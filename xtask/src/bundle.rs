@@ -24,7 +24,8 @@ pub fn run(out: Option<PathBuf>) -> Result<()> {
     crate::cargo(&["build", "--release", "-p", "dist-multirank", "--bins"])?;
     crate::cargo(&["build", "--release", "-p", "xtask"])?;
     std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
-    let mut manifest = String::from("# dist bundle: run `./run ARGS` (xtask's commands) on the target host\n");
+    let mut manifest =
+        String::from("# dist bundle: run `./run ARGS` (xtask's commands) on the target host\n");
     let git = Command::new("git")
         .args(["rev-parse", "HEAD"])
         .current_dir(crate::root())
@@ -52,8 +53,14 @@ pub fn run(out: Option<PathBuf>) -> Result<()> {
          here=\"$(cd \"$(dirname \"$0\")\" && pwd)\"\nexport DIST_BUNDLE_DIR=\"$here\"\n\
          export NCCL_NVLS_ENABLE=0\nexec \"$here/xtask\" \"$@\"\n",
     )?;
-    let _ = Command::new("chmod").args(["+x", &run.to_string_lossy()]).status();
+    let _ = Command::new("chmod")
+        .args(["+x", &run.to_string_lossy()])
+        .status();
     std::fs::write(out.join("MANIFEST"), manifest)?;
-    println!("bundle in {}: run `{}/run test-multirank --backend nccl`", out.display(), out.display());
+    println!(
+        "bundle in {}: run `{}/run test-multirank --backend nccl`",
+        out.display(),
+        out.display()
+    );
     Ok(())
 }

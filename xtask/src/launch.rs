@@ -150,7 +150,11 @@ pub fn run(job: &Job) -> Result<Outcome> {
             break Outcome::Failed(f);
         }
         if running.is_empty() {
-            break if skipped { Outcome::Skipped } else { Outcome::Passed };
+            break if skipped {
+                Outcome::Skipped
+            } else {
+                Outcome::Passed
+            };
         }
         if started.elapsed() > job.timeout {
             break Outcome::Failed(format!(

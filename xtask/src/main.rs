@@ -186,7 +186,15 @@ fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
         // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
         Some(dir) => PathBuf::from(dir).join(bin),
         None => {
-            cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
+            cargo(&[
+                "build",
+                "--release",
+                "--quiet",
+                "-p",
+                "dist-multirank",
+                "--bin",
+                bin,
+            ])?;
             release_dir().join(bin)
         }
     };
@@ -220,6 +228,22 @@ fn test() -> Result<()> {
         "warnings",
     ])?;
     cargo(&["test", "--workspace"])?;
+    match bindgen::find_header(None) {
+        Some(_) => bindgen::run(&bindgen::Args {
+            header: None,
+            check: true,
+        })?,
+        None => println!(
+            "skipped: cargo xtask bindgen --check (no nccl.h: set DIST_NCCL_WHEEL_DIR or \
+             NCCL_HEADER, as .ci/run does)"
+        ),
+    }
+    // The GPU tests run where there are GPUs and report themselves skipped elsewhere; they go
+    // first so that the TCP tests' summary closes the run.
+    multirank::run(&multirank::Args {
+        backend: "nccl".into(),
+        ..multirank::Args::default()
+    })?;
     multirank::run(&multirank::Args {
         world_sizes: vec![2, 3, 4, 5, 8],
         ..multirank::Args::default()

@@ -48,7 +48,15 @@ pub fn run(args: &Args) -> Result<()> {
         // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
         Some(dir) => std::path::PathBuf::from(dir).join(bin),
         None => {
-            crate::cargo(&["build", "--release", "--quiet", "-p", "dist-multirank", "--bin", bin])?;
+            crate::cargo(&[
+                "build",
+                "--release",
+                "--quiet",
+                "-p",
+                "dist-multirank",
+                "--bin",
+                bin,
+            ])?;
             crate::release_dir().join(bin)
         }
     };
@@ -100,7 +108,10 @@ pub fn run(args: &Args) -> Result<()> {
         }
     }
     if skipped > 0 {
-        println!("{passed} passed, {} failed, {skipped} skipped", failed.len());
+        println!(
+            "{passed} passed, {} failed, {skipped} skipped",
+            failed.len()
+        );
     } else {
         println!("{passed} passed, {} failed", failed.len());
     }

@@ -134,7 +134,10 @@ pub const INTRODUCED: &[(&str, i32)] = &[
 
 /// The version that introduced `symbol`, if this crate knows it.
 pub fn introduced(symbol: &str) -> Option<i32> {
-    INTRODUCED.iter().find(|(s, _)| *s == symbol).map(|(_, v)| *v)
+    INTRODUCED
+        .iter()
+        .find(|(s, _)| *s == symbol)
+        .map(|(_, v)| *v)
 }
 
 /// A loaded NCCL.
@@ -184,10 +187,13 @@ impl Library {
     }
 
     fn check(raw: NcclLib, path: String) -> Result<Library, LoadError> {
-        let get_version = raw.ncclGetVersion.as_ref().map_err(|e| LoadError::Unusable {
-            path: path.clone(),
-            why: format!("no ncclGetVersion: {e}"),
-        })?;
+        let get_version = raw
+            .ncclGetVersion
+            .as_ref()
+            .map_err(|e| LoadError::Unusable {
+                path: path.clone(),
+                why: format!("no ncclGetVersion: {e}"),
+            })?;
         let mut version = 0;
         // SAFETY: `ncclGetVersion` writes one int through the pointer, which is valid.
         let r = unsafe { get_version(&mut version) };
@@ -285,8 +291,13 @@ mod tests {
             .unwrap();
         // SAFETY: ncclGetErrorString returns a static C string for any result code.
         let text = unsafe { std::ffi::CStr::from_ptr(err(ncclResult_t::ncclInvalidArgument)) };
-        assert!(text.to_string_lossy().contains("invalid argument"), "{text:?}");
-        let get_id = lib.get("ncclGetUniqueId", &lib.raw().ncclGetUniqueId).unwrap();
+        assert!(
+            text.to_string_lossy().contains("invalid argument"),
+            "{text:?}"
+        );
+        let get_id = lib
+            .get("ncclGetUniqueId", &lib.raw().ncclGetUniqueId)
+            .unwrap();
         let mut id = ncclUniqueId::default();
         // SAFETY: the pointer is valid for one ncclUniqueId.
         let r = unsafe { get_id(&mut id) };
@@ -301,7 +312,10 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.to_string(),
-            format!("ncclAlltoAll needs NCCL 2.28.0 or newer; {} is NCCL 2.18.0", too_new.path())
+            format!(
+                "ncclAlltoAll needs NCCL 2.28.0 or newer; {} is NCCL 2.18.0",
+                too_new.path()
+            )
         );
     }
 

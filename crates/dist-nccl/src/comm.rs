@@ -43,7 +43,13 @@ impl UniqueId {
         // SAFETY: the pointer is valid for one ncclUniqueId, which NCCL fills.
         let r = unsafe { f(&mut raw) };
         if r != ncclResult_t::ncclSuccess {
-            return Err(nccl_error(nccl, "ncclGetUniqueId", "ncclGetUniqueId", r, None));
+            return Err(nccl_error(
+                nccl,
+                "ncclGetUniqueId",
+                "ncclGetUniqueId",
+                r,
+                None,
+            ));
         }
         Ok(UniqueId(bytemuck::cast(raw.internal)))
     }
@@ -105,7 +111,9 @@ impl Default for CommConfig {
 fn error_text(nccl: &Nccl, r: ncclResult_t) -> String {
     match nccl.get("ncclGetErrorString", &nccl.raw().ncclGetErrorString) {
         // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any code.
-        Ok(f) => unsafe { CStr::from_ptr(f(r)) }.to_string_lossy().into_owned(),
+        Ok(f) => unsafe { CStr::from_ptr(f(r)) }
+            .to_string_lossy()
+            .into_owned(),
         Err(_) => format!("code {}", r.0),
     }
 }
@@ -127,7 +135,13 @@ fn last_error(nccl: &Nccl, comm: Option<ncclComm_t>) -> String {
     }
 }
 
-fn nccl_error(nccl: &Nccl, who: &str, op: &str, r: ncclResult_t, comm: Option<ncclComm_t>) -> NcclError {
+fn nccl_error(
+    nccl: &Nccl,
+    who: &str,
+    op: &str,
+    r: ncclResult_t,
+    comm: Option<ncclComm_t>,
+) -> NcclError {
     NcclError::Nccl {
         comm: who.to_string(),
         op: op.to_string(),
@@ -258,9 +272,10 @@ impl Shared {
 
     /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
     fn wait_ready(&self, h: &mut Handle, op: &str, limit: Duration) -> Result<()> {
-        let get = self
-            .nccl
-            .get("ncclCommGetAsyncError", &self.nccl.raw().ncclCommGetAsyncError)?;
+        let get = self.nccl.get(
+            "ncclCommGetAsyncError",
+            &self.nccl.raw().ncclCommGetAsyncError,
+        )?;
         let started = Instant::now();
         loop {
             let mut state = ncclResult_t::ncclInProgress;
@@ -300,7 +315,10 @@ impl Shared {
         while self.in_flight.load(Ordering::Acquire) > 0 && Instant::now() < until {
             std::thread::yield_now();
         }
-        if let Ok(f) = self.nccl.get("ncclCommAbort", &self.nccl.raw().ncclCommAbort) {
+        if let Ok(f) = self
+            .nccl
+            .get("ncclCommAbort", &self.nccl.raw().ncclCommAbort)
+        {
             // SAFETY: the communicator is live and no other call runs on it (we hold its lock);
             // after this the handle is never used again (`aborted` is set).
             let _ = unsafe { f(h.comm) };
@@ -371,7 +389,9 @@ impl Communicator {
         let device = ctx.ordinal();
         let who = format!(
             "nccl comm {}rank {rank}/{size} on cuda:{device}",
-            cfg.name.as_ref().map_or(String::new(), |n| format!("'{n}' "))
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |n| format!("'{n}' "))
         );
         if size == 0 || size > i32::MAX as usize || rank >= size {
             return Err(NcclError::InvalidArgument {
@@ -381,7 +401,8 @@ impl Communicator {
             });
         }
         let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
-        ctx.bind_to_thread().map_err(cuda(&who, "bind the CUDA context"))?;
+        ctx.bind_to_thread()
+            .map_err(cuda(&who, "bind the CUDA context"))?;
         let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
         let name = cfg
             .name
@@ -477,7 +498,13 @@ impl Communicator {
         self.split_mode(color, key, cfg, blocking)
     }
 
-    fn split_mode(&self, color: u32, key: i32, cfg: CommConfig, blocking: bool) -> Result<Communicator> {
+    fn split_mode(
+        &self,
+        color: u32,
+        key: i32,
+        cfg: CommConfig,
+        blocking: bool,
+    ) -> Result<Communicator> {
         let nccl = self.shared.nccl.clone();
         let f = nccl.get("ncclCommSplit", &nccl.raw().ncclCommSplit)?;
         if color > i32::MAX as u32 {
@@ -536,14 +563,32 @@ impl Communicator {
         let (a, b) = unsafe { (count(new, &mut n), rank(new, &mut r)) };
         let who = format!(
             "nccl comm {}rank {r}/{n} on cuda:{} (split {color} of {})",
-            cfg.name.as_ref().map_or(String::new(), |x| format!("'{x}' ")),
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |x| format!("'{x}' ")),
             self.device,
             self.shared.who
         );
         if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
-            return Err(nccl_error(&nccl, &who, "query the split communicator", bad, Some(new)));
+            return Err(nccl_error(
+                &nccl,
+                &who,
+                "query the split communicator",
+                bad,
+                Some(new),
+            ));
         }
-        Self::finish(nccl, self.ctx.clone(), stream, new, r as usize, n as usize, who, name, &cfg)
+        Self::finish(
+            nccl,
+            self.ctx.clone(),
+            stream,
+            new,
+            r as usize,
+            n as usize,
+            who,
+            name,
+            &cfg,
+        )
     }
 
     /// This rank in the communicator.
@@ -596,11 +641,10 @@ impl Communicator {
         if let Some(why) = &h.aborted {
             return Some(self.shared.aborted_error("async_error", why));
         }
-        let get = match self
-            .shared
-            .nccl
-            .get("ncclCommGetAsyncError", &self.shared.nccl.raw().ncclCommGetAsyncError)
-        {
+        let get = match self.shared.nccl.get(
+            "ncclCommGetAsyncError",
+            &self.shared.nccl.raw().ncclCommGetAsyncError,
+        ) {
             Ok(g) => g,
             Err(e) => return Some(e.into()),
         };
@@ -610,7 +654,15 @@ impl Communicator {
         [r, state]
             .into_iter()
             .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
-            .map(|x| nccl_error(&self.shared.nccl, &self.shared.who, "async_error", x, Some(h.comm)))
+            .map(|x| {
+                nccl_error(
+                    &self.shared.nccl,
+                    &self.shared.who,
+                    "async_error",
+                    x,
+                    Some(h.comm),
+                )
+            })
     }
 
     /// Aborts the communicator (`ncclCommAbort`): work in flight is cancelled and every later
@@ -666,7 +718,13 @@ impl Communicator {
         // SAFETY: ncclGroupStart takes no arguments.
         let r = unsafe { f() };
         if r != ncclResult_t::ncclSuccess {
-            return Err(nccl_error(nccl, &self.shared.who, "ncclGroupStart", r, None));
+            return Err(nccl_error(
+                nccl,
+                &self.shared.who,
+                "ncclGroupStart",
+                r,
+                None,
+            ));
         }
         Ok(Group {
             comm: self,
@@ -715,10 +773,10 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
         if h.aborted.is_some() {
             return;
         }
-        if let Ok(get) = shared
-            .nccl
-            .get("ncclCommGetAsyncError", &shared.nccl.raw().ncclCommGetAsyncError)
-        {
+        if let Ok(get) = shared.nccl.get(
+            "ncclCommGetAsyncError",
+            &shared.nccl.raw().ncclCommGetAsyncError,
+        ) {
             let mut state = ncclResult_t::ncclSuccess;
             // SAFETY: live communicator under its lock; valid pointer.
             let r = unsafe { get(h.comm, &mut state) };
@@ -726,7 +784,13 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
                 .into_iter()
                 .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
             {
-                let e = nccl_error(&shared.nccl, &shared.who, "asynchronous error", bad, Some(h.comm));
+                let e = nccl_error(
+                    &shared.nccl,
+                    &shared.who,
+                    "asynchronous error",
+                    bad,
+                    Some(h.comm),
+                );
                 shared.abort_locked(&mut h, Abort::Error(e.to_string()));
                 return;
             }
@@ -737,7 +801,10 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
             let g = shared.calls.load(Ordering::Acquire);
             match stuck {
                 Some((sg, since)) if sg == g && since.elapsed() > shared.timeout => {
-                    let op = OP_NAMES[shared.last_op.load(Ordering::Relaxed).min(OP_NAMES.len() - 1)];
+                    let op = OP_NAMES[shared
+                        .last_op
+                        .load(Ordering::Relaxed)
+                        .min(OP_NAMES.len() - 1)];
                     shared.abort_locked(
                         &mut h,
                         Abort::Timeout {
@@ -760,7 +827,10 @@ fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
                 let _ = at;
             }
             Some((_, at)) if at.elapsed() > shared.timeout => {
-                let op = OP_NAMES[shared.last_op.load(Ordering::Relaxed).min(OP_NAMES.len() - 1)];
+                let op = OP_NAMES[shared
+                    .last_op
+                    .load(Ordering::Relaxed)
+                    .min(OP_NAMES.len() - 1)];
                 let mut h = shared.lock();
                 shared.abort_locked(
                     &mut h,
@@ -802,15 +872,20 @@ impl Drop for Communicator {
             Ok(f) => {
                 // SAFETY: live communicator under its lock.
                 let r = unsafe { f(h.comm) };
-                self.shared
-                    .settle(&mut h, "finalize", r)
-                    .and_then(|()| self.shared.wait_ready(&mut h, "finalize", self.shared.timeout.min(Duration::from_secs(30))))
+                self.shared.settle(&mut h, "finalize", r).and_then(|()| {
+                    self.shared.wait_ready(
+                        &mut h,
+                        "finalize",
+                        self.shared.timeout.min(Duration::from_secs(30)),
+                    )
+                })
             }
             Err(e) => Err(e.into()),
         };
         if let Err(e) = finalized {
             tracing::warn!(comm = %self.shared.who, error = %e, "finalize failed; aborting");
-            self.shared.abort_locked(&mut h, Abort::Error(e.to_string()));
+            self.shared
+                .abort_locked(&mut h, Abort::Error(e.to_string()));
             return;
         }
         if h.aborted.is_some() {
@@ -846,7 +921,9 @@ impl Group<'_> {
 
     fn finish(&self) -> Result<()> {
         let shared = &self.comm.shared;
-        let f = shared.nccl.get("ncclGroupEnd", &shared.nccl.raw().ncclGroupEnd)?;
+        let f = shared
+            .nccl
+            .get("ncclGroupEnd", &shared.nccl.raw().ncclGroupEnd)?;
         let mut h = shared.lock();
         // SAFETY: ncclGroupEnd takes no arguments; the communicators it launches on stay live
         // while we hold this one's lock.
@@ -889,7 +966,9 @@ struct RedOp<'a> {
 impl Drop for RedOp<'_> {
     fn drop(&mut self) {
         if let Some(shared) = self.premul
-            && let Ok(f) = shared.nccl.get("ncclRedOpDestroy", &shared.nccl.raw().ncclRedOpDestroy)
+            && let Ok(f) = shared
+                .nccl
+                .get("ncclRedOpDestroy", &shared.nccl.raw().ncclRedOpDestroy)
         {
             let h = shared.lock();
             if h.aborted.is_none() {
@@ -913,7 +992,13 @@ impl<'a> Ops<'a> {
     fn check_stream(&self, op: &str) -> Result<()> {
         let d = self.stream.context().ordinal();
         if d != self.comm.device {
-            return Err(self.invalid(op, format!("the stream is on cuda:{d}, the communicator on cuda:{}", self.comm.device)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the stream is on cuda:{d}, the communicator on cuda:{}",
+                    self.comm.device
+                ),
+            ));
         }
         Ok(())
     }
@@ -921,7 +1006,13 @@ impl<'a> Ops<'a> {
     fn check_buf<T>(&self, op: &str, what: &str, b: &CudaSlice<T>) -> Result<()> {
         let d = b.stream().context().ordinal();
         if d != self.comm.device {
-            return Err(self.invalid(op, format!("{what} is on cuda:{d}, the communicator on cuda:{}", self.comm.device)));
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{what} is on cuda:{d}, the communicator on cuda:{}",
+                    self.comm.device
+                ),
+            ));
         }
         Ok(())
     }
@@ -935,13 +1026,21 @@ impl<'a> Ops<'a> {
 
     fn check_rank(&self, op: &str, what: &str, r: usize) -> Result<i32> {
         if r >= self.comm.size {
-            return Err(self.invalid(op, format!("{what} {r} is out of range for {} ranks", self.comm.size)));
+            return Err(self.invalid(
+                op,
+                format!("{what} {r} is out of range for {} ranks", self.comm.size),
+            ));
         }
         Ok(r as i32)
     }
 
     fn red_op<T: NcclType>(&self, op_name: &str, op: ReduceOp) -> Result<RedOp<'a>> {
-        let builtin = |code| Ok(RedOp { op: ncclRedOp_t(code), premul: None });
+        let builtin = |code| {
+            Ok(RedOp {
+                op: ncclRedOp_t(code),
+                premul: None,
+            })
+        };
         match op {
             ReduceOp::Sum => builtin(0),
             ReduceOp::Prod => builtin(1),
@@ -950,9 +1049,10 @@ impl<'a> Ops<'a> {
             ReduceOp::Avg => builtin(4),
             ReduceOp::PreMulSum(s) => {
                 let shared = self.shared();
-                let f = shared
-                    .nccl
-                    .get("ncclRedOpCreatePreMulSum", &shared.nccl.raw().ncclRedOpCreatePreMulSum)?;
+                let f = shared.nccl.get(
+                    "ncclRedOpCreatePreMulSum",
+                    &shared.nccl.raw().ncclRedOpCreatePreMulSum,
+                )?;
                 let mut scalar = scalar_of::<T>(s);
                 let mut out = ncclRedOp_t(0);
                 shared.call(op_name, |c| {
@@ -968,14 +1068,21 @@ impl<'a> Ops<'a> {
                         )
                     }
                 })?;
-                Ok(RedOp { op: out, premul: Some(shared) })
+                Ok(RedOp {
+                    op: out,
+                    premul: Some(shared),
+                })
             }
             other => Err(self.invalid(op_name, format!("NCCL has no reduce op {}", other.name()))),
         }
     }
 
     /// Runs one enqueueing call and counts it for the watchdog.
-    fn enqueue(&self, op: &'static str, f: impl FnOnce(ncclComm_t, cudaStream_t) -> ncclResult_t) -> Result<()> {
+    fn enqueue(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(ncclComm_t, cudaStream_t) -> ncclResult_t,
+    ) -> Result<()> {
         let stream = self.stream.cu_stream() as cudaStream_t;
         self.shared().call(op, |c| f(c, stream))?;
         self.shared().last_op.store(op_index(op), Ordering::Relaxed);
@@ -984,35 +1091,68 @@ impl<'a> Ops<'a> {
     }
 
     /// Reduces `send` over all ranks with `op` into `recv` (same length).
-    pub fn all_reduce<T: NcclType>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
+    pub fn all_reduce<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         self.check_buf(OP, "recv", recv)?;
         self.check_len(OP, "recv", recv.len(), send.len())?;
         let red = self.red_op::<T>(OP, op)?;
-        let f = self.shared().nccl.get("ncclAllReduce", &self.shared().nccl.raw().ncclAllReduce)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclAllReduce", &self.shared().nccl.raw().ncclAllReduce)?;
         let (s, _rs) = send.device_ptr(self.stream);
         let (r, _rr) = recv.device_ptr_mut(self.stream);
         // SAFETY: both buffers are on this device and hold `send.len()` elements of T (checked
         // above); they stay alive (borrowed) until the call is enqueued and cudarc orders later
         // uses after it (the guards record events on this stream).
         self.enqueue(OP, |c, st| unsafe {
-            f(s as *const c_void, r as *mut c_void, send.len(), T::NCCL, red.op, c, st)
+            f(
+                s as *const c_void,
+                r as *mut c_void,
+                send.len(),
+                T::NCCL,
+                red.op,
+                c,
+                st,
+            )
         })
     }
 
     /// [`Ops::all_reduce`] in place.
-    pub fn all_reduce_in_place<T: NcclType>(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
+    pub fn all_reduce_in_place<T: NcclType>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
         const OP: &str = "all_reduce";
         self.check_stream(OP)?;
         self.check_buf(OP, "buffer", buf)?;
         let red = self.red_op::<T>(OP, op)?;
-        let f = self.shared().nccl.get("ncclAllReduce", &self.shared().nccl.raw().ncclAllReduce)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclAllReduce", &self.shared().nccl.raw().ncclAllReduce)?;
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: one buffer of `n` elements on this device, used in place as NCCL allows.
-        self.enqueue(OP, |c, st| unsafe { f(p as *const c_void, p as *mut c_void, n, T::NCCL, red.op, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(
+                p as *const c_void,
+                p as *mut c_void,
+                n,
+                T::NCCL,
+                red.op,
+                c,
+                st,
+            )
+        })
     }
 
     /// Copies `buf` on `root` into `buf` on every rank.
@@ -1021,22 +1161,44 @@ impl<'a> Ops<'a> {
         self.check_stream(OP)?;
         self.check_buf(OP, "buffer", buf)?;
         let root = self.check_rank(OP, "root", root)?;
-        let f = self.shared().nccl.get("ncclBroadcast", &self.shared().nccl.raw().ncclBroadcast)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclBroadcast", &self.shared().nccl.raw().ncclBroadcast)?;
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: one buffer of `n` elements on this device, in place.
-        self.enqueue(OP, |c, st| unsafe { f(p as *const c_void, p as *mut c_void, n, T::NCCL, root, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(
+                p as *const c_void,
+                p as *mut c_void,
+                n,
+                T::NCCL,
+                root,
+                c,
+                st,
+            )
+        })
     }
 
     /// Reduces `send` over all ranks into `recv` on `root` (`recv` is required there, of the
     /// same length, and ignored elsewhere).
-    pub fn reduce<T: NcclType>(&self, send: &CudaSlice<T>, recv: Option<&mut CudaSlice<T>>, op: ReduceOp, root: usize) -> Result<()> {
+    pub fn reduce<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: Option<&mut CudaSlice<T>>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
         const OP: &str = "reduce";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         let root_i = self.check_rank(OP, "root", root)?;
         let red = self.red_op::<T>(OP, op)?;
-        let f = self.shared().nccl.get("ncclReduce", &self.shared().nccl.raw().ncclReduce)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclReduce", &self.shared().nccl.raw().ncclReduce)?;
         let (s, _gs) = send.device_ptr(self.stream);
         match recv {
             Some(recv) => {
@@ -1044,70 +1206,152 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "recv", recv.len(), send.len())?;
                 let (r, _gr) = recv.device_ptr_mut(self.stream);
                 // SAFETY: both buffers hold `send.len()` elements on this device.
-                self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, send.len(), T::NCCL, red.op, root_i, c, st) })
+                self.enqueue(OP, |c, st| unsafe {
+                    f(
+                        s as *const c_void,
+                        r as *mut c_void,
+                        send.len(),
+                        T::NCCL,
+                        red.op,
+                        root_i,
+                        c,
+                        st,
+                    )
+                })
             }
-            None if self.comm.rank == root => Err(self.invalid(OP, "the root must pass a receive buffer".into())),
+            None if self.comm.rank == root => {
+                Err(self.invalid(OP, "the root must pass a receive buffer".into()))
+            }
             // SAFETY: off the root NCCL does not touch the receive buffer.
-            None => self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, std::ptr::null_mut(), send.len(), T::NCCL, red.op, root_i, c, st) }),
+            None => self.enqueue(OP, |c, st| unsafe {
+                f(
+                    s as *const c_void,
+                    std::ptr::null_mut(),
+                    send.len(),
+                    T::NCCL,
+                    red.op,
+                    root_i,
+                    c,
+                    st,
+                )
+            }),
         }
     }
 
     /// Every rank's `send` (length k) in rank order into `recv` (k × size).
-    pub fn all_gather<T: NcclType>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>) -> Result<()> {
+    pub fn all_gather<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+    ) -> Result<()> {
         const OP: &str = "all_gather";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         self.check_buf(OP, "recv", recv)?;
         self.check_len(OP, "recv", recv.len(), send.len() * self.comm.size)?;
-        let f = self.shared().nccl.get("ncclAllGather", &self.shared().nccl.raw().ncclAllGather)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclAllGather", &self.shared().nccl.raw().ncclAllGather)?;
         let (s, _gs) = send.device_ptr(self.stream);
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: `recv` holds size × `send.len()` elements, as NCCL writes.
-        self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, send.len(), T::NCCL, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(
+                s as *const c_void,
+                r as *mut c_void,
+                send.len(),
+                T::NCCL,
+                c,
+                st,
+            )
+        })
     }
 
     /// Reduces `send` (k × size) over all ranks and leaves block `rank` in `recv` (k).
-    pub fn reduce_scatter<T: NcclType>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         self.check_buf(OP, "recv", recv)?;
         self.check_len(OP, "send", send.len(), recv.len() * self.comm.size)?;
         let red = self.red_op::<T>(OP, op)?;
-        let f = self.shared().nccl.get("ncclReduceScatter", &self.shared().nccl.raw().ncclReduceScatter)?;
+        let f = self.shared().nccl.get(
+            "ncclReduceScatter",
+            &self.shared().nccl.raw().ncclReduceScatter,
+        )?;
         let (s, _gs) = send.device_ptr(self.stream);
         let n = recv.len();
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: `send` holds size × n elements, `recv` n, on this device.
-        self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, n, T::NCCL, red.op, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(
+                s as *const c_void,
+                r as *mut c_void,
+                n,
+                T::NCCL,
+                red.op,
+                c,
+                st,
+            )
+        })
     }
 
     /// Block j of `send` (k × size) to rank j, landing in block `rank` of its `recv`
     /// (NCCL 2.28 or newer).
-    pub fn all_to_all<T: NcclType>(&self, send: &CudaSlice<T>, recv: &mut CudaSlice<T>) -> Result<()> {
+    pub fn all_to_all<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+    ) -> Result<()> {
         const OP: &str = "all_to_all";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         self.check_buf(OP, "recv", recv)?;
         self.check_len(OP, "recv", recv.len(), send.len())?;
         if !send.len().is_multiple_of(self.comm.size) {
-            return Err(self.invalid(OP, format!("{} elements do not split into {} equal blocks", send.len(), self.comm.size)));
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "{} elements do not split into {} equal blocks",
+                    send.len(),
+                    self.comm.size
+                ),
+            ));
         }
-        let f = self.shared().nccl.get("ncclAlltoAll", &self.shared().nccl.raw().ncclAlltoAll)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclAlltoAll", &self.shared().nccl.raw().ncclAlltoAll)?;
         let k = send.len() / self.comm.size;
         let (s, _gs) = send.device_ptr(self.stream);
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: both buffers hold size × k elements on this device.
-        self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, k, T::NCCL, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(s as *const c_void, r as *mut c_void, k, T::NCCL, c, st)
+        })
     }
 
     /// Every rank's `send` (k) in rank order into `recv` (k × size) on `root` (NCCL 2.28+).
-    pub fn gather<T: NcclType>(&self, send: &CudaSlice<T>, recv: Option<&mut CudaSlice<T>>, root: usize) -> Result<()> {
+    pub fn gather<T: NcclType>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: Option<&mut CudaSlice<T>>,
+        root: usize,
+    ) -> Result<()> {
         const OP: &str = "gather";
         self.check_stream(OP)?;
         self.check_buf(OP, "send", send)?;
         let root_i = self.check_rank(OP, "root", root)?;
-        let f = self.shared().nccl.get("ncclGather", &self.shared().nccl.raw().ncclGather)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclGather", &self.shared().nccl.raw().ncclGather)?;
         let (s, _gs) = send.device_ptr(self.stream);
         match recv {
             Some(recv) => {
@@ -1115,21 +1359,51 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "recv", recv.len(), send.len() * self.comm.size)?;
                 let (r, _gr) = recv.device_ptr_mut(self.stream);
                 // SAFETY: `recv` holds size × `send.len()` elements on this device.
-                self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, send.len(), T::NCCL, root_i, c, st) })
+                self.enqueue(OP, |c, st| unsafe {
+                    f(
+                        s as *const c_void,
+                        r as *mut c_void,
+                        send.len(),
+                        T::NCCL,
+                        root_i,
+                        c,
+                        st,
+                    )
+                })
             }
-            None if self.comm.rank == root => Err(self.invalid(OP, "the root must pass a receive buffer".into())),
+            None if self.comm.rank == root => {
+                Err(self.invalid(OP, "the root must pass a receive buffer".into()))
+            }
             // SAFETY: off the root NCCL does not touch the receive buffer.
-            None => self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, std::ptr::null_mut(), send.len(), T::NCCL, root_i, c, st) }),
+            None => self.enqueue(OP, |c, st| unsafe {
+                f(
+                    s as *const c_void,
+                    std::ptr::null_mut(),
+                    send.len(),
+                    T::NCCL,
+                    root_i,
+                    c,
+                    st,
+                )
+            }),
         }
     }
 
     /// Block r of `send` (k × size) on `root` into rank r's `recv` (k) (NCCL 2.28+).
-    pub fn scatter<T: NcclType>(&self, send: Option<&CudaSlice<T>>, recv: &mut CudaSlice<T>, root: usize) -> Result<()> {
+    pub fn scatter<T: NcclType>(
+        &self,
+        send: Option<&CudaSlice<T>>,
+        recv: &mut CudaSlice<T>,
+        root: usize,
+    ) -> Result<()> {
         const OP: &str = "scatter";
         self.check_stream(OP)?;
         self.check_buf(OP, "recv", recv)?;
         let root_i = self.check_rank(OP, "root", root)?;
-        let f = self.shared().nccl.get("ncclScatter", &self.shared().nccl.raw().ncclScatter)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclScatter", &self.shared().nccl.raw().ncclScatter)?;
         let n = recv.len();
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         match send {
@@ -1138,11 +1412,33 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "send", send.len(), n * self.comm.size)?;
                 let (s, _gs) = send.device_ptr(self.stream);
                 // SAFETY: `send` holds size × n elements, `recv` n, on this device.
-                self.enqueue(OP, |c, st| unsafe { f(s as *const c_void, r as *mut c_void, n, T::NCCL, root_i, c, st) })
+                self.enqueue(OP, |c, st| unsafe {
+                    f(
+                        s as *const c_void,
+                        r as *mut c_void,
+                        n,
+                        T::NCCL,
+                        root_i,
+                        c,
+                        st,
+                    )
+                })
             }
-            None if self.comm.rank == root => Err(self.invalid(OP, "the root must pass a send buffer".into())),
+            None if self.comm.rank == root => {
+                Err(self.invalid(OP, "the root must pass a send buffer".into()))
+            }
             // SAFETY: off the root NCCL does not read the send buffer.
-            None => self.enqueue(OP, |c, st| unsafe { f(std::ptr::null(), r as *mut c_void, n, T::NCCL, root_i, c, st) }),
+            None => self.enqueue(OP, |c, st| unsafe {
+                f(
+                    std::ptr::null(),
+                    r as *mut c_void,
+                    n,
+                    T::NCCL,
+                    root_i,
+                    c,
+                    st,
+                )
+            }),
         }
     }
 
@@ -1152,10 +1448,15 @@ impl<'a> Ops<'a> {
         self.check_stream(OP)?;
         self.check_buf(OP, "buffer", buf)?;
         let peer = self.check_rank(OP, "peer", peer)?;
-        let f = self.shared().nccl.get("ncclSend", &self.shared().nccl.raw().ncclSend)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclSend", &self.shared().nccl.raw().ncclSend)?;
         let (p, _g) = buf.device_ptr(self.stream);
         // SAFETY: `buf` holds `buf.len()` elements on this device.
-        self.enqueue(OP, |c, st| unsafe { f(p as *const c_void, buf.len(), T::NCCL, peer, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(p as *const c_void, buf.len(), T::NCCL, peer, c, st)
+        })
     }
 
     /// Receives into `buf` from `peer`.
@@ -1164,11 +1465,16 @@ impl<'a> Ops<'a> {
         self.check_stream(OP)?;
         self.check_buf(OP, "buffer", buf)?;
         let peer = self.check_rank(OP, "peer", peer)?;
-        let f = self.shared().nccl.get("ncclRecv", &self.shared().nccl.raw().ncclRecv)?;
+        let f = self
+            .shared()
+            .nccl
+            .get("ncclRecv", &self.shared().nccl.raw().ncclRecv)?;
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: `buf` holds n elements on this device.
-        self.enqueue(OP, |c, st| unsafe { f(p as *mut c_void, n, T::NCCL, peer, c, st) })
+        self.enqueue(OP, |c, st| unsafe {
+            f(p as *mut c_void, n, T::NCCL, peer, c, st)
+        })
     }
 }
 

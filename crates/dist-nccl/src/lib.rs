@@ -33,7 +33,7 @@ mod error;
 mod types;
 
 pub use comm::{CommConfig, Communicator, Group, Ops, UniqueId};
-pub use dist_nccl_sys::{LoadError, Library as Nccl};
+pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
 pub use types::NcclType;
 

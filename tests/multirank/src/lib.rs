@@ -205,4 +205,3 @@ float_elem!(f32, 1e-6);
 float_elem!(f64, 1e-12);
 float_elem!(f16, 2e-3);
 float_elem!(bf16, 1e-2);
-

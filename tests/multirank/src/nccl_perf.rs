@@ -60,7 +60,9 @@ fn parse_size(s: &str) -> usize {
         Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().unwrap_or_else(|_| panic!("bad size {s:?}")) * mult
+    num.parse::<usize>()
+        .unwrap_or_else(|_| panic!("bad size {s:?}"))
+        * mult
 }
 
 struct Opts {
@@ -130,8 +132,16 @@ fn row(tcp: &TcpBackend, op: Op, bytes: usize, count: usize, secs: f64, wrong: O
         println!(
             "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.2} {algbw:>8.2} {:>8.2} {:>6}",
             "float",
-            if matches!(op, Op::AllReduce | Op::Reduce | Op::ReduceScatter) { "sum" } else { "none" },
-            if matches!(op, Op::Broadcast | Op::Reduce) { "0" } else { "-1" },
+            if matches!(op, Op::AllReduce | Op::Reduce | Op::ReduceScatter) {
+                "sum"
+            } else {
+                "none"
+            },
+            if matches!(op, Op::Broadcast | Op::Reduce) {
+                "0"
+            } else {
+                "-1"
+            },
             t[0] * 1e6,
             algbw * op.bus(tcp.world_size()),
             wrong.map_or("N/A".to_string(), |_| w[0].to_string()),
@@ -141,7 +151,11 @@ fn row(tcp: &TcpBackend, op: Op, bytes: usize, count: usize, secs: f64, wrong: O
 
 fn run_op(comm: &Communicator, op: Op, a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>) {
     let n = comm.size();
-    let (me, right, left) = (comm.rank(), (comm.rank() + 1) % n, (comm.rank() + n - 1) % n);
+    let (me, right, left) = (
+        comm.rank(),
+        (comm.rank() + 1) % n,
+        (comm.rank() + n - 1) % n,
+    );
     let r = match op {
         Op::AllReduce => comm.all_reduce_in_place(a, ReduceOp::Sum),
         Op::Broadcast => comm.broadcast(a, 0),
@@ -210,9 +224,18 @@ fn main() -> ExitCode {
         let k = count / n;
         let host: Vec<f32> = (0..count).map(|i| ((me * 3 + i) % 7) as f32).collect();
         let (mut a, mut b) = match o.op {
-            Op::AllGather => (s.clone_htod(&host[..k]).unwrap(), s.alloc_zeros::<f32>(count).unwrap()),
-            Op::ReduceScatter => (s.clone_htod(&host).unwrap(), s.alloc_zeros::<f32>(k).unwrap()),
-            _ => (s.clone_htod(&host).unwrap(), s.alloc_zeros::<f32>(count).unwrap()),
+            Op::AllGather => (
+                s.clone_htod(&host[..k]).unwrap(),
+                s.alloc_zeros::<f32>(count).unwrap(),
+            ),
+            Op::ReduceScatter => (
+                s.clone_htod(&host).unwrap(),
+                s.alloc_zeros::<f32>(k).unwrap(),
+            ),
+            _ => (
+                s.clone_htod(&host).unwrap(),
+                s.alloc_zeros::<f32>(count).unwrap(),
+            ),
         };
         let wrong = o.check.then(|| {
             run_op(&comm, o.op, &mut a, &mut b);
@@ -221,17 +244,53 @@ fn main() -> ExitCode {
             let v = |r: usize, i: usize| ((r * 3 + i) % 7) as f32;
             let sum = |i: usize| (0..n).map(|r| v(r, i)).sum::<f32>();
             let bad = match o.op {
-                Op::AllReduce => ga.iter().enumerate().filter(|(i, x)| **x != sum(*i)).count(),
-                Op::Broadcast => ga.iter().enumerate().filter(|(i, x)| **x != v(0, *i)).count(),
-                Op::Reduce if me == 0 => gb.iter().enumerate().filter(|(i, x)| **x != sum(*i)).count(),
+                Op::AllReduce => ga
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != sum(*i))
+                    .count(),
+                Op::Broadcast => ga
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != v(0, *i))
+                    .count(),
+                Op::Reduce if me == 0 => gb
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != sum(*i))
+                    .count(),
                 Op::Reduce => 0,
-                Op::AllGather => gb.iter().enumerate().filter(|(i, x)| **x != v(*i / k, *i % k)).count(),
-                Op::ReduceScatter => gb.iter().enumerate().filter(|(i, x)| **x != sum(me * k + *i)).count(),
-                Op::AllToAll => gb.iter().enumerate().filter(|(i, x)| **x != v(*i / k, me * k + *i % k)).count(),
-                Op::SendRecv => gb.iter().enumerate().filter(|(i, x)| **x != v((me + n - 1) % n, *i)).count(),
+                Op::AllGather => gb
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != v(*i / k, *i % k))
+                    .count(),
+                Op::ReduceScatter => gb
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != sum(me * k + *i))
+                    .count(),
+                Op::AllToAll => gb
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != v(*i / k, me * k + *i % k))
+                    .count(),
+                Op::SendRecv => gb
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, x)| **x != v((me + n - 1) % n, *i))
+                    .count(),
             };
             // Restore the inputs the in-place ops overwrote.
-            s.memcpy_htod(if matches!(o.op, Op::AllGather) { &host[..k] } else { &host[..] }, &mut a).unwrap();
+            s.memcpy_htod(
+                if matches!(o.op, Op::AllGather) {
+                    &host[..k]
+                } else {
+                    &host[..]
+                },
+                &mut a,
+            )
+            .unwrap();
             bad as u64
         });
         let iters = iters_for(count * 4);
@@ -245,7 +304,14 @@ fn main() -> ExitCode {
             run_op(&comm, o.op, &mut a, &mut b);
         }
         comm.synchronize().unwrap_or_else(|e| panic!("{e}"));
-        row(&tcp, o.op, count * 4, count, t.elapsed().as_secs_f64() / iters as f64, wrong);
+        row(
+            &tcp,
+            o.op,
+            count * 4,
+            count,
+            t.elapsed().as_secs_f64() / iters as f64,
+            wrong,
+        );
         size *= o.factor;
     }
     if o.bare && o.op == Op::AllReduce {
@@ -285,7 +351,17 @@ fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Op
         let cu = stream.cu_stream() as dist_nccl_sys::cudaStream_t;
         let call = || {
             // SAFETY: one live buffer of `count` f32 on this device, in place; live comm.
-            let r = unsafe { all_reduce(p as *const c_void, p as *mut c_void, count, ncclDataType_t::ncclFloat32, ncclRedOp_t::ncclSum, comm, cu) };
+            let r = unsafe {
+                all_reduce(
+                    p as *const c_void,
+                    p as *mut c_void,
+                    count,
+                    ncclDataType_t::ncclFloat32,
+                    ncclRedOp_t::ncclSum,
+                    comm,
+                    cu,
+                )
+            };
             assert_eq!(r, ncclResult_t::ncclSuccess);
         };
         for _ in 0..(iters / 10).max(5) {

@@ -39,13 +39,17 @@ fn rig(timeout: Duration) -> Result<Rig, String> {
         return Err("skipped: no CUDA device".into());
     }
     if local_world > devices {
-        return Err(format!("skipped: {local_world} local ranks but {devices} CUDA devices"));
+        return Err(format!(
+            "skipped: {local_world} local ranks but {devices} CUDA devices"
+        ));
     }
     let tcp = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
     let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
     let mut id = [0u8; 128];
     if tcp.rank() == 0 {
-        id = *UniqueId::new(&nccl).unwrap_or_else(|e| panic!("{e}")).as_bytes();
+        id = *UniqueId::new(&nccl)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .as_bytes();
     }
     tcp.broadcast(&mut id, 0).unwrap_or_else(|e| panic!("{e}"));
     let id = UniqueId::from_bytes(&id).unwrap();
@@ -72,7 +76,9 @@ fn up<T: NcclType>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
 
 fn down<T: NcclType + Default>(comm: &Communicator, x: &CudaSlice<T>) -> Vec<T> {
     comm.synchronize().unwrap_or_else(|e| panic!("{e}"));
-    comm.stream().clone_dtoh(x).unwrap_or_else(|e| panic!("{e}"))
+    comm.stream()
+        .clone_dtoh(x)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A poison value no input takes, so that an output left unwritten is seen.
@@ -109,10 +115,14 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
         for &op in &ops {
             let send = up(s, &mine);
             let mut out = up(s, &poison::<T>(count));
-            r.comm.all_reduce(&send, &mut out, op).unwrap_or_else(|e| panic!("{e}"));
+            r.comm
+                .all_reduce(&send, &mut out, op)
+                .unwrap_or_else(|e| panic!("{e}"));
             check("all_reduce", op, 0, &down(&r.comm, &out));
             let mut inplace = up(s, &mine);
-            r.comm.all_reduce_in_place(&mut inplace, op).unwrap_or_else(|e| panic!("{e}"));
+            r.comm
+                .all_reduce_in_place(&mut inplace, op)
+                .unwrap_or_else(|e| panic!("{e}"));
             check("all_reduce in place", op, 0, &down(&r.comm, &inplace));
             for root in 0..n {
                 let mut out = up(s, &poison::<T>(count));
@@ -125,14 +135,26 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
             }
             let big = up(s, &full);
             let mut part = up(s, &poison::<T>(count));
-            r.comm.reduce_scatter(&big, &mut part, op).unwrap_or_else(|e| panic!("{e}"));
+            r.comm
+                .reduce_scatter(&big, &mut part, op)
+                .unwrap_or_else(|e| panic!("{e}"));
             check("reduce_scatter", op, me * count, &down(&r.comm, &part));
         }
         for root in 0..n {
-            let mut b = if me == root { up(s, &mine) } else { up(s, &poison::<T>(count)) };
-            r.comm.broadcast(&mut b, root).unwrap_or_else(|e| panic!("{e}"));
+            let mut b = if me == root {
+                up(s, &mine)
+            } else {
+                up(s, &poison::<T>(count))
+            };
+            r.comm
+                .broadcast(&mut b, root)
+                .unwrap_or_else(|e| panic!("{e}"));
             let want: Vec<T> = (0..count).map(|i| T::val(root, i, false)).collect();
-            assert_eq!(bits(&down(&r.comm, &b)), bits(&want), "broadcast from {root}");
+            assert_eq!(
+                bits(&down(&r.comm, &b)),
+                bits(&want),
+                "broadcast from {root}"
+            );
 
             let send = up(s, &mine);
             let mut all = up(s, &poison::<T>(count * n));
@@ -143,7 +165,11 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
                 let got = down(&r.comm, &all);
                 for q in 0..n {
                     let want: Vec<T> = (0..count).map(|i| T::val(q, i, false)).collect();
-                    assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "gather block {q}");
+                    assert_eq!(
+                        bits(&got[q * count..(q + 1) * count]),
+                        bits(&want),
+                        "gather block {q}"
+                    );
                 }
             }
             let src: Vec<T> = (0..count * n).map(|i| T::val(root, i, false)).collect();
@@ -152,23 +178,41 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
             r.comm
                 .scatter((me == root).then_some(&src_d), &mut part, root)
                 .unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(bits(&down(&r.comm, &part)), bits(&src[me * count..(me + 1) * count]), "scatter from {root}");
+            assert_eq!(
+                bits(&down(&r.comm, &part)),
+                bits(&src[me * count..(me + 1) * count]),
+                "scatter from {root}"
+            );
         }
         let send = up(s, &mine);
         let mut all = up(s, &poison::<T>(count * n));
-        r.comm.all_gather(&send, &mut all).unwrap_or_else(|e| panic!("{e}"));
+        r.comm
+            .all_gather(&send, &mut all)
+            .unwrap_or_else(|e| panic!("{e}"));
         let got = down(&r.comm, &all);
         for q in 0..n {
             let want: Vec<T> = (0..count).map(|i| T::val(q, i, false)).collect();
-            assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "all_gather block {q}");
+            assert_eq!(
+                bits(&got[q * count..(q + 1) * count]),
+                bits(&want),
+                "all_gather block {q}"
+            );
         }
         let big = up(s, &full);
         let mut out = up(s, &poison::<T>(count * n));
-        r.comm.all_to_all(&big, &mut out).unwrap_or_else(|e| panic!("{e}"));
+        r.comm
+            .all_to_all(&big, &mut out)
+            .unwrap_or_else(|e| panic!("{e}"));
         let got = down(&r.comm, &out);
         for q in 0..n {
-            let want: Vec<T> = (0..count).map(|i| T::val(q, me * count + i, false)).collect();
-            assert_eq!(bits(&got[q * count..(q + 1) * count]), bits(&want), "all_to_all block {q}");
+            let want: Vec<T> = (0..count)
+                .map(|i| T::val(q, me * count + i, false))
+                .collect();
+            assert_eq!(
+                bits(&got[q * count..(q + 1) * count]),
+                bits(&want),
+                "all_to_all block {q}"
+            );
         }
         // send/recv around the ring, fused in a group.
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
@@ -176,7 +220,9 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
         {
             let g = r.comm.group().unwrap_or_else(|e| panic!("{e}"));
             r.comm.send(&send, right).unwrap_or_else(|e| panic!("{e}"));
-            r.comm.recv(&mut inb, left).unwrap_or_else(|e| panic!("{e}"));
+            r.comm
+                .recv(&mut inb, left)
+                .unwrap_or_else(|e| panic!("{e}"));
             g.end().unwrap_or_else(|e| panic!("{e}"));
         }
         let want: Vec<T> = (0..count).map(|i| T::val(left, i, false)).collect();
@@ -209,7 +255,10 @@ fn collectives() -> Result<(), String> {
     let r = rig(Duration::from_secs(60))?;
     let t = Instant::now();
     each_type(&r, &COUNTS);
-    println!("every collective x type x op verified in {:.1?}", t.elapsed());
+    println!(
+        "every collective x type x op verified in {:.1?}",
+        t.elapsed()
+    );
     r.tcp.barrier().unwrap();
     Ok(())
 }
@@ -258,7 +307,10 @@ fn split() -> Result<(), String> {
     assert_eq!(down(&r.comm, &y), vec![n as i32; 7]);
     drop(sub);
     r.tcp.barrier().unwrap();
-    println!("split into {} groups ran different collectives at once", n.min(2));
+    println!(
+        "split into {} groups ran different collectives at once",
+        n.min(2)
+    );
     Ok(())
 }
 
@@ -277,22 +329,56 @@ fn misuse() -> Result<(), String> {
         assert!(e.to_string().contains(text), "{e}");
         println!("refused: {e}");
     };
-    expect(r.comm.all_gather(&send, &mut out), &format!("recv has {} elements, expected {}", 10 * n + 1, 10 * n));
-    expect(r.comm.reduce_scatter(&send, &mut out, ReduceOp::Sum), "send has 10 elements");
-    expect(r.comm.broadcast(&mut out, n), &format!("root {n} is out of range"));
-    expect(r.comm.send(&send, n + 5), &format!("peer {} is out of range", n + 5));
-    expect(r.comm.all_reduce(&send, &mut out, ReduceOp::Sum), "recv has");
-    expect(r.comm.all_reduce_in_place(&mut out, ReduceOp::BitXor), "NCCL has no reduce op bxor");
-    expect(r.comm.reduce(&send, None, ReduceOp::Sum, r.comm.rank()), "the root must pass a receive buffer");
+    expect(
+        r.comm.all_gather(&send, &mut out),
+        &format!("recv has {} elements, expected {}", 10 * n + 1, 10 * n),
+    );
+    expect(
+        r.comm.reduce_scatter(&send, &mut out, ReduceOp::Sum),
+        "send has 10 elements",
+    );
+    expect(
+        r.comm.broadcast(&mut out, n),
+        &format!("root {n} is out of range"),
+    );
+    expect(
+        r.comm.send(&send, n + 5),
+        &format!("peer {} is out of range", n + 5),
+    );
+    expect(
+        r.comm.all_reduce(&send, &mut out, ReduceOp::Sum),
+        "recv has",
+    );
+    expect(
+        r.comm.all_reduce_in_place(&mut out, ReduceOp::BitXor),
+        "NCCL has no reduce op bxor",
+    );
+    expect(
+        r.comm.reduce(&send, None, ReduceOp::Sum, r.comm.rank()),
+        "the root must pass a receive buffer",
+    );
     if dist_nccl::cuda_device_count() > 1 {
         // A buffer on another GPU.
-        let other = CudaContext::new((r.comm.device() + 1) % dist_nccl::cuda_device_count()).unwrap();
+        let other =
+            CudaContext::new((r.comm.device() + 1) % dist_nccl::cuda_device_count()).unwrap();
         let foreign = other.default_stream().clone_htod(&[1.0f32; 10]).unwrap();
         let mut mine = up(s, &[0.0f32; 10]);
-        expect(r.comm.all_reduce(&foreign, &mut mine, ReduceOp::Sum), "send is on cuda:");
-        expect(r.comm.on(&other.default_stream()).all_reduce_in_place(&mut mine, ReduceOp::Sum), "the stream is on cuda:");
+        expect(
+            r.comm.all_reduce(&foreign, &mut mine, ReduceOp::Sum),
+            "send is on cuda:",
+        );
+        expect(
+            r.comm
+                .on(&other.default_stream())
+                .all_reduce_in_place(&mut mine, ReduceOp::Sum),
+            "the stream is on cuda:",
+        );
     }
-    assert_eq!(bits(&down(&r.comm, &out)), bits(&before), "a refused call touched memory");
+    assert_eq!(
+        bits(&down(&r.comm, &out)),
+        bits(&before),
+        "a refused call touched memory"
+    );
     // The communicator is still healthy.
     let mut y = up(s, &[2u8; 3]);
     r.comm.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap();
@@ -327,8 +413,17 @@ fn peer_death() -> Result<(), String> {
         .expect("collectives with a dead peer kept succeeding");
     let waited = t.elapsed();
     println!("after {waited:.1?}: {e}");
-    assert!(matches!(e, NcclError::Timeout { .. } | NcclError::Aborted { .. } | NcclError::Nccl { .. }), "{e}");
-    assert!(waited < deadline + Duration::from_secs(5), "took {waited:?} with a deadline of {deadline:?}");
+    assert!(
+        matches!(
+            e,
+            NcclError::Timeout { .. } | NcclError::Aborted { .. } | NcclError::Nccl { .. }
+        ),
+        "{e}"
+    );
+    assert!(
+        waited < deadline + Duration::from_secs(5),
+        "took {waited:?} with a deadline of {deadline:?}"
+    );
     // And the communicator refuses from now on, at once.
     let t = Instant::now();
     assert!(r.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).is_err());
