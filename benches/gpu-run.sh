@@ -21,6 +21,11 @@ if [ -n "$torch_nccl" ] && [ -f "$torch_nccl" ]; then export DIST_NCCL_LIBRARY="
 status=0
 "$bundle/run" test-multirank --backend nccl -n "$n" 2>&1 | tee "$out/nccl-tests.log" | grep -E "^test |passed|failed|skipped" || true
 grep -q " 0 failed" "$out/nccl-tests.log" || status=1
+# The training example through the launcher and through torchrun (which runs binaries with
+# --no-python).
+"$bundle/run" run -n "$n" --example train > "$out/train.log" 2>&1 || status=1
+echo "--- torchrun" >> "$out/train.log"
+(cd "$bundle" && torchrun --no-python --nproc-per-node "$n" ./train) >> "$out/train.log" 2>&1 || status=1
 # Every table goes into one file (the device tool brings back few files), each under a header.
 tables="$out/tables.txt"
 : > "$tables"

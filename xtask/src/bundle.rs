@@ -23,6 +23,14 @@ pub fn run(out: Option<PathBuf>) -> Result<()> {
     let out = out.unwrap_or_else(|| crate::root().join("bundle"));
     crate::cargo(&["build", "--release", "-p", "dist-multirank", "--bins"])?;
     crate::cargo(&["build", "--release", "-p", "xtask"])?;
+    crate::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "dist-hybrid",
+        "--example",
+        "train",
+    ])?;
     std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
     let mut manifest =
         String::from("# dist bundle: run `./run ARGS` (xtask's commands) on the target host\n");
@@ -43,6 +51,10 @@ pub fn run(out: Option<PathBuf>) -> Result<()> {
         let len = std::fs::metadata(&dst)?.len();
         manifest += &format!("{bin} {len}\n");
     }
+    let train = out.join("train");
+    std::fs::copy(crate::release_dir().join("examples/train"), &train)?;
+    let _ = Command::new("strip").arg(&train).status();
+    manifest += &format!("train {}\n", std::fs::metadata(&train)?.len());
     let peer = crate::root().join("benches/peers/torch_allreduce.py");
     std::fs::copy(&peer, out.join("torch_allreduce.py"))?;
     manifest += "torch_allreduce.py\n";

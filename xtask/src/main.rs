@@ -38,6 +38,15 @@ enum Cmd {
     BenchP2p,
     /// The nccl-tests table for one collective over a range of sizes.
     Perf(PerfArgs),
+    /// Build an example in release mode and run it as N local ranks.
+    Run {
+        /// Number of ranks.
+        #[arg(short = 'n', long, default_value_t = 4)]
+        ranks: usize,
+        /// The example (of dist-hybrid) to run.
+        #[arg(long)]
+        example: String,
+    },
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
@@ -151,6 +160,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
+        Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
         Cmd::Bundle { out } => bundle::run(out),
         Cmd::Perf(a) => {
@@ -176,6 +186,39 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             }
             launch_release(bin, a.ranks, args)
         }
+    }
+}
+
+/// Builds `example` of dist-hybrid in release mode (unless in a bundle) and runs `ranks` ranks.
+fn run_example(example: &str, ranks: usize) -> Result<()> {
+    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
+        Some(dir) => PathBuf::from(dir).join(example),
+        None => {
+            cargo(&[
+                "build",
+                "--release",
+                "--quiet",
+                "-p",
+                "dist-hybrid",
+                "--example",
+                example,
+            ])?;
+            release_dir().join("examples").join(example)
+        }
+    };
+    let job = launch::Job {
+        program,
+        args: Vec::new(),
+        world: ranks,
+        timeout: std::time::Duration::from_secs(600),
+        label: String::new(),
+        env: Vec::new(),
+        plain_rank0: true,
+    };
+    match launch::run(&job)? {
+        launch::Outcome::Passed => Ok(()),
+        launch::Outcome::Skipped => Ok(()),
+        launch::Outcome::Failed(why) => bail!("example {example} failed: {why}"),
     }
 }
 
@@ -238,6 +281,8 @@ fn test() -> Result<()> {
              NCCL_HEADER, as .ci/run does)"
         ),
     }
+    // The training example, as a test (on the CPU here; on GPUs where there are some).
+    run_example("train", 4)?;
     // The GPU tests run where there are GPUs and report themselves skipped elsewhere; they go
     // first so that the TCP tests' summary closes the run.
     multirank::run(&multirank::Args {

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use dist_core::{DistError, Result};
 
+use crate::launch::LaunchEnv;
+
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default deadline for the whole job to form.
@@ -61,28 +63,21 @@ impl TcpConfig {
         }
     }
 
-    /// Reads the torchrun convention: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, and
-    /// `LOCAL_RANK` when present; and dist's own `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds)
-    /// and `DIST_SECRET` when present.
+    /// Reads the launcher's variables (torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
+    /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds) and `DIST_SECRET` when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
     /// [`TcpConfig::from_env`] over any lookup function (for tests and embedding).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
-        let required = |k: &str| {
-            get(k).ok_or_else(|| DistError::Config {
-                what: k.into(),
-                reason: "not set (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
-                    .into(),
-            })
-        };
-        let number = |k: &str, v: String| {
-            v.trim().parse::<usize>().map_err(|_| DistError::Config {
-                what: k.into(),
-                reason: format!("{v:?} is not a non-negative integer"),
-            })
-        };
+        let env = LaunchEnv::detect(&get)?;
+        Self::from_launch(&env, get)
+    }
+
+    /// A configuration for the rank `env` describes, with dist's own variables from `get`.
+    pub fn from_launch(env: &LaunchEnv, get: impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
         let seconds = |k: &str| -> Result<Option<Duration>> {
             get(k)
                 .map(|v| match v.trim().parse::<f64>() {
@@ -94,30 +89,8 @@ impl TcpConfig {
                 })
                 .transpose()
         };
-        let rank = number("RANK", required("RANK")?)?;
-        let world_size = number("WORLD_SIZE", required("WORLD_SIZE")?)?;
-        let addr = required("MASTER_ADDR")?;
-        if addr.trim().is_empty() {
-            return Err(DistError::Config {
-                what: "MASTER_ADDR".into(),
-                reason: "is empty".into(),
-            });
-        }
-        let port_text = required("MASTER_PORT")?;
-        let port: u16 = port_text.trim().parse().map_err(|_| DistError::Config {
-            what: "MASTER_PORT".into(),
-            reason: format!("{port_text:?} is not a port number (0-65535)"),
-        })?;
-        let host = addr.trim();
-        let master = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
-        let mut cfg = TcpConfig::new(rank, world_size, master);
-        cfg.local_rank = get("LOCAL_RANK")
-            .map(|v| number("LOCAL_RANK", v))
-            .transpose()?;
+        let mut cfg = TcpConfig::new(env.rank, env.world_size, env.master());
+        cfg.local_rank = env.local_rank;
         if let Some(t) = seconds("DIST_TIMEOUT")? {
             cfg.timeout = t;
         }
@@ -284,7 +257,7 @@ mod tests {
         let mut v = OK.to_vec();
         v[0] = ("RANK", "4");
         let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
-        assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
+        assert!(e.contains("rank 4 is not below the world size 4"), "{e}");
     }
 
     #[test]

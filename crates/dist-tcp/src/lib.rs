@@ -20,6 +20,7 @@
 
 mod config;
 mod init;
+pub mod launch;
 mod peer;
 pub mod wire;
 
@@ -32,6 +33,7 @@ use std::time::{Duration, Instant};
 use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
 pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
+pub use launch::{LaunchEnv, Launcher};
 pub use peer::AbortNotice;
 use peer::{Aborts, Peer};
 use wire::FrameKind;

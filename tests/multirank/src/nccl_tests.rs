@@ -431,6 +431,62 @@ fn peer_death() -> Result<(), String> {
     Ok(())
 }
 
+/// HybridBackend from the launcher's environment: the unique id travels over TCP, the GPU is
+/// the local rank's, TCP messages and a barrier go through while NCCL collectives run, and one
+/// call reduces host and device buffers alike.
+fn hybrid() -> Result<(), String> {
+    let devices = dist_nccl::cuda_device_count();
+    let cfg = dist_multirank::config();
+    let local = cfg.local_rank().unwrap_or(cfg.rank());
+    if devices == 0 {
+        return Err("skipped: no CUDA device".into());
+    }
+    if cfg.world_size() > devices {
+        return Err(format!(
+            "skipped: {} ranks but {devices} CUDA devices",
+            cfg.world_size()
+        ));
+    }
+    drop(cfg);
+    let h = dist_hybrid::HybridBackend::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let (me, n) = (h.rank(), h.world_size());
+    let comm = h.nccl().expect("a GPU per rank, so NCCL was formed");
+    assert_eq!(comm.device(), local, "the GPU is the local rank's");
+    assert_eq!((comm.rank(), comm.size()), (me, n));
+    let s = comm.stream().clone();
+    let mut x = up(&s, &vec![1.0f32; 1 << 24]);
+    for _ in 0..10 {
+        h.all_reduce(&mut x, ReduceOp::Sum)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    // While those run on the GPUs: a ring of TCP messages and a barrier.
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    for round in 0..50u32 {
+        h.send_tagged(&round.to_le_bytes(), right, dist_core::Tag::user(3))
+            .unwrap();
+        let mut b = [0u8; 4];
+        h.recv_tagged(&mut b, left, dist_core::Tag::user(3))
+            .unwrap();
+        assert_eq!(u32::from_le_bytes(b), round);
+    }
+    h.barrier().unwrap();
+    h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let want = (n as f32).powi(10);
+    assert!(
+        s.clone_dtoh(&x).unwrap().iter().all(|v| *v == want),
+        "device all_reduce"
+    );
+    let mut host = vec![me as f32 + 1.0; 1000];
+    h.all_reduce(&mut host[..], ReduceOp::Sum)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let want: f32 = (1..=n).map(|r| r as f32).sum();
+    assert!(host.iter().all(|v| *v == want), "host all_reduce");
+    println!(
+        "hybrid: NCCL on cuda:{local}, TCP messages during NCCL work, host and device reductions verified"
+    );
+    Ok(())
+}
+
 type Case = (&'static str, fn() -> Result<(), String>);
 
 const CASES: &[Case] = &[
@@ -439,6 +495,7 @@ const CASES: &[Case] = &[
     ("nccl_split", split),
     ("nccl_misuse", misuse),
     ("nccl_peer_death", peer_death),
+    ("hybrid", hybrid),
 ];
 
 fn main() -> ExitCode {

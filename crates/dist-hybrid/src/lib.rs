@@ -1,0 +1,319 @@
+//! `HybridBackend`: TCP for point-to-point messages, barriers and host-memory collectives, NCCL
+//! for GPU collectives, like PyTorch's ProcessGroupNCCL with Gloo beside it. One call forms
+//! both from the launcher's environment (torchrun, Slurm, Open MPI, `cargo xtask run`).
+//!
+//! ```no_run
+//! use dist_core::{Backend, ReduceOp};
+//! use dist_hybrid::HybridBackend;
+//!
+//! # fn main() -> Result<(), dist_hybrid::HybridError> {
+//! let h = HybridBackend::from_env()?;          // TCP mesh, then NCCL if a GPU is here
+//! let mut host = vec![1.0f32; 1024];
+//! h.all_reduce(&mut host[..], ReduceOp::Sum)?;  // a host buffer: over TCP
+//! if let Some(nccl) = h.nccl() {
+//!     let mut dev = nccl.stream().clone_htod(&host).unwrap();
+//!     h.all_reduce(&mut dev, ReduceOp::Sum)?;   // a device buffer: over NCCL
+//!     h.synchronize_nccl()?;
+//! }
+//! h.send(b"done", (h.rank() + 1) % h.world_size())?; // point-to-point: over TCP
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaSlice};
+use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag};
+use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
+use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
+
+/// Everything that can go wrong in a hybrid backend.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HybridError {
+    /// From the TCP side (rendezvous, messages, host collectives).
+    #[error(transparent)]
+    Tcp(#[from] DistError),
+    /// From the NCCL side.
+    #[error(transparent)]
+    Nccl(#[from] NcclError),
+    /// A GPU collective was asked for where no NCCL communicator was formed.
+    #[error(
+        "rank {rank}: {op} on a device buffer, but this backend has no NCCL communicator ({why})"
+    )]
+    NoNccl {
+        /// The rank.
+        rank: usize,
+        /// The call.
+        op: String,
+        /// Why there is none.
+        why: String,
+    },
+}
+
+/// Shorthand for results whose error is [`HybridError`].
+pub type Result<T, E = HybridError> = std::result::Result<T, E>;
+
+/// How to form the NCCL side.
+#[derive(Clone, Debug)]
+pub enum GpuChoice {
+    /// The GPU of the local rank (or rank mod the number of visible devices, with a warning);
+    /// no NCCL communicator when there is no GPU.
+    Auto,
+    /// This device ordinal.
+    Device(usize),
+    /// TCP only.
+    None,
+}
+
+/// TCP and NCCL, formed together.
+pub struct HybridBackend {
+    tcp: TcpBackend,
+    nccl: Option<Communicator>,
+    why_no_nccl: String,
+}
+
+impl std::fmt::Debug for HybridBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridBackend")
+            .field("tcp", &self.tcp)
+            .field("nccl", &self.nccl)
+            .finish()
+    }
+}
+
+/// The device for `local_rank`: itself if visible, else the rank modulo the device count.
+pub fn pick_device(local_rank: usize, devices: usize) -> Option<(usize, bool)> {
+    if devices == 0 {
+        None
+    } else if local_rank < devices {
+        Some((local_rank, false))
+    } else {
+        Some((local_rank % devices, true))
+    }
+}
+
+impl HybridBackend {
+    /// Forms the job as `rank` of `world_size` with rank 0 at `master`, using the NCCL id given
+    /// (every rank passes the same one; see [`UniqueId`]).
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master: &str,
+        unique_id: &UniqueId,
+    ) -> Result<HybridBackend> {
+        let tcp = TcpBackend::new(rank, world_size, master)?;
+        let local = rank;
+        Self::with_nccl(
+            tcp,
+            local,
+            GpuChoice::Auto,
+            Some(*unique_id),
+            CommConfig::default(),
+        )
+    }
+
+    /// Forms the job: the TCP mesh, then a NCCL id made by rank 0 and sent over TCP, then the
+    /// NCCL communicator on this rank's GPU (if there is one).
+    pub fn init(rank: usize, world_size: usize, master: &str) -> Result<HybridBackend> {
+        let tcp = TcpBackend::new(rank, world_size, master)?;
+        Self::with_nccl(tcp, rank, GpuChoice::Auto, None, CommConfig::default())
+    }
+
+    /// [`HybridBackend::init`] from the launcher's environment (torchrun, Slurm, Open MPI; see
+    /// [`LaunchEnv`]), choosing the GPU from the local rank.
+    pub fn from_env() -> Result<HybridBackend> {
+        Self::from_env_with(GpuChoice::Auto, CommConfig::default())
+    }
+
+    /// [`HybridBackend::from_env`] with a GPU choice and an NCCL configuration.
+    pub fn from_env_with(gpu: GpuChoice, nccl: CommConfig) -> Result<HybridBackend> {
+        let env = LaunchEnv::from_env()?;
+        let cfg = TcpConfig::from_launch(&env, |k| std::env::var(k).ok())?;
+        let tcp = TcpBackend::with_config(cfg)?;
+        Self::with_nccl(tcp, env.local_rank.unwrap_or(env.rank), gpu, None, nccl)
+    }
+
+    /// Adds NCCL to a formed TCP job. Collective over the TCP ranks: every rank must call it.
+    pub fn with_nccl(
+        tcp: TcpBackend,
+        local_rank: usize,
+        gpu: GpuChoice,
+        id: Option<UniqueId>,
+        cfg: CommConfig,
+    ) -> Result<HybridBackend> {
+        let (me, n) = (tcp.rank(), tcp.world_size());
+        let devices = dist_nccl::cuda_device_count();
+        let device = match gpu {
+            GpuChoice::None => None,
+            GpuChoice::Device(d) => Some(d),
+            GpuChoice::Auto => match pick_device(local_rank, devices) {
+                Some((d, wrapped)) => {
+                    if wrapped {
+                        tracing::warn!(
+                            rank = me,
+                            local_rank,
+                            devices,
+                            device = d,
+                            "local rank beyond the visible devices: using rank mod device count"
+                        );
+                    }
+                    Some(d)
+                }
+                None => None,
+            },
+        };
+        // Every rank must agree on whether NCCL is formed: a rank without a GPU makes it TCP-only
+        // for all.
+        let mut have = [u8::from(device.is_some())];
+        tcp.all_reduce(&mut have, ReduceOp::Min)?;
+        let Some(device) = device.filter(|_| have[0] == 1) else {
+            let why = if devices == 0 {
+                "no CUDA device here"
+            } else {
+                "a rank has no CUDA device, or GPUs were turned off"
+            };
+            return Ok(HybridBackend {
+                tcp,
+                nccl: None,
+                why_no_nccl: why.into(),
+            });
+        };
+        let nccl = Arc::new(Nccl::load().map_err(NcclError::from)?);
+        let id = match id {
+            Some(id) => id,
+            None => {
+                let mut bytes = [0u8; 128];
+                if me == 0 {
+                    bytes = *UniqueId::new(&nccl)?.as_bytes();
+                }
+                tcp.broadcast(&mut bytes, 0)?;
+                UniqueId::from_bytes(&bytes)?
+            }
+        };
+        let ctx = CudaContext::new(device).map_err(|source| NcclError::Cuda {
+            comm: format!("rank {me}"),
+            op: format!("open cuda:{device}"),
+            source,
+        })?;
+        let comm = Communicator::init_rank(nccl, &ctx, me, n, &id, cfg)?;
+        Ok(HybridBackend {
+            tcp,
+            nccl: Some(comm),
+            why_no_nccl: String::new(),
+        })
+    }
+
+    /// The TCP side.
+    pub fn tcp(&self) -> &TcpBackend {
+        &self.tcp
+    }
+
+    /// The NCCL side, if formed.
+    pub fn nccl(&self) -> Option<&Communicator> {
+        self.nccl.as_ref()
+    }
+
+    /// Waits for the NCCL work enqueued so far (no-op without NCCL).
+    pub fn synchronize_nccl(&self) -> Result<()> {
+        if let Some(c) = &self.nccl {
+            c.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn need_nccl(&self, op: &str) -> Result<&Communicator> {
+        self.nccl.as_ref().ok_or_else(|| HybridError::NoNccl {
+            rank: self.tcp.rank(),
+            op: op.into(),
+            why: self.why_no_nccl.clone(),
+        })
+    }
+
+    /// Reduces `buf` over all ranks: a host slice over TCP, a device buffer over NCCL (enqueued
+    /// on the communicator's stream; see [`HybridBackend::synchronize_nccl`]).
+    pub fn all_reduce<B: Buffer + ?Sized>(&self, buf: &mut B, op: ReduceOp) -> Result<()> {
+        buf.all_reduce(self, op)
+    }
+
+    /// Copies `buf` from `root` to every rank, over TCP or NCCL as the buffer says.
+    pub fn broadcast<B: Buffer + ?Sized>(&self, buf: &mut B, root: usize) -> Result<()> {
+        buf.broadcast(self, root)
+    }
+}
+
+/// A buffer the hybrid collectives accept: host slices go over TCP, device buffers over NCCL,
+/// so that training code does not branch on where its data lives.
+pub trait Buffer {
+    /// See [`HybridBackend::all_reduce`].
+    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()>;
+    /// See [`HybridBackend::broadcast`].
+    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()>;
+}
+
+impl<T: Element> Buffer for [T] {
+    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
+        Ok(h.tcp.all_reduce(self, op)?)
+    }
+
+    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
+        Ok(h.tcp.broadcast(self, root)?)
+    }
+}
+
+impl<T: NcclType> Buffer for CudaSlice<T> {
+    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
+        Ok(h.need_nccl("all_reduce")?.all_reduce_in_place(self, op)?)
+    }
+
+    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
+        Ok(h.need_nccl("broadcast")?.broadcast(self, root)?)
+    }
+}
+
+/// Point-to-point messages and the barrier go over TCP.
+impl Backend for HybridBackend {
+    fn rank(&self) -> usize {
+        self.tcp.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.tcp.world_size()
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.tcp.default_timeout()
+    }
+
+    fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> dist_core::Result<()> {
+        self.tcp.send_tagged(data, dst, tag)
+    }
+
+    fn recv_tagged_timeout(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: Tag,
+        timeout: Duration,
+    ) -> dist_core::Result<()> {
+        self.tcp.recv_tagged_timeout(buf, src, tag, timeout)
+    }
+
+    fn barrier_timeout(&self, timeout: Duration) -> dist_core::Result<()> {
+        self.tcp.barrier_timeout(timeout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_from_local_rank() {
+        assert_eq!(pick_device(1, 2), Some((1, false)));
+        assert_eq!(pick_device(5, 4), Some((1, true)));
+        assert_eq!(pick_device(0, 0), None);
+    }
+}
