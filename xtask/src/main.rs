@@ -191,56 +191,41 @@ fn dispatch(cmd: Cmd) -> Result<()> {
 
 /// Builds `example` of dist-hybrid in release mode (unless in a bundle) and runs `ranks` ranks.
 fn run_example(example: &str, ranks: usize) -> Result<()> {
-    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
-        Some(dir) => PathBuf::from(dir).join(example),
-        None => {
-            cargo(&[
-                "build",
-                "--release",
-                "--quiet",
-                "-p",
-                "dist-hybrid",
-                "--example",
-                example,
-            ])?;
-            release_dir().join("examples").join(example)
-        }
-    };
-    let job = launch::Job {
-        program,
-        args: Vec::new(),
-        world: ranks,
-        timeout: std::time::Duration::from_secs(600),
-        label: String::new(),
-        env: Vec::new(),
-        plain_rank0: true,
-    };
-    match launch::run(&job)? {
-        launch::Outcome::Passed => Ok(()),
-        launch::Outcome::Skipped => Ok(()),
-        launch::Outcome::Failed(why) => bail!("example {example} failed: {why}"),
-    }
+    let program = bundled_or_built(
+        example,
+        &["-p", "dist-hybrid", "--example", example],
+        || release_dir().join("examples").join(example),
+    )?;
+    launch_ranks(program, ranks, Vec::new())
 }
 
-/// Builds a release binary of the multi-rank package and runs `ranks` ranks of it, rank 0's
-/// output unprefixed.
+/// Builds a release binary of the multi-rank package (unless in a bundle) and runs `ranks`
+/// ranks of it, rank 0's output unprefixed.
 fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
-    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
-        // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
-        Some(dir) => PathBuf::from(dir).join(bin),
-        None => {
-            cargo(&[
-                "build",
-                "--release",
-                "--quiet",
-                "-p",
-                "dist-multirank",
-                "--bin",
-                bin,
-            ])?;
-            release_dir().join(bin)
-        }
-    };
+    let program = bundled_or_built(bin, &["-p", "dist-multirank", "--bin", bin], || {
+        release_dir().join(bin)
+    })?;
+    launch_ranks(program, ranks, args)
+}
+
+/// `name` from the bundle when running inside one (a host with no Rust toolchain), else built
+/// here with `cargo build --release --quiet SELECT`.
+fn bundled_or_built(
+    name: &str,
+    select: &[&str],
+    built: impl FnOnce() -> PathBuf,
+) -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("DIST_BUNDLE_DIR") {
+        return Ok(PathBuf::from(dir).join(name));
+    }
+    let mut args = vec!["build", "--release", "--quiet"];
+    args.extend_from_slice(select);
+    cargo(&args)?;
+    Ok(built())
+}
+
+fn launch_ranks(program: PathBuf, ranks: usize, args: Vec<String>) -> Result<()> {
+    let name = program.display().to_string();
     let job = launch::Job {
         program,
         args,
@@ -253,10 +238,10 @@ fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
     match launch::run(&job)? {
         launch::Outcome::Passed => Ok(()),
         launch::Outcome::Skipped => {
-            println!("{bin}: skipped (see its output for why)");
+            println!("{name}: skipped (see its output for why)");
             Ok(())
         }
-        launch::Outcome::Failed(why) => bail!("{bin} failed: {why}"),
+        launch::Outcome::Failed(why) => bail!("{name} failed: {why}"),
     }
 }
 

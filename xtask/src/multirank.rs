@@ -44,22 +44,9 @@ pub fn run(args: &Args) -> Result<()> {
     } else {
         args.world_sizes.clone()
     };
-    let program = match std::env::var_os("DIST_BUNDLE_DIR") {
-        // Inside a bundle (a host with no Rust toolchain): run the binaries it carries.
-        Some(dir) => std::path::PathBuf::from(dir).join(bin),
-        None => {
-            crate::cargo(&[
-                "build",
-                "--release",
-                "--quiet",
-                "-p",
-                "dist-multirank",
-                "--bin",
-                bin,
-            ])?;
-            crate::release_dir().join(bin)
-        }
-    };
+    let program = crate::bundled_or_built(bin, &["-p", "dist-multirank", "--bin", bin], || {
+        crate::release_dir().join(bin)
+    })?;
     let listed = std::process::Command::new(&program)
         .arg("--list")
         .output()

@@ -205,3 +205,77 @@ float_elem!(f32, 1e-6);
 float_elem!(f64, 1e-12);
 float_elem!(f16, 2e-3);
 float_elem!(bf16, 1e-2);
+
+/// The operations the perf tools time, as `--op` names them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PerfOp {
+    /// all_reduce, sum.
+    AllReduce,
+    /// broadcast from rank 0.
+    Broadcast,
+    /// reduce (sum) to rank 0.
+    Reduce,
+    /// all_gather; the size is the output's.
+    AllGather,
+    /// reduce_scatter (sum); the size is the input's.
+    ReduceScatter,
+    /// all_to_all.
+    AllToAll,
+    /// each rank sends to the next and receives from the previous at once.
+    SendRecv,
+}
+
+impl PerfOp {
+    /// The op named `s` (`all_reduce`, `broadcast`, ...).
+    pub fn parse(s: &str) -> Option<PerfOp> {
+        Some(match s {
+            "all_reduce" => PerfOp::AllReduce,
+            "broadcast" => PerfOp::Broadcast,
+            "reduce" => PerfOp::Reduce,
+            "all_gather" => PerfOp::AllGather,
+            "reduce_scatter" => PerfOp::ReduceScatter,
+            "all_to_all" => PerfOp::AllToAll,
+            "sendrecv" => PerfOp::SendRecv,
+            _ => return None,
+        })
+    }
+
+    /// busbw / algbw, as nccl-tests defines it for `n` ranks.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            PerfOp::AllReduce => 2.0 * (n - 1.0) / n,
+            PerfOp::AllGather | PerfOp::ReduceScatter | PerfOp::AllToAll => (n - 1.0) / n,
+            PerfOp::Broadcast | PerfOp::Reduce | PerfOp::SendRecv => 1.0,
+        }
+    }
+
+    /// Whether the op reduces.
+    pub fn reduces(self) -> bool {
+        matches!(
+            self,
+            PerfOp::AllReduce | PerfOp::Reduce | PerfOp::ReduceScatter
+        )
+    }
+
+    /// Whether the buffers are cut into one block per rank.
+    pub fn blocked(self) -> bool {
+        matches!(
+            self,
+            PerfOp::AllGather | PerfOp::ReduceScatter | PerfOp::AllToAll
+        )
+    }
+}
+
+/// A size with an optional K, M or G suffix (powers of 1024).
+pub fn parse_size(s: &str) -> usize {
+    let (num, mult) = match s.as_bytes().last() {
+        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
+        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
+        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .unwrap_or_else(|_| panic!("bad size {s:?}"))
+        * mult
+}

@@ -14,59 +14,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtrMut};
 use dist_core::{Backend, Collectives, ReduceOp};
+use dist_multirank::{PerfOp, parse_size};
 use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
 use dist_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 use dist_tcp::TcpBackend;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Op {
-    AllReduce,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    AllToAll,
-    SendRecv,
-}
-
-impl Op {
-    fn parse(s: &str) -> Option<Op> {
-        Some(match s {
-            "all_reduce" => Op::AllReduce,
-            "broadcast" => Op::Broadcast,
-            "reduce" => Op::Reduce,
-            "all_gather" => Op::AllGather,
-            "reduce_scatter" => Op::ReduceScatter,
-            "all_to_all" => Op::AllToAll,
-            "sendrecv" => Op::SendRecv,
-            _ => return None,
-        })
-    }
-
-    fn bus(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
-            _ => 1.0,
-        }
-    }
-}
-
-fn parse_size(s: &str) -> usize {
-    let (num, mult) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .unwrap_or_else(|_| panic!("bad size {s:?}"))
-        * mult
-}
-
 struct Opts {
-    op: Op,
+    op: PerfOp,
     min: usize,
     max: usize,
     factor: usize,
@@ -76,7 +30,7 @@ struct Opts {
 
 fn opts() -> Opts {
     let mut o = Opts {
-        op: Op::AllReduce,
+        op: PerfOp::AllReduce,
         min: 8,
         max: 1 << 30,
         factor: 4,
@@ -88,7 +42,9 @@ fn opts() -> Opts {
     while i < args.len() {
         let val = || args.get(i + 1).cloned().unwrap_or_default();
         match args[i].as_str() {
-            "--op" => o.op = Op::parse(&val()).unwrap_or_else(|| panic!("unknown op {:?}", val())),
+            "--op" => {
+                o.op = PerfOp::parse(&val()).unwrap_or_else(|| panic!("unknown op {:?}", val()))
+            }
             "-b" => o.min = parse_size(&val()),
             "-e" => o.max = parse_size(&val()),
             "-f" => o.factor = val().parse().expect("factor"),
@@ -122,7 +78,7 @@ fn header(title: &str) {
     );
 }
 
-fn row(tcp: &TcpBackend, op: Op, bytes: usize, count: usize, secs: f64, wrong: Option<u64>) {
+fn row(tcp: &TcpBackend, op: PerfOp, bytes: usize, count: usize, secs: f64, wrong: Option<u64>) {
     let mut t = [secs];
     tcp.all_reduce(&mut t, ReduceOp::Max).unwrap();
     let mut w = [wrong.unwrap_or(0)];
@@ -132,24 +88,27 @@ fn row(tcp: &TcpBackend, op: Op, bytes: usize, count: usize, secs: f64, wrong: O
         println!(
             "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.2} {algbw:>8.2} {:>8.2} {:>6}",
             "float",
-            if matches!(op, Op::AllReduce | Op::Reduce | Op::ReduceScatter) {
+            if matches!(
+                op,
+                PerfOp::AllReduce | PerfOp::Reduce | PerfOp::ReduceScatter
+            ) {
                 "sum"
             } else {
                 "none"
             },
-            if matches!(op, Op::Broadcast | Op::Reduce) {
+            if matches!(op, PerfOp::Broadcast | PerfOp::Reduce) {
                 "0"
             } else {
                 "-1"
             },
             t[0] * 1e6,
-            algbw * op.bus(tcp.world_size()),
+            algbw * op.bus_factor(tcp.world_size()),
             wrong.map_or("N/A".to_string(), |_| w[0].to_string()),
         );
     }
 }
 
-fn run_op(comm: &Communicator, op: Op, a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>) {
+fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>) {
     let n = comm.size();
     let (me, right, left) = (
         comm.rank(),
@@ -157,14 +116,14 @@ fn run_op(comm: &Communicator, op: Op, a: &mut CudaSlice<f32>, b: &mut CudaSlice
         (comm.rank() + n - 1) % n,
     );
     let r = match op {
-        Op::AllReduce => comm.all_reduce_in_place(a, ReduceOp::Sum),
-        Op::Broadcast => comm.broadcast(a, 0),
-        Op::Reduce => comm.reduce(a, (me == 0).then_some(b), ReduceOp::Sum, 0),
+        PerfOp::AllReduce => comm.all_reduce_in_place(a, ReduceOp::Sum),
+        PerfOp::Broadcast => comm.broadcast(a, 0),
+        PerfOp::Reduce => comm.reduce(a, (me == 0).then_some(b), ReduceOp::Sum, 0),
         // `a` holds this rank's k elements (see the allocation in `main`).
-        Op::AllGather => comm.all_gather(a, b),
-        Op::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum),
-        Op::AllToAll => comm.all_to_all(a, b),
-        Op::SendRecv => {
+        PerfOp::AllGather => comm.all_gather(a, b),
+        PerfOp::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum),
+        PerfOp::AllToAll => comm.all_to_all(a, b),
+        PerfOp::SendRecv => {
             let g = comm.group().unwrap();
             comm.send(a, right).unwrap();
             comm.recv(b, left).unwrap();
@@ -218,17 +177,20 @@ fn main() -> ExitCode {
     let mut size = o.min;
     while size <= o.max {
         let mut count = (size / 4).max(1);
-        if matches!(o.op, Op::AllGather | Op::ReduceScatter | Op::AllToAll) {
+        if matches!(
+            o.op,
+            PerfOp::AllGather | PerfOp::ReduceScatter | PerfOp::AllToAll
+        ) {
             count = (count / n).max(1) * n;
         }
         let k = count / n;
         let host: Vec<f32> = (0..count).map(|i| ((me * 3 + i) % 7) as f32).collect();
         let (mut a, mut b) = match o.op {
-            Op::AllGather => (
+            PerfOp::AllGather => (
                 s.clone_htod(&host[..k]).unwrap(),
                 s.alloc_zeros::<f32>(count).unwrap(),
             ),
-            Op::ReduceScatter => (
+            PerfOp::ReduceScatter => (
                 s.clone_htod(&host).unwrap(),
                 s.alloc_zeros::<f32>(k).unwrap(),
             ),
@@ -244,38 +206,38 @@ fn main() -> ExitCode {
             let v = |r: usize, i: usize| ((r * 3 + i) % 7) as f32;
             let sum = |i: usize| (0..n).map(|r| v(r, i)).sum::<f32>();
             let bad = match o.op {
-                Op::AllReduce => ga
+                PerfOp::AllReduce => ga
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != sum(*i))
                     .count(),
-                Op::Broadcast => ga
+                PerfOp::Broadcast => ga
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != v(0, *i))
                     .count(),
-                Op::Reduce if me == 0 => gb
+                PerfOp::Reduce if me == 0 => gb
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != sum(*i))
                     .count(),
-                Op::Reduce => 0,
-                Op::AllGather => gb
+                PerfOp::Reduce => 0,
+                PerfOp::AllGather => gb
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != v(*i / k, *i % k))
                     .count(),
-                Op::ReduceScatter => gb
+                PerfOp::ReduceScatter => gb
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != sum(me * k + *i))
                     .count(),
-                Op::AllToAll => gb
+                PerfOp::AllToAll => gb
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != v(*i / k, me * k + *i % k))
                     .count(),
-                Op::SendRecv => gb
+                PerfOp::SendRecv => gb
                     .iter()
                     .enumerate()
                     .filter(|(i, x)| **x != v((me + n - 1) % n, *i))
@@ -283,7 +245,7 @@ fn main() -> ExitCode {
             };
             // Restore the inputs the in-place ops overwrote.
             s.memcpy_htod(
-                if matches!(o.op, Op::AllGather) {
+                if matches!(o.op, PerfOp::AllGather) {
                     &host[..k]
                 } else {
                     &host[..]
@@ -314,7 +276,7 @@ fn main() -> ExitCode {
         );
         size *= o.factor;
     }
-    if o.bare && o.op == Op::AllReduce {
+    if o.bare && o.op == PerfOp::AllReduce {
         bare(&tcp, &nccl, &ctx, &id[128..], &o);
     }
     tcp.barrier().unwrap();
@@ -376,7 +338,7 @@ fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Op
         stream.synchronize().unwrap();
         let secs = t.elapsed().as_secs_f64() / iters as f64;
         drop(guard);
-        row(tcp, Op::AllReduce, count * 4, count, secs, None);
+        row(tcp, PerfOp::AllReduce, count * 4, count, secs, None);
         size *= o.factor;
     }
     // SAFETY: no work is pending on it (synchronized) and it is not used again.

@@ -12,50 +12,12 @@
 use std::time::Instant;
 
 use dist_core::{Backend, Collectives, DType, Element, ReduceOp, Tag, Transport};
+use dist_multirank::{PerfOp, parse_size};
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Op {
-    AllReduce,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    AllToAll,
-    SendRecv,
-}
-
-impl Op {
-    fn parse(s: &str) -> Option<Op> {
-        Some(match s {
-            "all_reduce" => Op::AllReduce,
-            "broadcast" => Op::Broadcast,
-            "reduce" => Op::Reduce,
-            "all_gather" => Op::AllGather,
-            "reduce_scatter" => Op::ReduceScatter,
-            "all_to_all" => Op::AllToAll,
-            "sendrecv" => Op::SendRecv,
-            _ => return None,
-        })
-    }
-
-    fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
-            Op::Broadcast | Op::Reduce | Op::SendRecv => 1.0,
-        }
-    }
-
-    fn reduces(self) -> bool {
-        matches!(self, Op::AllReduce | Op::Reduce | Op::ReduceScatter)
-    }
-}
-
 struct Opts {
-    op: Op,
+    op: PerfOp,
     min: usize,
     max: usize,
     factor: usize,
@@ -65,21 +27,9 @@ struct Opts {
     warmup: Option<usize>,
 }
 
-fn parse_size(s: &str) -> usize {
-    let (num, mult) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .unwrap_or_else(|_| panic!("bad size {s:?}"))
-        * mult
-}
-
 fn opts() -> Opts {
     let mut o = Opts {
-        op: Op::AllReduce,
+        op: PerfOp::AllReduce,
         min: 8,
         max: 64 << 20,
         factor: 4,
@@ -93,7 +43,9 @@ fn opts() -> Opts {
     while i < args.len() {
         let val = || args.get(i + 1).cloned().unwrap_or_default();
         match args[i].as_str() {
-            "--op" => o.op = Op::parse(&val()).unwrap_or_else(|| panic!("unknown op {:?}", val())),
+            "--op" => {
+                o.op = PerfOp::parse(&val()).unwrap_or_else(|| panic!("unknown op {:?}", val()))
+            }
             "-b" => o.min = parse_size(&val()),
             "-e" => o.max = parse_size(&val()),
             "-f" => o.factor = val().parse().expect("factor"),
@@ -128,7 +80,10 @@ fn one_size<T: Element>(b: &TcpBackend, o: &Opts, size: usize) {
     let (me, n) = (b.rank(), b.world_size());
     let elt = std::mem::size_of::<T>();
     let mut count = (size / elt).max(1);
-    if matches!(o.op, Op::AllGather | Op::ReduceScatter | Op::AllToAll) {
+    if matches!(
+        o.op,
+        PerfOp::AllGather | PerfOp::ReduceScatter | PerfOp::AllToAll
+    ) {
         count = (count / n).max(1) * n;
     }
     let bytes = count * elt;
@@ -138,13 +93,13 @@ fn one_size<T: Element>(b: &TcpBackend, o: &Opts, size: usize) {
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     let call = |a: &mut Vec<T>, out: &mut Vec<T>| -> Result<(), dist_core::DistError> {
         match o.op {
-            Op::AllReduce => b.all_reduce(a, ReduceOp::Sum),
-            Op::Broadcast => b.broadcast(a, 0),
-            Op::Reduce => b.reduce_into(a, out, ReduceOp::Sum, 0),
-            Op::AllGather => b.all_gather(&a[..k], out),
-            Op::ReduceScatter => b.reduce_scatter(a, &mut out[..k], ReduceOp::Sum),
-            Op::AllToAll => b.all_to_all(a, out),
-            Op::SendRecv => b
+            PerfOp::AllReduce => b.all_reduce(a, ReduceOp::Sum),
+            PerfOp::Broadcast => b.broadcast(a, 0),
+            PerfOp::Reduce => b.reduce_into(a, out, ReduceOp::Sum, 0),
+            PerfOp::AllGather => b.all_gather(&a[..k], out),
+            PerfOp::ReduceScatter => b.reduce_scatter(a, &mut out[..k], ReduceOp::Sum),
+            PerfOp::AllToAll => b.all_to_all(a, out),
+            PerfOp::SendRecv => b
                 .send_recv_meta(
                     (bytemuck::cast_slice(a), right),
                     (bytemuck::cast_slice_mut(out), left),
@@ -159,21 +114,21 @@ fn one_size<T: Element>(b: &TcpBackend, o: &Opts, size: usize) {
         call(&mut a, &mut out).unwrap_or_else(|e| panic!("{e}"));
         let sum = |i: usize| (0..n).map(|r| val::<T>(r, i).to_f64()).sum::<f64>();
         let got: &[T] = match o.op {
-            Op::AllReduce | Op::Broadcast => &a,
-            Op::Reduce if me == 0 => &out,
-            Op::Reduce => &[],
-            Op::ReduceScatter => &out[..k],
+            PerfOp::AllReduce | PerfOp::Broadcast => &a,
+            PerfOp::Reduce if me == 0 => &out,
+            PerfOp::Reduce => &[],
+            PerfOp::ReduceScatter => &out[..k],
             _ => &out,
         };
         let want = |i: usize| -> f64 {
             match o.op {
-                Op::AllReduce => sum(i),
-                Op::Broadcast => val::<T>(0, i).to_f64(),
-                Op::Reduce => sum(i),
-                Op::ReduceScatter => sum(me * k + i),
-                Op::AllGather => val::<T>(i / k, i % k).to_f64(),
-                Op::AllToAll => val::<T>(i / k, me * k + i % k).to_f64(),
-                Op::SendRecv => val::<T>(left, i).to_f64(),
+                PerfOp::AllReduce => sum(i),
+                PerfOp::Broadcast => val::<T>(0, i).to_f64(),
+                PerfOp::Reduce => sum(i),
+                PerfOp::ReduceScatter => sum(me * k + i),
+                PerfOp::AllGather => val::<T>(i / k, i % k).to_f64(),
+                PerfOp::AllToAll => val::<T>(i / k, me * k + i % k).to_f64(),
+                PerfOp::SendRecv => val::<T>(left, i).to_f64(),
             }
         };
         let wrong = got
@@ -207,7 +162,7 @@ fn one_size<T: Element>(b: &TcpBackend, o: &Opts, size: usize) {
             "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.1} {algbw:>8.3} {:>8.3} {:>6}",
             T::DTYPE.name(),
             if o.op.reduces() { "sum" } else { "none" },
-            if matches!(o.op, Op::Broadcast | Op::Reduce) {
+            if matches!(o.op, PerfOp::Broadcast | PerfOp::Reduce) {
                 "0"
             } else {
                 "-1"
