@@ -51,6 +51,21 @@ pub fn run(out: Option<PathBuf>) -> Result<()> {
         let len = std::fs::metadata(&dst)?.len();
         manifest += &format!("{bin} {len}\n");
     }
+    // The criterion benchmark of the NCCL collectives, as cargo builds it (deps/nccl-HASH).
+    crate::cargo(&["bench", "-p", "dist-benches", "--bench", "nccl", "--no-run"])?;
+    let deps = crate::release_dir().join("deps");
+    let newest = std::fs::read_dir(&deps)?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("nccl-") && !name.contains('.')
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .with_context(|| format!("no nccl benchmark binary in {}", deps.display()))?;
+    let bench = out.join("nccl-bench");
+    std::fs::copy(newest.path(), &bench)?;
+    let _ = Command::new("strip").arg(&bench).status();
+    manifest += &format!("nccl-bench {}\n", std::fs::metadata(&bench)?.len());
     let train = out.join("train");
     std::fs::copy(crate::release_dir().join("examples/train"), &train)?;
     let _ = Command::new("strip").arg(&train).status();

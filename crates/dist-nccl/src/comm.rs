@@ -428,6 +428,55 @@ impl Communicator {
         Ok(child)
     }
 
+    /// One process driving several GPUs (`ncclCommInitAll`): a communicator per device of
+    /// `devices`, rank i on `devices[i]`. Drive them from one thread inside a
+    /// [`Communicator::group`], or from a thread each. All ranks are in this process, so the
+    /// init (blocking) has no remote peer to wait for.
+    pub fn init_all(
+        nccl: Arc<Nccl>,
+        devices: &[usize],
+        cfg: CommConfig,
+    ) -> Result<Vec<Communicator>> {
+        let f = nccl.get("ncclCommInitAll", &nccl.raw().ncclCommInitAll)?;
+        let who = format!("nccl init_all on devices {devices:?}");
+        if devices.is_empty() || devices.len() > i32::MAX as usize {
+            return Err(NcclError::InvalidArgument {
+                comm: who,
+                op: "init_all".into(),
+                reason: format!("{} devices", devices.len()),
+            });
+        }
+        let ctxs = devices
+            .iter()
+            .map(|d| CudaContext::new(*d).map_err(cuda(&who, &format!("open cuda:{d}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let list: Vec<i32> = devices.iter().map(|d| *d as i32).collect();
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: `comms` has room for one handle per device in `list`.
+        let r = unsafe { f(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) };
+        if r != ncclResult_t::ncclSuccess {
+            return Err(nccl_error(&nccl, &who, "ncclCommInitAll", r, None));
+        }
+        let n = devices.len();
+        let mut out = Vec::with_capacity(n);
+        for (i, (comm, ctx)) in comms.into_iter().zip(ctxs).enumerate() {
+            let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
+            let name = format!("nccl comm rank {i}/{n} on cuda:{} (init_all)", devices[i]);
+            out.push(Self::finish(
+                nccl.clone(),
+                ctx,
+                stream,
+                comm,
+                i,
+                n,
+                name,
+                None,
+                &cfg,
+            )?);
+        }
+        Ok(out)
+    }
+
     #[allow(clippy::too_many_arguments, reason = "one private constructor's parts")]
     fn finish(
         nccl: Arc<Nccl>,
@@ -1018,42 +1067,30 @@ impl<'a> Ops<'a> {
     }
 
     fn check_len(&self, op: &str, what: &str, got: usize, want: usize) -> Result<()> {
-        if got != want {
-            return Err(self.invalid(op, format!("{what} has {got} elements, expected {want}")));
-        }
-        Ok(())
+        len_ok(what, got, want).map_err(|r| self.invalid(op, r))
     }
 
     fn check_rank(&self, op: &str, what: &str, r: usize) -> Result<i32> {
-        if r >= self.comm.size {
-            return Err(self.invalid(
-                op,
-                format!("{what} {r} is out of range for {} ranks", self.comm.size),
-            ));
-        }
-        Ok(r as i32)
+        rank_ok(what, r, self.comm.size).map_err(|e| self.invalid(op, e))
     }
 
     fn red_op<T: NcclType>(&self, op_name: &str, op: ReduceOp) -> Result<RedOp<'a>> {
-        let builtin = |code| {
-            Ok(RedOp {
+        if let Some(code) = builtin_op(op).map_err(|e| self.invalid(op_name, e))? {
+            return Ok(RedOp {
                 op: ncclRedOp_t(code),
                 premul: None,
-            })
-        };
+            });
+        }
         match op {
-            ReduceOp::Sum => builtin(0),
-            ReduceOp::Prod => builtin(1),
-            ReduceOp::Max => builtin(2),
-            ReduceOp::Min => builtin(3),
-            ReduceOp::Avg => builtin(4),
             ReduceOp::PreMulSum(s) => {
                 let shared = self.shared();
                 let f = shared.nccl.get(
                     "ncclRedOpCreatePreMulSum",
                     &shared.nccl.raw().ncclRedOpCreatePreMulSum,
                 )?;
-                let mut scalar = scalar_of::<T>(s);
+                let mut scalar = T::scalar(s).ok_or_else(|| {
+                    self.invalid(op_name, format!("PreMulSum is not offered for {}", T::NAME))
+                })?;
                 let mut out = ncclRedOp_t(0);
                 shared.call(op_name, |c| {
                     // SAFETY: the scalar is one T on the host, read during the call
@@ -1073,16 +1110,28 @@ impl<'a> Ops<'a> {
                     premul: Some(shared),
                 })
             }
-            other => Err(self.invalid(op_name, format!("NCCL has no reduce op {}", other.name()))),
+            other => unreachable!("builtin_op accepted {other}"),
         }
     }
 
     /// Runs one enqueueing call and counts it for the watchdog.
-    fn enqueue(
+    fn enqueue<T: NcclType>(
         &self,
         op: &'static str,
         f: impl FnOnce(ncclComm_t, cudaStream_t) -> ncclResult_t,
     ) -> Result<()> {
+        let have = self.shared().nccl.version();
+        if have < T::MIN_VERSION {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{} needs NCCL {} or newer; this is {}",
+                    T::NAME,
+                    dist_nccl_sys::version_string(T::MIN_VERSION),
+                    dist_nccl_sys::version_string(have)
+                ),
+            ));
+        }
         let stream = self.stream.cu_stream() as cudaStream_t;
         self.shared().call(op, |c| f(c, stream))?;
         self.shared().last_op.store(op_index(op), Ordering::Relaxed);
@@ -1112,7 +1161,7 @@ impl<'a> Ops<'a> {
         // SAFETY: both buffers are on this device and hold `send.len()` elements of T (checked
         // above); they stay alive (borrowed) until the call is enqueued and cudarc orders later
         // uses after it (the guards record events on this stream).
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 s as *const c_void,
                 r as *mut c_void,
@@ -1142,7 +1191,7 @@ impl<'a> Ops<'a> {
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: one buffer of `n` elements on this device, used in place as NCCL allows.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 p as *const c_void,
                 p as *mut c_void,
@@ -1168,7 +1217,7 @@ impl<'a> Ops<'a> {
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: one buffer of `n` elements on this device, in place.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 p as *const c_void,
                 p as *mut c_void,
@@ -1206,7 +1255,7 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "recv", recv.len(), send.len())?;
                 let (r, _gr) = recv.device_ptr_mut(self.stream);
                 // SAFETY: both buffers hold `send.len()` elements on this device.
-                self.enqueue(OP, |c, st| unsafe {
+                self.enqueue::<T>(OP, |c, st| unsafe {
                     f(
                         s as *const c_void,
                         r as *mut c_void,
@@ -1223,7 +1272,7 @@ impl<'a> Ops<'a> {
                 Err(self.invalid(OP, "the root must pass a receive buffer".into()))
             }
             // SAFETY: off the root NCCL does not touch the receive buffer.
-            None => self.enqueue(OP, |c, st| unsafe {
+            None => self.enqueue::<T>(OP, |c, st| unsafe {
                 f(
                     s as *const c_void,
                     std::ptr::null_mut(),
@@ -1256,7 +1305,7 @@ impl<'a> Ops<'a> {
         let (s, _gs) = send.device_ptr(self.stream);
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: `recv` holds size × `send.len()` elements, as NCCL writes.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 s as *const c_void,
                 r as *mut c_void,
@@ -1289,7 +1338,7 @@ impl<'a> Ops<'a> {
         let n = recv.len();
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: `send` holds size × n elements, `recv` n, on this device.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 s as *const c_void,
                 r as *mut c_void,
@@ -1332,7 +1381,7 @@ impl<'a> Ops<'a> {
         let (s, _gs) = send.device_ptr(self.stream);
         let (r, _gr) = recv.device_ptr_mut(self.stream);
         // SAFETY: both buffers hold size × k elements on this device.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(s as *const c_void, r as *mut c_void, k, T::NCCL, c, st)
         })
     }
@@ -1359,7 +1408,7 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "recv", recv.len(), send.len() * self.comm.size)?;
                 let (r, _gr) = recv.device_ptr_mut(self.stream);
                 // SAFETY: `recv` holds size × `send.len()` elements on this device.
-                self.enqueue(OP, |c, st| unsafe {
+                self.enqueue::<T>(OP, |c, st| unsafe {
                     f(
                         s as *const c_void,
                         r as *mut c_void,
@@ -1375,7 +1424,7 @@ impl<'a> Ops<'a> {
                 Err(self.invalid(OP, "the root must pass a receive buffer".into()))
             }
             // SAFETY: off the root NCCL does not touch the receive buffer.
-            None => self.enqueue(OP, |c, st| unsafe {
+            None => self.enqueue::<T>(OP, |c, st| unsafe {
                 f(
                     s as *const c_void,
                     std::ptr::null_mut(),
@@ -1412,7 +1461,7 @@ impl<'a> Ops<'a> {
                 self.check_len(OP, "send", send.len(), n * self.comm.size)?;
                 let (s, _gs) = send.device_ptr(self.stream);
                 // SAFETY: `send` holds size × n elements, `recv` n, on this device.
-                self.enqueue(OP, |c, st| unsafe {
+                self.enqueue::<T>(OP, |c, st| unsafe {
                     f(
                         s as *const c_void,
                         r as *mut c_void,
@@ -1428,7 +1477,7 @@ impl<'a> Ops<'a> {
                 Err(self.invalid(OP, "the root must pass a send buffer".into()))
             }
             // SAFETY: off the root NCCL does not read the send buffer.
-            None => self.enqueue(OP, |c, st| unsafe {
+            None => self.enqueue::<T>(OP, |c, st| unsafe {
                 f(
                     std::ptr::null(),
                     r as *mut c_void,
@@ -1454,7 +1503,7 @@ impl<'a> Ops<'a> {
             .get("ncclSend", &self.shared().nccl.raw().ncclSend)?;
         let (p, _g) = buf.device_ptr(self.stream);
         // SAFETY: `buf` holds `buf.len()` elements on this device.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(p as *const c_void, buf.len(), T::NCCL, peer, c, st)
         })
     }
@@ -1472,26 +1521,41 @@ impl<'a> Ops<'a> {
         let n = buf.len();
         let (p, _g) = buf.device_ptr_mut(self.stream);
         // SAFETY: `buf` holds n elements on this device.
-        self.enqueue(OP, |c, st| unsafe {
+        self.enqueue::<T>(OP, |c, st| unsafe {
             f(p as *mut c_void, n, T::NCCL, peer, c, st)
         })
     }
 }
 
-/// `s` as one `T`, in the bytes NCCL reads for a host-immediate scalar.
-fn scalar_of<T: NcclType>(s: f64) -> Vec<u8> {
-    use dist_core::DType;
-    match T::DTYPE {
-        DType::F32 => (s as f32).to_ne_bytes().to_vec(),
-        DType::F64 => s.to_ne_bytes().to_vec(),
-        DType::F16 => half::f16::from_f64(s).to_ne_bytes().to_vec(),
-        DType::BF16 => half::bf16::from_f64(s).to_ne_bytes().to_vec(),
-        DType::I8 => (s as i8).to_ne_bytes().to_vec(),
-        DType::U8 => (s as u8).to_ne_bytes().to_vec(),
-        DType::I32 => (s as i32).to_ne_bytes().to_vec(),
-        DType::U32 => (s as u32).to_ne_bytes().to_vec(),
-        DType::I64 => (s as i64).to_ne_bytes().to_vec(),
-        _ => (s as u64).to_ne_bytes().to_vec(),
+/// `got` elements where `want` are needed, or why not.
+fn len_ok(what: &str, got: usize, want: usize) -> std::result::Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what} has {got} elements, expected {want}"))
+    }
+}
+
+/// A rank (root or peer) in `0..size`, as NCCL's `int`.
+fn rank_ok(what: &str, r: usize, size: usize) -> std::result::Result<i32, String> {
+    if r < size && r <= i32::MAX as usize {
+        Ok(r as i32)
+    } else {
+        Err(format!("{what} {r} is out of range for {size} ranks"))
+    }
+}
+
+/// NCCL's code for a built-in op; `None` for `PreMulSum`, which is created per call; an error
+/// for the ops NCCL does not have.
+fn builtin_op(op: ReduceOp) -> std::result::Result<Option<u32>, String> {
+    match op {
+        ReduceOp::Sum => Ok(Some(0)),
+        ReduceOp::Prod => Ok(Some(1)),
+        ReduceOp::Max => Ok(Some(2)),
+        ReduceOp::Min => Ok(Some(3)),
+        ReduceOp::Avg => Ok(Some(4)),
+        ReduceOp::PreMulSum(_) => Ok(None),
+        other => Err(format!("NCCL has no reduce op {}", other.name())),
     }
 }
 
@@ -1554,17 +1618,34 @@ mod tests {
     }
 
     #[test]
+    fn argument_checks_without_a_gpu() {
+        assert_eq!(len_ok("recv", 20, 20), Ok(()));
+        assert_eq!(
+            len_ok("recv", 21, 20).unwrap_err(),
+            "recv has 21 elements, expected 20"
+        );
+        assert_eq!(rank_ok("root", 1, 2), Ok(1));
+        assert_eq!(
+            rank_ok("peer", 2, 2).unwrap_err(),
+            "peer 2 is out of range for 2 ranks"
+        );
+        assert_eq!(builtin_op(ReduceOp::Min), Ok(Some(3)));
+        assert_eq!(builtin_op(ReduceOp::Avg), Ok(Some(4)));
+        assert_eq!(builtin_op(ReduceOp::PreMulSum(0.5)), Ok(None));
+        assert_eq!(
+            builtin_op(ReduceOp::BitXor).unwrap_err(),
+            "NCCL has no reduce op bxor"
+        );
+        // The values NCCL's header gives these ops.
+        assert_eq!(dist_nccl_sys::ncclRedOp_t::ncclMin.0, 3);
+        assert_eq!(dist_nccl_sys::ncclRedOp_t::ncclAvg.0, 4);
+    }
+
+    #[test]
     fn op_names_index_back() {
         for (i, n) in OP_NAMES.iter().enumerate() {
             assert_eq!(op_index(n), i);
         }
         assert_eq!(op_index("nope"), 0);
-    }
-
-    #[test]
-    fn scalars_have_the_element_size() {
-        assert_eq!(scalar_of::<f32>(0.5), 0.5f32.to_ne_bytes());
-        assert_eq!(scalar_of::<half::bf16>(2.0).len(), 2);
-        assert_eq!(scalar_of::<i64>(3.0), 3i64.to_ne_bytes());
     }
 }

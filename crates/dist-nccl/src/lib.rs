@@ -35,7 +35,7 @@ mod types;
 pub use comm::{CommConfig, Communicator, Group, Ops, UniqueId};
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
-pub use types::NcclType;
+pub use types::{F8E4M3, F8E5M2, NcclType};
 
 /// Whether a CUDA device can be used here: the driver loads and reports at least one device.
 /// Tests and benchmarks use it to skip themselves on machines without a GPU.

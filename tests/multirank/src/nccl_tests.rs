@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use dist_core::{Backend, Collectives, DType, ReduceOp};
 use dist_multirank::TestElem;
-use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
+use dist_nccl::{CommConfig, Communicator, F8E4M3, F8E5M2, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
 
@@ -108,7 +108,7 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
                 assert!(
                     T::matches(op, n, base + j, false, *g),
                     "{what} {} {op} count {count}: element {j} is {g:?}",
-                    <T as NcclType>::DTYPE
+                    <T as NcclType>::NAME
                 );
             }
         };
@@ -487,6 +487,60 @@ fn hybrid() -> Result<(), String> {
     Ok(())
 }
 
+/// One process driving every GPU (`init_all`), fused in a group, on the fp8 types: 1.0 summed
+/// over the GPUs is exact in both. Rank 0 runs it; the other ranks have nothing to do.
+fn init_all_fp8() -> Result<(), String> {
+    let devices = dist_nccl::cuda_device_count();
+    if devices < 2 {
+        return Err(format!(
+            "skipped: init_all needs 2 CUDA devices, found {devices}"
+        ));
+    }
+    if dist_multirank::config().rank() != 0 {
+        return Ok(());
+    }
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    let all: Vec<usize> = (0..devices).collect();
+    let comms =
+        Communicator::init_all(nccl, &all, CommConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+    let n = comms.len();
+    // 1.0 and n × 1.0 in each format (exact for n = 2 and 4).
+    let (one_e4, sum_e4) = (0x38u8, if n == 2 { 0x40 } else { 0x48 });
+    let (one_e5, sum_e5) = (0x3Cu8, if n == 2 { 0x40 } else { 0x44 });
+    let mut a: Vec<CudaSlice<F8E4M3>> = comms
+        .iter()
+        .map(|c| up(c.stream(), &vec![F8E4M3(one_e4); 4096]))
+        .collect();
+    let mut b: Vec<CudaSlice<F8E5M2>> = comms
+        .iter()
+        .map(|c| up(c.stream(), &vec![F8E5M2(one_e5); 4096]))
+        .collect();
+    {
+        let g = comms[0].group().unwrap_or_else(|e| panic!("{e}"));
+        for (c, (x, y)) in comms.iter().zip(a.iter_mut().zip(b.iter_mut())) {
+            c.all_reduce_in_place(x, ReduceOp::Sum)
+                .unwrap_or_else(|e| panic!("{e}"));
+            c.all_reduce_in_place(y, ReduceOp::Sum)
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        g.end().unwrap_or_else(|e| panic!("{e}"));
+    }
+    for (c, (x, y)) in comms.iter().zip(a.iter().zip(&b)) {
+        assert!(
+            down(c, x).iter().all(|v| v.0 == sum_e4),
+            "f8e4m3 sum on cuda:{}",
+            c.device()
+        );
+        assert!(
+            down(c, y).iter().all(|v| v.0 == sum_e5),
+            "f8e5m2 sum on cuda:{}",
+            c.device()
+        );
+    }
+    println!("init_all over {n} GPUs: fused fp8 all_reduce verified");
+    Ok(())
+}
+
 type Case = (&'static str, fn() -> Result<(), String>);
 
 const CASES: &[Case] = &[
@@ -496,6 +550,7 @@ const CASES: &[Case] = &[
     ("nccl_misuse", misuse),
     ("nccl_peer_death", peer_death),
     ("hybrid", hybrid),
+    ("nccl_init_all_fp8", init_all_fp8),
 ];
 
 fn main() -> ExitCode {
