@@ -50,6 +50,21 @@ struct Shared {
     aborts: Arc<Aborts>,
     collectives: AtomicU64,
     abort_sent: AtomicBool,
+    /// Whether large sends and receives run on separate threads (see `send_recv_meta`).
+    parallel: bool,
+}
+
+/// Sends at least this large may run beside their receive on another thread.
+const PARALLEL_MIN: usize = 64 << 10;
+
+/// Whether this machine has cores to spare for a receiving thread beside each sending one:
+/// `DIST_TCP_PARALLEL=0|1` decides; otherwise at least 8 cores.
+fn parallel_default() -> bool {
+    match std::env::var("DIST_TCP_PARALLEL").ok().as_deref() {
+        Some("0") => false,
+        Some("1") => true,
+        _ => std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8),
+    }
 }
 
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
@@ -106,6 +121,7 @@ impl TcpBackend {
             aborts,
             collectives: AtomicU64::new(0),
             abort_sent: AtomicBool::new(false),
+            parallel: parallel_default(),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -189,17 +205,21 @@ impl Transport for TcpBackend {
         let src_peer = self.peer(src, &rop)?;
         let sop = || format!("send to {dst} (tag {tag}, {} bytes)", send.len());
         let dst_peer = self.peer(dst, &sop)?;
+        // With cores to spare, a large send and its receive run on two threads at once (this
+        // one writes, the peer's reader thread reads); otherwise one thread moves both without
+        // blocking, which avoids the thread switches a crowded machine pays for.
+        let parallel = send.len() >= PARALLEL_MIN && self.shared.parallel;
         src_peer.recv_overlapped(
             recv,
             tag.to_wire(),
             deadline,
             &rop,
-            false,
+            parallel,
             |posted| match posted {
-                Some(id) => {
+                Some(id) if !parallel => {
                     dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id)
                 }
-                None => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
+                _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
             },
         )
     }
