@@ -160,6 +160,13 @@ pub trait Transport: Backend {
 
     /// A number that increases by one with each collective this rank starts.
     fn next_collective(&self) -> u64;
+
+    /// The largest piece, in bytes, a ring step moves in one message. Small pieces keep the
+    /// received data in cache until it is reduced; transports whose sends and receives run on
+    /// separate cores may prefer larger ones.
+    fn ring_piece(&self) -> usize {
+        crate::collectives::RING_PIECE
+    }
 }
 
 #[cfg(test)]

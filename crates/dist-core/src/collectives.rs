@@ -577,7 +577,7 @@ fn ring_reduce_scatter<T: Element>(
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     // Each step's segment moves in pieces of at most RING_PIECE bytes, each received into a
     // small scratch buffer and reduced at once, while it is still in cache.
-    let piece = (RING_PIECE / std::mem::size_of::<T>()).max(1);
+    let piece = (c.b.ring_piece() / std::mem::size_of::<T>()).max(1);
     with_scratch::<T, _>(piece.min(data.len()), |tmp| {
         for s in 0..n - 1 {
             let send = segment(data.len(), n, (me + off + 2 * n - 1 - s) % n);

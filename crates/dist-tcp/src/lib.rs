@@ -52,10 +52,27 @@ struct Shared {
     abort_sent: AtomicBool,
     /// Whether large sends and receives run on separate threads (see `send_recv_meta`).
     parallel: bool,
+    /// The ring collectives' piece size (`DIST_RING_PIECE_KB`, else by `parallel`).
+    ring_piece: usize,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
 const PARALLEL_MIN: usize = 64 << 10;
+
+/// `DIST_RING_PIECE_KB` if set, else 256 KiB (cache-sized) when one thread moves both
+/// directions, or 1 MiB when a send and its receive run on separate cores.
+fn ring_piece_default(parallel: bool) -> usize {
+    std::env::var("DIST_RING_PIECE_KB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|kb| *kb > 0)
+        .map(|kb| kb << 10)
+        .unwrap_or(if parallel {
+            1 << 20
+        } else {
+            dist_core::collectives::RING_PIECE
+        })
+}
 
 /// Whether this machine has cores to spare for a receiving thread beside each sending one:
 /// `DIST_TCP_PARALLEL=0|1` decides; otherwise at least 8 cores.
@@ -122,6 +139,7 @@ impl TcpBackend {
             collectives: AtomicU64::new(0),
             abort_sent: AtomicBool::new(false),
             parallel: parallel_default(),
+            ring_piece: ring_piece_default(parallel_default()),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -209,19 +227,14 @@ impl Transport for TcpBackend {
         // one writes, the peer's reader thread reads); otherwise one thread moves both without
         // blocking, which avoids the thread switches a crowded machine pays for.
         let parallel = send.len() >= PARALLEL_MIN && self.shared.parallel;
-        src_peer.recv_overlapped(
-            recv,
-            tag.to_wire(),
-            deadline,
-            &rop,
-            parallel,
-            |posted| match posted {
+        src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, parallel, |posted| {
+            match posted {
                 Some(id) if !parallel => {
                     dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id)
                 }
                 _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
-            },
-        )
+            }
+        })
     }
 
     /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
@@ -278,6 +291,10 @@ impl Transport for TcpBackend {
 
     fn next_collective(&self) -> u64 {
         self.shared.collectives.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn ring_piece(&self) -> usize {
+        self.shared.ring_piece
     }
 }
 
