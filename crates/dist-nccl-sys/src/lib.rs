@@ -140,9 +140,10 @@ pub fn introduced(symbol: &str) -> Option<i32> {
         .map(|(_, v)| *v)
 }
 
-/// A loaded NCCL.
+/// A loaded NCCL. It is never unloaded: NCCL starts threads and registers exit handlers that
+/// would run from unmapped code after a `dlclose` (a crash at process exit, seen in tests).
 pub struct Library {
-    raw: NcclLib,
+    raw: std::mem::ManuallyDrop<NcclLib>,
     path: String,
     version: i32,
 }
@@ -203,7 +204,11 @@ impl Library {
                 why: format!("ncclGetVersion returned {}", r.0),
             });
         }
-        Ok(Library { raw, path, version })
+        Ok(Library {
+            raw: std::mem::ManuallyDrop::new(raw),
+            path,
+            version,
+        })
     }
 
     /// The version `ncclGetVersion` reported (22809 for 2.28.9).
