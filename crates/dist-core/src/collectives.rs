@@ -515,7 +515,7 @@ fn reduce<T: Element>(
     other: &[T],
     op: ReduceOp,
 ) -> Result<()> {
-    T::reduce_into(op, acc, other).map_err(|e| c.invalid(e.to_string()))
+    T::reduce_into(op, acc, other).map_err(|e| c.invalid(e))
 }
 
 /// Recursive doubling over the largest power of two `p <= n`; the first `2 (n - p)` ranks pair
@@ -747,6 +747,44 @@ fn reduce_ring<T: Element>(
     Ok(())
 }
 
+/// all_reduce in place, by size: recursive doubling for small buffers, the ring for large.
+fn all_reduce_on<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    c.check_op::<T>(op)?;
+    premul(data, op);
+    if c.n == 1 {
+        return Ok(());
+    }
+    if std::mem::size_of_val(data) <= ALL_REDUCE_RING_MIN || data.len() < c.n {
+        all_reduce_doubling(c, data, op)
+    } else {
+        all_reduce_ring(c, data, op)
+    }
+}
+
+/// reduce in place, by size: binomial tree for small buffers, ring then gather for large.
+fn reduce_on<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    c.check_root(root)?;
+    c.check_op::<T>(op)?;
+    premul(data, op);
+    if c.n == 1 {
+        return Ok(());
+    }
+    if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
+        reduce_tree(c, data, op, root)
+    } else {
+        reduce_ring(c, data, op, root)
+    }
+}
+
 /// The collectives, for every backend that implements [`Transport`].
 ///
 /// All ranks must call the same collectives in the same order with matching arguments; a rank
@@ -757,16 +795,7 @@ pub trait Collectives: Transport {
     /// Reduces `data` over all ranks with `op`, in place: every rank ends with the result.
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         run::<_, T, _>(self, Kind::AllReduce, data.len(), Some(op), 0, |c| {
-            c.check_op::<T>(op)?;
-            premul(data, op);
-            if c.n == 1 {
-                return Ok(());
-            }
-            if std::mem::size_of_val(data) <= ALL_REDUCE_RING_MIN || data.len() < c.n {
-                all_reduce_doubling(c, data, op)
-            } else {
-                all_reduce_ring(c, data, op)
-            }
+            all_reduce_on(c, data, op)
         })
     }
 
@@ -778,21 +807,11 @@ pub trait Collectives: Transport {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        if input.len() != output.len() {
-            let e = DistError::InvalidArgument {
-                rank: self.rank(),
-                op: format!("all_reduce({} x {})", T::DTYPE, input.len()),
-                reason: format!(
-                    "output has {} elements, input {}",
-                    output.len(),
-                    input.len()
-                ),
-            };
-            self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
-            return Err(e);
-        }
-        output.copy_from_slice(input);
-        self.all_reduce(output, op)
+        run::<_, T, _>(self, Kind::AllReduce, input.len(), Some(op), 0, |c| {
+            c.check_len("output", output.len(), input.len())?;
+            output.copy_from_slice(input);
+            all_reduce_on(c, output, op)
+        })
     }
 
     /// Copies `data` on `root` to every other rank's `data`.
@@ -815,17 +834,7 @@ pub trait Collectives: Transport {
     /// [`Collectives::reduce_into`] to keep the input.
     fn reduce<T: Element>(&self, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
         run::<_, T, _>(self, Kind::Reduce, data.len(), Some(op), root, |c| {
-            c.check_root(root)?;
-            c.check_op::<T>(op)?;
-            premul(data, op);
-            if c.n == 1 {
-                return Ok(());
-            }
-            if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
-                reduce_tree(c, data, op, root)
-            } else {
-                reduce_ring(c, data, op, root)
-            }
+            reduce_on(c, data, op, root)
         })
     }
 
@@ -838,21 +847,11 @@ pub trait Collectives: Transport {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
-        if input.len() != output.len() {
-            let e = DistError::InvalidArgument {
-                rank: self.rank(),
-                op: format!("reduce({} x {})", T::DTYPE, input.len()),
-                reason: format!(
-                    "output has {} elements, input {}",
-                    output.len(),
-                    input.len()
-                ),
-            };
-            self.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
-            return Err(e);
-        }
-        output.copy_from_slice(input);
-        self.reduce(output, op, root)
+        run::<_, T, _>(self, Kind::Reduce, input.len(), Some(op), root, |c| {
+            c.check_len("output", output.len(), input.len())?;
+            output.copy_from_slice(input);
+            reduce_on(c, output, op, root)
+        })
     }
 
     /// Every rank's `input` (all of one length `k`) concatenated in rank order into every rank's

@@ -2,8 +2,6 @@
 
 use half::{bf16, f16};
 
-use crate::error::{DistError, Result};
-
 /// The element types dist moves and reduces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -193,8 +191,9 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + '
     const DTYPE: DType;
 
     /// `acc[i] = acc[i] op other[i]` for every `i`. `Avg` and `PreMulSum` combine as a sum here;
-    /// their scaling is applied by [`Element::scale`]. Fails for a bitwise op on floats.
-    fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<()>;
+    /// their scaling is applied by [`Element::scale`]. Fails, saying why, for a bitwise op on
+    /// floats (the caller puts the rank and operation around it).
+    fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<(), String>;
 
     /// Multiplies every element by `factor` (for `PreMulSum`), or divides by `divisor` when
     /// `factor` is `None` (for `Avg`).
@@ -207,12 +206,8 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + '
     fn to_f64(self) -> f64;
 }
 
-fn not_for_floats(op: ReduceOp, dtype: DType) -> DistError {
-    DistError::InvalidArgument {
-        rank: usize::MAX,
-        op: "reduce".into(),
-        reason: format!("reduce op {} is not defined for {dtype}", op.name()),
-    }
+fn not_for_floats(op: ReduceOp, dtype: DType) -> String {
+    format!("reduce op {} is not defined for {dtype}", op.name())
 }
 
 macro_rules! float_element {
@@ -220,7 +215,7 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $d;
 
-            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<()> {
+            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<(), String> {
                 let n = acc.len().min(other.len());
                 let (acc, other) = (&mut acc[..n], &other[..n]);
                 match op {
@@ -277,7 +272,7 @@ macro_rules! int_element {
         impl Element for $t {
             const DTYPE: DType = $d;
 
-            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<()> {
+            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<(), String> {
                 let n = acc.len().min(other.len());
                 let (acc, other) = (&mut acc[..n], &other[..n]);
                 let z = acc.iter_mut().zip(other);
@@ -334,7 +329,7 @@ macro_rules! half_element {
         impl Element for $t {
             const DTYPE: DType = $d;
 
-            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<()> {
+            fn reduce_into(op: ReduceOp, acc: &mut [Self], other: &[Self]) -> Result<(), String> {
                 use half::slice::HalfFloatSliceExt;
                 if matches!(op, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor) {
                     return Err(not_for_floats(op, $d));

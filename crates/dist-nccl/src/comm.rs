@@ -911,8 +911,33 @@ impl Drop for Communicator {
         if let Some(w) = self.watchdog.take() {
             let _ = w.join();
         }
+        // A blocking communicator's finalize waits for the work in flight, which never ends if
+        // a peer is gone: wait for it here, within the deadline, and abort instead if it does
+        // not end.
+        let limit = self.shared.timeout.min(Duration::from_secs(30));
+        let drained = self.sync_event.record(&self.shared.stream).is_ok() && {
+            let started = Instant::now();
+            loop {
+                if self.sync_event.is_complete() {
+                    break true;
+                }
+                if started.elapsed() > limit {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        };
         let mut h = self.shared.lock();
         if h.aborted.is_some() {
+            return;
+        }
+        if !drained {
+            tracing::warn!(comm = %self.shared.who, "work still in flight at drop; aborting");
+            let why = Abort::Timeout {
+                op: "drop".into(),
+                waited: limit,
+            };
+            self.shared.abort_locked(&mut h, why);
             return;
         }
         let nccl = self.shared.nccl.clone();
@@ -973,11 +998,11 @@ impl Group<'_> {
         let f = shared
             .nccl
             .get("ncclGroupEnd", &shared.nccl.raw().ncclGroupEnd)?;
-        let mut h = shared.lock();
-        // SAFETY: ncclGroupEnd takes no arguments; the communicators it launches on stay live
-        // while we hold this one's lock.
-        let r = unsafe { f() };
-        shared.settle(&mut h, "group end", r)
+        // Outside the lock, like every call: a blocking group end that waits on a dead peer
+        // can then be aborted by the watchdog.
+        // SAFETY: ncclGroupEnd takes no arguments; `call` admits it only while this
+        // communicator is live.
+        shared.call("group end", |_| unsafe { f() })
     }
 }
 

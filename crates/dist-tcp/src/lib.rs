@@ -281,6 +281,10 @@ impl Transport for TcpBackend {
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
+        // Every collective asks: the common answer costs one atomic load.
+        if !self.shared.aborts.raised() {
+            return None;
+        }
         self.shared
             .aborts
             .notices()

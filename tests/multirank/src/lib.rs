@@ -32,6 +32,42 @@ pub fn join() -> TcpBackend {
     TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"))
 }
 
+/// One test case: `Err` means "skipped", with the reason; a failure panics.
+pub type Case = (&'static str, fn() -> Result<(), String>);
+
+/// The exit status with which a case says it was skipped (xtask counts it so).
+pub const SKIP_STATUS: u8 = 77;
+
+/// The `main` of a multi-rank test program: `--list` prints the cases, `CASE` runs one as the
+/// rank the environment describes.
+pub fn run_cases(program: &str, cases: &[Case]) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    init_logging();
+    let arg = std::env::args().nth(1).unwrap_or_default();
+    if arg == "--list" {
+        for (name, _) in cases {
+            println!("{name}");
+        }
+        return ExitCode::SUCCESS;
+    }
+    match cases.iter().find(|(name, _)| *name == arg) {
+        Some((name, run)) => match run() {
+            Ok(()) => {
+                println!("{name}: ok");
+                ExitCode::SUCCESS
+            }
+            Err(skip) => {
+                println!("{name}: {skip}");
+                ExitCode::from(SKIP_STATUS)
+            }
+        },
+        None => {
+            eprintln!("usage: {program} --list | CASE (unknown case {arg:?})");
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn word(i: u64, seed: u64) -> u64 {
     (i ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i >> 7)
 }

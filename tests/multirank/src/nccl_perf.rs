@@ -141,7 +141,7 @@ fn main() -> ExitCode {
     let local = cfg.local_rank().unwrap_or(cfg.rank());
     if devices == 0 {
         println!("skipped: no CUDA device");
-        return ExitCode::from(77);
+        return ExitCode::from(dist_multirank::SKIP_STATUS);
     }
     let tcp = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("{e}"));
     let (me, n) = (tcp.rank(), tcp.world_size());

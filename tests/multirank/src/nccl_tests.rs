@@ -13,12 +13,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use dist_core::{Backend, Collectives, DType, ReduceOp};
-use dist_multirank::TestElem;
+use dist_multirank::{Case, TestElem};
 use dist_nccl::{CommConfig, Communicator, F8E4M3, F8E5M2, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
-
-const SKIP: u8 = 77;
 
 struct Rig {
     tcp: TcpBackend,
@@ -541,8 +539,6 @@ fn init_all_fp8() -> Result<(), String> {
     Ok(())
 }
 
-type Case = (&'static str, fn() -> Result<(), String>);
-
 const CASES: &[Case] = &[
     ("nccl_collectives", collectives),
     ("nccl_collectives_socket", collectives_socket),
@@ -554,28 +550,5 @@ const CASES: &[Case] = &[
 ];
 
 fn main() -> ExitCode {
-    dist_multirank::init_logging();
-    let arg = std::env::args().nth(1).unwrap_or_default();
-    if arg == "--list" {
-        for (name, _) in CASES {
-            println!("{name}");
-        }
-        return ExitCode::SUCCESS;
-    }
-    match CASES.iter().find(|(name, _)| *name == arg) {
-        Some((name, run)) => match run() {
-            Ok(()) => {
-                println!("{name}: ok");
-                ExitCode::SUCCESS
-            }
-            Err(skip) => {
-                println!("{name}: {skip}");
-                ExitCode::from(SKIP)
-            }
-        },
-        None => {
-            eprintln!("usage: dist-nccl-tests --list | CASE (unknown case {arg:?})");
-            ExitCode::from(2)
-        }
-    }
+    dist_multirank::run_cases("dist-nccl-tests", CASES)
 }
