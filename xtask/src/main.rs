@@ -274,6 +274,18 @@ fn test() -> Result<()> {
         backend: "nccl".into(),
         ..multirank::Args::default()
     })?;
+    // The collectives again as a machine with cores to spare runs them: sends and receives on
+    // separate threads, and large all_reduces as two rings at once (the defaults from 8 cores).
+    println!("collectives with DIST_TCP_PARALLEL=1 DIST_TCP_LANES=2:");
+    multirank::run(&multirank::Args {
+        world_sizes: vec![3, 4, 5],
+        filter: Some("coll_".into()),
+        env: vec![
+            ("DIST_TCP_PARALLEL".into(), "1".into()),
+            ("DIST_TCP_LANES".into(), "2".into()),
+        ],
+        ..multirank::Args::default()
+    })?;
     multirank::run(&multirank::Args {
         world_sizes: vec![2, 3, 4, 5, 8],
         ..multirank::Args::default()

@@ -20,6 +20,9 @@ pub struct Args {
     pub timeout: u64,
     /// Run only cases whose name contains this.
     pub filter: Option<String>,
+    /// Extra environment for every rank (set by `cargo xtask test`, not on the command line).
+    #[arg(skip)]
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for Args {
@@ -29,6 +32,7 @@ impl Default for Args {
             backend: "tcp".into(),
             timeout: 300,
             filter: None,
+            env: Vec::new(),
         }
     }
 }
@@ -68,7 +72,7 @@ pub fn run(args: &Args) -> Result<()> {
                 world: n,
                 timeout: Duration::from_secs(args.timeout),
                 label: format!("{case} n={n} "),
-                env: Vec::new(),
+                env: args.env.clone(),
                 plain_rank0: false,
             };
             let t = Instant::now();

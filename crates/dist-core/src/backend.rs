@@ -167,6 +167,12 @@ pub trait Transport: Backend {
     fn ring_piece(&self) -> usize {
         crate::collectives::RING_PIECE
     }
+
+    /// How many rings a large all_reduce may run at once, each on its own thread (1 or 2).
+    /// Every rank of a job must answer the same: it decides how messages are cut.
+    fn lanes(&self) -> usize {
+        1
+    }
 }
 
 #[cfg(test)]

@@ -31,6 +31,9 @@ use crate::types::{DType, Element, ReduceOp};
 /// The tag every collective message travels on. Collectives are called in the same order on
 /// every rank, and messages between two ranks on one tag keep their order, so one tag suffices.
 pub const COLLECTIVE_TAG: Tag = Tag::system(2);
+/// The tag of the second ring of a two-lane all_reduce (see [`Transport::lanes`]), so that its
+/// messages can never be taken for the first ring's, even where both rings join the same ranks.
+pub const SECOND_RING_TAG: Tag = Tag::system(3);
 
 /// all_reduce messages up to this size use recursive doubling; larger ones the ring.
 pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
@@ -41,6 +44,9 @@ pub const REDUCE_RING_MIN: usize = 256 << 10;
 /// The largest piece of a ring step: small enough to stay in cache between its arrival and
 /// its reduction.
 pub const RING_PIECE: usize = 256 << 10;
+/// all_reduce messages from this size run as two rings at once where the transport has two
+/// lanes; below it, starting the second ring's thread costs more than it saves.
+pub const TWO_RINGS_MIN: usize = 1 << 20;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
 
@@ -323,14 +329,22 @@ impl<B: Transport + ?Sized> Call<'_, B> {
     }
 
     fn send_recv(&self, send: &[u8], dst: usize, recv: &mut [u8], src: usize) -> Result<()> {
+        self.send_recv_on(COLLECTIVE_TAG, send, dst, recv, src)
+    }
+
+    fn send_recv_on(
+        &self,
+        tag: Tag,
+        send: &[u8],
+        dst: usize,
+        recv: &mut [u8],
+        src: usize,
+    ) -> Result<()> {
         let len = recv.len();
-        match self.b.send_recv_meta(
-            (send, dst),
-            (recv, src),
-            COLLECTIVE_TAG,
-            self.meta,
-            self.deadline,
-        ) {
+        match self
+            .b
+            .send_recv_meta((send, dst), (recv, src), tag, self.meta, self.deadline)
+        {
             Ok(m) => self.check(&m, src),
             Err(e) => Err(self.explain(e, src, len)),
         }
@@ -565,54 +579,113 @@ fn all_reduce_doubling<T: Element>(
     Ok(())
 }
 
-/// Ring reduce-scatter in place: `data` is cut into `n` segments; afterwards this rank holds
-/// the full reduction of segment `(me + off) % n`.
+/// One ring through all ranks: this rank's position on it, its neighbours and the tag its
+/// messages travel on. Segment `i` of a ring's data belongs to position `i`.
+#[derive(Clone, Copy, Debug)]
+struct Ring {
+    pos: usize,
+    right: usize,
+    left: usize,
+    tag: Tag,
+}
+
+impl Ring {
+    /// Ranks in order: position `r` is rank `r`, sending to `r + 1`.
+    fn forward(me: usize, n: usize) -> Ring {
+        Ring {
+            pos: me,
+            right: (me + 1) % n,
+            left: (me + n - 1) % n,
+            tag: COLLECTIVE_TAG,
+        }
+    }
+
+    /// Ranks in reverse order, on the second ring's tag: position `p` is rank `(n - p) % n`,
+    /// sending to rank `r - 1`. Beside a forward ring it uses each connection's other direction.
+    fn backward(me: usize, n: usize) -> Ring {
+        Ring {
+            pos: (n - me) % n,
+            right: (me + n - 1) % n,
+            left: (me + 1) % n,
+            tag: SECOND_RING_TAG,
+        }
+    }
+}
+
+/// The ring's piece, in elements, for one step's message.
+fn ring_piece<T: Element>(c: &Call<'_, impl Transport + ?Sized>) -> usize {
+    (c.b.ring_piece() / std::mem::size_of::<T>()).max(1)
+}
+
+/// Ring reduce-scatter in place: `data` is cut into `n` segments; afterwards the rank at
+/// position `p` holds the full reduction of segment `(p + off) % n`. `tmp` holds one piece
+/// ([`ring_piece`] elements, or all of `data` if that is less).
 fn ring_reduce_scatter<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
+    ring: Ring,
     data: &mut [T],
     op: ReduceOp,
     off: usize,
+    tmp: &mut [T],
 ) -> Result<()> {
-    let (me, n) = (c.me, c.n);
-    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-    // Each step's segment moves in pieces of at most RING_PIECE bytes, each received into a
-    // small scratch buffer and reduced at once, while it is still in cache.
-    let piece = (c.b.ring_piece() / std::mem::size_of::<T>()).max(1);
-    with_scratch::<T, _>(piece.min(data.len()), |tmp| {
-        for s in 0..n - 1 {
-            let send = segment(data.len(), n, (me + off + 2 * n - 1 - s) % n);
-            let recv = segment(data.len(), n, (me + off + 2 * n - 2 - s) % n);
-            let pieces = send.len().max(recv.len()).div_ceil(piece).max(1);
-            for k in 0..pieces {
-                let part = |r: &std::ops::Range<usize>| {
-                    let lo = (r.start + k * piece).min(r.end);
-                    lo..(lo + piece).min(r.end)
-                };
-                let (sp, rp) = (part(&send), part(&recv));
-                let tmp = &mut tmp[..rp.len()];
-                c.send_recv(bytes(&data[sp]), right, bytes_mut(tmp), left)?;
-                reduce(c, &mut data[rp], tmp, op)?;
-            }
+    let (p, n) = (ring.pos, c.n);
+    // Each step's segment moves in pieces, each received into the small scratch buffer and
+    // reduced at once, while it is still in cache.
+    let piece = ring_piece::<T>(c).min(tmp.len()).max(1);
+    for s in 0..n - 1 {
+        let send = segment(data.len(), n, (p + off + 2 * n - 1 - s) % n);
+        let recv = segment(data.len(), n, (p + off + 2 * n - 2 - s) % n);
+        let pieces = send.len().max(recv.len()).div_ceil(piece).max(1);
+        for k in 0..pieces {
+            let part = |r: &std::ops::Range<usize>| {
+                let lo = (r.start + k * piece).min(r.end);
+                lo..(lo + piece).min(r.end)
+            };
+            let (sp, rp) = (part(&send), part(&recv));
+            let tmp = &mut tmp[..rp.len()];
+            c.send_recv_on(
+                ring.tag,
+                bytes(&data[sp]),
+                ring.right,
+                bytes_mut(tmp),
+                ring.left,
+            )?;
+            reduce(c, &mut data[rp], tmp, op)?;
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
-/// Ring all-gather in place: rank `r` holds segment `(r + off) % n`; afterwards all do.
+/// Ring all-gather in place: the rank at position `p` holds segment `(p + off) % n`;
+/// afterwards all do.
 fn ring_all_gather<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
+    ring: Ring,
     data: &mut [T],
     off: usize,
 ) -> Result<()> {
-    let (me, n) = (c.me, c.n);
-    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let (p, n) = (ring.pos, c.n);
     for s in 0..n - 1 {
-        let send = segment(data.len(), n, (me + off + n - s) % n);
-        let recv = segment(data.len(), n, (me + off + 2 * n - s - 1) % n);
+        let send = segment(data.len(), n, (p + off + n - s) % n);
+        let recv = segment(data.len(), n, (p + off + 2 * n - s - 1) % n);
         let (out, inb) = split_pair(data, send, recv);
-        c.send_recv(bytes(out), right, bytes_mut(inb), left)?;
+        c.send_recv_on(ring.tag, bytes(out), ring.right, bytes_mut(inb), ring.left)?;
     }
     Ok(())
+}
+
+/// all_reduce of `data` around one ring: reduce-scatter, then all-gather.
+fn ring_lane<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    ring: Ring,
+    data: &mut [T],
+    op: ReduceOp,
+    tmp: &mut [T],
+) -> Result<()> {
+    ring_reduce_scatter(c, ring, data, op, 1, tmp)?;
+    let own = segment(data.len(), c.n, (ring.pos + 1) % c.n);
+    finish(&mut data[own], op, c.n);
+    ring_all_gather(c, ring, data, 1)
 }
 
 fn all_reduce_ring<T: Element>(
@@ -620,10 +693,74 @@ fn all_reduce_ring<T: Element>(
     data: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    ring_reduce_scatter(c, data, op, 1)?;
-    let own = segment(data.len(), c.n, (c.me + 1) % c.n);
-    finish(&mut data[own], op, c.n);
-    ring_all_gather(c, data, 1)
+    let piece = ring_piece::<T>(c).min(data.len());
+    // Two rings at once, in opposite directions, each on its own thread with half the data:
+    // every connection carries data both ways, and two cores reduce. With two ranks both rings
+    // would share the one connection, so there it runs one.
+    if c.b.lanes() >= 2 && c.n >= 3 && std::mem::size_of_val(data) >= TWO_RINGS_MIN {
+        return with_scratch::<T, _>(2 * piece, |tmp| {
+            let (tmp_a, tmp_b) = tmp.split_at_mut(piece);
+            let (a, b) = data.split_at_mut(data.len() / 2);
+            two_lanes(
+                c,
+                |c| ring_lane(c, Ring::forward(c.me, c.n), a, op, tmp_a),
+                |c| ring_lane(c, Ring::backward(c.me, c.n), b, op, tmp_b),
+            )
+        });
+    }
+    with_scratch::<T, _>(piece, |tmp| {
+        ring_lane(c, Ring::forward(c.me, c.n), data, op, tmp)
+    })
+}
+
+/// Runs `first` on this thread and `second` on another, at once. The first lane to fail tells
+/// every rank at once (so that the other lane, here and elsewhere, stops waiting), and its
+/// error is the call's. If no thread can be started, the two run one after the other: each lane
+/// moves on its own connections and tag, so the other ranks' lanes wait for this one's (within
+/// the deadline) but never block it.
+fn two_lanes<B: Transport + ?Sized>(
+    c: &Call<'_, B>,
+    first: impl FnOnce(&Call<'_, B>) -> Result<()>,
+    second: impl FnOnce(&Call<'_, B>) -> Result<()> + Send,
+) -> Result<()> {
+    let report = |r: Result<()>| {
+        if let Err(e) = &r {
+            c.b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+        }
+        r
+    };
+    // The second lane waits in a slot, so that it is still here if its thread cannot start.
+    let slot = std::sync::Mutex::new(Some(second));
+    let take = || slot.lock().ok().and_then(|mut s| s.take());
+    let (ra, rb) = std::thread::scope(|s| {
+        let spawned = std::thread::Builder::new()
+            .name(format!("dist-ring2-{}", c.me))
+            .spawn_scoped(s, || take().map(|f| report(f(c))));
+        let ra = report(first(c));
+        let rb = match spawned {
+            Ok(h) => h.join().unwrap_or_else(|_| {
+                Some(Err(c.invalid("the second ring's thread panicked".into())))
+            }),
+            Err(_) => None,
+        };
+        (ra, rb)
+    });
+    let rb = match rb {
+        Some(r) => r,
+        None => match take() {
+            Some(f) => report(f(c)),
+            None => Err(c.invalid("the second ring did not run".into())),
+        },
+    };
+    match (ra, rb) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(e), Ok(())) | (Ok(()), Err(e)) => Err(e),
+        // One lane's failure aborts the other: report the cause, not the echo.
+        (Err(a), Err(b)) => Err(match a {
+            DistError::Aborted { .. } if !matches!(b, DistError::Aborted { .. }) => b,
+            a => a,
+        }),
+    }
 }
 
 /// The parent and children of virtual rank `v` in a binomial tree over `n` ranks rooted at 0,
@@ -733,7 +870,10 @@ fn reduce_ring<T: Element>(
     root: usize,
 ) -> Result<()> {
     let (me, n) = (c.me, c.n);
-    ring_reduce_scatter(c, data, op, 1)?;
+    let piece = ring_piece::<T>(c).min(data.len());
+    with_scratch::<T, _>(piece, |tmp| {
+        ring_reduce_scatter(c, Ring::forward(me, n), data, op, 1, tmp)
+    })?;
     let owned = |r: usize| (r + 1) % n;
     let len = data.len();
     if me == root {
@@ -865,7 +1005,7 @@ pub trait Collectives: Transport {
                 return Ok(());
             }
             // Blocks of exactly k: `segment` of n*k over n is block i.
-            ring_all_gather(c, output, 0)
+            ring_all_gather(c, Ring::forward(c.me, c.n), output, 0)
         })
     }
 
@@ -937,7 +1077,10 @@ pub trait Collectives: Transport {
             // of the size the algorithm needs anyway.
             let mut work = input.to_vec();
             premul(&mut work, op);
-            ring_reduce_scatter(c, &mut work, op, 0)?;
+            let piece = ring_piece::<T>(c).min(work.len());
+            with_scratch::<T, _>(piece, |tmp| {
+                ring_reduce_scatter(c, Ring::forward(c.me, c.n), &mut work, op, 0, tmp)
+            })?;
             output.copy_from_slice(&work[c.me * k..(c.me + 1) * k]);
             finish(output, op, c.n);
             Ok(())

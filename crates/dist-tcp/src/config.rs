@@ -6,6 +6,7 @@ use std::time::Duration;
 use dist_core::{DistError, Result};
 
 use crate::launch::LaunchEnv;
+use crate::wire::Tuning;
 
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -27,6 +28,9 @@ pub struct TcpConfig {
     pub(crate) linger: Duration,
     pub(crate) secret: Option<Vec<u8>>,
     pub(crate) local_rank: Option<usize>,
+    pub(crate) parallel: Option<bool>,
+    pub(crate) ring_piece_kb: Option<u32>,
+    pub(crate) lanes: Option<u32>,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -42,6 +46,9 @@ impl std::fmt::Debug for TcpConfig {
             .field("linger", &self.linger)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field("local_rank", &self.local_rank)
+            .field("parallel", &self.parallel)
+            .field("ring_piece_kb", &self.ring_piece_kb)
+            .field("lanes", &self.lanes)
             .finish()
     }
 }
@@ -60,12 +67,17 @@ impl TcpConfig {
             linger: Duration::from_secs(30),
             secret: None,
             local_rank: None,
+            parallel: None,
+            ring_piece_kb: None,
+            lanes: None,
         }
     }
 
     /// Reads the launcher's variables (torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
-    /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds) and `DIST_SECRET` when present.
+    /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
+    /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB` and `DIST_TCP_LANES` (1 or 2) when
+    /// present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -100,6 +112,24 @@ impl TcpConfig {
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
         }
+        let number = |k: &str, range: std::ops::RangeInclusive<u32>| -> Result<Option<u32>> {
+            get(k)
+                .map(|v| match v.trim().parse::<u32>() {
+                    Ok(x) if range.contains(&x) => Ok(x),
+                    _ => Err(DistError::Config {
+                        what: k.into(),
+                        reason: format!(
+                            "{v:?} is not a whole number from {} to {}",
+                            range.start(),
+                            range.end()
+                        ),
+                    }),
+                })
+                .transpose()
+        };
+        cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
+        cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
+        cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -140,6 +170,27 @@ impl TcpConfig {
     /// secret never crosses the wire). `DIST_SECRET` sets it from the environment.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
+        self
+    }
+
+    /// Whether a large send and its receive run on two threads at once (default: where the
+    /// machine has at least 8 cores; `DIST_TCP_PARALLEL`). This rank's own choice.
+    pub fn parallel(mut self, on: bool) -> Self {
+        self.parallel = Some(on);
+        self
+    }
+
+    /// The largest message of a ring step, in KiB, 1 to 65536 (default 1024 where sends and
+    /// receives run in parallel, else 256; `DIST_RING_PIECE_KB`). Rank 0's value is the job's.
+    pub fn ring_piece_kb(mut self, kb: u32) -> Self {
+        self.ring_piece_kb = Some(kb);
+        self
+    }
+
+    /// How many rings a large all_reduce runs at once, 1 or 2 (default 2 where sends and
+    /// receives run in parallel, else 1; `DIST_TCP_LANES`). Rank 0's value is the job's.
+    pub fn lanes(mut self, lanes: u32) -> Self {
+        self.lanes = Some(lanes);
         self
     }
 
@@ -226,6 +277,17 @@ mod tests {
         assert_eq!((c.rank, c.world_size, c.local_rank), (2, 4, Some(1)));
         assert_eq!(c.master, "127.0.0.1:29500");
         assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!((c.parallel, c.ring_piece_kb, c.lanes), (None, None, None));
+        v.extend([
+            ("DIST_TCP_PARALLEL", "0"),
+            ("DIST_RING_PIECE_KB", "512"),
+            ("DIST_TCP_LANES", "2"),
+        ]);
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!(
+            (c.parallel, c.ring_piece_kb, c.lanes),
+            (Some(false), Some(512), Some(2))
+        );
         let v6 = [
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
@@ -248,6 +310,9 @@ mod tests {
             ("MASTER_PORT", "70000"),
             ("DIST_TIMEOUT", "0"),
             ("LOCAL_RANK", "x"),
+            ("DIST_TCP_PARALLEL", "2"),
+            ("DIST_TCP_LANES", "3"),
+            ("DIST_RING_PIECE_KB", "0"),
         ] {
             let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
             v.push((k, bad));

@@ -36,7 +36,7 @@ pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOU
 pub use launch::{LaunchEnv, Launcher};
 pub use peer::AbortNotice;
 use peer::{Aborts, Peer};
-use wire::FrameKind;
+use wire::{FrameKind, Tuning};
 
 /// The tag of the dissemination barrier's messages.
 const BARRIER_TAG: Tag = Tag::system(1);
@@ -52,35 +52,40 @@ struct Shared {
     abort_sent: AtomicBool,
     /// Whether large sends and receives run on separate threads (see `send_recv_meta`).
     parallel: bool,
-    /// The ring collectives' piece size (`DIST_RING_PIECE_KB`, else by `parallel`).
-    ring_piece: usize,
+    /// The job's tuning, as rank 0 chose it (see [`local_tuning`]).
+    tuning: Tuning,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
 const PARALLEL_MIN: usize = 64 << 10;
 
-/// `DIST_RING_PIECE_KB` if set, else 256 KiB (cache-sized) when one thread moves both
-/// directions, or 1 MiB when a send and its receive run on separate cores.
-fn ring_piece_default(parallel: bool) -> usize {
-    std::env::var("DIST_RING_PIECE_KB")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|kb| *kb > 0)
-        .map(|kb| kb << 10)
-        .unwrap_or(if parallel {
-            1 << 20
-        } else {
-            dist_core::collectives::RING_PIECE
-        })
+/// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
+/// where the machine has at least 8 cores.
+fn parallel_for(cfg: &TcpConfig) -> bool {
+    cfg.parallel
+        .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
 }
 
-/// Whether this machine has cores to spare for a receiving thread beside each sending one:
-/// `DIST_TCP_PARALLEL=0|1` decides; otherwise at least 8 cores.
-fn parallel_default() -> bool {
-    match std::env::var("DIST_TCP_PARALLEL").ok().as_deref() {
-        Some("0") => false,
-        Some("1") => true,
-        _ => std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8),
+/// This rank's choice of the job's [`Tuning`] (rank 0's is the job's): what `cfg` says, else
+/// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, or 1 MiB when
+///   a send and its receive run on separate cores;
+/// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
+///   thread): 2 when there are cores to spare, else 1.
+fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
+    let piece_default = if parallel {
+        1 << 10
+    } else {
+        (dist_core::collectives::RING_PIECE >> 10) as u32
+    };
+    Tuning {
+        ring_piece_kb: cfg
+            .ring_piece_kb
+            .unwrap_or(piece_default)
+            .clamp(1, Tuning::MAX_PIECE_KB),
+        lanes: cfg
+            .lanes
+            .unwrap_or(if parallel { 2 } else { 1 })
+            .clamp(1, Tuning::MAX_LANES),
     }
 }
 
@@ -119,7 +124,8 @@ impl TcpBackend {
 
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
-        let streams = init::form(&cfg)?;
+        let parallel = parallel_for(&cfg);
+        let (streams, tuning) = init::form(&cfg, local_tuning(&cfg, parallel))?;
         let me = cfg.rank;
         let aborts = Arc::new(Aborts::default());
         let mut peers = Vec::with_capacity(cfg.world_size);
@@ -138,8 +144,8 @@ impl TcpBackend {
             aborts,
             collectives: AtomicU64::new(0),
             abort_sent: AtomicBool::new(false),
-            parallel: parallel_default(),
-            ring_piece: ring_piece_default(parallel_default()),
+            parallel,
+            tuning,
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -298,7 +304,11 @@ impl Transport for TcpBackend {
     }
 
     fn ring_piece(&self) -> usize {
-        self.shared.ring_piece
+        (self.shared.tuning.ring_piece_kb as usize) << 10
+    }
+
+    fn lanes(&self) -> usize {
+        self.shared.tuning.lanes as usize
     }
 }
 

@@ -245,3 +245,35 @@ fn timeout_names_the_silent_peer() {
         b.barrier().unwrap();
     });
 }
+
+#[test]
+fn rank_zeros_tuning_is_the_jobs() {
+    use dist_core::{Collectives, ReduceOp, Transport};
+    // Rank 0 asks for two lanes and 64 KiB pieces, the others for one lane and 512 KiB: had
+    // each rank used its own, their messages would not match. A 2 MiB all_reduce takes the
+    // two-ring path.
+    let port = free_port();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            thread::spawn(move || {
+                let c = if r == 0 {
+                    cfg(r, world, port).lanes(2).ring_piece_kb(64)
+                } else {
+                    cfg(r, world, port).lanes(1).ring_piece_kb(512)
+                };
+                let b = TcpBackend::with_config(c).unwrap();
+                let count = (2 << 20) / 4 + 3;
+                let mut x: Vec<f32> = (0..count).map(|i| (i % 1000 + r) as f32).collect();
+                b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                for (i, v) in x.iter().enumerate() {
+                    assert_eq!(*v, (3 * (i % 1000) + 3) as f32, "element {i}");
+                }
+                (b.lanes(), b.ring_piece())
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), (2, 64 << 10));
+    }
+}

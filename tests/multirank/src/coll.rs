@@ -210,6 +210,33 @@ pub fn reductions_all() {
     println!("reductions verified in {:.1?}", t.elapsed());
 }
 
+fn large_all_reduce<T: TestElem>(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    // Just past the size from which all_reduce may run two rings, and odd, so that neither the
+    // halves nor the segments come out even.
+    let count = dist_core::collectives::TWO_RINGS_MIN / std::mem::size_of::<T>() + 7;
+    for op in T::ops() {
+        let nan = matches!(op, ReduceOp::Min | ReduceOp::Max);
+        let mut data: Vec<T> = (0..count).map(|i| T::val(me, i, nan)).collect();
+        b.all_reduce(&mut data, op)
+            .unwrap_or_else(|e| panic!("{e}"));
+        check_reduced("large all_reduce", op, n, 0, nan, &data);
+    }
+}
+
+/// all_reduce past the two-ring threshold: every type and valid op (one ring or two, as the
+/// job's tuning says: `DIST_TCP_LANES`).
+pub fn all_reduce_large() {
+    let b = join();
+    let t = Instant::now();
+    each_type(&b, &|b, d| dispatch!(d, large_all_reduce, b));
+    println!(
+        "large all_reduce ({} lane(s)) verified in {:.1?}",
+        dist_core::Transport::lanes(&b),
+        t.elapsed()
+    );
+}
+
 /// broadcast, gather, scatter (every root), all_gather, all_to_all(v): every type and count.
 pub fn movement_all() {
     let b = join();

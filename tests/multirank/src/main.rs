@@ -47,6 +47,10 @@ const CASES: &[Case] = &[
         coll::reductions_all();
         Ok(())
     }),
+    ("coll_all_reduce_large", || {
+        coll::all_reduce_large();
+        Ok(())
+    }),
     ("coll_movement", || {
         coll::movement_all();
         Ok(())
