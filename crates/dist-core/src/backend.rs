@@ -148,6 +148,23 @@ pub trait Transport: Backend {
         deadline: Instant,
     ) -> Result<Meta>;
 
+    /// [`Transport::send_recv_meta`], also running `meanwhile` once while the two transfers are
+    /// in flight where the transport can (this default runs it first). `meanwhile` must touch
+    /// neither buffer; its error ends the call. The ring collectives reduce one piece while the
+    /// next one travels.
+    fn send_recv_meta_while(
+        &self,
+        send: (&[u8], usize),
+        recv: (&mut [u8], usize),
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Meta> {
+        meanwhile()?;
+        self.send_recv_meta(send, recv, tag, meta, deadline)
+    }
+
     /// The length and meta of the next message queued from `src` on `tag`, if one is queued.
     fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)>;
 

@@ -22,6 +22,7 @@
 //! collectives stay aborted: create a new backend to go on.
 
 use std::cell::RefCell;
+use std::ops::Range;
 use std::time::Instant;
 
 use crate::backend::{Meta, Tag, Transport};
@@ -350,6 +351,28 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         }
     }
 
+    /// [`Call::send_recv_on`], running `meanwhile` while the transfers are in flight.
+    fn send_recv_while(
+        &self,
+        tag: Tag,
+        (send, dst): (&[u8], usize),
+        (recv, src): (&mut [u8], usize),
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let len = recv.len();
+        match self.b.send_recv_meta_while(
+            (send, dst),
+            (recv, src),
+            tag,
+            self.meta,
+            self.deadline,
+            meanwhile,
+        ) {
+            Ok(m) => self.check(&m, src),
+            Err(e) => Err(self.explain(e, src, len)),
+        }
+    }
+
     fn check(&self, got: &Meta, src: usize) -> Result<()> {
         if *got == self.meta {
             return Ok(());
@@ -618,8 +641,8 @@ fn ring_piece<T: Element>(c: &Call<'_, impl Transport + ?Sized>) -> usize {
 }
 
 /// Ring reduce-scatter in place: `data` is cut into `n` segments; afterwards the rank at
-/// position `p` holds the full reduction of segment `(p + off) % n`. `tmp` holds one piece
-/// ([`ring_piece`] elements, or all of `data` if that is less).
+/// position `p` holds the full reduction of segment `(p + off) % n`. `tmp` holds two pieces
+/// (2 × [`ring_piece`] elements, or twice `data` if that is less).
 fn ring_reduce_scatter<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
     ring: Ring,
@@ -629,29 +652,58 @@ fn ring_reduce_scatter<T: Element>(
     tmp: &mut [T],
 ) -> Result<()> {
     let (p, n) = (ring.pos, c.n);
-    // Each step's segment moves in pieces, each received into the small scratch buffer and
-    // reduced at once, while it is still in cache.
-    let piece = ring_piece::<T>(c).min(tmp.len()).max(1);
+    // Each step's segment moves in pieces, each received into one of two scratch buffers in
+    // turn; a piece is reduced while the next one travels, still in cache from its arrival.
+    let piece = ring_piece::<T>(c).min(tmp.len() / 2).max(1);
+    let (tmp0, tmp1) = tmp.split_at_mut(tmp.len() / 2);
+    let mut bufs = [tmp0, tmp1];
+    // The piece received but not yet reduced: its range in `data` and its buffer.
+    let mut pending: Option<(Range<usize>, usize)> = None;
+    let mut cur = 0;
     for s in 0..n - 1 {
         let send = segment(data.len(), n, (p + off + 2 * n - 1 - s) % n);
         let recv = segment(data.len(), n, (p + off + 2 * n - 2 - s) % n);
         let pieces = send.len().max(recv.len()).div_ceil(piece).max(1);
         for k in 0..pieces {
-            let part = |r: &std::ops::Range<usize>| {
+            let part = |r: &Range<usize>| {
                 let lo = (r.start + k * piece).min(r.end);
                 lo..(lo + piece).min(r.end)
             };
             let (sp, rp) = (part(&send), part(&recv));
-            let tmp = &mut tmp[..rp.len()];
-            c.send_recv_on(
-                ring.tag,
-                bytes(&data[sp]),
-                ring.right,
-                bytes_mut(tmp),
-                ring.left,
-            )?;
-            reduce(c, &mut data[rp], tmp, op)?;
+            // A piece about to be sent must be reduced first (a step's first piece can be the
+            // previous step's last).
+            if let Some((pr, pb)) = pending.clone()
+                && pr.start < sp.end
+                && sp.start < pr.end
+            {
+                reduce(c, &mut data[pr.clone()], &bufs[pb][..pr.len()], op)?;
+                pending = None;
+            }
+            let [b0, b1] = &mut bufs;
+            let (into, other) = if cur == 0 { (b0, b1) } else { (b1, b0) };
+            let into = &mut into[..rp.len()];
+            match pending.take() {
+                Some((pr, _)) => {
+                    let (out, acc) = split_pair(data, sp, pr);
+                    let other = &other[..acc.len()];
+                    c.send_recv_while(
+                        ring.tag,
+                        (bytes(out), ring.right),
+                        (bytes_mut(into), ring.left),
+                        &mut || reduce(c, acc, other, op),
+                    )?;
+                }
+                None => {
+                    let out = bytes(&data[sp]);
+                    c.send_recv_on(ring.tag, out, ring.right, bytes_mut(into), ring.left)?;
+                }
+            }
+            pending = Some((rp, cur));
+            cur ^= 1;
         }
+    }
+    if let Some((pr, pb)) = pending {
+        reduce(c, &mut data[pr.clone()], &bufs[pb][..pr.len()], op)?;
     }
     Ok(())
 }
@@ -693,13 +745,14 @@ fn all_reduce_ring<T: Element>(
     data: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let piece = ring_piece::<T>(c).min(data.len());
+    // Two scratch pieces per ring (see ring_reduce_scatter).
+    let scratch = 2 * ring_piece::<T>(c).min(data.len());
     // Two rings at once, in opposite directions, each on its own thread with half the data:
     // every connection carries data both ways, and two cores reduce. With two ranks both rings
     // would share the one connection, so there it runs one.
     if c.b.lanes() >= 2 && c.n >= 3 && std::mem::size_of_val(data) >= TWO_RINGS_MIN {
-        return with_scratch::<T, _>(2 * piece, |tmp| {
-            let (tmp_a, tmp_b) = tmp.split_at_mut(piece);
+        return with_scratch::<T, _>(2 * scratch, |tmp| {
+            let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
             let (a, b) = data.split_at_mut(data.len() / 2);
             two_lanes(
                 c,
@@ -708,7 +761,7 @@ fn all_reduce_ring<T: Element>(
             )
         });
     }
-    with_scratch::<T, _>(piece, |tmp| {
+    with_scratch::<T, _>(scratch, |tmp| {
         ring_lane(c, Ring::forward(c.me, c.n), data, op, tmp)
     })
 }
@@ -870,8 +923,8 @@ fn reduce_ring<T: Element>(
     root: usize,
 ) -> Result<()> {
     let (me, n) = (c.me, c.n);
-    let piece = ring_piece::<T>(c).min(data.len());
-    with_scratch::<T, _>(piece, |tmp| {
+    let scratch = 2 * ring_piece::<T>(c).min(data.len());
+    with_scratch::<T, _>(scratch, |tmp| {
         ring_reduce_scatter(c, Ring::forward(me, n), data, op, 1, tmp)
     })?;
     let owned = |r: usize| (r + 1) % n;
@@ -1077,8 +1130,8 @@ pub trait Collectives: Transport {
             // of the size the algorithm needs anyway.
             let mut work = input.to_vec();
             premul(&mut work, op);
-            let piece = ring_piece::<T>(c).min(work.len());
-            with_scratch::<T, _>(piece, |tmp| {
+            let scratch = 2 * ring_piece::<T>(c).min(work.len());
+            with_scratch::<T, _>(scratch, |tmp| {
                 ring_reduce_scatter(c, Ring::forward(c.me, c.n), &mut work, op, 0, tmp)
             })?;
             output.copy_from_slice(&work[c.me * k..(c.me + 1) * k]);

@@ -218,11 +218,25 @@ impl Transport for TcpBackend {
     /// thread writes. Returns the received message's meta.
     fn send_recv_meta(
         &self,
+        send: (&[u8], usize),
+        recv: (&mut [u8], usize),
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+    ) -> Result<Meta> {
+        self.send_recv_meta_while(send, recv, tag, meta, deadline, &mut || Ok(()))
+    }
+
+    /// [`Transport::send_recv_meta`], running `meanwhile` once the send is written, while the
+    /// receive may still be arriving.
+    fn send_recv_meta_while(
+        &self,
         (send, dst): (&[u8], usize),
         (recv, src): (&mut [u8], usize),
         tag: Tag,
         meta: Meta,
         deadline: Instant,
+        meanwhile: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Meta> {
         let rlen = recv.len();
         let rop = || format!("recv from {src} (tag {tag}, {rlen} bytes)");
@@ -239,7 +253,8 @@ impl Transport for TcpBackend {
                     dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id)
                 }
                 _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
-            }
+            }?;
+            meanwhile()
         })
     }
 

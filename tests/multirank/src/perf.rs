@@ -192,7 +192,7 @@ fn main() {
     let b = dist_multirank::join();
     if b.rank() == 0 {
         println!(
-            "# dist perf: {:?} over TCP, {} ranks, {} {}",
+            "# dist perf: {:?} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s)",
             o.op,
             b.world_size(),
             o.dtype,
@@ -200,7 +200,9 @@ fn main() {
                 "(checked)"
             } else {
                 "(not checked)"
-            }
+            },
+            dist_core::Transport::ring_piece(&b) >> 10,
+            dist_core::Transport::lanes(&b),
         );
         println!(
             "# {:>10} {:>12} {:>8} {:>6} {:>4} {:>10} {:>8} {:>8} {:>6}",
