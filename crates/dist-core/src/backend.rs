@@ -185,10 +185,42 @@ pub trait Transport: Backend {
         crate::collectives::RING_PIECE
     }
 
+    /// Runs `first` on this thread and `second` on another at once, and returns once both have
+    /// run. This default starts a thread for the call (and, if none can be started, runs the
+    /// two one after the other); transports that offer [`Transport::lanes`] keep one ready.
+    fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+        run_beside_scoped(first, second);
+    }
+
     /// How many rings a large all_reduce may run at once, each on its own thread (1 or 2).
     /// Every rank of a job must answer the same: it decides how messages are cut.
     fn lanes(&self) -> usize {
         1
+    }
+}
+
+/// [`Transport::run_beside`] on a thread started for the call.
+pub fn run_beside_scoped(first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+    // `second` waits in a slot, so that it is still here if its thread cannot start.
+    let slot = std::sync::Mutex::new(Some(second));
+    let take = || slot.lock().ok().and_then(|mut s| s.take());
+    std::thread::scope(|s| {
+        let spawned = std::thread::Builder::new()
+            .name("dist-beside".into())
+            .spawn_scoped(s, || {
+                if let Some(f) = take() {
+                    f();
+                }
+            });
+        first();
+        if let Ok(h) = spawned
+            && let Err(panic) = h.join()
+        {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    if let Some(f) = take() {
+        f();
     }
 }
 
@@ -204,6 +236,35 @@ mod tests {
         assert_eq!(Tag::from_wire(Tag::system(9).to_wire()), Tag::system(9));
         assert_eq!(Tag::user(3).to_string(), "3");
         assert_eq!(Tag::system(3).to_string(), "system:0x3");
+    }
+
+    #[test]
+    fn run_beside_runs_both_at_once() {
+        // Each side waits for the other to have started: only concurrent runs finish.
+        let (a, b) = (
+            std::sync::atomic::AtomicBool::new(false),
+            std::sync::atomic::AtomicBool::new(false),
+        );
+        let wait_for = |x: &std::sync::atomic::AtomicBool| {
+            let t = std::time::Instant::now();
+            while !x.load(std::sync::atomic::Ordering::Acquire) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the other side never ran"
+                );
+                std::hint::spin_loop();
+            }
+        };
+        run_beside_scoped(
+            &mut || {
+                a.store(true, std::sync::atomic::Ordering::Release);
+                wait_for(&b);
+            },
+            &mut || {
+                b.store(true, std::sync::atomic::Ordering::Release);
+                wait_for(&a);
+            },
+        );
     }
 
     #[test]

@@ -766,9 +766,9 @@ fn all_reduce_ring<T: Element>(
     })
 }
 
-/// Runs `first` on this thread and `second` on another, at once. The first lane to fail tells
-/// every rank at once (so that the other lane, here and elsewhere, stops waiting), and its
-/// error is the call's. If no thread can be started, the two run one after the other: each lane
+/// Runs the two lanes at once ([`Transport::run_beside`]). The first lane to fail tells every
+/// rank at once (so that the other lane, here and elsewhere, stops waiting), and its error is
+/// the call's. Where the two run one after the other instead, that is still correct: each lane
 /// moves on its own connections and tag, so the other ranks' lanes wait for this one's (within
 /// the deadline) but never block it.
 fn two_lanes<B: Transport + ?Sized>(
@@ -782,30 +782,13 @@ fn two_lanes<B: Transport + ?Sized>(
         }
         r
     };
-    // The second lane waits in a slot, so that it is still here if its thread cannot start.
-    let slot = std::sync::Mutex::new(Some(second));
-    let take = || slot.lock().ok().and_then(|mut s| s.take());
-    let (ra, rb) = std::thread::scope(|s| {
-        let spawned = std::thread::Builder::new()
-            .name(format!("dist-ring2-{}", c.me))
-            .spawn_scoped(s, || take().map(|f| report(f(c))));
-        let ra = report(first(c));
-        let rb = match spawned {
-            Ok(h) => h.join().unwrap_or_else(|_| {
-                Some(Err(c.invalid("the second ring's thread panicked".into())))
-            }),
-            Err(_) => None,
-        };
-        (ra, rb)
+    let (mut first, mut second) = (Some(first), Some(second));
+    let (mut ra, mut rb) = (None, None);
+    c.b.run_beside(&mut || ra = first.take().map(|f| report(f(c))), &mut || {
+        rb = second.take().map(|f| report(f(c)))
     });
-    let rb = match rb {
-        Some(r) => r,
-        None => match take() {
-            Some(f) => report(f(c)),
-            None => Err(c.invalid("the second ring did not run".into())),
-        },
-    };
-    match (ra, rb) {
+    let not_run = || Err(c.invalid("a ring lane did not run".into()));
+    match (ra.unwrap_or_else(not_run), rb.unwrap_or_else(not_run)) {
         (Ok(()), Ok(())) => Ok(()),
         (Err(e), Ok(())) | (Ok(()), Err(e)) => Err(e),
         // One lane's failure aborts the other: report the cause, not the echo.

@@ -22,7 +22,7 @@ pub mod collectives;
 mod error;
 mod types;
 
-pub use backend::{Backend, Meta, Tag, Transport};
+pub use backend::{Backend, Meta, Tag, Transport, run_beside_scoped};
 pub use collectives::Collectives;
 pub use error::{DistError, Result};
 pub use types::{DType, Element, ReduceOp};

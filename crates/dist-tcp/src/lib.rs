@@ -25,8 +25,8 @@ mod peer;
 pub mod wire;
 
 use std::net::Shutdown;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -54,6 +54,9 @@ struct Shared {
     parallel: bool,
     /// The job's tuning, as rank 0 chose it (see [`local_tuning`]).
     tuning: Tuning,
+    /// The thread that runs a second lane, started on first use (`None` inside if it could
+    /// not be): starting one per call costs more than a 1 MiB all_reduce saves.
+    lane: OnceLock<Option<rayon::ThreadPool>>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -146,6 +149,7 @@ impl TcpBackend {
             abort_sent: AtomicBool::new(false),
             parallel,
             tuning,
+            lane: OnceLock::new(),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -324,6 +328,25 @@ impl Transport for TcpBackend {
 
     fn lanes(&self) -> usize {
         self.shared.tuning.lanes as usize
+    }
+
+    fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+        let me = self.shared.rank;
+        let pool = self.shared.lane.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(move |_| format!("dist-lane-{me}"))
+                .build()
+                .map_err(|e| tracing::debug!(rank = me, error = %e, "no lane thread"))
+                .ok()
+        });
+        match pool {
+            Some(pool) => pool.in_place_scope(|s| {
+                s.spawn(|_| second());
+                first();
+            }),
+            None => dist_core::run_beside_scoped(first, second),
+        }
     }
 }
 
