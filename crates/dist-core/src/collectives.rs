@@ -47,7 +47,7 @@ pub const REDUCE_RING_MIN: usize = 256 << 10;
 pub const RING_PIECE: usize = 256 << 10;
 /// all_reduce messages from this size run as two rings at once where the transport has two
 /// lanes; below it, handing half the work to the other thread costs more than it saves
-/// (measured on 32 cores: 1 MiB 0.52 ms with one ring, 0.57 ms with two; 2 MiB 1.04 and 0.88).
+/// (measured on 32 cores: 1 MiB 0.51 ms with one ring, 0.57 ms with two; 2 MiB 1.04 and 0.88).
 pub const TWO_RINGS_MIN: usize = 2 << 20;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;

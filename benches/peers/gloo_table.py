@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""The table compare-gloo.sh prints: medians per size of ROUNDS rounds of dist's perf output
+(DIR/dist.1 ...) and torch_allreduce.py's (DIR/gloo.1 ...), with the ratios and the algorithm
+dist used at each size (read from the tuning its perf header prints).
+
+    python3 benches/peers/gloo_table.py DIR ROUNDS RANKS
+"""
+import re
+import statistics
+import sys
+
+# The sizes where dist's all_reduce changes algorithm (dist_core::collectives).
+ALL_REDUCE_RING_MIN = 64 << 10
+TWO_RINGS_MIN = 2 << 20
+
+
+def load(d, prefix, rounds):
+    rows, head = {}, ""
+    for i in range(1, rounds + 1):
+        for line in open(f"{d}/{prefix}.{i}"):
+            f = line.split()
+            if line.startswith("# dist perf"):
+                head = line
+            if len(f) >= 9 and f[0].isdigit():
+                rows.setdefault(int(f[0]), []).append((float(f[5]), float(f[7]), f[8]))
+    return rows, head
+
+
+def main():
+    d, rounds, ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    (dist, head), (gloo, _) = load(d, "dist", rounds), load(d, "gloo", rounds)
+    m = re.search(r"ring pieces of (\d+) KiB, (\d+) lane", head)
+    piece, lanes = (int(m.group(1)), int(m.group(2))) if m else (256, 1)
+
+    def algo(b):
+        if b <= ALL_REDUCE_RING_MIN:
+            return "recursive doubling"
+        two = lanes >= 2 and ranks >= 3 and b >= TWO_RINGS_MIN
+        return f"{'two rings (opposite directions)' if two else 'one ring'} RS+AG, {piece} KiB pieces"
+
+    print()
+    print("| bytes | dist µs | Gloo µs | time ratio (Gloo/dist) | dist busbw GB/s | Gloo busbw GB/s "
+          "| busbw ratio (dist/Gloo) | dist verified | dist algorithm |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    for b in sorted(set(dist) & set(gloo)):
+        dt = statistics.median(x[0] for x in dist[b])
+        gt = statistics.median(x[0] for x in gloo[b])
+        db = statistics.median(x[1] for x in dist[b])
+        gb = statistics.median(x[1] for x in gloo[b])
+        wrong = sum(int(x[2]) for x in dist[b] if x[2].isdigit())
+        ratio = f"{db / gb:.2f}" if gb > 0 else "–"
+        ok = "yes" if wrong == 0 else f"{wrong} wrong"
+        print(f"| {b} | {dt:.1f} | {gt:.1f} | {gt / dt:.2f} | {db:.3f} | {gb:.3f} | {ratio} | {ok} | {algo(b)} |")
+
+
+if __name__ == "__main__":
+    main()
