@@ -342,14 +342,7 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         recv: &mut [u8],
         src: usize,
     ) -> Result<()> {
-        let len = recv.len();
-        match self
-            .b
-            .send_recv_meta((send, dst), (recv, src), tag, self.meta, self.deadline)
-        {
-            Ok(m) => self.check(&m, src),
-            Err(e) => Err(self.explain(e, src, len)),
-        }
+        self.send_recv_while(tag, (send, dst), (recv, src), &mut || Ok(()))
     }
 
     /// [`Call::send_recv_on`], running `meanwhile` while the transfers are in flight.
