@@ -59,8 +59,9 @@ pub type Result<T, E = HybridError> = std::result::Result<T, E>;
 /// How to form the NCCL side.
 #[derive(Clone, Debug)]
 pub enum GpuChoice {
-    /// The GPU of the local rank (or rank mod the number of visible devices, with a warning);
-    /// no NCCL communicator when there is no GPU.
+    /// The GPU of the local rank; no NCCL communicator (for any rank) when some rank has none
+    /// of its own: no GPU, or more ranks on its host than visible GPUs (NCCL refuses two ranks
+    /// of one communicator on one GPU).
     Auto,
     /// This device ordinal.
     Device(usize),
@@ -84,15 +85,11 @@ impl std::fmt::Debug for HybridBackend {
     }
 }
 
-/// The device for `local_rank`: itself if visible, else the rank modulo the device count.
-pub fn pick_device(local_rank: usize, devices: usize) -> Option<(usize, bool)> {
-    if devices == 0 {
-        None
-    } else if local_rank < devices {
-        Some((local_rank, false))
-    } else {
-        Some((local_rank % devices, true))
-    }
+/// The device for `local_rank` when `devices` are visible: the one of that ordinal, if there
+/// is one. Sharing a GPU between ranks is not an option: NCCL refuses a communicator with two
+/// ranks on one device.
+pub fn pick_device(local_rank: usize, devices: usize) -> Option<usize> {
+    (local_rank < devices).then_some(local_rank)
 }
 
 impl HybridBackend {
@@ -149,21 +146,18 @@ impl HybridBackend {
         let device = match gpu {
             GpuChoice::None => None,
             GpuChoice::Device(d) => Some(d),
-            GpuChoice::Auto => match pick_device(local_rank, devices) {
-                Some((d, wrapped)) => {
-                    if wrapped {
-                        tracing::warn!(
-                            rank = me,
-                            local_rank,
-                            devices,
-                            device = d,
-                            "local rank beyond the visible devices: using rank mod device count"
-                        );
-                    }
-                    Some(d)
+            GpuChoice::Auto => {
+                let d = pick_device(local_rank, devices);
+                if d.is_none() && devices > 0 {
+                    tracing::warn!(
+                        rank = me,
+                        local_rank,
+                        devices,
+                        "more local ranks than visible GPUs: NCCL off, TCP only"
+                    );
                 }
-                None => None,
-            },
+                d
+            }
         };
         // Every rank must agree on whether NCCL is formed: a rank without a GPU makes it TCP-only
         // for all.
@@ -171,14 +165,18 @@ impl HybridBackend {
         tcp.all_reduce(&mut have, ReduceOp::Min)?;
         let Some(device) = device.filter(|_| have[0] == 1) else {
             let why = if devices == 0 {
-                "no CUDA device here"
+                "no CUDA device here".to_string()
+            } else if device.is_none() && matches!(gpu, GpuChoice::Auto) {
+                format!("local rank {local_rank} has no GPU of its own ({devices} visible)")
             } else {
-                "a rank has no CUDA device, or GPUs were turned off"
+                "a rank has no GPU of its own (none there, more ranks on its host than GPUs, \
+                 or GPUs turned off)"
+                    .to_string()
             };
             return Ok(HybridBackend {
                 tcp,
                 nccl: None,
-                why_no_nccl: why.into(),
+                why_no_nccl: why,
             });
         };
         let nccl = Arc::new(Nccl::load().map_err(NcclError::from)?);
@@ -214,6 +212,11 @@ impl HybridBackend {
     /// The NCCL side, if formed.
     pub fn nccl(&self) -> Option<&Communicator> {
         self.nccl.as_ref()
+    }
+
+    /// Why there is no NCCL communicator (`None` when there is one).
+    pub fn why_no_nccl(&self) -> Option<&str> {
+        self.nccl.is_none().then_some(self.why_no_nccl.as_str())
     }
 
     /// Waits for the NCCL work enqueued so far (no-op without NCCL).
@@ -312,8 +315,11 @@ mod tests {
 
     #[test]
     fn device_from_local_rank() {
-        assert_eq!(pick_device(1, 2), Some((1, false)));
-        assert_eq!(pick_device(5, 4), Some((1, true)));
+        assert_eq!(pick_device(1, 2), Some(1));
+        // Four ranks on a host with two GPUs: ranks 2 and 3 must not share ranks 0 and 1's
+        // devices (NCCL fails the whole communicator with "Duplicate GPU detected").
+        assert_eq!(pick_device(2, 2), None);
+        assert_eq!(pick_device(5, 4), None);
         assert_eq!(pick_device(0, 0), None);
     }
 }

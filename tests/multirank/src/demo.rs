@@ -13,7 +13,10 @@ fn main() {
     // TCP always; NCCL too when every rank has a GPU.
     let hybrid = dist_hybrid::HybridBackend::with_nccl(
         dist_multirank::join(),
-        dist_multirank::config().local_rank().unwrap_or(0),
+        {
+            let cfg = dist_multirank::config();
+            cfg.local_rank().unwrap_or(cfg.rank())
+        },
         dist_hybrid::GpuChoice::Auto,
         None,
         dist_nccl::CommConfig::default(),
@@ -122,7 +125,12 @@ fn gpu(h: &dist_hybrid::HybridBackend) {
     let me = h.tcp().rank();
     let Some(comm) = h.nccl() else {
         if me == 0 {
-            println!("\nno GPU on every rank: NCCL not used (TCP only)");
+            let why = h.why_no_nccl().unwrap_or_default();
+            println!("\nNCCL not used (TCP only): {why}");
+            let gpus = dist_nccl::cuda_device_count();
+            if gpus >= 2 && gpus < h.tcp().world_size() {
+                println!("`cargo xtask demo -n {gpus}` runs one rank per GPU, with NCCL");
+            }
         }
         return;
     };
