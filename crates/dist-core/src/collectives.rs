@@ -326,7 +326,7 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         let len = buf.len();
         match self.b.recv_meta(buf, src, COLLECTIVE_TAG, self.deadline) {
             Ok(m) => self.check(&m, src),
-            Err(e) => Err(self.explain(e, src, len)),
+            Err(e) => Err(self.explain(e, src, COLLECTIVE_TAG, len)),
         }
     }
 
@@ -363,7 +363,7 @@ impl<B: Transport + ?Sized> Call<'_, B> {
             meanwhile,
         ) {
             Ok(m) => self.check(&m, src),
-            Err(e) => Err(self.explain(e, src, len)),
+            Err(e) => Err(self.explain(e, src, tag, len)),
         }
     }
 
@@ -382,7 +382,8 @@ impl<B: Transport + ?Sized> Call<'_, B> {
     /// A size mismatch is a disagreement between the calls: say how they differ. A peer that
     /// left or went quiet after another rank aborted the call is reported as that abort, the
     /// cause.
-    fn explain(&self, e: DistError, src: usize, expected: usize) -> DistError {
+    /// The collective's error for a transport error on a receive from `src` on `tag`.
+    fn explain(&self, e: DistError, src: usize, tag: Tag, expected: usize) -> DistError {
         if matches!(e, DistError::PeerGone { .. } | DistError::Timeout { .. })
             && let Some((origin, reason)) = self.b.abort_notice()
         {
@@ -395,7 +396,7 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         }
         match e {
             DistError::SizeMismatch { got, .. } => {
-                let detail = match self.b.peek_meta(src, COLLECTIVE_TAG) {
+                let detail = match self.b.peek_meta(src, tag) {
                     Some((_, m)) if m != self.meta => self.desc.differences(&Desc::decode(&m)),
                     _ => format!(
                         "it sends {got} bytes where this rank expects {expected} (counts disagree)"

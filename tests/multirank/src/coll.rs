@@ -298,6 +298,26 @@ pub fn mismatch_count() {
     });
 }
 
+/// The last rank passes another count, past the two-ring threshold: with two lanes both rings
+/// stop, on every rank.
+pub fn mismatch_count_large() {
+    let k = (4 << 20) / 4;
+    expect_mismatch(
+        &[
+            &format!("count {k} vs {}", k + 1),
+            &format!("count {} vs {k}", k + 1),
+        ],
+        |b| {
+            let n = if b.rank() == b.world_size() - 1 {
+                k + 1
+            } else {
+                k
+            };
+            b.all_reduce(&mut vec![1.0f32; n], ReduceOp::Sum)
+        },
+    );
+}
+
 /// The last rank passes another element type of the same size.
 pub fn mismatch_dtype() {
     expect_mismatch(

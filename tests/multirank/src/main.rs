@@ -63,6 +63,10 @@ const CASES: &[Case] = &[
         coll::mismatch_count();
         Ok(())
     }),
+    ("coll_mismatch_count_large", || {
+        coll::mismatch_count_large();
+        Ok(())
+    }),
     ("coll_mismatch_dtype", || {
         coll::mismatch_dtype();
         Ok(())
