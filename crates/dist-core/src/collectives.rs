@@ -45,9 +45,10 @@ pub const REDUCE_RING_MIN: usize = 256 << 10;
 /// The largest piece of a ring step: small enough to stay in cache between its arrival and
 /// its reduction.
 pub const RING_PIECE: usize = 256 << 10;
-/// all_reduce messages from this size run as two rings at once where the transport has two
-/// lanes; below it, handing half the work to the other thread costs more than it saves
-/// (measured on 32 cores: 1 MiB 0.51 ms with one ring, 0.57 ms with two; 2 MiB 1.04 and 0.88).
+/// all_reduce, reduce_scatter and all_gather moving this many bytes in all (the buffer, the
+/// input, the output) run as two rings at once where the transport has two lanes; below it,
+/// handing half the work to the other thread costs more than it saves (all_reduce on 32
+/// cores: 1 MiB 0.51 ms with one ring, 0.57 ms with two; 2 MiB 1.04 and 0.88).
 pub const TWO_RINGS_MIN: usize = 2 << 20;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
@@ -635,13 +636,56 @@ fn ring_piece<T: Element>(c: &Call<'_, impl Transport + ?Sized>) -> usize {
     (c.b.ring_piece() / std::mem::size_of::<T>()).max(1)
 }
 
-/// Ring reduce-scatter in place: `data` is cut into `n` segments; afterwards the rank at
+/// `data` cut into `n` near-equal segments, in order (segment `i` is `segment(len, n, i)`).
+fn segments<T>(data: &mut [T], n: usize) -> Vec<&mut [T]> {
+    let len = data.len();
+    let mut out = Vec::with_capacity(n);
+    let mut rest = data;
+    for i in 0..n {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(segment(len, n, i).len());
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// `buf`'s `n` blocks of `k` elements, each cut in two: the first parts in block order for a
+/// forward ring, and the second parts ordered for a backward ring (its position `p` gets block
+/// `(n - p) % n`, the block of the rank at that position). With these, rank `r` owns (or ends
+/// with) both halves of block `r`.
+fn halves<T>(buf: &mut [T], n: usize, k: usize) -> (Vec<&mut [T]>, Vec<&mut [T]>) {
+    let h = k / 2;
+    let (mut first, mut second) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for block in segments(buf, n) {
+        let (a, b) = block.split_at_mut(h);
+        first.push(a);
+        second.push(b);
+    }
+    let backward = (0..n)
+        .map(|p| std::mem::take(&mut second[(n - p) % n]))
+        .collect();
+    (first, backward)
+}
+
+/// Two distinct segments: `a` shared and `b` mutable.
+fn seg_pair<'s, T>(segs: &'s mut [&mut [T]], a: usize, b: usize) -> (&'s [T], &'s mut [T]) {
+    debug_assert_ne!(a, b, "one segment twice");
+    if a < b {
+        let (lo, hi) = segs.split_at_mut(b);
+        (&*lo[a], &mut *hi[0])
+    } else {
+        let (lo, hi) = segs.split_at_mut(a);
+        (&*hi[0], &mut *lo[b])
+    }
+}
+
+/// Ring reduce-scatter in place over `segs`, the ring's `n` segments: afterwards the rank at
 /// position `p` holds the full reduction of segment `(p + off) % n`. `tmp` holds two pieces
-/// (2 × [`ring_piece`] elements, or twice `data` if that is less).
+/// (2 × [`ring_piece`] elements, or twice the longest segment if that is less).
 fn ring_reduce_scatter<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
     ring: Ring,
-    data: &mut [T],
+    segs: &mut [&mut [T]],
     op: ReduceOp,
     off: usize,
     tmp: &mut [T],
@@ -652,34 +696,41 @@ fn ring_reduce_scatter<T: Element>(
     let piece = ring_piece::<T>(c).min(tmp.len() / 2).max(1);
     let (tmp0, tmp1) = tmp.split_at_mut(tmp.len() / 2);
     let mut bufs = [tmp0, tmp1];
-    // The piece received but not yet reduced: its range in `data` and its buffer.
-    let mut pending: Option<(Range<usize>, usize)> = None;
+    // The piece received but not yet reduced: its segment, its range there, and its buffer.
+    let mut pending: Option<(usize, Range<usize>, usize)> = None;
     let mut cur = 0;
     for s in 0..n - 1 {
-        let send = segment(data.len(), n, (p + off + 2 * n - 1 - s) % n);
-        let recv = segment(data.len(), n, (p + off + 2 * n - 2 - s) % n);
-        let pieces = send.len().max(recv.len()).div_ceil(piece).max(1);
+        let si = (p + off + 2 * n - 1 - s) % n;
+        let ri = (p + off + 2 * n - 2 - s) % n;
+        let (slen, rlen) = (segs[si].len(), segs[ri].len());
+        let pieces = slen.max(rlen).div_ceil(piece).max(1);
         for k in 0..pieces {
-            let part = |r: &Range<usize>| {
-                let lo = (r.start + k * piece).min(r.end);
-                lo..(lo + piece).min(r.end)
+            let part = |len: usize| {
+                let lo = (k * piece).min(len);
+                lo..(lo + piece).min(len)
             };
-            let (sp, rp) = (part(&send), part(&recv));
+            let (sp, rp) = (part(slen), part(rlen));
             // A piece about to be sent must be reduced first (a step's first piece can be the
             // previous step's last).
-            if let Some((pr, pb)) = pending.clone()
+            if let Some((pi, pr, pb)) = pending.clone()
+                && pi == si
                 && pr.start < sp.end
                 && sp.start < pr.end
             {
-                reduce(c, &mut data[pr.clone()], &bufs[pb][..pr.len()], op)?;
+                reduce(c, &mut segs[pi][pr.clone()], &bufs[pb][..pr.len()], op)?;
                 pending = None;
             }
             let [b0, b1] = &mut bufs;
             let (into, other) = if cur == 0 { (b0, b1) } else { (b1, b0) };
             let into = &mut into[..rp.len()];
             match pending.take() {
-                Some((pr, _)) => {
-                    let (out, acc) = split_pair(data, sp, pr);
+                Some((pi, pr, _)) => {
+                    let (out, acc) = if pi == si {
+                        split_pair(&mut *segs[si], sp, pr)
+                    } else {
+                        let (o, a) = seg_pair(segs, si, pi);
+                        (&o[sp], &mut a[pr])
+                    };
                     let other = &other[..acc.len()];
                     c.send_recv_while(
                         ring.tag,
@@ -689,33 +740,33 @@ fn ring_reduce_scatter<T: Element>(
                     )?;
                 }
                 None => {
-                    let out = bytes(&data[sp]);
+                    let out = bytes(&segs[si][sp]);
                     c.send_recv_on(ring.tag, out, ring.right, bytes_mut(into), ring.left)?;
                 }
             }
-            pending = Some((rp, cur));
+            pending = Some((ri, rp, cur));
             cur ^= 1;
         }
     }
-    if let Some((pr, pb)) = pending {
-        reduce(c, &mut data[pr.clone()], &bufs[pb][..pr.len()], op)?;
+    if let Some((pi, pr, pb)) = pending {
+        reduce(c, &mut segs[pi][pr.clone()], &bufs[pb][..pr.len()], op)?;
     }
     Ok(())
 }
 
-/// Ring all-gather in place: the rank at position `p` holds segment `(p + off) % n`;
-/// afterwards all do.
+/// Ring all-gather in place over `segs`: the rank at position `p` holds segment
+/// `(p + off) % n`; afterwards all do.
 fn ring_all_gather<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
     ring: Ring,
-    data: &mut [T],
+    segs: &mut [&mut [T]],
     off: usize,
 ) -> Result<()> {
     let (p, n) = (ring.pos, c.n);
     for s in 0..n - 1 {
-        let send = segment(data.len(), n, (p + off + n - s) % n);
-        let recv = segment(data.len(), n, (p + off + 2 * n - s - 1) % n);
-        let (out, inb) = split_pair(data, send, recv);
+        let si = (p + off + n - s) % n;
+        let ri = (p + off + 2 * n - s - 1) % n;
+        let (out, inb) = seg_pair(segs, si, ri);
         c.send_recv_on(ring.tag, bytes(out), ring.right, bytes_mut(inb), ring.left)?;
     }
     Ok(())
@@ -729,10 +780,15 @@ fn ring_lane<T: Element>(
     op: ReduceOp,
     tmp: &mut [T],
 ) -> Result<()> {
-    ring_reduce_scatter(c, ring, data, op, 1, tmp)?;
-    let own = segment(data.len(), c.n, (ring.pos + 1) % c.n);
-    finish(&mut data[own], op, c.n);
-    ring_all_gather(c, ring, data, 1)
+    let mut segs = segments(data, c.n);
+    ring_reduce_scatter(c, ring, &mut segs, op, 1, tmp)?;
+    finish(segs[(ring.pos + 1) % c.n], op, c.n);
+    ring_all_gather(c, ring, &mut segs, 1)
+}
+
+/// Whether a collective moving `bytes` in all runs two rings at once (see [`TWO_RINGS_MIN`]).
+fn two_rings(c: &Call<'_, impl Transport + ?Sized>, bytes: usize) -> bool {
+    c.b.lanes() >= 2 && c.n >= 3 && bytes >= TWO_RINGS_MIN
 }
 
 fn all_reduce_ring<T: Element>(
@@ -745,7 +801,7 @@ fn all_reduce_ring<T: Element>(
     // Two rings at once, in opposite directions, each on its own thread with half the data:
     // every connection carries data both ways, and two cores reduce. With two ranks both rings
     // would share the one connection, so there it runs one.
-    if c.b.lanes() >= 2 && c.n >= 3 && std::mem::size_of_val(data) >= TWO_RINGS_MIN {
+    if two_rings(c, std::mem::size_of_val(data)) {
         return with_scratch::<T, _>(2 * scratch, |tmp| {
             let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
             let (a, b) = data.split_at_mut(data.len() / 2);
@@ -903,7 +959,7 @@ fn reduce_ring<T: Element>(
     let (me, n) = (c.me, c.n);
     let scratch = 2 * ring_piece::<T>(c).min(data.len());
     with_scratch::<T, _>(scratch, |tmp| {
-        ring_reduce_scatter(c, Ring::forward(me, n), data, op, 1, tmp)
+        ring_reduce_scatter(c, Ring::forward(me, n), &mut segments(data, n), op, 1, tmp)
     })?;
     let owned = |r: usize| (r + 1) % n;
     let len = data.len();
@@ -1035,8 +1091,19 @@ pub trait Collectives: Transport {
             if c.n == 1 {
                 return Ok(());
             }
-            // Blocks of exactly k: `segment` of n*k over n is block i.
-            ring_all_gather(c, Ring::forward(c.me, c.n), output, 0)
+            // Blocks of exactly k: `segment` of n*k over n is block i. From TWO_RINGS_MIN (with
+            // two lanes) the first half of every block goes around one ring, the second half
+            // around the other, in the opposite direction.
+            let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
+            if two_rings(c, std::mem::size_of_val(output)) {
+                let (mut a, mut b) = halves(output, c.n, k);
+                return two_lanes(
+                    c,
+                    |c| ring_all_gather(c, fwd, &mut a, 0),
+                    |c| ring_all_gather(c, bwd, &mut b, 0),
+                );
+            }
+            ring_all_gather(c, fwd, &mut segments(output, c.n), 0)
         })
     }
 
@@ -1108,10 +1175,25 @@ pub trait Collectives: Transport {
             // of the size the algorithm needs anyway.
             let mut work = input.to_vec();
             premul(&mut work, op);
-            let scratch = 2 * ring_piece::<T>(c).min(work.len());
-            with_scratch::<T, _>(scratch, |tmp| {
-                ring_reduce_scatter(c, Ring::forward(c.me, c.n), &mut work, op, 0, tmp)
-            })?;
+            // Block r ends on rank r: with two lanes, its first half around a forward ring and
+            // its second half around a backward one (see `halves`).
+            let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
+            let scratch = 2 * ring_piece::<T>(c).min(k);
+            if two_rings(c, std::mem::size_of_val(input)) {
+                with_scratch::<T, _>(2 * scratch, |tmp| {
+                    let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
+                    let (mut a, mut b) = halves(&mut work, c.n, k);
+                    two_lanes(
+                        c,
+                        |c| ring_reduce_scatter(c, fwd, &mut a, op, 0, tmp_a),
+                        |c| ring_reduce_scatter(c, bwd, &mut b, op, 0, tmp_b),
+                    )
+                })?;
+            } else {
+                with_scratch::<T, _>(scratch, |tmp| {
+                    ring_reduce_scatter(c, fwd, &mut segments(&mut work, c.n), op, 0, tmp)
+                })?;
+            }
             output.copy_from_slice(&work[c.me * k..(c.me + 1) * k]);
             finish(output, op, c.n);
             Ok(())

@@ -210,28 +210,51 @@ pub fn reductions_all() {
     println!("reductions verified in {:.1?}", t.elapsed());
 }
 
-fn large_all_reduce<T: TestElem>(b: &TcpBackend) {
+fn large_rings<T: TestElem>(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
-    // Just past the size from which all_reduce may run two rings, and odd, so that neither the
+    let size = std::mem::size_of::<T>();
+    // Just past the size from which the rings may run two at once, and odd, so that neither the
     // halves nor the segments come out even.
-    let count = dist_core::collectives::TWO_RINGS_MIN / std::mem::size_of::<T>() + 7;
+    let count = dist_core::collectives::TWO_RINGS_MIN / size + 7;
+    // Blocks of reduce_scatter and all_gather: n of them just past the same size.
+    let k = (dist_core::collectives::TWO_RINGS_MIN / (size * n)) | 1;
+    let k = k + 2;
     for op in T::ops() {
         let nan = matches!(op, ReduceOp::Min | ReduceOp::Max);
         let mut data: Vec<T> = (0..count).map(|i| T::val(me, i, nan)).collect();
         b.all_reduce(&mut data, op)
             .unwrap_or_else(|e| panic!("{e}"));
         check_reduced("large all_reduce", op, n, 0, nan, &data);
+        let full: Vec<T> = (0..n * k).map(|i| T::val(me, i, nan)).collect();
+        let mut block = vec![T::val(0, 0, false); k];
+        poison(&mut block);
+        b.reduce_scatter(&full, &mut block, op)
+            .unwrap_or_else(|e| panic!("{e}"));
+        check_reduced("large reduce_scatter", op, n, me * k, nan, &block);
+    }
+    let mine: Vec<T> = (0..k).map(|i| T::val(me, i, false)).collect();
+    let mut all = vec![T::val(0, 0, false); n * k];
+    poison(&mut all);
+    b.all_gather(&mine, &mut all)
+        .unwrap_or_else(|e| panic!("{e}"));
+    for r in 0..n {
+        let want: Vec<T> = (0..k).map(|i| T::val(r, i, false)).collect();
+        assert_eq!(
+            bits(&all[r * k..(r + 1) * k]),
+            bits(&want),
+            "large all_gather, block {r}"
+        );
     }
 }
 
-/// all_reduce past the two-ring threshold: every type and valid op (one ring or two, as the
-/// job's tuning says: `DIST_TCP_LANES`).
-pub fn all_reduce_large() {
+/// all_reduce, reduce_scatter and all_gather past the two-ring threshold: every type and valid
+/// op (one ring or two, as the job's tuning says: `DIST_TCP_LANES`).
+pub fn large_rings_all() {
     let b = join();
     let t = Instant::now();
-    each_type(&b, &|b, d| dispatch!(d, large_all_reduce, b));
+    each_type(&b, &|b, d| dispatch!(d, large_rings, b));
     println!(
-        "large all_reduce ({} lane(s)) verified in {:.1?}",
+        "large rings ({} lane(s)) verified in {:.1?}",
         dist_core::Transport::lanes(&b),
         t.elapsed()
     );

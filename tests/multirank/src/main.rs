@@ -47,8 +47,8 @@ const CASES: &[Case] = &[
         coll::reductions_all();
         Ok(())
     }),
-    ("coll_all_reduce_large", || {
-        coll::all_reduce_large();
+    ("coll_large_rings", || {
+        coll::large_rings_all();
         Ok(())
     }),
     ("coll_movement", || {
