@@ -754,6 +754,78 @@ fn ring_reduce_scatter<T: Element>(
     Ok(())
 }
 
+/// Ring reduce-scatter out of place: `input` is this rank's contribution as the ring's `n`
+/// segments, all of `acc.len()` elements, and is only read; afterwards `acc` holds the full
+/// reduction of segment `pos` (premultiplied for `PreMulSum`, not yet averaged). `acc` also
+/// carries, piece by piece, the partial sums between steps: a piece is sent before the next
+/// step's piece of the same place is reduced into it. `tmp` as for [`ring_reduce_scatter`].
+fn ring_reduce_scatter_out<T: Element>(
+    c: &Call<'_, impl Transport + ?Sized>,
+    ring: Ring,
+    input: &[&[T]],
+    acc: &mut [T],
+    op: ReduceOp,
+    tmp: &mut [T],
+) -> Result<()> {
+    let (p, n, len) = (ring.pos, c.n, acc.len());
+    let piece = ring_piece::<T>(c).min(tmp.len() / 2).max(1);
+    let (tmp0, tmp1) = tmp.split_at_mut(tmp.len() / 2);
+    let mut bufs = [tmp0, tmp1];
+    // acc[range] = this rank's part of segment `seg` there, op the partial sum in `buf`.
+    let fold = |acc: &mut [T], seg: usize, range: Range<usize>, buf: &[T]| {
+        acc.copy_from_slice(&input[seg][range]);
+        premul(acc, op);
+        reduce(c, acc, buf, op)
+    };
+    // The first step sends this rank's own part of the segment before its own.
+    acc.copy_from_slice(input[(p + n - 1) % n]);
+    premul(acc, op);
+    let pieces = len.div_ceil(piece).max(1);
+    // The piece received but not yet folded: its segment, its range and its buffer.
+    let mut pending: Option<(usize, Range<usize>, usize)> = None;
+    let mut cur = 0;
+    for s in 0..n - 1 {
+        let ri = (p + 2 * n - 2 - s) % n;
+        for k in 0..pieces {
+            let lo = (k * piece).min(len);
+            let r = lo..(lo + piece).min(len);
+            // A step's first piece can be the previous step's last: fold it before sending.
+            if let Some((pi, pr, pb)) = pending.clone()
+                && pr.start < r.end
+                && r.start < pr.end
+            {
+                fold(&mut acc[pr.clone()], pi, pr.clone(), &bufs[pb][..pr.len()])?;
+                pending = None;
+            }
+            let [b0, b1] = &mut bufs;
+            let (into, other) = if cur == 0 { (b0, b1) } else { (b1, b0) };
+            let into = &mut into[..r.len()];
+            match pending.take() {
+                Some((pi, pr, _)) => {
+                    let (out, dst) = split_pair(acc, r.clone(), pr.clone());
+                    let other = &other[..pr.len()];
+                    c.send_recv_while(
+                        ring.tag,
+                        (bytes(out), ring.right),
+                        (bytes_mut(into), ring.left),
+                        &mut || fold(&mut *dst, pi, pr.clone(), other),
+                    )?;
+                }
+                None => {
+                    let out = bytes(&acc[r.clone()]);
+                    c.send_recv_on(ring.tag, out, ring.right, bytes_mut(into), ring.left)?;
+                }
+            }
+            pending = Some((ri, r, cur));
+            cur ^= 1;
+        }
+    }
+    if let Some((pi, pr, pb)) = pending {
+        fold(&mut acc[pr.clone()], pi, pr.clone(), &bufs[pb][..pr.len()])?;
+    }
+    Ok(())
+}
+
 /// Ring all-gather in place over `segs`: the rank at position `p` holds segment
 /// `(p + off) % n`; afterwards all do.
 fn ring_all_gather<T: Element>(
@@ -1171,30 +1243,30 @@ pub trait Collectives: Transport {
                 premul(output, op);
                 return Ok(());
             }
-            // The ring works in place, so it runs on a copy; the copy is this rank's scratch
-            // of the size the algorithm needs anyway.
-            let mut work = input.to_vec();
-            premul(&mut work, op);
-            // Block r ends on rank r: with two lanes, its first half around a forward ring and
-            // its second half around a backward one (see `halves`).
+            // Out of place: `input` is only read; `output` carries the partial sums between
+            // steps and ends with block `me`. With two lanes, the first half of every block goes
+            // around a forward ring and the second half around a backward one (see `halves`).
             let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
             let scratch = 2 * ring_piece::<T>(c).min(k);
+            let blocks: Vec<&[T]> = (0..c.n).map(|i| &input[i * k..(i + 1) * k]).collect();
             if two_rings(c, std::mem::size_of_val(input)) {
+                let h = k / 2;
+                let first: Vec<&[T]> = blocks.iter().map(|b| &b[..h]).collect();
+                let second: Vec<&[T]> = (0..c.n).map(|p| &blocks[(c.n - p) % c.n][h..]).collect();
+                let (out_a, out_b) = output.split_at_mut(h);
                 with_scratch::<T, _>(2 * scratch, |tmp| {
                     let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
-                    let (mut a, mut b) = halves(&mut work, c.n, k);
                     two_lanes(
                         c,
-                        |c| ring_reduce_scatter(c, fwd, &mut a, op, 0, tmp_a),
-                        |c| ring_reduce_scatter(c, bwd, &mut b, op, 0, tmp_b),
+                        |c| ring_reduce_scatter_out(c, fwd, &first, out_a, op, tmp_a),
+                        |c| ring_reduce_scatter_out(c, bwd, &second, out_b, op, tmp_b),
                     )
                 })?;
             } else {
                 with_scratch::<T, _>(scratch, |tmp| {
-                    ring_reduce_scatter(c, fwd, &mut segments(&mut work, c.n), op, 0, tmp)
+                    ring_reduce_scatter_out(c, fwd, &blocks, output, op, tmp)
                 })?;
             }
-            output.copy_from_slice(&work[c.me * k..(c.me + 1) * k]);
             finish(output, op, c.n);
             Ok(())
         })
