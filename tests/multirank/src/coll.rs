@@ -232,6 +232,9 @@ fn large_rings<T: TestElem>(b: &TcpBackend) {
             .unwrap_or_else(|e| panic!("{e}"));
         check_reduced("large reduce_scatter", op, n, me * k, nan, &block);
     }
+    // all_gather's threshold is its own.
+    let k = (dist_core::collectives::ALL_GATHER_TWO_RINGS_MIN / (size * n)) | 1;
+    let k = k + 2;
     let mine: Vec<T> = (0..k).map(|i| T::val(me, i, false)).collect();
     let mut all = vec![T::val(0, 0, false); n * k];
     poison(&mut all);
