@@ -131,10 +131,17 @@ pub fn rustfmt(src: &str) -> Result<String> {
 
 /// Runs `cargo ARGS` in the workspace root and fails if it fails.
 pub fn cargo(args: &[&str]) -> Result<()> {
+    cargo_with(args, &[])
+}
+
+/// [`cargo`] with extra environment variables.
+pub fn cargo_with(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("$ cargo {}", args.join(" "));
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    eprintln!("$ {}cargo {}", shown.concat(), args.join(" "));
     let status = Command::new(cargo)
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(root())
         .status()
         .context("run cargo")?;
@@ -255,6 +262,11 @@ fn test() -> Result<()> {
         "-D",
         "warnings",
     ])?;
+    // The API docs build with no broken links.
+    cargo_with(
+        &["doc", "--workspace", "--no-deps"],
+        &[("RUSTDOCFLAGS", "-D warnings")],
+    )?;
     cargo(&["test", "--workspace"])?;
     match bindgen::find_header(None) {
         Some(_) => bindgen::run(&bindgen::Args {

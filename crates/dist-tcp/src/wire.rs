@@ -169,7 +169,7 @@ impl Hello {
     }
 }
 
-/// Codes in [`Reply::code`] and [`Status::code`]; 0 means go on.
+/// Why a connection is refused: the code a [`Reply`] carries on the wire (0 means go on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum Refusal {
