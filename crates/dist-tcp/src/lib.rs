@@ -331,6 +331,12 @@ impl Transport for TcpBackend {
     }
 
     fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+        // A caller that is itself a worker of some rayon pool would, waiting for the lane, run
+        // other jobs of its own pool in the meantime (rayon's scopes wait by working), which
+        // could be another collective on this thread: there the lane gets a thread of its own.
+        if rayon::current_thread_index().is_some() {
+            return dist_core::run_beside_scoped(first, second);
+        }
         let me = self.shared.rank;
         let pool = self.shared.lane.get_or_init(|| {
             rayon::ThreadPoolBuilder::new()

@@ -277,3 +277,43 @@ fn rank_zeros_tuning_is_the_jobs() {
         assert_eq!(h.join().unwrap(), (2, 64 << 10));
     }
 }
+
+#[test]
+fn two_lanes_inside_a_rayon_pool_take_no_other_job() {
+    use dist_core::{Collectives, ReduceOp};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Each rank calls a two-ring all_reduce from the only thread of a rayon pool, with another
+    // job of that pool queued: the job must not run on that thread while the collective waits
+    // for its second lane.
+    let port = free_port();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            thread::spawn(move || {
+                let b = TcpBackend::with_config(cfg(r, world, port).lanes(2)).unwrap();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                let ran = Arc::new(AtomicBool::new(false));
+                pool.install(|| {
+                    let flag = ran.clone();
+                    rayon::spawn(move || flag.store(true, Ordering::SeqCst));
+                    let mut x = vec![1.0f32; (4 << 20) / 4];
+                    for _ in 0..5 {
+                        b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                        assert!(
+                            !ran.load(Ordering::SeqCst),
+                            "another job of the caller's pool ran during the collective"
+                        );
+                    }
+                    assert!(x.iter().all(|v| *v == 243.0), "{}", x[0]);
+                });
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
