@@ -32,7 +32,7 @@ use crate::types::{DType, Element, ReduceOp};
 /// The tag every collective message travels on. Collectives are called in the same order on
 /// every rank, and messages between two ranks on one tag keep their order, so one tag suffices.
 pub const COLLECTIVE_TAG: Tag = Tag::system(2);
-/// The tag of the second ring of a two-lane all_reduce (see [`Transport::lanes`]), so that its
+/// The tag of the second ring of a two-lane collective (see [`Transport::lanes`]), so that its
 /// messages can never be taken for the first ring's, even where both rings join the same ranks.
 pub const SECOND_RING_TAG: Tag = Tag::system(3);
 
