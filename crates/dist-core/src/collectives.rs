@@ -323,14 +323,22 @@ impl<B: Transport + ?Sized> Call<'_, B> {
     }
 
     fn send(&self, data: &[u8], dst: usize) -> Result<()> {
-        self.b.send_meta(data, dst, COLLECTIVE_TAG, self.meta)
+        self.send_on(COLLECTIVE_TAG, data, dst)
+    }
+
+    fn send_on(&self, tag: Tag, data: &[u8], dst: usize) -> Result<()> {
+        self.b.send_meta(data, dst, tag, self.meta)
     }
 
     fn recv(&self, buf: &mut [u8], src: usize) -> Result<()> {
+        self.recv_on(COLLECTIVE_TAG, buf, src)
+    }
+
+    fn recv_on(&self, tag: Tag, buf: &mut [u8], src: usize) -> Result<()> {
         let len = buf.len();
-        match self.b.recv_meta(buf, src, COLLECTIVE_TAG, self.deadline) {
+        match self.b.recv_meta(buf, src, tag, self.deadline) {
             Ok(m) => self.check(&m, src),
-            Err(e) => Err(self.explain(e, src, COLLECTIVE_TAG, len)),
+            Err(e) => Err(self.explain(e, src, tag, len)),
         }
     }
 
@@ -609,6 +617,7 @@ struct Ring {
     right: usize,
     left: usize,
     tag: Tag,
+    reversed: bool,
 }
 
 impl Ring {
@@ -619,6 +628,7 @@ impl Ring {
             right: (me + 1) % n,
             left: (me + n - 1) % n,
             tag: COLLECTIVE_TAG,
+            reversed: false,
         }
     }
 
@@ -630,7 +640,13 @@ impl Ring {
             right: (me + n - 1) % n,
             left: (me + 1) % n,
             tag: SECOND_RING_TAG,
+            reversed: true,
         }
+    }
+
+    /// The position of `rank` on this ring of `n` ranks.
+    fn position_of(&self, rank: usize, n: usize) -> usize {
+        if self.reversed { (n - rank) % n } else { rank }
     }
 }
 
@@ -965,32 +981,34 @@ fn broadcast_tree<T: Element>(
 
 fn broadcast_chain<T: Element>(
     c: &Call<'_, impl Transport + ?Sized>,
+    ring: Ring,
     data: &mut [T],
     root: usize,
 ) -> Result<()> {
     let n = c.n;
-    let v = (c.me + n - root) % n;
-    let (prev, next) = ((c.me + n - 1) % n, (c.me + 1) % n);
+    // Along the ring from the root: the root is 0, the last rank to receive n - 1.
+    let v = (ring.pos + n - ring.position_of(root, n)) % n;
+    let (prev, next, tag) = (ring.left, ring.right, ring.tag);
     let per = (CHAIN_CHUNK / std::mem::size_of::<T>()).max(1);
     let chunks = data.len().div_ceil(per);
     let len = data.len();
     let chunk = |i: usize| i * per..((i + 1) * per).min(len);
     if v == 0 {
         for i in 0..chunks {
-            c.send(bytes(&data[chunk(i)]), next)?;
+            c.send_on(tag, bytes(&data[chunk(i)]), next)?;
         }
         return Ok(());
     }
-    c.recv(bytes_mut(&mut data[chunk(0)]), prev)?;
+    c.recv_on(tag, bytes_mut(&mut data[chunk(0)]), prev)?;
     for i in 0..chunks {
         let last_rank = v == n - 1;
         match (last_rank, i + 1 < chunks) {
             (false, true) => {
                 let (out, inb) = split_pair(data, chunk(i), chunk(i + 1));
-                c.send_recv(bytes(out), next, bytes_mut(inb), prev)?;
+                c.send_recv_on(tag, bytes(out), next, bytes_mut(inb), prev)?;
             }
-            (false, false) => c.send(bytes(&data[chunk(i)]), next)?,
-            (true, true) => c.recv(bytes_mut(&mut data[chunk(i + 1)]), prev)?,
+            (false, false) => c.send_on(tag, bytes(&data[chunk(i)]), next)?,
+            (true, true) => c.recv_on(tag, bytes_mut(&mut data[chunk(i + 1)]), prev)?,
             (true, false) => {}
         }
     }
@@ -1123,10 +1141,22 @@ pub trait Collectives: Transport {
             if c.n == 1 {
                 return Ok(());
             }
-            if std::mem::size_of_val(data) <= BROADCAST_CHAIN_MIN {
+            let size = std::mem::size_of_val(data);
+            let fwd = Ring::forward(c.me, c.n);
+            if size <= BROADCAST_CHAIN_MIN {
                 broadcast_tree(c, data, root)
+            } else if two_rings(c, size) {
+                // Two chains at once in opposite directions, half the data each: every
+                // connection carries data both ways.
+                let bwd = Ring::backward(c.me, c.n);
+                let (a, b) = data.split_at_mut(data.len() / 2);
+                two_lanes(
+                    c,
+                    |c| broadcast_chain(c, fwd, a, root),
+                    |c| broadcast_chain(c, bwd, b, root),
+                )
             } else {
-                broadcast_chain(c, data, root)
+                broadcast_chain(c, fwd, data, root)
             }
         })
     }

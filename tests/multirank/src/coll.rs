@@ -232,6 +232,17 @@ fn large_rings<T: TestElem>(b: &TcpBackend) {
             .unwrap_or_else(|e| panic!("{e}"));
         check_reduced("large reduce_scatter", op, n, me * k, nan, &block);
     }
+    // broadcast from every root, past the same threshold.
+    for root in 0..n {
+        let mut data: Vec<T> = (0..count).map(|i| T::val(me, i, false)).collect();
+        if me != root {
+            poison(&mut data);
+        }
+        b.broadcast(&mut data, root)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let want: Vec<T> = (0..count).map(|i| T::val(root, i, false)).collect();
+        assert_eq!(bits(&data), bits(&want), "large broadcast from {root}");
+    }
     // all_gather's threshold is its own.
     let k = (dist_core::collectives::ALL_GATHER_TWO_RINGS_MIN / (size * n)) | 1;
     let k = k + 2;
@@ -250,8 +261,9 @@ fn large_rings<T: TestElem>(b: &TcpBackend) {
     }
 }
 
-/// all_reduce, reduce_scatter and all_gather past the two-ring threshold: every type and valid
-/// op (one ring or two, as the job's tuning says: `DIST_TCP_LANES`).
+/// all_reduce, reduce_scatter, broadcast (every root) and all_gather past the two-ring
+/// thresholds: every type and valid op (one ring or two, as the job's tuning says:
+/// `DIST_TCP_LANES`).
 pub fn large_rings_all() {
     let b = join();
     let t = Instant::now();
