@@ -192,8 +192,8 @@ pub trait Transport: Backend {
         run_beside_scoped(first, second);
     }
 
-    /// How many rings a large all_reduce, reduce_scatter or all_gather may run at once, each on
-    /// its own thread (1 or 2).
+    /// How many rings (or chains) a large all_reduce, reduce_scatter, all_gather or broadcast
+    /// may run at once, each on its own thread (1 or 2).
     /// Every rank of a job must answer the same: it decides how messages are cut.
     fn lanes(&self) -> usize {
         1

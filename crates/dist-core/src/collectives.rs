@@ -53,6 +53,9 @@ pub const TWO_RINGS_MIN: usize = 2 << 20;
 /// all_gather, which reduces nothing, gains from a second ring only later (on 32 cores, 4 MiB:
 /// 4.2 GB/s busbw with one ring, 3.9 with two; 16 MiB: 3.5 and 4.1).
 pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
+/// broadcast runs two chains only from here (on 32 cores, 8 MiB: 4.7 GB/s with one chain, 4.1
+/// with two; 16 MiB: even; 32 and 64 MiB: 3.9 and 3.6 with one, 4.4 and 4.3 with two).
+pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
 
@@ -1145,7 +1148,7 @@ pub trait Collectives: Transport {
             let fwd = Ring::forward(c.me, c.n);
             if size <= BROADCAST_CHAIN_MIN {
                 broadcast_tree(c, data, root)
-            } else if two_rings(c, size) {
+            } else if two_rings(c, size) && size >= BROADCAST_TWO_CHAINS_MIN {
                 // Two chains at once in opposite directions, half the data each: every
                 // connection carries data both ways.
                 let bwd = Ring::backward(c.me, c.n);
