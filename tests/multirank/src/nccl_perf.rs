@@ -13,99 +13,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtrMut};
-use dist_core::{Backend, Collectives, ReduceOp};
-use dist_multirank::{PerfOp, parse_size};
+use dist_core::{Backend, Collectives, DType, ReduceOp};
+use dist_multirank::{PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want};
 use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
 use dist_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 use dist_tcp::TcpBackend;
 
-struct Opts {
-    op: PerfOp,
-    min: usize,
-    max: usize,
-    factor: usize,
-    check: bool,
-    bare: bool,
-}
-
-fn opts() -> Opts {
-    let mut o = Opts {
-        op: PerfOp::AllReduce,
-        min: 8,
-        max: 1 << 30,
-        factor: 4,
-        check: false,
-        bare: false,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < args.len() {
-        let val = || args.get(i + 1).cloned().unwrap_or_default();
-        match args[i].as_str() {
-            "--op" => {
-                o.op = PerfOp::parse(&val()).unwrap_or_else(|| panic!("unknown op {:?}", val()))
-            }
-            "-b" => o.min = parse_size(&val()),
-            "-e" => o.max = parse_size(&val()),
-            "-f" => o.factor = val().parse().expect("factor"),
-            "--dtype" => assert_eq!(val(), "f32", "dist-nccl-perf measures f32"),
-            "--check" | "--bare" => {
-                if args[i] == "--check" {
-                    o.check = true;
-                } else {
-                    o.bare = true;
-                }
-                i += 1;
-                continue;
-            }
-            "--iters" => {}
-            other => panic!("unknown argument {other:?}"),
-        }
-        i += 2;
-    }
-    o
-}
-
-fn iters_for(bytes: usize) -> usize {
-    ((1usize << 34) / (bytes + (1 << 20))).clamp(20, 2000)
-}
-
-fn header(title: &str) {
-    println!("# {title}");
-    println!(
-        "# {:>10} {:>12} {:>8} {:>6} {:>4} {:>10} {:>8} {:>8} {:>6}",
-        "size", "count", "type", "redop", "root", "time(us)", "algbw", "busbw", "#wrong"
-    );
-}
-
-fn row(tcp: &TcpBackend, op: PerfOp, bytes: usize, count: usize, secs: f64, wrong: Option<u64>) {
-    let mut t = [secs];
-    tcp.all_reduce(&mut t, ReduceOp::Max).unwrap();
-    let mut w = [wrong.unwrap_or(0)];
-    tcp.all_reduce(&mut w, ReduceOp::Sum).unwrap();
-    if tcp.rank() == 0 {
-        let algbw = bytes as f64 / t[0] / 1e9;
-        println!(
-            "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.2} {algbw:>8.2} {:>8.2} {:>6}",
-            "float",
-            if matches!(
-                op,
-                PerfOp::AllReduce | PerfOp::Reduce | PerfOp::ReduceScatter
-            ) {
-                "sum"
-            } else {
-                "none"
-            },
-            if matches!(op, PerfOp::Broadcast | PerfOp::Reduce) {
-                "0"
-            } else {
-                "-1"
-            },
-            t[0] * 1e6,
-            algbw * op.bus_factor(tcp.world_size()),
-            wrong.map_or("N/A".to_string(), |_| w[0].to_string()),
-        );
-    }
+/// Timed and untimed calls for `bytes`: `--iters` and `--warmup` if given, else by size.
+fn iters_for(o: &PerfOpts, bytes: usize) -> (usize, usize) {
+    let iters = o
+        .iters
+        .unwrap_or(((1usize << 34) / (bytes + (1 << 20))).clamp(20, 2000));
+    (iters, o.warmup.unwrap_or((iters / 10).max(5)))
 }
 
 fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>) {
@@ -135,14 +54,17 @@ fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaS
 
 fn main() -> ExitCode {
     dist_multirank::init_logging();
-    let o = opts();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let o = PerfOpts::parse(&args, 1 << 30).unwrap_or_else(|e| panic!("dist-nccl-perf: {e}"));
+    assert_eq!(o.dtype, DType::F32, "dist-nccl-perf measures f32");
     let devices = dist_nccl::cuda_device_count();
     let cfg = dist_multirank::config();
     let local = cfg.local_rank().unwrap_or(cfg.rank());
-    if devices == 0 {
-        println!("skipped: no CUDA device");
+    // One GPU per rank: NCCL refuses two ranks of a communicator on one device.
+    let Some(device) = dist_hybrid::pick_device(local, devices) else {
+        println!("skipped: local rank {local} has no GPU of its own ({devices} visible)");
         return ExitCode::from(dist_multirank::SKIP_STATUS);
-    }
+    };
     let tcp = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("{e}"));
     let (me, n) = (tcp.rank(), tcp.world_size());
     let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
@@ -152,7 +74,7 @@ fn main() -> ExitCode {
         id[128..].copy_from_slice(UniqueId::new(&nccl).unwrap().as_bytes());
     }
     tcp.broadcast(&mut id, 0).unwrap();
-    let ctx = CudaContext::new(local % devices).unwrap_or_else(|e| panic!("{e}"));
+    let ctx = CudaContext::new(device).unwrap_or_else(|e| panic!("{e}"));
     let comm = Communicator::init_rank(
         nccl.clone(),
         &ctx,
@@ -167,24 +89,17 @@ fn main() -> ExitCode {
     .unwrap_or_else(|e| panic!("{e}"));
     let s = comm.stream().clone();
     if me == 0 {
-        header(&format!(
+        perf_header(&format!(
             "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}",
             o.op,
             dist_nccl_sys::version_string(nccl.version()),
             nccl.path()
         ));
     }
-    let mut size = o.min;
-    while size <= o.max {
-        let mut count = (size / 4).max(1);
-        if matches!(
-            o.op,
-            PerfOp::AllGather | PerfOp::ReduceScatter | PerfOp::AllToAll
-        ) {
-            count = (count / n).max(1) * n;
-        }
+    for size in o.sizes() {
+        let count = perf_count(o.op, size, 4, n);
         let k = count / n;
-        let host: Vec<f32> = (0..count).map(|i| ((me * 3 + i) % 7) as f32).collect();
+        let host: Vec<f32> = (0..count).map(|i| perf_input(me, i) as f32).collect();
         let (mut a, mut b) = match o.op {
             PerfOp::AllGather => (
                 s.clone_htod(&host[..k]).unwrap(),
@@ -203,46 +118,17 @@ fn main() -> ExitCode {
             run_op(&comm, o.op, &mut a, &mut b);
             comm.synchronize().unwrap();
             let (ga, gb) = (s.clone_dtoh(&a).unwrap(), s.clone_dtoh(&b).unwrap());
-            let v = |r: usize, i: usize| ((r * 3 + i) % 7) as f32;
-            let sum = |i: usize| (0..n).map(|r| v(r, i)).sum::<f32>();
-            let bad = match o.op {
-                PerfOp::AllReduce => ga
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != sum(*i))
-                    .count(),
-                PerfOp::Broadcast => ga
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != v(0, *i))
-                    .count(),
-                PerfOp::Reduce if me == 0 => gb
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != sum(*i))
-                    .count(),
-                PerfOp::Reduce => 0,
-                PerfOp::AllGather => gb
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != v(*i / k, *i % k))
-                    .count(),
-                PerfOp::ReduceScatter => gb
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != sum(me * k + *i))
-                    .count(),
-                PerfOp::AllToAll => gb
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != v(*i / k, me * k + *i % k))
-                    .count(),
-                PerfOp::SendRecv => gb
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, x)| **x != v((me + n - 1) % n, *i))
-                    .count(),
+            let got: &[f32] = match o.op {
+                PerfOp::AllReduce | PerfOp::Broadcast => &ga,
+                PerfOp::Reduce if me == 0 => &gb,
+                PerfOp::Reduce => &[],
+                _ => &gb,
             };
+            let bad = got
+                .iter()
+                .enumerate()
+                .filter(|(i, x)| f64::from(**x) != perf_want(o.op, me, n, k, *i))
+                .count();
             // Restore the inputs the in-place ops overwrote.
             s.memcpy_htod(
                 if matches!(o.op, PerfOp::AllGather) {
@@ -255,8 +141,8 @@ fn main() -> ExitCode {
             .unwrap();
             bad as u64
         });
-        let iters = iters_for(count * 4);
-        for _ in 0..(iters / 10).max(5) {
+        let (iters, warmup) = iters_for(&o, count * 4);
+        for _ in 0..warmup {
             run_op(&comm, o.op, &mut a, &mut b);
         }
         comm.synchronize().unwrap();
@@ -266,15 +152,14 @@ fn main() -> ExitCode {
             run_op(&comm, o.op, &mut a, &mut b);
         }
         comm.synchronize().unwrap_or_else(|e| panic!("{e}"));
-        row(
+        perf_row(
             &tcp,
             o.op,
-            count * 4,
-            count,
+            DType::F32,
+            (count * 4, count),
             t.elapsed().as_secs_f64() / iters as f64,
             wrong,
         );
-        size *= o.factor;
     }
     if o.bare && o.op == PerfOp::AllReduce {
         bare(&tcp, &nccl, &ctx, &id[128..], &o);
@@ -285,7 +170,7 @@ fn main() -> ExitCode {
 
 /// The floor: a communicator made and driven by raw NCCL calls (blocking init, `ncclAllReduce`
 /// back to back, one stream synchronize), in this same program.
-fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Opts) {
+fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &PerfOpts) {
     let (me, n) = (tcp.rank(), tcp.world_size());
     let raw = nccl.raw();
     let init = nccl.get("ncclCommInitRank", &raw.ncclCommInitRank).unwrap();
@@ -302,13 +187,12 @@ fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Op
     assert_eq!(r, ncclResult_t::ncclSuccess, "bare ncclCommInitRank");
     let stream = ctx.new_stream().unwrap();
     if me == 0 {
-        header(&format!("bare ncclAllReduce loop, {n} ranks, same program"));
+        perf_header(&format!("bare ncclAllReduce loop, {n} ranks, same program"));
     }
-    let mut size = o.min;
-    while size <= o.max {
+    for size in o.sizes() {
         let count = (size / 4).max(1);
         let mut buf = stream.alloc_zeros::<f32>(count).unwrap();
-        let iters = iters_for(count * 4);
+        let (iters, warmup) = iters_for(o, count * 4);
         let (p, guard) = buf.device_ptr_mut(&stream);
         let cu = stream.cu_stream() as dist_nccl_sys::cudaStream_t;
         let call = || {
@@ -326,7 +210,7 @@ fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Op
             };
             assert_eq!(r, ncclResult_t::ncclSuccess);
         };
-        for _ in 0..(iters / 10).max(5) {
+        for _ in 0..warmup {
             call();
         }
         stream.synchronize().unwrap();
@@ -338,8 +222,14 @@ fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &Op
         stream.synchronize().unwrap();
         let secs = t.elapsed().as_secs_f64() / iters as f64;
         drop(guard);
-        row(tcp, PerfOp::AllReduce, count * 4, count, secs, None);
-        size *= o.factor;
+        perf_row(
+            tcp,
+            PerfOp::AllReduce,
+            DType::F32,
+            (count * 4, count),
+            secs,
+            None,
+        );
     }
     // SAFETY: no work is pending on it (synchronized) and it is not used again.
     unsafe { destroy(comm) };
