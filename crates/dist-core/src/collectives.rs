@@ -880,9 +880,12 @@ fn ring_lane<T: Element>(
     ring_all_gather(c, ring, &mut segs, 1)
 }
 
-/// Whether a collective moving `bytes` in all runs two rings at once (see [`TWO_RINGS_MIN`]).
-fn two_rings(c: &Call<'_, impl Transport + ?Sized>, bytes: usize) -> bool {
-    c.b.lanes() >= 2 && c.n >= 3 && bytes >= TWO_RINGS_MIN
+/// Whether a collective moving `bytes` in all runs two rings (or chains) at once: the transport
+/// has two lanes, there are three ranks or more (with two, both rings would share the one
+/// connection), and `bytes` reaches the collective's threshold `min` ([`TWO_RINGS_MIN`],
+/// [`ALL_GATHER_TWO_RINGS_MIN`], [`BROADCAST_TWO_CHAINS_MIN`]).
+fn two_rings(c: &Call<'_, impl Transport + ?Sized>, bytes: usize, min: usize) -> bool {
+    c.b.lanes() >= 2 && c.n >= 3 && bytes >= min
 }
 
 fn all_reduce_ring<T: Element>(
@@ -895,7 +898,7 @@ fn all_reduce_ring<T: Element>(
     // Two rings at once, in opposite directions, each on its own thread with half the data:
     // every connection carries data both ways, and two cores reduce. With two ranks both rings
     // would share the one connection, so there it runs one.
-    if two_rings(c, std::mem::size_of_val(data)) {
+    if two_rings(c, std::mem::size_of_val(data), TWO_RINGS_MIN) {
         return with_scratch::<T, _>(2 * scratch, |tmp| {
             let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
             let (a, b) = data.split_at_mut(data.len() / 2);
@@ -1148,7 +1151,7 @@ pub trait Collectives: Transport {
             let fwd = Ring::forward(c.me, c.n);
             if size <= BROADCAST_CHAIN_MIN {
                 broadcast_tree(c, data, root)
-            } else if two_rings(c, size) && size >= BROADCAST_TWO_CHAINS_MIN {
+            } else if two_rings(c, size, BROADCAST_TWO_CHAINS_MIN) {
                 // Two chains at once in opposite directions, half the data each: every
                 // connection carries data both ways.
                 let bwd = Ring::backward(c.me, c.n);
@@ -1199,12 +1202,11 @@ pub trait Collectives: Transport {
             if c.n == 1 {
                 return Ok(());
             }
-            // Blocks of exactly k: `segment` of n*k over n is block i. From
-            // ALL_GATHER_TWO_RINGS_MIN (with two lanes) the first half of every block goes around one ring, the second half
-            // around the other, in the opposite direction.
+            // Blocks of exactly k: `segment` of n*k over n is block i. With two rings, the
+            // first half of every block goes around one, the second half around the other, in
+            // the opposite direction.
             let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
-            let size = std::mem::size_of_val(output);
-            if two_rings(c, size) && size >= ALL_GATHER_TWO_RINGS_MIN {
+            if two_rings(c, std::mem::size_of_val(output), ALL_GATHER_TWO_RINGS_MIN) {
                 let (mut a, mut b) = halves(output, c.n, k);
                 return two_lanes(
                     c,
@@ -1286,7 +1288,7 @@ pub trait Collectives: Transport {
             let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
             let scratch = 2 * ring_piece::<T>(c).min(k);
             let blocks: Vec<&[T]> = (0..c.n).map(|i| &input[i * k..(i + 1) * k]).collect();
-            if two_rings(c, std::mem::size_of_val(input)) {
+            if two_rings(c, std::mem::size_of_val(input), TWO_RINGS_MIN) {
                 let h = k / 2;
                 let first: Vec<&[T]> = blocks.iter().map(|b| &b[..h]).collect();
                 let second: Vec<&[T]> = (0..c.n).map(|p| &blocks[(c.n - p) % c.n][h..]).collect();
