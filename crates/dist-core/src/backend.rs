@@ -146,12 +146,14 @@ pub trait Transport: Backend {
         tag: Tag,
         meta: Meta,
         deadline: Instant,
-    ) -> Result<Meta>;
+    ) -> Result<Meta> {
+        self.send_recv_meta_while(send, recv, tag, meta, deadline, &mut || Ok(()))
+    }
 
-    /// [`Transport::send_recv_meta`], also running `meanwhile` once while the two transfers are
-    /// in flight where the transport can (this default runs it first). `meanwhile` must touch
-    /// neither buffer; its error ends the call. The ring collectives reduce one piece while the
-    /// next one travels.
+    /// [`Transport::send_recv_meta`], also running `meanwhile` once (unless the call fails
+    /// first), while the two transfers are in flight where the transport can (else before or
+    /// after them). `meanwhile` must touch neither buffer; its error ends the call. The ring
+    /// collectives reduce one piece while the next one travels.
     fn send_recv_meta_while(
         &self,
         send: (&[u8], usize),
@@ -160,10 +162,7 @@ pub trait Transport: Backend {
         meta: Meta,
         deadline: Instant,
         meanwhile: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Meta> {
-        meanwhile()?;
-        self.send_recv_meta(send, recv, tag, meta, deadline)
-    }
+    ) -> Result<Meta>;
 
     /// The length and meta of the next message queued from `src` on `tag`, if one is queued.
     fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)>;

@@ -219,20 +219,8 @@ impl Transport for TcpBackend {
 
     /// Sends `send` to `dst` while receiving `recv` from `src`, both on `tag`: the receive is
     /// posted first, so the payload lands in `recv` as it arrives, with no copy, while this
-    /// thread writes. Returns the received message's meta.
-    fn send_recv_meta(
-        &self,
-        send: (&[u8], usize),
-        recv: (&mut [u8], usize),
-        tag: Tag,
-        meta: Meta,
-        deadline: Instant,
-    ) -> Result<Meta> {
-        self.send_recv_meta_while(send, recv, tag, meta, deadline, &mut || Ok(()))
-    }
-
-    /// [`Transport::send_recv_meta`], running `meanwhile` once the send is written, while the
-    /// receive may still be arriving.
+    /// thread writes; then runs `meanwhile` while the receive may still be arriving. Returns the
+    /// received message's meta.
     fn send_recv_meta_while(
         &self,
         (send, dst): (&[u8], usize),
