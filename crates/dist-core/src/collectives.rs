@@ -475,6 +475,29 @@ impl<B: Transport + ?Sized> Call<'_, B> {
         Ok(())
     }
 
+    /// `k * world_size`, the length of a buffer of one block per rank; an error naming the
+    /// buffer when that does not fit in a `usize`.
+    fn blocks(&self, what: &str, k: usize) -> Result<usize> {
+        k.checked_mul(self.n).ok_or_else(|| {
+            self.invalid(format!(
+                "{what} would need {k} x {} elements, more than a usize holds",
+                self.n
+            ))
+        })
+    }
+
+    /// The sum of `counts`; an error naming them when it overflows a `usize`.
+    fn total(&self, what: &str, counts: &[usize]) -> Result<usize> {
+        counts
+            .iter()
+            .try_fold(0usize, |a, x| a.checked_add(*x))
+            .ok_or_else(|| {
+                self.invalid(format!(
+                    "{what} {counts:?} add up to more than a usize holds"
+                ))
+            })
+    }
+
     fn check_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
         if got != want {
             return Err(self.invalid(format!("{what} has {got} elements, expected {want}")));
@@ -505,13 +528,16 @@ fn run<B: Transport + ?Sized, T: Element, R>(
         seq: b.next_collective() as u16,
         count: count as u64,
     };
+    let deadline = crate::deadline_after(Instant::now(), b.default_timeout(), b.rank(), || {
+        desc.describe()
+    })?;
     let call = Call {
         b,
         me: b.rank(),
         n: b.world_size(),
         desc,
         meta: desc.encode(),
-        deadline: Instant::now() + b.default_timeout(),
+        deadline,
     };
     if let Some((origin, reason)) = b.abort_notice() {
         let e = DistError::Aborted {
@@ -1197,7 +1223,7 @@ pub trait Collectives: Transport {
     fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         run::<_, T, _>(self, Kind::AllGather, input.len(), None, 0, |c| {
             let k = input.len();
-            c.check_len("output", output.len(), k * c.n)?;
+            c.check_len("output", output.len(), c.blocks("output", k)?)?;
             output[c.me * k..(c.me + 1) * k].copy_from_slice(input);
             if c.n == 1 {
                 return Ok(());
@@ -1230,7 +1256,7 @@ pub trait Collectives: Transport {
             let Some(out) = output else {
                 return Err(c.invalid("the root must pass an output buffer".into()));
             };
-            c.check_len("output", out.len(), k * c.n)?;
+            c.check_len("output", out.len(), c.blocks("output", k)?)?;
             out[root * k..(root + 1) * k].copy_from_slice(input);
             for r in (0..c.n).filter(|r| *r != root) {
                 c.recv(bytes_mut(&mut out[r * k..(r + 1) * k]), r)?;
@@ -1256,7 +1282,7 @@ pub trait Collectives: Transport {
             let Some(inp) = input else {
                 return Err(c.invalid("the root must pass an input buffer".into()));
             };
-            c.check_len("input", inp.len(), k * c.n)?;
+            c.check_len("input", inp.len(), c.blocks("input", k)?)?;
             for r in (0..c.n).filter(|r| *r != root) {
                 c.send(bytes(&inp[r * k..(r + 1) * k]), r)?;
             }
@@ -1276,7 +1302,7 @@ pub trait Collectives: Transport {
         run::<_, T, _>(self, Kind::ReduceScatter, output.len(), Some(op), 0, |c| {
             c.check_op::<T>(op)?;
             let k = output.len();
-            c.check_len("input", input.len(), k * c.n)?;
+            c.check_len("input", input.len(), c.blocks("input", k)?)?;
             if c.n == 1 {
                 output.copy_from_slice(input);
                 premul(output, op);
@@ -1343,8 +1369,8 @@ pub trait Collectives: Transport {
             let n = c.n;
             c.check_len("send_counts", send_counts.len(), n)?;
             c.check_len("recv_counts", recv_counts.len(), n)?;
-            c.check_len("input", input.len(), send_counts.iter().sum())?;
-            c.check_len("output", output.len(), recv_counts.iter().sum())?;
+            c.check_len("input", input.len(), c.total("send_counts", send_counts)?)?;
+            c.check_len("output", output.len(), c.total("recv_counts", recv_counts)?)?;
             exchange(c, input, send_counts, output, recv_counts)
         })
     }
@@ -1392,6 +1418,7 @@ fn exchange<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
 
     #[test]
     fn descriptor_round_trips_and_explains_differences() {
@@ -1469,5 +1496,119 @@ mod tests {
         assert_eq!(a, &[4, 5]);
         assert_eq!(b, &[1, 2]);
         assert_eq!(x[3], 9);
+    }
+
+    /// A transport of `n` ranks (this one rank 0) that moves nothing: every send or receive is
+    /// an error. Enough for the checks that must fail before any message moves.
+    struct NoWire {
+        n: usize,
+        timeout: std::time::Duration,
+    }
+
+    fn no_wire(rank: usize) -> DistError {
+        DistError::PeerGone {
+            rank: 0,
+            peer: rank,
+            op: "test".into(),
+            cause: "no wire".into(),
+        }
+    }
+
+    impl Backend for NoWire {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            self.n
+        }
+        fn default_timeout(&self) -> std::time::Duration {
+            self.timeout
+        }
+        fn send_tagged(&self, _: &[u8], dst: usize, _: Tag) -> Result<()> {
+            Err(no_wire(dst))
+        }
+        fn recv_tagged_timeout(
+            &self,
+            _: &mut [u8],
+            src: usize,
+            _: Tag,
+            _: std::time::Duration,
+        ) -> Result<()> {
+            Err(no_wire(src))
+        }
+        fn barrier_timeout(&self, _: std::time::Duration) -> Result<()> {
+            Err(no_wire(1))
+        }
+    }
+
+    impl Transport for NoWire {
+        fn send_meta(&self, _: &[u8], dst: usize, _: Tag, _: Meta) -> Result<()> {
+            Err(no_wire(dst))
+        }
+        fn recv_meta(&self, _: &mut [u8], src: usize, _: Tag, _: Instant) -> Result<Meta> {
+            Err(no_wire(src))
+        }
+        fn send_recv_meta_while(
+            &self,
+            (_, dst): (&[u8], usize),
+            _: (&mut [u8], usize),
+            _: Tag,
+            _: Meta,
+            _: Instant,
+            _: &mut dyn FnMut() -> Result<()>,
+        ) -> Result<Meta> {
+            Err(no_wire(dst))
+        }
+        fn peek_meta(&self, _: usize, _: Tag) -> Option<(usize, Meta)> {
+            None
+        }
+        fn broadcast_abort(&self, _: Tag, _: &str) {}
+        fn abort_notice(&self) -> Option<(usize, String)> {
+            None
+        }
+        fn next_collective(&self) -> u64 {
+            0
+        }
+    }
+
+    /// Counts whose sum overflows a usize are an error naming them, not a panic (on main the
+    /// `iter().sum()` panicked with "attempt to add with overflow").
+    #[test]
+    fn all_to_all_v_counts_that_overflow_are_errors() {
+        let b = NoWire {
+            n: 2,
+            timeout: std::time::Duration::from_secs(1),
+        };
+        let e = b
+            .all_to_all_v(&[0u8; 2], &[usize::MAX, 2], &mut [0u8; 2], &[1, 1])
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, DistError::InvalidArgument { .. }), "{text}");
+        assert!(
+            text.contains("all_to_all_v")
+                && text.contains(&format!("send_counts [{}, 2]", usize::MAX))
+                && text.contains("more than a usize holds"),
+            "{text}"
+        );
+        let e = b
+            .all_to_all_v(&[0u8; 2], &[1, 1], &mut [0u8; 2], &[2, usize::MAX - 1])
+            .unwrap_err();
+        assert!(e.to_string().contains("recv_counts"), "{e}");
+    }
+
+    /// A default timeout too long for the clock is an error naming the call and the timeout,
+    /// not a panic in `Instant + Duration` (on main: "overflow when adding duration to instant").
+    #[test]
+    fn huge_default_timeouts_are_errors() {
+        for timeout in [std::time::Duration::MAX, crate::MAX_TIMEOUT * 2] {
+            let b = NoWire { n: 2, timeout };
+            let e = b.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).unwrap_err();
+            let text = e.to_string();
+            assert!(matches!(e, DistError::InvalidArgument { .. }), "{text}");
+            assert!(
+                text.contains("all_reduce(f32 x 4, sum)") && text.contains(&format!("{timeout:?}")),
+                "{text}"
+            );
+        }
     }
 }

@@ -19,10 +19,12 @@
 
 mod backend;
 pub mod collectives;
+mod deadline;
 mod error;
 mod types;
 
 pub use backend::{Backend, Meta, Tag, Transport, run_beside_scoped};
 pub use collectives::Collectives;
+pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};
 pub use error::{DistError, Result};
 pub use types::{DType, Element, ReduceOp};
