@@ -6,7 +6,7 @@ use std::time::Duration;
 use dist_core::{DistError, Result};
 
 use crate::launch::LaunchEnv;
-use crate::wire::Tuning;
+use crate::wire::{MIN_SECRET_LEN, Tuning};
 
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -92,12 +92,22 @@ impl TcpConfig {
     pub fn from_launch(env: &LaunchEnv, get: impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
         let seconds = |k: &str| -> Result<Option<Duration>> {
             get(k)
-                .map(|v| match v.trim().parse::<f64>() {
-                    Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
-                    _ => Err(DistError::Config {
-                        what: k.into(),
-                        reason: format!("{v:?} is not a positive number of seconds"),
-                    }),
+                .map(|v| {
+                    match v.trim().parse::<f64>().ok().filter(|s| *s > 0.0).map(|s| {
+                        // Refuses NaN, infinities and what a Duration cannot hold (1e20).
+                        Duration::try_from_secs_f64(s)
+                            .ok()
+                            .filter(|d| dist_core::timeout_problem(*d).is_none())
+                    }) {
+                        Some(Some(d)) => Ok(d),
+                        _ => Err(DistError::Config {
+                            what: k.into(),
+                            reason: format!(
+                                "{v:?} is not a positive number of seconds up to {}",
+                                dist_core::MAX_TIMEOUT.as_secs()
+                            ),
+                        }),
+                    }
                 })
                 .transpose()
         };
@@ -167,7 +177,12 @@ impl TcpConfig {
     }
 
     /// A shared secret every rank must prove it knows (HMAC-SHA256 challenge-response; the
-    /// secret never crosses the wire). `DIST_SECRET` sets it from the environment.
+    /// secret never crosses the wire), at least 16 bytes: init refuses a shorter one.
+    /// `DIST_SECRET` sets it from the environment.
+    ///
+    /// The secret only admits ranks: the frames after the handshake are neither encrypted nor
+    /// authenticated, so someone who can read or change the traffic between ranks can read or
+    /// change the data. Run on a trusted network, or over WireGuard or IPsec.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
         self
@@ -224,11 +239,30 @@ impl TcpConfig {
                 world_size: self.world_size,
             });
         }
-        if self.secret.as_ref().is_some_and(|s| s.is_empty()) {
+        if let Some(s) = &self.secret
+            && s.len() < MIN_SECRET_LEN
+        {
             return Err(DistError::Config {
-                what: "shared secret".into(),
-                reason: "is empty".into(),
+                what: "shared secret (DIST_SECRET)".into(),
+                reason: format!(
+                    "is {} bytes; it must be at least {MIN_SECRET_LEN} bytes, random, and the \
+                     same on every rank (e.g. `openssl rand -hex 16`)",
+                    s.len()
+                ),
             });
+        }
+        for (what, t) in [
+            ("timeout (DIST_TIMEOUT)", self.timeout),
+            ("init timeout (DIST_INIT_TIMEOUT)", self.init_timeout),
+            ("handshake timeout", self.handshake_timeout),
+            ("linger", self.linger),
+        ] {
+            if let Some(reason) = dist_core::timeout_problem(t) {
+                return Err(DistError::Config {
+                    what: what.into(),
+                    reason,
+                });
+            }
         }
         Ok(())
     }
@@ -323,6 +357,62 @@ mod tests {
         v[0] = ("RANK", "4");
         let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
         assert!(e.contains("rank 4 is not below the world size 4"), "{e}");
+    }
+
+    /// `DIST_TIMEOUT=1e20` and the like are errors naming the variable and the value; on main,
+    /// 1e20 panicked in `Duration::from_secs_f64` and 1e18 later in `Instant + Duration`.
+    #[test]
+    fn huge_or_odd_durations_are_errors_naming_the_input() {
+        for k in ["DIST_TIMEOUT", "DIST_INIT_TIMEOUT"] {
+            for bad in ["1e20", "1e18", "3.2e9", "inf", "NaN", "-5", "0"] {
+                let mut v = OK.to_vec();
+                v.push((k, bad));
+                let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+                assert!(e.contains(k) && e.contains(bad), "{e}");
+            }
+            let mut v = OK.to_vec();
+            v.push((k, "3.1e9"));
+            assert!(TcpConfig::from_lookup(env(&v)).is_ok());
+        }
+        let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+        for (what, cfg) in [
+            ("timeout", c().timeout(Duration::MAX)),
+            (
+                "init timeout",
+                c().init_timeout(Duration::from_secs(u64::MAX)),
+            ),
+            ("handshake timeout", c().handshake_timeout(Duration::MAX)),
+            ("linger", c().linger(Duration::MAX)),
+        ] {
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(
+                e.contains(what) && e.contains("longer than the longest"),
+                "{e}"
+            );
+        }
+    }
+
+    /// Secrets shorter than 16 bytes are refused with an error that says how long one must be.
+    #[test]
+    fn short_secrets_are_refused() {
+        let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+        for short in ["", "hunter2", "fifteen bytes!!"] {
+            let e = c().secret(short).validate().unwrap_err().to_string();
+            assert!(
+                e.contains("shared secret")
+                    && e.contains(&format!("is {} bytes", short.len()))
+                    && e.contains("at least 16 bytes"),
+                "{e}"
+            );
+        }
+        assert!(c().secret("sixteen bytes!!!").validate().is_ok());
+        let mut v = OK.to_vec();
+        v.push(("DIST_SECRET", "short"));
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(
+            e.contains("DIST_SECRET") && e.contains("at least 16 bytes"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,6 +27,12 @@ use crate::wire::{
 
 /// How often the accept loop checks whether init is over.
 const ACCEPT_POLL: Duration = Duration::from_millis(50);
+
+/// The most handshakes one listener runs at once. A connection that arrives while this many are
+/// in progress is closed at once, unread: a flood of idle or garbage connections costs at most
+/// this many threads and sockets, each for at most the handshake timeout. A rank turned away
+/// this way (closed before any reply) connects again until the init deadline.
+pub(crate) const MAX_HANDSHAKES: usize = 64;
 
 fn io_err(rank: usize, context: impl Into<String>) -> impl FnOnce(std::io::Error) -> DistError {
     let context = context.into();
@@ -157,6 +163,7 @@ fn accept_loop(
     tx: Sender<Joined>,
     stop: Arc<AtomicBool>,
 ) {
+    let active = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Relaxed) {
         let (stream, from) = match listener.accept() {
             Ok(c) => c,
@@ -176,11 +183,19 @@ fn accept_loop(
             }
         };
         let me = rules.me;
+        // Only this thread adds, so the count cannot pass the cap between the check and the add.
+        if active.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+            tracing::debug!(rank = me, %from, "{MAX_HANDSHAKES} handshakes in progress; closed at once");
+            drop(stream);
+            continue;
+        }
+        active.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(active.clone());
         let rules = rules.clone();
         let tx = tx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("dist-handshake-{}", rules.me))
-            .spawn(move || match serve_handshake(stream, from, &rules) {
+            .spawn(move || match serve_handshake(stream, from, &rules, slot) {
                 Ok(j) => {
                     tracing::debug!(rank = rules.me, peer = j.rank, %from, "peer joined");
                     let _ = tx.send(j);
@@ -195,14 +210,32 @@ fn accept_loop(
     }
 }
 
-/// The accepting side of the handshake. Returns the refusal reason on failure, after telling
-/// the other side when it is worth telling.
+/// One of a listener's [`MAX_HANDSHAKES`] places, given back when dropped (however the
+/// handshake thread ends; if the thread cannot be spawned, the closure that owns it is dropped).
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The accepting side of the handshake, holding `_slot` until it ends. Returns the refusal
+/// reason on failure, after telling the other side when it is worth telling.
+///
+/// With a shared secret, the connecting side proves first: the challenge carries no proof, and
+/// this side sends its own proof, in the verdict, only after checking the other's. A stranger
+/// that does not know the secret never gets a proof (which would let it test guesses offline).
 fn serve_handshake(
     mut stream: TcpStream,
     from: SocketAddr,
     r: &Rules,
+    _slot: Slot,
 ) -> std::result::Result<Joined, String> {
-    let deadline = Instant::now() + r.handshake_timeout;
+    let deadline = dist_core::deadline_after(Instant::now(), r.handshake_timeout, r.me, || {
+        "handshake".into()
+    })
+    .map_err(|e| e.to_string())?;
     let mut buf = [0u8; HELLO_LEN];
     read_exact_by(&mut stream, &mut buf, deadline).map_err(|e| format!("no hello: {e}"))?;
     let refuse = |stream: &mut TcpStream, why: Refusal, reason: String| {
@@ -289,21 +322,19 @@ fn serve_handshake(
         ));
     }
     let server_nonce = nonce(r.me).map_err(|e| e.to_string())?;
-    let server_proof = match &r.secret {
-        Some(s) => wire::proof(s, Side::Server, &hello, &server_nonce),
-        None => [0; NONCE_LEN],
-    };
+    // The challenge: this side's nonce, and no proof yet.
     write_by(
         &mut stream,
-        &Reply::accept(server_nonce, server_proof).encode(),
+        &Reply::accept(server_nonce, [0; NONCE_LEN]).encode(),
         deadline,
     )
     .map_err(|e| format!("sending the challenge: {e}"))?;
     let mut client_proof = [0u8; NONCE_LEN];
     read_exact_by(&mut stream, &mut client_proof, deadline)
         .map_err(|e| format!("no proof: {e}"))?;
+    let me = r.me as u32;
     if let Some(s) = &r.secret
-        && !wire::verify_proof(s, Side::Client, &hello, &server_nonce, &client_proof)
+        && !wire::verify_proof(s, Side::Client, &hello, me, &server_nonce, &client_proof)
     {
         return Err(refuse(
             &mut stream,
@@ -329,9 +360,14 @@ fn serve_handshake(
         }
         claimed[rank] = true;
     }
+    // The other side proved the secret (or there is none): now, and only now, this side proves.
+    let server_proof = match &r.secret {
+        Some(s) => wire::proof(s, Side::Server, &hello, me, &server_nonce),
+        None => [0; NONCE_LEN],
+    };
     write_by(
         &mut stream,
-        &Reply::accept([0; NONCE_LEN], [0; NONCE_LEN]).encode(),
+        &Reply::accept([0; NONCE_LEN], server_proof).encode(),
         deadline,
     )
     .map_err(|e| format!("sending the verdict: {e}"))?;
@@ -343,49 +379,139 @@ fn serve_handshake(
     })
 }
 
-/// The connecting side of the handshake.
+/// How a connecting handshake failed.
+#[derive(Debug)]
+enum Failed {
+    /// The listener closed the connection before any reply: it was busy with
+    /// [`MAX_HANDSHAKES`] others (or restarting). Worth connecting again.
+    TurnedAway(DistError),
+    /// Refused, or broken after the reply: final.
+    Final(DistError),
+}
+
+/// The connecting side of the handshake with the listener of rank `server_rank`. With a shared
+/// secret, this side proves first, and checks the listener's proof in its verdict.
 fn client_handshake(
     stream: &mut TcpStream,
     hello: &Hello,
     secret: Option<&[u8]>,
+    server_rank: u32,
     deadline: Instant,
     me: usize,
     peer: &str,
-) -> Result<()> {
+) -> std::result::Result<(), Failed> {
     let io = |what: &str| io_err(me, format!("handshake with {peer}: {what}"));
-    write_by(stream, &hello.encode(), deadline).map_err(io("send hello"))?;
-    let refused = |reason: String| DistError::HandshakeRefused {
-        rank: me,
-        peer: peer.to_string(),
-        reason,
+    let closed = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+        )
+    };
+    if let Err(e) = write_by(stream, &hello.encode(), deadline) {
+        let away = closed(&e);
+        let e = io("send hello")(e);
+        return Err(if away {
+            Failed::TurnedAway(e)
+        } else {
+            Failed::Final(e)
+        });
+    }
+    let refused = |reason: String| {
+        Failed::Final(DistError::HandshakeRefused {
+            rank: me,
+            peer: peer.to_string(),
+            reason,
+        })
     };
     let mut buf = [0u8; REPLY_LEN];
-    read_exact_by(stream, &mut buf, deadline).map_err(io("read reply"))?;
-    let reply = Reply::decode(&buf).map_err(|e| refused(format!("malformed reply: {e}")))?;
-    if reply.refusal.is_some() {
-        return Err(refused(reply.reason));
+    if let Err(e) = read_exact_by(stream, &mut buf, deadline) {
+        let away = closed(&e);
+        let e = io("read the challenge")(e);
+        return Err(if away {
+            Failed::TurnedAway(e)
+        } else {
+            Failed::Final(e)
+        });
     }
-    // Send our proof even when the other side's is wrong, so that it can judge ours and both
-    // sides report the mismatch.
-    let (proof, peer_proved) = match secret {
-        Some(s) => (
-            wire::proof(s, Side::Client, hello, &reply.nonce),
-            wire::verify_proof(s, Side::Server, hello, &reply.nonce, &reply.proof),
-        ),
-        None => ([0; NONCE_LEN], true),
+    let challenge = Reply::decode(&buf).map_err(|e| refused(format!("malformed reply: {e}")))?;
+    if challenge.refusal.is_some() {
+        return Err(refused(challenge.reason));
+    }
+    let proof = match secret {
+        Some(s) => wire::proof(s, Side::Client, hello, server_rank, &challenge.nonce),
+        None => [0; NONCE_LEN],
     };
-    write_by(stream, &proof, deadline).map_err(io("send proof"))?;
+    write_by(stream, &proof, deadline).map_err(|e| Failed::Final(io("send proof")(e)))?;
     let verdict = read_exact_by(stream, &mut buf, deadline)
         .map_err(|e| e.to_string())
         .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
     match verdict {
         Ok(v) if v.refusal.is_some() => Err(refused(v.reason)),
-        _ if !peer_proved => Err(refused(
-            "the other side failed to prove the shared secret: the ranks have different secrets"
-                .into(),
-        )),
-        Ok(_) => Ok(()),
+        Ok(v) => match secret {
+            Some(s)
+                if !wire::verify_proof(
+                    s,
+                    Side::Server,
+                    hello,
+                    server_rank,
+                    &challenge.nonce,
+                    &v.proof,
+                ) =>
+            {
+                Err(refused(
+                    "the other side failed to prove the shared secret: the ranks have different \
+                     secrets, or it is not a rank of this job"
+                        .into(),
+                ))
+            }
+            _ => Ok(()),
+        },
         Err(e) => Err(refused(format!("no verdict: {e}"))),
+    }
+}
+
+/// Connects to the listener of rank `server_rank` at `addr` (the first time over `first`, when
+/// given) and runs the handshake with a hello from `hello` (a fresh nonce each time),
+/// connecting again with backoff while the listener turns the connection away unread, until
+/// `deadline`.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the connection; a struct would only rename them.
+fn join_listener(
+    first: Option<TcpStream>,
+    addr: SocketAddr,
+    hello: &mut dyn FnMut() -> Result<Hello>,
+    secret: Option<&[u8]>,
+    server_rank: u32,
+    deadline: Instant,
+    me: usize,
+    who: &str,
+    on_connect_failure: &dyn Fn(String) -> DistError,
+) -> Result<TcpStream> {
+    let peer = format!("{who} at {addr}");
+    let mut backoff = Duration::from_millis(5);
+    let mut first = first;
+    loop {
+        let mut s = match first.take() {
+            Some(s) => s,
+            None => connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?,
+        };
+        match client_handshake(&mut s, &hello()?, secret, server_rank, deadline, me, &peer) {
+            Ok(()) => return Ok(s),
+            Err(Failed::Final(e)) => return Err(e),
+            Err(Failed::TurnedAway(e)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(e);
+                }
+                tracing::debug!(rank = me, %addr, error = %e, "turned away; connecting again");
+                // Back off: the listener is busy with other handshakes, each of which ends
+                // within its handshake timeout.
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
     }
 }
 
@@ -431,8 +557,8 @@ fn connect_retry(
 pub(crate) fn form(cfg: &TcpConfig, tuning: Tuning) -> Result<(Vec<Option<TcpStream>>, Tuning)> {
     cfg.validate()?;
     let started = Instant::now();
-    let deadline = started + cfg.init_timeout;
     let (me, world) = (cfg.rank, cfg.world_size);
+    let deadline = dist_core::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     if world == 1 {
         return Ok((streams, tuning));
@@ -455,7 +581,7 @@ pub(crate) fn form(cfg: &TcpConfig, tuning: Tuning) -> Result<(Vec<Option<TcpStr
                 });
             }
         };
-        match form_as_member(cfg, &mut to_root, started, deadline, &mut streams) {
+        match form_as_member(cfg, master, &mut to_root, started, deadline, &mut streams) {
             Ok(t) => tuning = t,
             Err(e) => {
                 // Tell rank 0, so that every rank fails now rather than at the deadline.
@@ -617,6 +743,7 @@ fn form_as_root(
 
 fn form_as_member(
     cfg: &TcpConfig,
+    master: SocketAddr,
     to_root: &mut TcpStream,
     started: Instant,
     deadline: Instant,
@@ -644,16 +771,35 @@ fn form_as_member(
         rank: me as u32,
         listen_port: port,
         job_id: 0,
-        nonce: nonce(me)?,
+        nonce: [0; NONCE_LEN],
     };
     let root_desc = format!("rank 0 at {}", cfg.master);
-    client_handshake(
-        to_root,
-        &hello,
+    let rendezvous_failed = |detail: String| DistError::RendezvousFailed {
+        rank: me,
+        joined: 0,
+        world_size: world,
+        missing: vec![0],
+        waited: started.elapsed(),
+        detail,
+    };
+    let first = to_root
+        .try_clone()
+        .map_err(io_err(me, "clone the socket to rank 0"))?;
+    *to_root = join_listener(
+        Some(first),
+        master,
+        &mut || {
+            Ok(Hello {
+                nonce: nonce(me)?,
+                ..hello
+            })
+        },
         cfg.secret.as_deref(),
+        0,
         deadline,
         me,
-        &root_desc,
+        "rank 0",
+        &rendezvous_failed,
     )?;
     tracing::debug!(rank = me, "joined; waiting for the table");
 
@@ -699,30 +845,31 @@ fn form_as_member(
     )?;
     for (i, addr) in addrs.iter().enumerate().take(me).skip(1) {
         let who = format!("rank {i}");
-        let mut s = connect_retry(*addr, deadline, me, &who).map_err(|detail| {
-            DistError::RendezvousFailed {
+        let s = join_listener(
+            None,
+            *addr,
+            &mut || {
+                Ok(Hello {
+                    purpose: Purpose::Mesh,
+                    listen_port: 0,
+                    job_id,
+                    nonce: nonce(me)?,
+                    ..hello
+                })
+            },
+            cfg.secret.as_deref(),
+            i as u32,
+            deadline,
+            me,
+            &who,
+            &|detail| DistError::RendezvousFailed {
                 rank: me,
                 joined: world,
                 world_size: world,
                 missing: vec![i],
                 waited: started.elapsed(),
                 detail,
-            }
-        })?;
-        let mesh_hello = Hello {
-            purpose: Purpose::Mesh,
-            listen_port: 0,
-            job_id,
-            nonce: nonce(me)?,
-            ..hello
-        };
-        client_handshake(
-            &mut s,
-            &mesh_hello,
-            cfg.secret.as_deref(),
-            deadline,
-            me,
-            &format!("{who} at {addr}"),
+            },
         )?;
         streams[i] = Some(s);
     }
@@ -760,5 +907,220 @@ fn form_as_member(
         }),
         Ok((_, s)) => Err(protocol(format!("unexpected status {s:?}"))),
         Err(e) => Err(protocol(format!("bad status: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &[u8] = b"a shared secret of 16+ bytes";
+
+    /// A mesh listener of rank 1 in a job of 4 (job id 7), accepting ranks 2 and 3.
+    fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Acceptor, SocketAddr) {
+        let l = bind_listener("127.0.0.1:0".parse().unwrap(), 1).unwrap();
+        let addr = l.local_addr().unwrap();
+        let a = Acceptor::start(
+            l,
+            Rules {
+                me: 1,
+                world: 4,
+                purpose: Purpose::Mesh,
+                ranks: 2..4,
+                job_id: 7,
+                secret: secret.map(<[u8]>::to_vec),
+                handshake_timeout,
+                claimed: Mutex::new(vec![false; 4]),
+            },
+        )
+        .unwrap();
+        (a, addr)
+    }
+
+    fn mesh_hello(rank: u32, has_secret: bool) -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            purpose: Purpose::Mesh,
+            has_secret,
+            world_size: 4,
+            rank,
+            listen_port: 0,
+            job_id: 7,
+            nonce: [rank as u8; NONCE_LEN],
+        }
+    }
+
+    fn raw(addr: SocketAddr) -> TcpStream {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    }
+
+    fn read_all(s: &mut TcpStream) -> Vec<u8> {
+        let mut all = Vec::new();
+        let _ = s.read_to_end(&mut all);
+        all
+    }
+
+    /// The listener sends its proof only after checking the connecting side's: a client that
+    /// sends a wrong proof, or none, gets no proof at all (on main the challenge carried the
+    /// listener's proof, so any stranger got an HMAC of the secret to test guesses against).
+    #[test]
+    fn the_listener_proves_only_after_the_client_has() {
+        let (acceptor, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
+        let hello = mesh_hello(3, true);
+
+        // A wrong proof: refused, and nothing it received is the listener's proof.
+        let mut s = raw(addr);
+        s.write_all(&hello.encode()).unwrap();
+        s.write_all(&[0x55; NONCE_LEN]).unwrap();
+        let got = read_all(&mut s);
+        assert_eq!(got.len(), 2 * REPLY_LEN, "challenge then verdict");
+        let challenge = Reply::decode(&got[..REPLY_LEN]).unwrap();
+        let verdict = Reply::decode(&got[REPLY_LEN..]).unwrap();
+        assert_eq!(challenge.refusal, None);
+        assert_eq!(
+            challenge.proof, [0; NONCE_LEN],
+            "the challenge carries a proof"
+        );
+        assert_eq!(
+            verdict.refusal,
+            Some(Refusal::WrongSecret),
+            "{}",
+            verdict.reason
+        );
+        assert_eq!(verdict.proof, [0; NONCE_LEN], "a refusal carries a proof");
+        let server_proof = wire::proof(KEY, Side::Server, &hello, 1, &challenge.nonce);
+        assert!(!got.windows(NONCE_LEN).any(|w| w == server_proof));
+
+        // No proof at all: after the challenge the listener waits out the handshake deadline
+        // and closes, having sent nothing more.
+        let mut s = raw(addr);
+        s.write_all(&hello.encode()).unwrap();
+        let got = read_all(&mut s);
+        assert_eq!(got.len(), REPLY_LEN, "sent more than the challenge");
+        assert_eq!(Reply::decode(&got).unwrap().proof, [0; NONCE_LEN]);
+
+        // A wrong secret through the real client: refused, saying why.
+        let mut s = raw(addr);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let wrong = b"another secret of 16+ bytes";
+        match client_handshake(&mut s, &hello, Some(wrong), 1, deadline, 3, "rank 1") {
+            Err(Failed::Final(e)) => {
+                assert!(
+                    e.to_string().contains("wrong shared secret from rank 3"),
+                    "{e}"
+                )
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // A right secret, but a proof meant for another listener (rank 2): refused too.
+        let mut s = raw(addr);
+        assert!(matches!(
+            client_handshake(&mut s, &hello, Some(KEY), 2, deadline, 3, "rank 1"),
+            Err(Failed::Final(_))
+        ));
+        // The right secret for this listener: both proofs check, and rank 3 has joined.
+        let mut s = raw(addr);
+        client_handshake(&mut s, &hello, Some(KEY), 1, deadline, 3, "rank 1").unwrap();
+        let j = acceptor.rx.recv_deadline(deadline).unwrap();
+        assert_eq!(j.rank, 3);
+        assert!(acceptor.rx.try_recv().is_err(), "a refused client joined");
+    }
+
+    /// The client checks the listener's proof: a listener that accepts any proof but cannot
+    /// prove the secret itself is refused by the client.
+    #[test]
+    fn the_client_refuses_a_listener_that_cannot_prove() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut b = [0u8; HELLO_LEN + NONCE_LEN];
+            s.read_exact(&mut b[..HELLO_LEN]).unwrap();
+            s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+                .unwrap();
+            s.read_exact(&mut b[HELLO_LEN..]).unwrap();
+            s.write_all(&Reply::accept([0; NONCE_LEN], [2; NONCE_LEN]).encode())
+                .unwrap();
+        });
+        let mut s = raw(addr);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        match client_handshake(&mut s, &mesh_hello(3, true), Some(KEY), 1, deadline, 3, "x") {
+            Err(Failed::Final(e)) => assert!(
+                e.to_string().contains("failed to prove the shared secret"),
+                "{e}"
+            ),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        fake.join().unwrap();
+    }
+
+    /// Open connections a listener holds: `false` for one it has closed.
+    fn still_open(s: &TcpStream) -> bool {
+        s.set_nonblocking(true).unwrap();
+        let open =
+            matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        s.set_nonblocking(false).unwrap();
+        open
+    }
+
+    /// A flood of idle and garbage connections holds at most [`MAX_HANDSHAKES`] of them open
+    /// (the rest are closed at once, long before the handshake deadline), and a real rank still
+    /// gets through. On main every connection got a thread and was held until its deadline.
+    #[test]
+    fn admission_is_capped_and_a_rank_gets_through_a_flood() {
+        let timeout = Duration::from_secs(3);
+        let (acceptor, addr) = mesh_acceptor(None, timeout);
+        let t = Instant::now();
+        const IDLE: usize = 500;
+        assert!(
+            MAX_HANDSHAKES < IDLE / 2,
+            "the flood must be well over the cap"
+        );
+        let idle: Vec<TcpStream> = (0..IDLE).map(|_| raw(addr)).collect();
+        let mut garbage: Vec<TcpStream> = (0..50)
+            .map(|i| {
+                let mut s = raw(addr);
+                let _ = s.write_all(&[i as u8; HELLO_LEN]);
+                s
+            })
+            .collect();
+        let held = loop {
+            let held = idle.iter().filter(|s| still_open(s)).count();
+            if held <= MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
+                break held;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(
+            held <= MAX_HANDSHAKES,
+            "{held} of {IDLE} idle connections held open after {:?}",
+            t.elapsed()
+        );
+        for s in &mut garbage {
+            // Refused as not a dist peer, or closed at once: never left hanging.
+            let got = read_all(s);
+            if !got.is_empty() {
+                let r = Reply::decode(&got).unwrap();
+                assert_eq!(r.refusal, Some(Refusal::BadMagic), "{}", r.reason);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let s = join_listener(
+            None,
+            addr,
+            &mut || Ok(mesh_hello(2, false)),
+            None,
+            1,
+            deadline,
+            2,
+            "rank 1",
+            &|detail| panic!("{detail}"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let j = acceptor.rx.recv_deadline(deadline).unwrap();
+        assert_eq!(j.rank, 2);
+        drop((s, idle));
     }
 }

@@ -11,7 +11,10 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
+/// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
+/// guesses offline, so the secret must be too long to guess.
+pub const MIN_SECRET_LEN: usize = 16;
 /// Length of a random nonce and of an HMAC-SHA256 proof.
 pub const NONCE_LEN: usize = 32;
 /// Length of a [`Hello`].
@@ -156,6 +159,12 @@ impl Hello {
             1 => true,
             f => return Err(DecodeError::BadField("flags", f.into())),
         };
+        // Reserved bytes must be zero, so that every accepted hello is exactly what its fields
+        // encode to: the proof covers the fields, so nothing unchecked rides along.
+        let reserved = u16_at(buf, 22);
+        if reserved != 0 {
+            return Err(DecodeError::BadField("reserved", reserved.into()));
+        }
         Ok(Hello {
             version: u16_at(buf, 8),
             purpose,
@@ -410,7 +419,10 @@ pub fn decode_table_entries(
     buf: &[u8],
     n: usize,
 ) -> Result<Vec<std::net::SocketAddr>, DecodeError> {
-    need(buf, n * TABLE_ENTRY_LEN)?;
+    let len = n
+        .checked_mul(TABLE_ENTRY_LEN)
+        .ok_or(DecodeError::BadField("table entries", n as u64))?;
+    need(buf, len)?;
     buf.chunks_exact(TABLE_ENTRY_LEN)
         .take(n)
         .map(|e| {
@@ -509,26 +521,43 @@ pub enum Side {
     Server,
 }
 
-fn keyed(secret: &[u8], side: Side, hello: &Hello, server_nonce: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+fn keyed(
+    secret: &[u8],
+    side: Side,
+    hello: &Hello,
+    server_rank: u32,
+    server_nonce: &[u8; NONCE_LEN],
+) -> Hmac<Sha256> {
+    // HMAC takes keys of any length (long ones are hashed), so this never fails.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
     mac.update(match side {
-        Side::Client => b"dist/tcp client proof v1",
-        Side::Server => b"dist/tcp server proof v1",
+        Side::Client => b"dist/tcp client proof v3",
+        Side::Server => b"dist/tcp server proof v3",
     });
-    mac.update(&hello.nonce);
+    // Every field of the hello, as sent (the magic is constant), then the listener's rank and
+    // its nonce: a proof holds for this one connection, claim and listener only.
+    mac.update(&hello.encode()[8..]);
+    mac.update(&server_rank.to_le_bytes());
     mac.update(server_nonce);
-    mac.update(&[hello.purpose as u8]);
-    mac.update(&hello.rank.to_le_bytes());
-    mac.update(&hello.world_size.to_le_bytes());
-    mac.update(&hello.job_id.to_le_bytes());
     mac
 }
 
-/// The HMAC-SHA256 proof that `side` knows `secret`, bound to both nonces and to the claimed
-/// rank, world size, purpose and job, so it cannot be replayed on another connection or for
-/// another rank. The secret itself never crosses the wire.
-pub fn proof(secret: &[u8], side: Side, hello: &Hello, server_nonce: &[u8; NONCE_LEN]) -> [u8; 32] {
-    keyed(secret, side, hello, server_nonce)
+/// The HMAC-SHA256 proof that `side` knows `secret`, bound to every field of the `hello` (the
+/// version, purpose, secret flag, world size, claimed rank, listen port, job id and the
+/// client's nonce), to the rank of the listening side and to its nonce, so it cannot be
+/// replayed on another connection, for another claim, or against another listener. The secret
+/// itself never crosses the wire.
+///
+/// The connecting side proves first; the listener sends its own proof only after checking that
+/// one (see `init.rs`), so a stranger never gets a proof to test guesses against.
+pub fn proof(
+    secret: &[u8],
+    side: Side,
+    hello: &Hello,
+    server_rank: u32,
+    server_nonce: &[u8; NONCE_LEN],
+) -> [u8; 32] {
+    keyed(secret, side, hello, server_rank, server_nonce)
         .finalize()
         .into_bytes()
         .into()
@@ -539,10 +568,11 @@ pub fn verify_proof(
     secret: &[u8],
     side: Side,
     hello: &Hello,
+    server_rank: u32,
     server_nonce: &[u8; NONCE_LEN],
     got: &[u8; NONCE_LEN],
 ) -> bool {
-    keyed(secret, side, hello, server_nonce)
+    keyed(secret, side, hello, server_rank, server_nonce)
         .verify_slice(got)
         .is_ok()
 }
@@ -670,22 +700,266 @@ mod tests {
     }
 
     #[test]
-    fn proofs_bind_secret_side_and_claim() {
+    fn proofs_bind_secret_side_claim_and_listener() {
         let h = hello();
         let sn = [9; NONCE_LEN];
-        let p = proof(b"s3cret", Side::Client, &h, &sn);
-        assert!(verify_proof(b"s3cret", Side::Client, &h, &sn, &p));
-        assert!(!verify_proof(b"other", Side::Client, &h, &sn, &p));
-        assert!(!verify_proof(b"s3cret", Side::Server, &h, &sn, &p));
-        let mut h2 = h;
-        h2.rank = 4;
-        assert!(!verify_proof(b"s3cret", Side::Client, &h2, &sn, &p));
+        let key = b"0123456789abcdef";
+        let p = proof(key, Side::Client, &h, 2, &sn);
+        assert!(verify_proof(key, Side::Client, &h, 2, &sn, &p));
         assert!(!verify_proof(
-            b"s3cret",
+            b"0123456789abcdeX",
             Side::Client,
             &h,
-            &[8; NONCE_LEN],
+            2,
+            &sn,
             &p
         ));
+        assert!(!verify_proof(key, Side::Server, &h, 2, &sn, &p));
+        assert!(!verify_proof(key, Side::Client, &h, 1, &sn, &p));
+        assert!(!verify_proof(key, Side::Client, &h, 2, &[8; NONCE_LEN], &p));
+        // Every field of the hello is inside the MAC, the listen port and version included.
+        let changed: [fn(&mut Hello); 8] = [
+            |h| h.version += 1,
+            |h| h.purpose = Purpose::Rendezvous,
+            |h| h.has_secret = false,
+            |h| h.world_size += 1,
+            |h| h.rank += 1,
+            |h| h.listen_port += 1,
+            |h| h.job_id += 1,
+            |h| h.nonce[31] ^= 1,
+        ];
+        for (i, change) in changed.iter().enumerate() {
+            let mut h2 = h;
+            change(&mut h2);
+            assert!(
+                !verify_proof(key, Side::Client, &h2, 2, &sn, &p),
+                "field {i} is not covered by the proof"
+            );
+        }
+    }
+
+    #[test]
+    fn table_entries_with_a_count_that_overflows_are_an_error() {
+        assert_eq!(
+            decode_table_entries(&[], usize::MAX),
+            Err(DecodeError::BadField("table entries", u64::MAX))
+        );
+    }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn any_hello() -> impl Strategy<Value = Hello> {
+            (
+                any::<u16>(),
+                prop_oneof![Just(Purpose::Rendezvous), Just(Purpose::Mesh)],
+                any::<bool>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<u16>(),
+                any::<u64>(),
+                any::<[u8; NONCE_LEN]>(),
+            )
+                .prop_map(
+                    |(
+                        version,
+                        purpose,
+                        has_secret,
+                        world_size,
+                        rank,
+                        listen_port,
+                        job_id,
+                        nonce,
+                    )| {
+                        Hello {
+                            version,
+                            purpose,
+                            has_secret,
+                            world_size,
+                            rank,
+                            listen_port,
+                            job_id,
+                            nonce,
+                        }
+                    },
+                )
+        }
+
+        fn any_refusal() -> impl Strategy<Value = Option<Refusal>> {
+            prop_oneof![
+                Just(None),
+                (1u32..=10).prop_map(|c| Some(Refusal::from_code(c).expect("codes 1 to 10")))
+            ]
+        }
+
+        fn any_reply() -> impl Strategy<Value = Reply> {
+            (
+                any_refusal(),
+                any::<[u8; NONCE_LEN]>(),
+                any::<[u8; NONCE_LEN]>(),
+                "\\PC{0,40}",
+            )
+                .prop_map(|(refusal, nonce, proof, reason)| Reply {
+                    refusal,
+                    nonce,
+                    proof,
+                    reason,
+                })
+        }
+
+        fn any_status() -> impl Strategy<Value = Status> {
+            prop_oneof![
+                Just(Status::Ready),
+                Just(Status::Go),
+                "\\PC{0,40}".prop_map(Status::Failed)
+            ]
+        }
+
+        fn any_addr() -> impl Strategy<Value = std::net::SocketAddr> {
+            prop_oneof![
+                (any::<[u8; 4]>(), any::<u16>())
+                    .prop_map(|(ip, port)| std::net::SocketAddr::from((ip, port))),
+                (any::<[u8; 16]>(), any::<u16>()).prop_map(|(ip, port)| {
+                    std::net::SocketAddr::from((std::net::Ipv6Addr::from(ip), port))
+                }),
+            ]
+        }
+
+        fn any_tuning() -> impl Strategy<Value = Tuning> {
+            (1..=Tuning::MAX_PIECE_KB, 1..=Tuning::MAX_LANES).prop_map(|(ring_piece_kb, lanes)| {
+                Tuning {
+                    ring_piece_kb,
+                    lanes,
+                }
+            })
+        }
+
+        /// Bytes that start like a real message often enough to reach the later checks.
+        fn noisy(valid: Vec<u8>) -> impl Strategy<Value = Vec<u8>> {
+            let len = valid.len();
+            (
+                proptest::collection::vec((0..len.max(1), any::<u8>()), 0..4),
+                0..=len + 8,
+            )
+                .prop_map(move |(flips, cut)| {
+                    let mut b = valid.clone();
+                    for (at, x) in flips {
+                        if at < b.len() {
+                            b[at] = x;
+                        }
+                    }
+                    b.resize(cut, 0xee);
+                    b
+                })
+        }
+
+        proptest! {
+            #[test]
+            fn random_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..300), n in 0usize..64) {
+                let _ = Hello::decode(&b);
+                let _ = Reply::decode(&b);
+                let _ = Status::decode(&b);
+                let _ = decode_table_head(&b);
+                let _ = decode_table_entries(&b, n);
+            }
+
+            #[test]
+            fn hello_round_trips_and_cut_hellos_are_errors(h in any_hello(), cut in 0..HELLO_LEN) {
+                let b = h.encode();
+                prop_assert_eq!(Hello::decode(&b), Ok(h));
+                prop_assert!(
+                    matches!(Hello::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                    "{} bytes decoded", cut
+                );
+            }
+
+            #[test]
+            fn damaged_hellos_never_panic(b in any_hello().prop_flat_map(|h| noisy(h.encode().to_vec()))) {
+                if let Ok(h) = Hello::decode(&b) {
+                    // Whatever decodes re-encodes to the bytes it came from.
+                    prop_assert_eq!(&h.encode()[..], &b[..HELLO_LEN]);
+                }
+            }
+
+            #[test]
+            fn reply_round_trips_and_cut_replies_are_errors(r in any_reply(), cut in 0..REPLY_LEN) {
+                let b = r.encode();
+                let d = Reply::decode(&b).expect("decodes");
+                // Reasons are cut at REASON_LEN bytes, on a character boundary.
+                prop_assert!(r.reason.starts_with(&d.reason));
+                prop_assert!(d.reason.len() <= REASON_LEN);
+                prop_assert!(d.reason.len() + 3 >= r.reason.len().min(REASON_LEN));
+                prop_assert_eq!((d.refusal, d.nonce, d.proof), (r.refusal, r.nonce, r.proof));
+                prop_assert!(
+                    matches!(Reply::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                    "{} bytes decoded", cut
+                );
+            }
+
+            #[test]
+            fn damaged_replies_never_panic(b in any_reply().prop_flat_map(|r| noisy(r.encode().to_vec()))) {
+                let _ = Reply::decode(&b);
+            }
+
+            #[test]
+            fn status_round_trips_and_cut_statuses_are_errors(s in any_status(), rank in any::<u32>(), cut in 0..STATUS_LEN) {
+                let b = s.encode(rank);
+                let (r, d) = Status::decode(&b).expect("decodes");
+                prop_assert_eq!(r, rank);
+                match (&s, &d) {
+                    (Status::Failed(a), Status::Failed(b)) => prop_assert!(a.starts_with(b.as_str())),
+                    _ => prop_assert_eq!(&s, &d),
+                }
+                prop_assert!(
+                    matches!(Status::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                    "{} bytes decoded", cut
+                );
+            }
+
+            #[test]
+            fn damaged_statuses_never_panic(b in any_status().prop_flat_map(|s| noisy(s.encode(1).to_vec()))) {
+                let _ = Status::decode(&b);
+            }
+
+            #[test]
+            fn table_round_trips_and_cut_tables_are_errors(
+                job in any::<u64>(),
+                tuning in any_tuning(),
+                addrs in proptest::collection::vec(any_addr(), 1..20),
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let b = encode_table(job, tuning, &addrs);
+                let n = addrs.len();
+                prop_assert_eq!(decode_table_head(&b), Ok((job, n as u32, tuning)));
+                let entries = &b[TABLE_HEAD_LEN..];
+                let got = decode_table_entries(entries, n).expect("decodes");
+                prop_assert_eq!(got, addrs);
+                let head_cut = cut.index(TABLE_HEAD_LEN);
+                prop_assert!(
+                    matches!(decode_table_head(&b[..head_cut]), Err(DecodeError::Truncated { .. })),
+                    "{} bytes of head decoded", head_cut
+                );
+                let entries_cut = cut.index(entries.len());
+                prop_assert!(
+                    matches!(decode_table_entries(&entries[..entries_cut], n), Err(DecodeError::Truncated { .. })),
+                    "{} bytes of entries decoded", entries_cut
+                );
+            }
+
+            #[test]
+            fn damaged_tables_never_panic(
+                b in (any_tuning(), proptest::collection::vec(any_addr(), 1..6))
+                    .prop_flat_map(|(t, a)| noisy(encode_table(7, t, &a))),
+                n in 0usize..8,
+            ) {
+                if let Ok((_, _, t)) = decode_table_head(&b) {
+                    prop_assert!(t.validate().is_ok());
+                }
+                if b.len() >= TABLE_HEAD_LEN {
+                    let _ = decode_table_entries(&b[TABLE_HEAD_LEN..], n);
+                }
+            }
+        }
     }
 }

@@ -211,9 +211,9 @@ fn a_duplicate_rank_is_refused_and_told_why() {
 fn wrong_secret_is_refused_on_both_sides_and_right_one_joins() {
     let port = free_port();
     let root = thread::spawn(move || {
-        TcpBackend::with_config(cfg(0, 2, port).secret("right")).map(|b| b.rank())
+        TcpBackend::with_config(cfg(0, 2, port).secret("right secret 16+ b")).map(|b| b.rank())
     });
-    let e = TcpBackend::with_config(cfg(1, 2, port).secret("wrong")).unwrap_err();
+    let e = TcpBackend::with_config(cfg(1, 2, port).secret("wrong secret 16+ b")).unwrap_err();
     assert!(
         matches!(&e, DistError::HandshakeRefused { .. })
             && e.to_string().contains("wrong shared secret from rank 1"),
@@ -221,7 +221,7 @@ fn wrong_secret_is_refused_on_both_sides_and_right_one_joins() {
     );
     let e = TcpBackend::with_config(cfg(1, 2, port)).unwrap_err();
     assert!(e.to_string().contains("requires a shared secret"), "{e}");
-    let b = TcpBackend::with_config(cfg(1, 2, port).secret("right")).unwrap();
+    let b = TcpBackend::with_config(cfg(1, 2, port).secret("right secret 16+ b")).unwrap();
     assert_eq!(root.join().unwrap().unwrap(), 0);
     drop(b);
 }
