@@ -4,6 +4,10 @@
 //!
 //! All integers are little-endian. Every handshake message has a fixed size, so a peer can make
 //! us read at most [`HELLO_LEN`] bytes before it has been checked, whatever it sends.
+//!
+//! The shared secret ([`proof`]) only admits ranks: the table, the status messages and the
+//! frames after the handshake are neither encrypted nor authenticated. Run dist on a trusted
+//! network, or over WireGuard or IPsec.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
