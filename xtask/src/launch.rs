@@ -180,3 +180,36 @@ fn kill_all(children: &mut [Option<Child>]) {
         let _ = c.wait();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job of two ranks of `sh -c SCRIPT` (RANK tells them apart).
+    fn job(script: &str) -> Job {
+        Job {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            world: 2,
+            timeout: Duration::from_secs(20),
+            label: "t ".into(),
+            env: Vec::new(),
+            plain_rank0: false,
+        }
+    }
+
+    /// A rank that exits 77 makes the case skipped, never passed; a failure still wins.
+    #[test]
+    fn exit_77_counts_as_skipped_never_passed() {
+        let outcome = |script: &str| run(&job(script)).unwrap();
+        assert!(matches!(outcome("exit 0"), Outcome::Passed));
+        assert!(matches!(outcome("exit 77"), Outcome::Skipped));
+        let one_skips = r#"[ "$RANK" = 0 ] && exit 77; exit 0"#;
+        assert!(matches!(outcome(one_skips), Outcome::Skipped));
+        let skip_and_fail = r#"[ "$RANK" = 0 ] && exit 77; exit 3"#;
+        assert!(
+            matches!(outcome(skip_and_fail), Outcome::Failed(ref w) if w.contains("rank 1")),
+            "a failure beside a skip must fail the case"
+        );
+    }
+}

@@ -1123,4 +1123,70 @@ mod tests {
         assert_eq!(j.rank, 2);
         drop((s, idle));
     }
+
+    /// Runs `form` as rank 1 of 2 against a fake rank 0 that plays `script` on the connection.
+    fn against_fake_root(script: fn(&mut TcpStream)) -> DistError {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            script(&mut s);
+            // Hold the connection until the rank gives up on it.
+            let _ = s.read_to_end(&mut Vec::new());
+        });
+        let cfg = TcpConfig::new(1, 2, addr.to_string()).init_timeout(Duration::from_secs(10));
+        let tuning = Tuning {
+            ring_piece_kb: 256,
+            lanes: 1,
+        };
+        let e = form(&cfg, tuning).unwrap_err();
+        fake.join().unwrap();
+        e
+    }
+
+    fn accept_hello(s: &mut TcpStream) {
+        let mut b = [0u8; HELLO_LEN];
+        s.read_exact(&mut b).unwrap();
+        s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+            .unwrap();
+        let mut proof = [0u8; NONCE_LEN];
+        s.read_exact(&mut proof).unwrap();
+        s.write_all(&Reply::accept([0; NONCE_LEN], [0; NONCE_LEN]).encode())
+            .unwrap();
+    }
+
+    /// What the connecting side reads as lengths (a reply's reason length, the table's count of
+    /// ranks) is checked before use: a fake rank 0 that claims 65,535 bytes of reason or a
+    /// table of 2^32 - 1 ranks gets an error saying so, and nothing is allocated by it.
+    #[test]
+    fn lengths_from_a_fake_rank0_are_checked() {
+        let e = against_fake_root(|s| {
+            let mut b = [0u8; HELLO_LEN];
+            s.read_exact(&mut b).unwrap();
+            let mut r = Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode();
+            r[76..78].copy_from_slice(&u16::MAX.to_le_bytes());
+            s.write_all(&r).unwrap();
+        });
+        assert!(
+            e.to_string()
+                .contains("malformed reply: invalid reason length 65535"),
+            "{e}"
+        );
+        let e = against_fake_root(|s| {
+            accept_hello(s);
+            let tuning = Tuning {
+                ring_piece_kb: 256,
+                lanes: 1,
+            };
+            let mut table = wire::encode_table(5, tuning, &[]);
+            table[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+            s.write_all(&table).unwrap();
+        });
+        assert!(
+            e.to_string()
+                .contains(&format!("table has {} ranks, expected 2", u32::MAX)),
+            "{e}"
+        );
+    }
 }
