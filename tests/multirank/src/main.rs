@@ -6,6 +6,7 @@
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
 
+mod admission;
 mod coll;
 mod p2p;
 
@@ -87,6 +88,7 @@ const CASES: &[Case] = &[
         coll::peer_death();
         Ok(())
     }),
+    ("admission_flood", admission::flood),
 ];
 
 fn main() -> ExitCode {

@@ -239,15 +239,17 @@ pub fn strangers() {
         let n32 = n as u32;
         let mut garbage = [0u8; 64];
         fill(&mut garbage, 99);
-        let mut huge = [0u8; 64];
-        huge[..8].copy_from_slice(&(u64::MAX >> 2).to_le_bytes());
-        huge[8..16].copy_from_slice(&(1u64 << 62).to_le_bytes());
+        // The only size a hello claims is the world's (rank 0 would size its tables by it if
+        // it trusted it): a real magic and version, and a world of 2^32 - 1 ranks. On main this
+        // case sent a bad magic and only exercised the magic check.
+        let huge = hello(u32::MAX - 1, u32::MAX);
         let mut http = [b' '; 64];
         http[..18].copy_from_slice(b"GET / HTTP/1.1\r\n\r\n");
         let mut wrong_magic = hello(1, n32).encode();
         wrong_magic[0] ^= 0xff;
         let mut wrong_version = hello(1, n32);
         wrong_version.version = PROTOCOL_VERSION + 1;
+        let huge_text = format!("world size {} does not match rank 0's {n}", u32::MAX);
         let cases: [(&str, Vec<u8>, Refusal, &str); 8] = [
             (
                 "garbage",
@@ -256,10 +258,10 @@ pub fn strangers() {
                 "not a dist peer",
             ),
             (
-                "huge length",
-                huge.to_vec(),
-                Refusal::BadMagic,
-                "not a dist peer",
+                "huge world size",
+                huge.encode().to_vec(),
+                Refusal::WorldSize,
+                &huge_text,
             ),
             ("http", http.to_vec(), Refusal::BadMagic, "not a dist peer"),
             (
@@ -322,16 +324,22 @@ fn ring_check(b: &TcpBackend) {
 /// With a shared secret configured, a rank with the wrong one is refused with an error saying
 /// so; with the right one, the job forms.
 pub fn secret() {
-    let cfg = common::config().secret("correct horse");
+    let cfg = common::config().secret("correct horse battery");
     let (me, n) = (cfg.rank(), cfg.world_size());
     if me == n - 1 {
-        let e = TcpBackend::with_config(cfg.clone().secret("battery staple")).unwrap_err();
+        let e = TcpBackend::with_config(cfg.clone().secret("battery staple horse")).unwrap_err();
         assert!(matches!(e, DistError::HandshakeRefused { .. }), "{e}");
         assert!(e.to_string().contains("wrong shared secret"), "{e}");
         println!("wrong secret: {e}");
         let e = TcpBackend::with_config(common::config()).unwrap_err();
         assert!(e.to_string().contains("requires a shared secret"), "{e}");
         println!("no secret: {e}");
+        let e = TcpBackend::with_config(common::config().secret("horse")).unwrap_err();
+        assert!(
+            matches!(e, DistError::Config { .. }) && e.to_string().contains("at least 16 bytes"),
+            "{e}"
+        );
+        println!("short secret: {e}");
     }
     let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
     ring_check(&b);
