@@ -1074,10 +1074,12 @@ mod tests {
         let (acceptor, addr) = mesh_acceptor(None, timeout);
         let t = Instant::now();
         const IDLE: usize = 500;
-        assert!(
-            MAX_HANDSHAKES < IDLE / 2,
-            "the flood must be well over the cap"
-        );
+        const {
+            assert!(
+                MAX_HANDSHAKES < IDLE / 2,
+                "the flood must be well over the cap"
+            )
+        };
         let idle: Vec<TcpStream> = (0..IDLE).map(|_| raw(addr)).collect();
         let mut garbage: Vec<TcpStream> = (0..50)
             .map(|i| {
