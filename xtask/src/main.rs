@@ -8,6 +8,7 @@ mod bindgen;
 mod bundle;
 mod launch;
 mod multirank;
+mod trace;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -47,6 +48,8 @@ enum Cmd {
         #[arg(long)]
         example: String,
     },
+    /// Where each rank was when a job failed, from the flight records in DIST_TRACE_DIR.
+    Trace(trace::Args),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
@@ -167,6 +170,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
+        Cmd::Trace(a) => trace::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
         Cmd::Bundle { out } => bundle::run(out),

@@ -21,6 +21,7 @@ mod backend;
 pub mod collectives;
 mod deadline;
 mod error;
+pub mod flight;
 mod types;
 
 pub use backend::{Backend, Meta, Tag, Transport, run_beside_scoped};

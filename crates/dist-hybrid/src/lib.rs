@@ -21,6 +21,8 @@
 
 #![warn(missing_docs)]
 
+mod host;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +30,8 @@ use cudarc::driver::{CudaContext, CudaSlice};
 use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag};
 use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
+
+pub use host::{HostId, LocalRanks, local_ranks};
 
 /// Everything that can go wrong in a hybrid backend.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +55,21 @@ pub enum HybridError {
         /// Why there is none.
         why: String,
     },
+    /// NCCL was asked for (a unique id given, or [`GpuChoice::Device`] on some rank) but not
+    /// every rank can have a GPU of its own; every rank gets this error.
+    #[error(
+        "rank {rank}: NCCL was asked for (by ranks {asked:?}) but ranks {without:?} have no GPU \
+         of their own (no CUDA device, more ranks on their host than GPUs, or a device ordinal \
+         past the last); use GpuChoice::Auto to fall back to TCP"
+    )]
+    GpuMissing {
+        /// The rank reporting.
+        rank: usize,
+        /// The ranks that asked for NCCL explicitly.
+        asked: Vec<usize>,
+        /// The ranks without a GPU.
+        without: Vec<usize>,
+    },
 }
 
 /// Shorthand for results whose error is [`HybridError`].
@@ -61,9 +80,10 @@ pub type Result<T, E = HybridError> = std::result::Result<T, E>;
 pub enum GpuChoice {
     /// The GPU of the local rank; no NCCL communicator (for any rank) when some rank has none
     /// of its own: no GPU, or more ranks on its host than visible GPUs (NCCL refuses two ranks
-    /// of one communicator on one GPU).
+    /// of one communicator on one GPU). That fallback to TCP is logged as a warning.
     Auto,
-    /// This device ordinal.
+    /// This device ordinal. NCCL is then required: if any rank cannot have its GPU, every rank
+    /// gets [`HybridError::GpuMissing`].
     Device(usize),
     /// TCP only.
     None,
@@ -85,6 +105,15 @@ impl std::fmt::Debug for HybridBackend {
     }
 }
 
+/// The NCCL configuration that matches a TCP job's: the same operation timeout
+/// (`DIST_TIMEOUT` or the builder's), so one deadline bounds every operation.
+pub fn nccl_config_for(tcp: &TcpBackend) -> CommConfig {
+    CommConfig {
+        timeout: tcp.default_timeout(),
+        ..CommConfig::default()
+    }
+}
+
 /// The device for `local_rank` when `devices` are visible: the one of that ordinal, if there
 /// is one. Sharing a GPU between ranks is not an option: NCCL refuses a communicator with two
 /// ranks on one device.
@@ -94,7 +123,10 @@ pub fn pick_device(local_rank: usize, devices: usize) -> Option<usize> {
 
 impl HybridBackend {
     /// Forms the job as `rank` of `world_size` with rank 0 at `master`, using the NCCL id given
-    /// (every rank passes the same one; see [`UniqueId`]).
+    /// (every rank passes the same one; see [`UniqueId`]). Each rank takes the GPU of its local
+    /// rank, the number of lower ranks on its host ([`local_ranks`]). An id means NCCL is
+    /// wanted: if some rank has no GPU of its own, every rank gets
+    /// [`HybridError::GpuMissing`].
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -102,35 +134,44 @@ impl HybridBackend {
         unique_id: &UniqueId,
     ) -> Result<HybridBackend> {
         let tcp = TcpBackend::new(rank, world_size, master)?;
-        let local = rank;
-        Self::with_nccl(
-            tcp,
-            local,
-            GpuChoice::Auto,
-            Some(*unique_id),
-            CommConfig::default(),
-        )
+        let local = local_ranks(&tcp, HostId::here())?.local_rank;
+        let cfg = nccl_config_for(&tcp);
+        Self::with_nccl(tcp, local, GpuChoice::Auto, Some(*unique_id), cfg)
     }
 
     /// Forms the job: the TCP mesh, then a NCCL id made by rank 0 and sent over TCP, then the
-    /// NCCL communicator on this rank's GPU (if there is one).
+    /// NCCL communicator on the GPU of this rank's local rank (if every rank has one; TCP only
+    /// otherwise, with a warning).
     pub fn init(rank: usize, world_size: usize, master: &str) -> Result<HybridBackend> {
         let tcp = TcpBackend::new(rank, world_size, master)?;
-        Self::with_nccl(tcp, rank, GpuChoice::Auto, None, CommConfig::default())
+        let local = local_ranks(&tcp, HostId::here())?.local_rank;
+        let cfg = nccl_config_for(&tcp);
+        Self::with_nccl(tcp, local, GpuChoice::Auto, None, cfg)
     }
 
     /// [`HybridBackend::init`] from the launcher's environment (torchrun, Slurm, Open MPI; see
-    /// [`LaunchEnv`]), choosing the GPU from the local rank.
+    /// [`LaunchEnv`]), choosing the GPU from the local rank (the launcher's, else the one
+    /// [`local_ranks`] finds). `DIST_TIMEOUT` bounds the NCCL side's work too.
     pub fn from_env() -> Result<HybridBackend> {
-        Self::from_env_with(GpuChoice::Auto, CommConfig::default())
+        Self::from_env_inner(GpuChoice::Auto, None)
     }
 
-    /// [`HybridBackend::from_env`] with a GPU choice and an NCCL configuration.
+    /// [`HybridBackend::from_env`] with a GPU choice and an NCCL configuration (whose
+    /// `timeout` is used as given).
     pub fn from_env_with(gpu: GpuChoice, nccl: CommConfig) -> Result<HybridBackend> {
+        Self::from_env_inner(gpu, Some(nccl))
+    }
+
+    fn from_env_inner(gpu: GpuChoice, nccl: Option<CommConfig>) -> Result<HybridBackend> {
         let env = LaunchEnv::from_env()?;
         let cfg = TcpConfig::from_launch(&env, |k| std::env::var(k).ok())?;
         let tcp = TcpBackend::with_config(cfg)?;
-        Self::with_nccl(tcp, env.local_rank.unwrap_or(env.rank), gpu, None, nccl)
+        // Every rank runs the exchange (it is collective), even where the launcher gave the
+        // local rank, so that no rank waits on another that skipped it.
+        let found = local_ranks(&tcp, HostId::here())?.local_rank;
+        let local = env.local_rank.unwrap_or(found);
+        let nccl = nccl.unwrap_or_else(|| nccl_config_for(&tcp));
+        Self::with_nccl(tcp, local, gpu, None, nccl)
     }
 
     /// Adds NCCL to a formed TCP job. Collective over the TCP ranks: every rank must call it.
@@ -143,9 +184,10 @@ impl HybridBackend {
     ) -> Result<HybridBackend> {
         let (me, n) = (tcp.rank(), tcp.world_size());
         let devices = dist_nccl::cuda_device_count();
+        let asked = id.is_some() || matches!(gpu, GpuChoice::Device(_));
         let device = match gpu {
             GpuChoice::None => None,
-            GpuChoice::Device(d) => Some(d),
+            GpuChoice::Device(d) => (d < devices).then_some(d),
             GpuChoice::Auto => {
                 let d = pick_device(local_rank, devices);
                 if d.is_none() && devices > 0 {
@@ -160,19 +202,33 @@ impl HybridBackend {
             }
         };
         // Every rank must agree on whether NCCL is formed: a rank without a GPU makes it TCP-only
-        // for all.
-        let mut have = [u8::from(device.is_some())];
-        tcp.all_reduce(&mut have, ReduceOp::Min)?;
-        let Some(device) = device.filter(|_| have[0] == 1) else {
+        // for all, or an error on all where some rank asked for NCCL explicitly.
+        let mine = [u8::from(device.is_some()) | (u8::from(asked) << 1)];
+        let mut all = vec![0u8; n];
+        tcp.all_gather(&mine, &mut all)?;
+        let without: Vec<usize> = (0..n).filter(|&r| all[r] & 1 == 0).collect();
+        let askers: Vec<usize> = (0..n).filter(|&r| all[r] & 2 != 0).collect();
+        if !without.is_empty() && !askers.is_empty() {
+            return Err(HybridError::GpuMissing {
+                rank: me,
+                asked: askers,
+                without,
+            });
+        }
+        let Some(device) = device.filter(|_| without.is_empty()) else {
             let why = if devices == 0 {
                 "no CUDA device here".to_string()
             } else if device.is_none() && matches!(gpu, GpuChoice::Auto) {
                 format!("local rank {local_rank} has no GPU of its own ({devices} visible)")
             } else {
-                "a rank has no GPU of its own (none there, more ranks on its host than GPUs, \
-                 or GPUs turned off)"
-                    .to_string()
+                format!(
+                    "ranks {without:?} have no GPU of their own (none there, more ranks on \
+                     their host than GPUs, or GPUs turned off)"
+                )
             };
+            if !matches!(gpu, GpuChoice::None) {
+                tracing::warn!(rank = me, why = %why, "NCCL off, TCP only");
+            }
             return Ok(HybridBackend {
                 tcp,
                 nccl: None,

@@ -11,15 +11,17 @@ use dist_multirank::{fill, first_difference, seed};
 fn main() {
     dist_multirank::init_logging();
     // TCP always; NCCL too when every rank has a GPU.
+    let tcp = dist_multirank::join();
+    let nccl_cfg = dist_hybrid::nccl_config_for(&tcp);
     let hybrid = dist_hybrid::HybridBackend::with_nccl(
-        dist_multirank::join(),
+        tcp,
         {
             let cfg = dist_multirank::config();
             cfg.local_rank().unwrap_or(cfg.rank())
         },
         dist_hybrid::GpuChoice::Auto,
         None,
-        dist_nccl::CommConfig::default(),
+        nccl_cfg,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let b = hybrid.tcp();
