@@ -22,6 +22,9 @@ mod config;
 mod init;
 pub mod launch;
 mod peer;
+mod sys;
+#[doc(hidden)]
+pub mod testing;
 pub mod wire;
 
 use std::net::Shutdown;
@@ -35,8 +38,39 @@ use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
 pub use launch::{LaunchEnv, Launcher};
 pub use peer::AbortNotice;
-use peer::{Aborts, Peer};
+use peer::{Aborts, Limits, Peer};
 use wire::{FrameKind, Tuning};
+
+/// Default largest message a peer may send ([`TcpConfig::max_message`]).
+pub const DEFAULT_MAX_MESSAGE: u64 = 16 << 30;
+/// Default bytes of unexpected messages kept per peer ([`TcpConfig::unexpected_limit`]).
+pub const DEFAULT_UNEXPECTED_LIMIT: usize = 64 << 20;
+
+/// Reads `DIST_MAX_MESSAGE` and `DIST_UNEXPECTED_LIMIT` (bytes) from `get` into `cfg`.
+fn limits_from_env(cfg: TcpConfig, get: &impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
+    let bytes = |k: &str| -> Result<Option<u64>> {
+        get(k)
+            .map(|v| match v.trim().parse::<u64>() {
+                Ok(x) if x > 0 && x <= isize::MAX as u64 => Ok(x),
+                _ => Err(DistError::Config {
+                    what: k.into(),
+                    reason: format!(
+                        "{v:?} is not a whole number of bytes from 1 to {}",
+                        isize::MAX
+                    ),
+                }),
+            })
+            .transpose()
+    };
+    let mut cfg = cfg;
+    if let Some(b) = bytes("DIST_MAX_MESSAGE")? {
+        cfg = cfg.max_message(b);
+    }
+    if let Some(b) = bytes("DIST_UNEXPECTED_LIMIT")? {
+        cfg = cfg.unexpected_limit(b as usize);
+    }
+    Ok(cfg)
+}
 
 /// The tag of the dissemination barrier's messages.
 const BARRIER_TAG: Tag = Tag::system(1);
@@ -131,10 +165,14 @@ impl TcpBackend {
         let (streams, tuning) = init::form(&cfg, local_tuning(&cfg, parallel))?;
         let me = cfg.rank;
         let aborts = Arc::new(Aborts::default());
+        let limits = Limits {
+            max_message: cfg.max_message,
+            unexpected: cfg.unexpected_limit,
+        };
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match s {
-                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone())?,
+                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
                 None => Peer::loopback(me, aborts.clone()),
             }));
         }
@@ -274,6 +312,12 @@ impl Transport for TcpBackend {
                 reason: reason.to_string(),
             });
         }
+        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
+        let mut cut = reason.len().min(peer::ABORT_MAX);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let reason = &reason[..cut];
         for p in self
             .shared
             .peers
@@ -378,14 +422,17 @@ impl Backend for TcpBackend {
         tag: Tag,
         timeout: Duration,
     ) -> Result<()> {
-        self.recv_meta(buf, src, tag, Instant::now() + timeout)
-            .map(|_| ())
+        let len = buf.len();
+        let deadline = deadline_after(self.shared.rank, timeout, || {
+            format!("recv from {src} (tag {tag}, {len} bytes)")
+        })?;
+        self.recv_meta(buf, src, tag, deadline).map(|_| ())
     }
 
     fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
         // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
         // after ceil(log2 n) rounds each rank has heard, transitively, from all others.
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(self.shared.rank, timeout, || "barrier".into())?;
         let (me, n) = (self.shared.rank, self.shared.world);
         let mut d = 1;
         while d < n {
@@ -397,6 +444,18 @@ impl Backend for TcpBackend {
         }
         Ok(())
     }
+}
+
+/// The instant `timeout` from now, or an error naming the timeout if that is past what an
+/// [`Instant`] can hold (e.g. `Duration::MAX`).
+fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -> Result<Instant> {
+    Instant::now()
+        .checked_add(timeout)
+        .ok_or_else(|| DistError::InvalidArgument {
+            rank,
+            op: op(),
+            reason: format!("timeout {timeout:?} is too far in the future to be a deadline"),
+        })
 }
 
 /// Puts the name of the user-facing operation in front of a transport error's op.

@@ -13,7 +13,28 @@ use std::time::{Duration, Instant};
 
 use dist_core::{DistError, Meta, Result, Tag};
 
+use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
+
+/// The longest abort notice a peer may send (its error text); a longer one is a protocol error.
+pub(crate) const ABORT_MAX: usize = 64 << 10;
+/// How many abort notices a backend keeps (the first ones; later ones are counted only).
+const ABORTS_KEPT: usize = 64;
+/// What a queued message costs the unexpected-message budget beyond its payload (its entry).
+const QUEUED_OVERHEAD: usize = 64;
+/// How often a reader that holds a message back for flow control rechecks on its own (it is
+/// woken whenever a receive is posted or a queued message taken; this only bounds a lost wake).
+const HOLD_RECHECK: Duration = Duration::from_millis(500);
+
+/// What a peer may make this rank hold: the largest frame accepted, and the bytes of messages
+/// that arrived before their receive that are kept per peer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// A data frame longer than this is a protocol error.
+    pub(crate) max_message: u64,
+    /// Bytes of unexpected messages queued per peer before the reader stops reading the socket.
+    pub(crate) unexpected: usize,
+}
 
 /// Messages at least this long wait up to [`GRACE`] for a receive before being queued.
 const GRACE_MIN_LEN: usize = 64 << 10;
@@ -30,6 +51,8 @@ const SPIN: Duration = Duration::from_micros(50);
 struct Queued {
     data: Vec<u8>,
     meta: Meta,
+    /// Whether it counts against the peer's unexpected-message budget (it came off the socket).
+    counted: bool,
 }
 
 /// How a posted receive ended.
@@ -71,6 +94,27 @@ struct State {
     reader_holding: bool,
     /// The backend is being dropped and waits for the peer to close its side.
     closing: bool,
+    /// Bytes (plus [`QUEUED_OVERHEAD`] each) of queued messages that came off the socket.
+    queued_bytes: usize,
+    /// Counts posts and takes from the queue: a reader holding a frame back rechecks when it moves.
+    events: u64,
+}
+
+impl State {
+    fn new() -> State {
+        State {
+            closed: None,
+            posted: VecDeque::new(),
+            queued: HashMap::new(),
+            next_id: 0,
+            sleepers: 0,
+            reader_sleeping: false,
+            reader_holding: false,
+            closing: false,
+            queued_bytes: 0,
+            events: 0,
+        }
+    }
 }
 
 // SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
@@ -107,8 +151,16 @@ enum Frame {
         left: usize,
     },
     /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
-    /// or `until` passes (then it is queued).
-    Held { header: FrameHeader, until: Instant },
+    /// or `until` passes (then it is queued); with no `until`, until a receive is posted or the
+    /// queue has room for it (flow control).
+    Held {
+        header: FrameHeader,
+        until: Option<Instant>,
+        /// [`State::events`] when it was routed.
+        seen: u64,
+    },
+    /// A payload read and dropped: nobody will receive it (the backend is closing).
+    Skip { left: u64 },
 }
 
 /// The read side of a connection: a 64 KiB buffer in front of the socket, and the frame in
@@ -132,14 +184,14 @@ enum Step {
     Progress,
     /// Nothing to read now.
     Idle,
-    /// A large frame waits for its receive to be posted, at most until then.
-    Held(Instant),
+    /// A frame waits for its receive to be posted, at most until then (if given), or until
+    /// [`State::events`] moves past the count given.
+    Held(Option<Instant>, u64),
     /// The connection ended.
     Closed(String),
 }
 
 const RX_BUF: usize = 64 << 10;
-const MSG_DONTWAIT: i32 = 0x40;
 
 fn would_block(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::WouldBlock
@@ -209,11 +261,14 @@ pub(crate) struct Aborts {
 }
 
 impl Aborts {
+    /// Records `n`. Only the first [`ABORTS_KEPT`] are kept: a peer flooding abort frames
+    /// cannot grow this list.
     pub(crate) fn raise(&self, n: AbortNotice) {
-        self.notices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(n);
+        let mut v = self.notices.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() < ABORTS_KEPT {
+            v.push(n);
+        }
+        drop(v);
         self.raised.store(true, Ordering::Release);
     }
 
@@ -261,6 +316,7 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
+    limits: Limits,
 }
 
 struct Writer {
@@ -274,9 +330,6 @@ impl std::fmt::Debug for Peer {
     }
 }
 
-/// MSG_NOSIGNAL: a closed peer is an EPIPE error, never a SIGPIPE that kills the process.
-const MSG_NOSIGNAL: i32 = libc_msg_nosignal();
-
 fn write_all_vectored(sock: &socket2::Socket, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     while !bufs.is_empty() {
         match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL) {
@@ -289,18 +342,6 @@ fn write_all_vectored(sock: &socket2::Socket, mut bufs: &mut [IoSlice<'_>]) -> s
     Ok(())
 }
 
-const fn libc_msg_nosignal() -> i32 {
-    // The value of MSG_NOSIGNAL on Linux and the BSDs that have it.
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        0x4000
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    {
-        0
-    }
-}
-
 impl Peer {
     /// A peer over `stream`, whose handshake is done.
     pub(crate) fn connected(
@@ -309,6 +350,7 @@ impl Peer {
         stream: TcpStream,
         timeout: Duration,
         aborts: Arc<Aborts>,
+        limits: Limits,
     ) -> Result<Peer> {
         let io = |context: &str, source| DistError::Io {
             rank: me,
@@ -325,6 +367,7 @@ impl Peer {
         let sock = socket2::Socket::from(w);
         sock.set_write_timeout(Some(timeout))
             .map_err(|e| io("set send timeout", e))?;
+        crate::sys::prepare(&sock).map_err(|e| io("prepare socket", e))?;
         let r = stream.try_clone().map_err(|e| io("clone socket", e))?;
         Ok(Peer {
             me,
@@ -341,19 +384,11 @@ impl Peer {
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
             stream: Some(stream),
-            state: Mutex::new(State {
-                closed: None,
-                posted: VecDeque::new(),
-                queued: HashMap::new(),
-                next_id: 0,
-                sleepers: 0,
-                reader_sleeping: false,
-                reader_holding: false,
-                closing: false,
-            }),
+            state: Mutex::new(State::new()),
             cond: Condvar::new(),
             reader_cond: Condvar::new(),
             aborts,
+            limits,
         })
     }
 
@@ -367,19 +402,15 @@ impl Peer {
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
             stream: None,
-            state: Mutex::new(State {
-                closed: None,
-                posted: VecDeque::new(),
-                queued: HashMap::new(),
-                next_id: 0,
-                sleepers: 0,
-                reader_sleeping: false,
-                reader_holding: false,
-                closing: false,
-            }),
+            state: Mutex::new(State::new()),
             cond: Condvar::new(),
             reader_cond: Condvar::new(),
             aborts,
+            // Loopback messages are copies of this rank's own sends: no wire, no budget.
+            limits: Limits {
+                max_message: u64::MAX,
+                unexpected: usize::MAX,
+            },
         }
     }
 
@@ -425,6 +456,12 @@ impl Peer {
         st.reader_sleeping = false;
         st.reader_holding = false;
         st
+    }
+
+    fn wake_reader_if_holding(&self, st: &State) {
+        if st.reader_holding {
+            self.reader_cond.notify_one();
+        }
     }
 
     fn wake_reader(&self, st: &State) {
@@ -535,7 +572,7 @@ impl Peer {
                 match src.progress(&mut r) {
                     Step::Progress => moved = true,
                     Step::Closed(cause) => src.shut(&mut r, cause),
-                    Step::Idle | Step::Held(_) => {}
+                    Step::Idle | Step::Held(..) => {}
                 }
                 drop(r);
                 received = src
@@ -611,14 +648,15 @@ impl Peer {
 
     /// A send to this rank itself: hand the bytes to a posted receive or queue a copy.
     fn deliver_local(&self, tag: u64, data: &[u8], meta: Meta) -> Result<()> {
-        self.offer(tag, Payload::Borrowed(data), meta);
+        self.offer(tag, Payload::Borrowed(data), meta, false);
         Ok(())
     }
 
     /// Hands a complete message to the first open receive on `tag` (copying it into the posted
     /// buffer), or queues it. A receive whose buffer has another size is told so, and the
     /// message stays queued for a receive with the right size.
-    fn offer(&self, tag: u64, data: Payload<'_>, meta: Meta) {
+    /// `counted`: the message came off the socket, and its bytes were taken from the budget.
+    fn offer(&self, tag: u64, data: Payload<'_>, meta: Meta, counted: bool) {
         let mut st = self.lock();
         let bytes = data.bytes();
         let keep = match st
@@ -631,6 +669,9 @@ impl Peer {
                 // only written by whoever moves the entry out of `Open`, which we do under the lock.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.ptr, bytes.len()) };
                 p.slot = Slot::Done(Outcome::Delivered(meta));
+                if counted {
+                    st.queued_bytes -= bytes.len() + QUEUED_OVERHEAD;
+                }
                 false
             }
             Some(p) => {
@@ -641,10 +682,11 @@ impl Peer {
         };
         if keep {
             let data = data.into_vec();
-            st.queued
-                .entry(tag)
-                .or_default()
-                .push_back(Queued { data, meta });
+            st.queued.entry(tag).or_default().push_back(Queued {
+                data,
+                meta,
+                counted,
+            });
         }
         self.notify(&st);
     }
@@ -684,6 +726,12 @@ impl Peer {
             } else {
                 let m = q.pop_front().expect("front exists");
                 buf.copy_from_slice(&m.data);
+                if m.counted {
+                    // Room in the budget: a reader holding a frame back for it may go on.
+                    st.queued_bytes -= m.data.len() + QUEUED_OVERHEAD;
+                    st.events += 1;
+                    self.wake_reader_if_holding(&st);
+                }
                 Ok(m.meta)
             };
             drop(st);
@@ -705,6 +753,7 @@ impl Peer {
             len,
             slot: Slot::Open,
         });
+        st.events += 1;
         // The reader may be holding a large message back for a receive like this one; or we are
         // about to be busy sending, and it must take the message as it comes.
         if st.reader_holding || long {
@@ -720,8 +769,11 @@ impl Peer {
             armed: true,
         };
         during(Some(id))?;
+        let r = self.wait(id, tag, len, started, deadline, op);
+        // `wait` returned, and it removes the entry on every return: the reader can no longer
+        // reach `buf`. Had it unwound instead, the armed guard withdraws the receive.
         guard.armed = false;
-        self.wait(id, tag, len, started, deadline, op)
+        r
     }
 
     fn wait(
@@ -733,6 +785,10 @@ impl Peer {
         deadline: Instant,
         op: &dyn Fn() -> String,
     ) -> Result<Meta> {
+        #[cfg(test)]
+        if tests::PANIC_IN_WAIT.with(|p| p.replace(false)) {
+            panic!("injected: a panic inside a receive's wait");
+        }
         let mut st = self.lock();
         let mut timed_out = false;
         let mut spun = false;
@@ -769,7 +825,10 @@ impl Peer {
                 // comes within microseconds then lands with no thread switch at all.
                 spun = true;
                 drop(st);
-                self.spin(id, deadline.min(Instant::now() + spin_time()));
+                let until = Instant::now()
+                    .checked_add(spin_time())
+                    .map_or(deadline, |t| deadline.min(t));
+                self.spin(id, until);
                 st = self.lock();
                 let done = st
                     .posted
@@ -966,7 +1025,7 @@ impl Peer {
     /// messages must not fill the sender's buffers while nobody receives).
     pub(crate) fn read_loop(&self, probe: TcpStream) {
         let Some(rx) = &self.rx else { return };
-        let mut held_until: Option<Instant> = None;
+        let mut held: Option<(Option<Instant>, u64)> = None;
         let mut mid_frame = false;
         loop {
             let watch = {
@@ -975,12 +1034,19 @@ impl Peer {
                     if st.closed.is_some() {
                         return;
                     }
-                    let now = Instant::now();
-                    if let Some(until) = held_until.filter(|u| *u > now) {
-                        // A large message waits for its receive: a post (or the grace period
-                        // ending) moves it on.
-                        st = self.reader_sleep(st, until - now, true);
-                        held_until = None;
+                    if let Some((until, seen)) = held.take() {
+                        // A message waits for its receive (or, for flow control, for room in
+                        // the queue): a post or a take moves it on, as does the grace period
+                        // ending. Events since it was routed are rechecked at once.
+                        let limit = until.map_or(HOLD_RECHECK, |u| {
+                            u.saturating_duration_since(Instant::now())
+                        });
+                        if !st.closing && st.events == seen && !limit.is_zero() {
+                            st = self.reader_sleep(st, limit, true);
+                        }
+                        if st.closed.is_some() {
+                            return;
+                        }
                         break false;
                     }
                     let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
@@ -1004,7 +1070,7 @@ impl Peer {
                     self.shut(&mut r, cause);
                     return;
                 }
-                Step::Held(until) => held_until = Some(until),
+                Step::Held(until, seen) => held = Some((until, seen)),
                 Step::Progress | Step::Idle => {}
             }
             mid_frame = !matches!(r.frame, Frame::Header);
@@ -1048,28 +1114,52 @@ impl Peer {
                         .expect("a header's worth of bytes");
                     rx.lo += FRAME_HEADER_LEN;
                     moved = true;
-                    let h = match FrameHeader::decode(&raw) {
-                        Ok(h) => h,
-                        Err(e) => return Step::Closed(format!("protocol error: {e}")),
-                    };
-                    let Ok(len) = usize::try_from(h.len) else {
-                        return Step::Closed(format!("protocol error: frame of {} bytes", h.len));
+                    let (h, len) = match self.check_header(&raw) {
+                        Ok(x) => x,
+                        Err(cause) => return Step::Closed(cause),
                     };
                     rx.frame = match h.kind {
                         FrameKind::Abort => Frame::Abort {
                             tag: h.tag,
-                            text: Vec::with_capacity(len.min(64 << 10)),
+                            text: Vec::with_capacity(len),
                             left: len,
                         },
                         FrameKind::Data => self.route(h, len, None),
                     };
-                }
-                Frame::Held { header, until } => {
-                    let (h, until) = (*header, *until);
-                    rx.frame = self.route(h, h.len as usize, Some(until));
-                    if matches!(rx.frame, Frame::Held { .. }) {
-                        return Step::Held(until);
+                    if let Frame::Held { until, seen, .. } = rx.frame {
+                        return Step::Held(until, seen);
                     }
+                }
+                Frame::Held { header, until, .. } => {
+                    let (h, until) = (*header, *until);
+                    // Checked against `usize` when the header was read.
+                    let len = h.len as usize;
+                    rx.frame = self.route(h, len, Some(until));
+                    if let Frame::Held { until, seen, .. } = rx.frame {
+                        return Step::Held(until, seen);
+                    }
+                }
+                Frame::Skip { left } => {
+                    if *left > 0 {
+                        let mut scratch = [0u8; 4096];
+                        let k = (*left).min(scratch.len() as u64) as usize;
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut scratch[..k],
+                        ) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *left -= n as u64;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    rx.frame = Frame::Header;
                 }
                 Frame::Fill {
                     id,
@@ -1129,7 +1219,7 @@ impl Peer {
                     let (tag, meta) = (*tag, *meta);
                     let data = std::mem::take(data);
                     rx.frame = Frame::Header;
-                    self.offer(tag, Payload::Owned(data), meta);
+                    self.offer(tag, Payload::Owned(data), meta, true);
                 }
                 Frame::Abort { tag, text, left } => {
                     if *left > 0 {
@@ -1144,8 +1234,7 @@ impl Peer {
                         ) {
                             Ok(0) => return Step::Closed("connection closed mid-message".into()),
                             Ok(n) => {
-                                let room = (64 << 10) - text.len().min(64 << 10);
-                                text.extend_from_slice(&scratch[..n.min(room)]);
+                                text.extend_from_slice(&scratch[..n]);
                                 *left -= n;
                                 moved = true;
                             }
@@ -1172,12 +1261,26 @@ impl Peer {
     /// buffer of its size, else the queue. A large message that nobody waits for yet is held
     /// in the socket for a moment first: streaming receivers post their next buffer just after
     /// the last one filled, and the payload then lands in place instead of in fresh memory.
-    fn route(&self, h: FrameHeader, len: usize, held_until: Option<Instant>) -> Frame {
+    ///
+    /// Flow control: a message queues only while the peer's queued bytes stay within
+    /// [`Limits::unexpected`]; otherwise it stays in the socket (so TCP slows the sender) until
+    /// a receive is posted for it or the queue drains. A message larger than the whole budget
+    /// is never queued: it waits for its receive and lands straight in the posted buffer.
+    /// `held` is `None` for a frame just read; `Some(until)` for one held back already: until
+    /// the grace period's end, or `Some(None)` once held for flow control.
+    fn route(&self, h: FrameHeader, len: usize, held: Option<Option<Instant>>) -> Frame {
         let mut st = self.lock();
+        let unexpected = self.limits.unexpected;
+        let st = &mut *st;
         let open = st
             .posted
             .iter_mut()
             .find(|p| p.tag == h.tag && matches!(p.slot, Slot::Open));
+        let cost = len.saturating_add(QUEUED_OVERHEAD);
+        let fits = st
+            .queued_bytes
+            .checked_add(cost)
+            .is_some_and(|b| b <= unexpected);
         match open {
             Some(p) if p.len == len => {
                 p.slot = Slot::Filling;
@@ -1189,20 +1292,72 @@ impl Peer {
                     meta: h.meta,
                 };
             }
+            // A receive of another size is told so: when the message has been queued, or now,
+            // if it cannot be queued.
+            Some(p) if !fits && !st.closing => {
+                p.slot = Slot::Done(Outcome::Mismatch(len));
+                self.notify(st);
+                return Frame::Held {
+                    header: h,
+                    until: None,
+                    seen: st.events,
+                };
+            }
+            None if st.closing => return Frame::Skip { left: h.len },
             None if len >= GRACE_MIN_LEN => {
-                let until = held_until.unwrap_or_else(|| Instant::now() + GRACE);
-                if Instant::now() < until {
-                    return Frame::Held { header: h, until };
+                // `Instant + 5 ms` cannot overflow in practice; if it did, the grace is skipped.
+                let until = match held {
+                    None => Instant::now().checked_add(GRACE),
+                    Some(until) => until,
+                };
+                if let Some(until) = until.filter(|u| Instant::now() < *u) {
+                    return Frame::Held {
+                        header: h,
+                        until: Some(until),
+                        seen: st.events,
+                    };
                 }
             }
-            // A receive of another size is told so when the message has been queued.
             _ => {}
         }
+        if !fits {
+            if st.closing {
+                return Frame::Skip { left: h.len };
+            }
+            return Frame::Held {
+                header: h,
+                until: None,
+                seen: st.events,
+            };
+        }
+        st.queued_bytes = st.queued_bytes.saturating_add(cost);
         Frame::Queue {
             tag: h.tag,
             data: vec![0u8; len],
             done: 0,
             meta: h.meta,
+        }
+    }
+
+    /// Decodes and checks a frame header from this peer: a known kind, no reserved flags, and
+    /// a length within [`Limits::max_message`] (data) or [`ABORT_MAX`] (abort notices).
+    /// Returns it with its length, or the protocol error that ends the connection.
+    fn check_header(
+        &self,
+        raw: &[u8; FRAME_HEADER_LEN],
+    ) -> std::result::Result<(FrameHeader, usize), String> {
+        let h = FrameHeader::decode(raw)
+            .map_err(|e| format!("protocol error from peer {}: {e}", self.rank))?;
+        let max = match h.kind {
+            FrameKind::Data => self.limits.max_message,
+            FrameKind::Abort => ABORT_MAX as u64,
+        };
+        match usize::try_from(h.len) {
+            Ok(len) if h.len <= max => Ok((h, len)),
+            _ => Err(format!(
+                "protocol error from peer {}: {:?} frame of {} bytes on tag {} exceeds the limit of {max} bytes",
+                self.rank, h.kind, h.len, h.tag
+            )),
         }
     }
 }
@@ -1270,4 +1425,248 @@ fn spin_time() -> Duration {
             .map(Duration::from_micros)
             .unwrap_or(SPIN)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::io::Write;
+    use std::net::TcpListener;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::thread::JoinHandle;
+
+    use super::*;
+
+    thread_local! {
+        /// Set by a test: the next receive's wait on this thread panics as it starts.
+        pub(super) static PANIC_IN_WAIT: Cell<bool> = const { Cell::new(false) };
+    }
+
+    const RANK: usize = 1;
+
+    /// A peer (rank 1 as seen from rank 0) over loopback TCP with its reader thread running,
+    /// and the raw other end, on which a test writes whatever bytes it likes.
+    struct Pair {
+        peer: Arc<Peer>,
+        raw: TcpStream,
+        reader: Option<JoinHandle<()>>,
+    }
+
+    impl Pair {
+        fn new(limits: Limits) -> Pair {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let raw = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (s, _) = l.accept().unwrap();
+            let peer = Arc::new(
+                Peer::connected(
+                    0,
+                    RANK,
+                    s,
+                    Duration::from_secs(10),
+                    Arc::new(Aborts::default()),
+                    limits,
+                )
+                .unwrap(),
+            );
+            let probe = peer.reader_stream().unwrap().unwrap();
+            let p = peer.clone();
+            let reader = Some(std::thread::spawn(move || p.read_loop(probe)));
+            Pair { peer, raw, reader }
+        }
+
+        fn frame(&mut self, kind: u32, tag: u64, len: u64, payload: &[u8]) {
+            let mut h = FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                len,
+                meta: [tag as u8; 16],
+            }
+            .encode();
+            h[..4].copy_from_slice(&kind.to_le_bytes());
+            self.raw.write_all(&h).unwrap();
+            self.raw.write_all(payload).unwrap();
+        }
+
+        fn recv(&self, buf: &mut [u8], tag: u64) -> Result<Meta> {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            self.peer
+                .recv(buf, tag, deadline, &|| format!("recv tag {tag}"))
+        }
+
+        fn queued_bytes(&self) -> usize {
+            self.peer.lock().queued_bytes
+        }
+    }
+
+    impl Drop for Pair {
+        fn drop(&mut self) {
+            let _ = self.raw.shutdown(Shutdown::Both);
+            self.peer.shutdown(Shutdown::Both);
+            if let Some(r) = self.reader.take() {
+                r.join().unwrap();
+            }
+        }
+    }
+
+    fn limits(max_message: u64, unexpected: usize) -> Limits {
+        Limits {
+            max_message,
+            unexpected,
+        }
+    }
+
+    /// Issue 10 point 8. Fails before the fix: the guard was disarmed before the wait, so the
+    /// receive stayed posted after the panic and the reader wrote the message into `buf`,
+    /// whose borrow had ended (here a live `Vec`, so the write is visible, not a crash).
+    #[test]
+    fn a_receive_whose_wait_unwinds_is_withdrawn() {
+        let mut pair = Pair::new(limits(1 << 30, 1 << 20));
+        let mut buf = vec![0u8; 8];
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            PANIC_IN_WAIT.with(|p| p.set(true));
+            pair.recv(&mut buf, 7)
+        }));
+        assert!(r.is_err(), "the injected panic unwound out of recv");
+        pair.frame(1, 7, 8, &[9; 8]);
+        // The message must now be queued, not written into `buf`.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pair.peer.peek(7).is_none() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert_eq!(buf, [0; 8], "the reader wrote into a withdrawn buffer");
+        assert_eq!(pair.peer.peek(7), Some((8, [7; 16])));
+        let mut again = [0u8; 8];
+        assert_eq!(pair.recv(&mut again, 7).unwrap(), [7; 16]);
+        assert_eq!(again, [9; 8]);
+    }
+
+    /// A receive's `during` that panics also withdraws it (this held before the fix too).
+    #[test]
+    fn a_receive_whose_send_unwinds_is_withdrawn() {
+        let mut pair = Pair::new(limits(1 << 30, 1 << 20));
+        let mut buf = vec![0u8; 8];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pair.peer
+                .recv_overlapped(&mut buf, 7, deadline, &|| "op".into(), false, |_| {
+                    panic!("injected: a panic in the send beside a receive")
+                })
+        }));
+        assert!(r.is_err());
+        pair.frame(1, 7, 8, &[9; 8]);
+        while pair.peer.peek(7).is_none() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert_eq!(buf, [0; 8]);
+        assert_eq!(pair.peer.peek(7), Some((8, [7; 16])));
+    }
+
+    /// What a receive from a peer that sent `bytes` fails with.
+    fn after(bytes: &[u8], max_message: u64) -> DistError {
+        let mut pair = Pair::new(limits(max_message, 1 << 20));
+        pair.raw.write_all(bytes).unwrap();
+        pair.raw.shutdown(Shutdown::Write).unwrap();
+        let mut buf = [0u8; 4];
+        pair.recv(&mut buf, 3).unwrap_err()
+    }
+
+    fn header(kind: u32, len: u64) -> Vec<u8> {
+        let mut h = FrameHeader {
+            kind: FrameKind::Data,
+            tag: 3,
+            len,
+            meta: [0; 16],
+        }
+        .encode();
+        h[..4].copy_from_slice(&kind.to_le_bytes());
+        h.to_vec()
+    }
+
+    fn gone_cause(e: DistError) -> String {
+        match e {
+            DistError::PeerGone {
+                rank, peer, cause, ..
+            } => {
+                assert_eq!((rank, peer), (0, RANK));
+                cause
+            }
+            e => panic!("expected PeerGone, got {e}"),
+        }
+    }
+
+    /// Issue 10 point 9. Fails before the fix: a 2^47-byte frame was queued with
+    /// `vec![0; 2^47]`, which aborts the process (allocation failure), and 2^63 the same.
+    #[test]
+    fn frames_over_the_cap_are_protocol_errors_naming_the_peer() {
+        for len in [1u64 << 47, 1 << 63, u64::MAX, (1 << 20) + 1] {
+            let cause = gone_cause(after(&header(1, len), 1 << 20));
+            assert!(cause.contains("protocol error from peer 1"), "{cause}");
+            assert!(cause.contains(&format!("{len} bytes")), "{cause}");
+            assert!(cause.contains("limit of 1048576 bytes"), "{cause}");
+        }
+        // An abort notice longer than 64 KiB is refused as well.
+        let cause = gone_cause(after(&header(2, 1 << 20), 1 << 30));
+        assert!(cause.contains("Abort frame of 1048576 bytes"), "{cause}");
+    }
+
+    #[test]
+    fn unknown_kinds_and_truncated_frames_close_the_connection() {
+        let cause = gone_cause(after(&header(9, 4), 1 << 20));
+        assert!(
+            cause.contains("protocol error from peer 1: unknown frame kind 9"),
+            "{cause}"
+        );
+        let cause = gone_cause(after(&header(1, 4)[..17], 1 << 20));
+        assert!(cause.contains("frame header (17 of 40 bytes)"), "{cause}");
+        let mut cut = header(1, 4);
+        cut.extend_from_slice(&[1, 2]);
+        let cause = gone_cause(after(&cut, 1 << 20));
+        assert!(cause.contains("closed mid-message"), "{cause}");
+    }
+
+    /// Issue 10 point 10, in one process. Fails before the fix: every unexpected message was
+    /// queued (`queued_bytes` had no bound; here it reached 16 MiB), and a message larger than
+    /// the bound was queued whole.
+    #[test]
+    fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
+        const LIMIT: usize = 1 << 20;
+        const PIECE: usize = 64 << 10;
+        const COUNT: usize = 256;
+        let mut pair = Pair::new(limits(1 << 30, LIMIT));
+        let mut raw = pair.raw.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            // One message larger than the whole budget, then many small ones.
+            let big: Vec<u8> = (0..4 * LIMIT).map(|i| (i % 251) as u8).collect();
+            let mut h = FrameHeader {
+                kind: FrameKind::Data,
+                tag: 5,
+                len: big.len() as u64,
+                meta: [5; 16],
+            };
+            raw.write_all(&h.encode()).unwrap();
+            raw.write_all(&big).unwrap();
+            h.tag = 6;
+            h.len = PIECE as u64;
+            for k in 0..COUNT {
+                raw.write_all(&h.encode()).unwrap();
+                raw.write_all(&vec![k as u8; PIECE]).unwrap();
+            }
+        });
+        // Let the reader run into the bound while nothing is posted: the writer blocks.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(pair.queued_bytes() <= LIMIT, "{}", pair.queued_bytes());
+        let mut big = vec![0u8; 4 * LIMIT];
+        pair.recv(&mut big, 5).unwrap();
+        assert!(big.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+        let mut buf = vec![0u8; PIECE];
+        let mut peak = 0;
+        for k in 0..COUNT {
+            peak = peak.max(pair.queued_bytes());
+            pair.recv(&mut buf, 6).unwrap();
+            assert!(buf.iter().all(|b| *b == k as u8), "message {k}");
+        }
+        assert!(peak <= LIMIT, "{peak}");
+        writer.join().unwrap();
+        pair.frame(1, 6, 0, &[]);
+    }
 }
