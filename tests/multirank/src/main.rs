@@ -7,6 +7,8 @@
 #![allow(unreachable_pub)]
 
 mod coll;
+mod flow;
+mod hostile;
 mod p2p;
 
 use std::process::ExitCode;
@@ -87,6 +89,8 @@ const CASES: &[Case] = &[
         coll::peer_death();
         Ok(())
     }),
+    ("flow_unexpected", flow::unexpected),
+    ("hostile_peer", hostile::peer),
 ];
 
 fn main() -> ExitCode {
