@@ -17,6 +17,8 @@ use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
+#[cfg(test)]
+mod props;
 mod rx;
 mod slots;
 #[cfg(test)]
@@ -136,7 +138,7 @@ impl Peer {
             rank,
             writer: Some(Mutex::new(Writer { sock, broken: None })),
             rx: Some(Mutex::new(Rx {
-                sock: socket2::Socket::from(r),
+                sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
                 lo: 0,
                 hi: 0,
@@ -326,25 +328,12 @@ impl Peer {
         let started = Instant::now();
         let len = buf.len();
         let mut st = self.lock();
-        if let Some(q) = st.queued.get_mut(&tag)
-            && let Some(front) = q.front()
-        {
-            let r = if front.data.len() != len {
-                Err(self.mismatch(op(), len, front.data.len()))
-            } else {
-                let m = q.pop_front().expect("front exists");
-                buf.copy_from_slice(&m.data);
-                if m.counted {
-                    // Room in the budget: a reader holding a frame back for it may go on.
-                    st.queued_bytes -= m.data.len() + QUEUED_OVERHEAD;
-                    st.events += 1;
-                    self.wake_reader_if_holding(&st);
-                }
-                Ok(m.meta)
-            };
+        if let Some(r) = st.take_queued(tag, buf) {
+            // There may be room in the budget: a reader holding a frame back for it may go on.
+            self.wake_reader_if_holding(&st);
             drop(st);
             during(None)?;
-            return r;
+            return r.map_err(|got| self.mismatch(op(), len, got));
         }
         if let Some(cause) = &st.closed {
             let e = self.gone(op(), cause.clone());
@@ -352,16 +341,7 @@ impl Peer {
             during(None)?;
             return Err(e);
         }
-        let id = st.next_id;
-        st.next_id += 1;
-        st.posted.push_back(Posted {
-            id,
-            tag,
-            ptr: buf.as_mut_ptr(),
-            len,
-            slot: Slot::Open,
-        });
-        st.events += 1;
+        let id = st.post(tag, buf.as_mut_ptr(), len);
         // The reader may be holding a large message back for a receive like this one; or we are
         // about to be busy sending, and it must take the message as it comes.
         if st.reader_holding || long {
@@ -499,8 +479,12 @@ impl Peer {
     fn shut(&self, rx: &mut Rx, cause: String) {
         if !rx.dead {
             rx.dead = true;
+            if let Frame::Queue { data, .. } = &rx.frame {
+                // The budget reserved for a message that will now never be queued.
+                self.lock().queued_bytes -= data.len() + QUEUED_OVERHEAD;
+            }
             rx.frame = Frame::Header;
-            let _ = rx.sock.shutdown(Shutdown::Both);
+            rx.sock.shutdown();
             tracing::debug!(rank = self.me, peer = self.rank, %cause, "connection ended");
         }
         self.close(cause);

@@ -45,7 +45,7 @@ pub(super) enum Frame {
 /// The read side of a connection: a 64 KiB buffer in front of the socket, and the frame in
 /// progress. Every read is non-blocking, so the lock around it is only ever held briefly.
 pub(super) struct Rx {
-    pub(super) sock: socket2::Socket,
+    pub(super) sock: Source,
     pub(super) buf: Box<[u8]>,
     pub(super) lo: usize,
     pub(super) hi: usize,
@@ -76,8 +76,53 @@ pub(super) fn would_block(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::WouldBlock
 }
 
+/// What the read side reads: the socket or, in tests, a script of bytes.
+pub(super) enum Source {
+    Socket(socket2::Socket),
+    #[cfg(test)]
+    Script(Script),
+}
+
+/// Bytes a test makes available a piece at a time: reads return what is available, then
+/// `WouldBlock` (or the end of the stream once `eof` is set and everything was read).
+#[cfg(test)]
+#[derive(Default)]
+pub(super) struct Script {
+    pub(super) bytes: Vec<u8>,
+    pub(super) read: usize,
+    pub(super) available: usize,
+    pub(super) eof: bool,
+}
+
+impl Source {
+    pub(super) fn shutdown(&mut self) {
+        match self {
+            Source::Socket(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            #[cfg(test)]
+            Source::Script(s) => s.eof = true,
+        }
+    }
+}
+
 /// Receives into `dst` without blocking.
-pub(super) fn recv_now(sock: &socket2::Socket, dst: &mut [u8]) -> std::io::Result<usize> {
+pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usize> {
+    // Outside tests `Source` has one variant; the match is the same code in both builds.
+    #[allow(clippy::infallible_destructuring_match)]
+    let sock = match sock {
+        Source::Socket(s) => s,
+        #[cfg(test)]
+        Source::Script(s) => {
+            let n = dst.len().min(s.available - s.read);
+            if n == 0 && !(s.eof && s.available == s.bytes.len()) {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            dst[..n].copy_from_slice(&s.bytes[s.read..s.read + n]);
+            s.read += n;
+            return Ok(n);
+        }
+    };
     // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and `recv` only writes initialised bytes
     // into the slice, so viewing initialised memory as maybe-uninitialised is sound.
     let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
@@ -98,7 +143,7 @@ impl Rx {
             self.buf.copy_within(self.lo..self.hi, 0);
             (self.lo, self.hi) = (0, self.hi - self.lo);
         }
-        let n = recv_now(&self.sock, &mut self.buf[self.hi..])?;
+        let n = recv_now(&mut self.sock, &mut self.buf[self.hi..])?;
         self.hi += n;
         Ok(n)
     }
@@ -392,7 +437,7 @@ impl Peer {
 
 /// [`Rx::pull`] on the fields of a borrowed `Rx` (so that the frame can be borrowed beside it).
 pub(super) fn rx_pull(
-    sock: &mut socket2::Socket,
+    sock: &mut Source,
     buf: &mut [u8],
     lo: &mut usize,
     hi: &mut usize,

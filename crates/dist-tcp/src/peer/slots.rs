@@ -73,6 +73,54 @@ impl State {
     }
 }
 
+impl State {
+    /// Takes the next message queued on `tag` into `buf`: `Some(Ok(meta))`; `Some(Err(len))`
+    /// if it has another length (it stays queued); `None` if none is queued.
+    pub(super) fn take_queued(&mut self, tag: u64, buf: &mut [u8]) -> Option<Result<Meta, usize>> {
+        let q = self.queued.get_mut(&tag)?;
+        let front = q.front()?;
+        if front.data.len() != buf.len() {
+            return Some(Err(front.data.len()));
+        }
+        let m = q.pop_front()?;
+        buf.copy_from_slice(&m.data);
+        if m.counted {
+            self.queued_bytes -= m.data.len() + QUEUED_OVERHEAD;
+            self.events += 1;
+        }
+        Some(Ok(m.meta))
+    }
+
+    /// Posts a receive of `len` bytes at `ptr` on `tag`; returns its id. The caller keeps the
+    /// buffer borrowed until the entry is gone (see the `Send` impl below).
+    pub(super) fn post(&mut self, tag: u64, ptr: *mut u8, len: usize) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.posted.push_back(Posted {
+            id,
+            tag,
+            ptr,
+            len,
+            slot: Slot::Open,
+        });
+        self.events += 1;
+        id
+    }
+
+    /// Removes receive `id` if it is done, with how it ended.
+    #[cfg(test)]
+    pub(super) fn take_done(&mut self, id: u64) -> Option<Outcome> {
+        let i = self.posted.iter().position(|p| p.id == id)?;
+        if !matches!(self.posted[i].slot, Slot::Done(_)) {
+            return None;
+        }
+        match self.posted.remove(i)?.slot {
+            Slot::Done(o) => Some(o),
+            _ => None,
+        }
+    }
+}
+
 // SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
 // thread borrows mutably for as long as the entry is in `posted`; that thread removes the entry
 // before it returns, and never while it is `Filling` (a fill ends, or the connection is shut and
