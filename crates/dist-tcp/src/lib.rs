@@ -513,3 +513,43 @@ impl Drop for TcpBackend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_come_from_the_builder_and_the_environment() {
+        let cfg = TcpConfig::new(0, 1, "127.0.0.1:1");
+        assert_eq!(cfg.max_message, DEFAULT_MAX_MESSAGE);
+        assert_eq!(cfg.unexpected_limit, DEFAULT_UNEXPECTED_LIMIT);
+        assert_eq!(
+            cfg.clone().max_message(u64::MAX).max_message,
+            isize::MAX as u64
+        );
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let cfg = limits_from_env(
+            cfg,
+            &env(&[
+                ("DIST_MAX_MESSAGE", "1048576"),
+                ("DIST_UNEXPECTED_LIMIT", "4096"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((cfg.max_message, cfg.unexpected_limit), (1 << 20, 4096));
+        for bad in ["0", "-1", "1e9", "99999999999999999999"] {
+            let pairs: &'static [(&str, &str)] = Box::leak(Box::new([("DIST_MAX_MESSAGE", bad)]));
+            match limits_from_env(cfg.clone(), &env(pairs)) {
+                Err(DistError::Config { what, .. }) => assert_eq!(what, "DIST_MAX_MESSAGE"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+}

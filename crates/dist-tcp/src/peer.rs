@@ -341,7 +341,11 @@ impl Peer {
             during(None)?;
             return Err(e);
         }
-        let id = st.post(tag, buf.as_mut_ptr(), len);
+        // SAFETY: `buf` is borrowed mutably for this whole call. The entry leaves `posted`
+        // before it returns: `wait` removes it on every return (waiting out or cutting a fill),
+        // and `guard` withdraws it on every other way out, a failing or panicking `during` or a
+        // panic in `wait` included (tests: peer::tests::a_receive_whose_*_unwinds_is_withdrawn).
+        let id = unsafe { st.post(tag, buf.as_mut_ptr(), len) };
         // The reader may be holding a large message back for a receive like this one; or we are
         // about to be busy sending, and it must take the message as it comes.
         if st.reader_holding || long {
@@ -350,6 +354,7 @@ impl Peer {
         drop(st);
         // From here the reader may write into `buf`: the guard withdraws the receive (waiting out
         // a fill in progress) on every way out, unwinding included, before `buf` is released.
+        // Nothing between the post and here can panic (a notify, a mutex guard's drop).
         let mut guard = PostGuard {
             peer: self,
             id,

@@ -158,9 +158,10 @@ impl Model<'_> {
             }
             Some(Err(len)) => prop_assert!(false, "size mismatch: {} queued", len),
             None => {
-                // The buffer's heap block stays put while the `Vec` moves into the model,
-                // and the model keeps it until the receive is taken.
-                let id = st.post(tag, buf.as_mut_ptr(), buf.len());
+                // SAFETY: the buffer's heap block stays put while the `Vec` moves into the
+                // model, which keeps it, untouched, until the receive is taken; if the case
+                // fails first, the read side is never run again.
+                let id = unsafe { st.post(tag, buf.as_mut_ptr(), buf.len()) };
                 drop(st);
                 self.tags[tag as usize].outstanding.push_back((id, i, buf));
             }

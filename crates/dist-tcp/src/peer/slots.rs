@@ -91,9 +91,13 @@ impl State {
         Some(Ok(m.meta))
     }
 
-    /// Posts a receive of `len` bytes at `ptr` on `tag`; returns its id. The caller keeps the
-    /// buffer borrowed until the entry is gone (see the `Send` impl below).
-    pub(super) fn post(&mut self, tag: u64, ptr: *mut u8, len: usize) -> u64 {
+    /// Posts a receive of `len` bytes at `ptr` on `tag`; returns its id. From here the read
+    /// side may write the buffer (under the read-side lock) until the entry leaves `posted`.
+    ///
+    /// # Safety
+    /// `ptr` is valid for writes of `len` bytes, and nothing else reads or writes them, until
+    /// the caller has removed the entry (never while it is `Filling`; see the `Send` impl below).
+    pub(super) unsafe fn post(&mut self, tag: u64, ptr: *mut u8, len: usize) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.posted.push_back(Posted {
