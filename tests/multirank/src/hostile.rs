@@ -127,7 +127,7 @@ pub fn peer() -> Result<(), String> {
     let grown = peak_rss().saturating_sub(start);
     println!(
         "flooded with {} MiB: peak RSS grew by {} MiB",
-        FLOOD_COUNT * FLOOD_MSG as u64 >> 20,
+        (FLOOD_COUNT * FLOOD_MSG as u64) >> 20,
         grown >> 20
     );
     assert!(
