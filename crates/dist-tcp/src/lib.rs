@@ -16,6 +16,16 @@
 //! b.barrier()?;
 //! # Ok(()) }
 //! ```
+//!
+//! What a peer can make a rank hold is bounded. A frame longer than
+//! [`TcpConfig::max_message`] (16 GiB by default), of an unknown kind or cut short is a protocol
+//! error: that connection closes and every wait on it fails naming the peer. Messages that arrive
+//! before their receive is posted are queued up to [`TcpConfig::unexpected_limit`] per peer
+//! (64 MiB by default); past it the peer's socket is not read until receives are posted, so TCP
+//! slows the sender. A message larger than that budget is never queued: its send completes once
+//! the receiver posts the receive for it (so two ranks that each send such a message to the
+//! other before receiving wait for each other until the send timeout; post the receive first,
+//! or use `send_recv`).
 #![warn(missing_docs)]
 
 mod config;
