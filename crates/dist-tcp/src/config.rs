@@ -31,6 +31,8 @@ pub struct TcpConfig {
     pub(crate) parallel: Option<bool>,
     pub(crate) ring_piece_kb: Option<u32>,
     pub(crate) lanes: Option<u32>,
+    pub(crate) max_message: u64,
+    pub(crate) unexpected_limit: usize,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -49,6 +51,8 @@ impl std::fmt::Debug for TcpConfig {
             .field("parallel", &self.parallel)
             .field("ring_piece_kb", &self.ring_piece_kb)
             .field("lanes", &self.lanes)
+            .field("max_message", &self.max_message)
+            .field("unexpected_limit", &self.unexpected_limit)
             .finish()
     }
 }
@@ -70,6 +74,8 @@ impl TcpConfig {
             parallel: None,
             ring_piece_kb: None,
             lanes: None,
+            max_message: crate::DEFAULT_MAX_MESSAGE,
+            unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
         }
     }
 
@@ -140,6 +146,7 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
+        cfg = crate::limits_from_env(cfg, &get)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -206,6 +213,21 @@ impl TcpConfig {
     /// receives run in parallel, else 1; `DIST_TCP_LANES`). Rank 0's value is the job's.
     pub fn lanes(mut self, lanes: u32) -> Self {
         self.lanes = Some(lanes);
+        self
+    }
+
+    /// The largest message a peer may send this rank, in bytes (default 16 GiB;
+    /// `DIST_MAX_MESSAGE`); a longer frame is a protocol error that closes the connection.
+    /// At most `isize::MAX` (what one buffer can hold).
+    pub fn max_message(mut self, bytes: u64) -> Self {
+        self.max_message = bytes.min(isize::MAX as u64);
+        self
+    }
+
+    /// Bytes of messages that arrive before their receive is posted kept per peer (default
+    /// 64 MiB; `DIST_UNEXPECTED_LIMIT`); past it the peer is not read until receives are posted.
+    pub fn unexpected_limit(mut self, bytes: usize) -> Self {
+        self.unexpected_limit = bytes;
         self
     }
 

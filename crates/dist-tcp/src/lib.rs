@@ -16,12 +16,25 @@
 //! b.barrier()?;
 //! # Ok(()) }
 //! ```
+//!
+//! What a peer can make a rank hold is bounded. A frame longer than
+//! [`TcpConfig::max_message`] (16 GiB by default), of an unknown kind or cut short is a protocol
+//! error: that connection closes and every wait on it fails naming the peer. Messages that arrive
+//! before their receive is posted are queued up to [`TcpConfig::unexpected_limit`] per peer
+//! (64 MiB by default); past it the peer's socket is not read until receives are posted, so TCP
+//! slows the sender. A message larger than that budget is never queued: its send completes once
+//! the receiver posts the receive for it (so two ranks that each send such a message to the
+//! other before receiving wait for each other until the send timeout; post the receive first,
+//! or use `send_recv`).
 #![warn(missing_docs)]
 
 mod config;
 mod init;
 pub mod launch;
 mod peer;
+mod sys;
+#[doc(hidden)]
+pub mod testing;
 pub mod wire;
 
 use std::net::Shutdown;
@@ -35,8 +48,39 @@ use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
 pub use launch::{LaunchEnv, Launcher};
 pub use peer::AbortNotice;
-use peer::{Aborts, Peer};
+use peer::{Aborts, Limits, Peer};
 use wire::{FrameKind, Tuning};
+
+/// Default largest message a peer may send ([`TcpConfig::max_message`]).
+pub const DEFAULT_MAX_MESSAGE: u64 = 16 << 30;
+/// Default bytes of unexpected messages kept per peer ([`TcpConfig::unexpected_limit`]).
+pub const DEFAULT_UNEXPECTED_LIMIT: usize = 64 << 20;
+
+/// Reads `DIST_MAX_MESSAGE` and `DIST_UNEXPECTED_LIMIT` (bytes) from `get` into `cfg`.
+fn limits_from_env(cfg: TcpConfig, get: &impl Fn(&str) -> Option<String>) -> Result<TcpConfig> {
+    let bytes = |k: &str| -> Result<Option<u64>> {
+        get(k)
+            .map(|v| match v.trim().parse::<u64>() {
+                Ok(x) if x > 0 && x <= isize::MAX as u64 => Ok(x),
+                _ => Err(DistError::Config {
+                    what: k.into(),
+                    reason: format!(
+                        "{v:?} is not a whole number of bytes from 1 to {}",
+                        isize::MAX
+                    ),
+                }),
+            })
+            .transpose()
+    };
+    let mut cfg = cfg;
+    if let Some(b) = bytes("DIST_MAX_MESSAGE")? {
+        cfg = cfg.max_message(b);
+    }
+    if let Some(b) = bytes("DIST_UNEXPECTED_LIMIT")? {
+        cfg = cfg.unexpected_limit(b as usize);
+    }
+    Ok(cfg)
+}
 
 /// The tag of the dissemination barrier's messages.
 const BARRIER_TAG: Tag = Tag::system(1);
@@ -131,10 +175,14 @@ impl TcpBackend {
         let (streams, tuning) = init::form(&cfg, local_tuning(&cfg, parallel))?;
         let me = cfg.rank;
         let aborts = Arc::new(Aborts::default());
+        let limits = Limits {
+            max_message: cfg.max_message,
+            unexpected: cfg.unexpected_limit,
+        };
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match s {
-                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone())?,
+                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
                 None => Peer::loopback(me, aborts.clone()),
             }));
         }
@@ -274,6 +322,12 @@ impl Transport for TcpBackend {
                 reason: reason.to_string(),
             });
         }
+        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
+        let mut cut = reason.len().min(peer::ABORT_MAX);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let reason = &reason[..cut];
         for p in self
             .shared
             .peers
@@ -378,14 +432,17 @@ impl Backend for TcpBackend {
         tag: Tag,
         timeout: Duration,
     ) -> Result<()> {
-        self.recv_meta(buf, src, tag, Instant::now() + timeout)
-            .map(|_| ())
+        let len = buf.len();
+        let deadline = deadline_after(self.shared.rank, timeout, || {
+            format!("recv from {src} (tag {tag}, {len} bytes)")
+        })?;
+        self.recv_meta(buf, src, tag, deadline).map(|_| ())
     }
 
     fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
         // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
         // after ceil(log2 n) rounds each rank has heard, transitively, from all others.
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(self.shared.rank, timeout, || "barrier".into())?;
         let (me, n) = (self.shared.rank, self.shared.world);
         let mut d = 1;
         while d < n {
@@ -397,6 +454,18 @@ impl Backend for TcpBackend {
         }
         Ok(())
     }
+}
+
+/// The instant `timeout` from now, or an error naming the timeout if that is past what an
+/// [`Instant`] can hold (e.g. `Duration::MAX`).
+fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -> Result<Instant> {
+    Instant::now()
+        .checked_add(timeout)
+        .ok_or_else(|| DistError::InvalidArgument {
+            rank,
+            op: op(),
+            reason: format!("timeout {timeout:?} is too far in the future to be a deadline"),
+        })
 }
 
 /// Puts the name of the user-facing operation in front of a transport error's op.
@@ -451,6 +520,46 @@ impl Drop for TcpBackend {
         }
         for r in self.readers.drain(..) {
             let _ = r.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_come_from_the_builder_and_the_environment() {
+        let cfg = TcpConfig::new(0, 1, "127.0.0.1:1");
+        assert_eq!(cfg.max_message, DEFAULT_MAX_MESSAGE);
+        assert_eq!(cfg.unexpected_limit, DEFAULT_UNEXPECTED_LIMIT);
+        assert_eq!(
+            cfg.clone().max_message(u64::MAX).max_message,
+            isize::MAX as u64
+        );
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let cfg = limits_from_env(
+            cfg,
+            &env(&[
+                ("DIST_MAX_MESSAGE", "1048576"),
+                ("DIST_UNEXPECTED_LIMIT", "4096"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((cfg.max_message, cfg.unexpected_limit), (1 << 20, 4096));
+        for bad in ["0", "-1", "1e9", "99999999999999999999"] {
+            let pairs: &'static [(&str, &str)] = Box::leak(Box::new([("DIST_MAX_MESSAGE", bad)]));
+            match limits_from_env(cfg.clone(), &env(pairs)) {
+                Err(DistError::Config { what, .. }) => assert_eq!(what, "DIST_MAX_MESSAGE"),
+                other => panic!("{bad}: {other:?}"),
+            }
         }
     }
 }

@@ -13,7 +13,43 @@ use std::time::{Duration, Instant};
 
 use dist_core::{DistError, Meta, Result, Tag};
 
+use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
+
+mod aborts;
+#[cfg(test)]
+mod props;
+mod rx;
+mod slots;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+pub use aborts::AbortNotice;
+pub(crate) use aborts::{AbortSink, Aborts};
+use rx::*;
+use slots::*;
+use writer::*;
+
+/// The longest abort notice a peer may send (its error text); a longer one is a protocol error.
+pub(crate) const ABORT_MAX: usize = 64 << 10;
+/// How many abort notices a backend keeps (the first ones; later ones are counted only).
+const ABORTS_KEPT: usize = 64;
+/// What a queued message costs the unexpected-message budget beyond its payload (its entry).
+const QUEUED_OVERHEAD: usize = 64;
+/// How often a reader that holds a message back for flow control rechecks on its own (it is
+/// woken whenever a receive is posted or a queued message taken; this only bounds a lost wake).
+const HOLD_RECHECK: Duration = Duration::from_millis(500);
+
+/// What a peer may make this rank hold: the largest frame accepted, and the bytes of messages
+/// that arrived before their receive that are kept per peer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    /// A data frame longer than this is a protocol error.
+    pub(crate) max_message: u64,
+    /// Bytes of unexpected messages queued per peer before the reader stops reading the socket.
+    pub(crate) unexpected: usize,
+}
 
 /// Messages at least this long wait up to [`GRACE`] for a receive before being queued.
 const GRACE_MIN_LEN: usize = 64 << 10;
@@ -25,153 +61,6 @@ const IDLE_DRAIN: Duration = Duration::from_millis(20);
 
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
-
-/// A message that arrived before anyone asked for it.
-struct Queued {
-    data: Vec<u8>,
-    meta: Meta,
-}
-
-/// How a posted receive ended.
-enum Outcome {
-    Delivered(Meta),
-    /// The message had another length; it stays queued.
-    Mismatch(usize),
-    Gone(String),
-}
-
-enum Slot {
-    /// Waiting for a message.
-    Open,
-    /// A payload is being written into the buffer (under the read-side lock).
-    Filling,
-    Done(Outcome),
-}
-
-/// A receive waiting for a message: the caller's buffer, which the reader fills directly.
-struct Posted {
-    id: u64,
-    tag: u64,
-    ptr: *mut u8,
-    len: usize,
-    slot: Slot,
-}
-
-struct State {
-    /// Why the connection ended, once it has.
-    closed: Option<String>,
-    posted: VecDeque<Posted>,
-    queued: HashMap<u64, VecDeque<Queued>>,
-    next_id: u64,
-    /// Threads blocked on the condition variable; nobody is notified when there are none.
-    sleepers: usize,
-    /// The reader thread is blocked on `reader_cond`.
-    reader_sleeping: bool,
-    /// ... and it is holding a large message back for a receive to be posted.
-    reader_holding: bool,
-    /// The backend is being dropped and waits for the peer to close its side.
-    closing: bool,
-}
-
-// SAFETY: `Posted::ptr` is the only non-`Send` field. It points into a buffer that the receiving
-// thread borrows mutably for as long as the entry is in `posted`; that thread removes the entry
-// before it returns, and never while it is `Filling` (a fill ends, or the connection is shut and
-// the fill dropped, under the read-side lock first). Only the holder of the read-side lock writes
-// through the pointer. So moving `State` between threads (inside its mutex) never lets the
-// pointer outlive or alias its buffer.
-unsafe impl Send for State {}
-
-/// Where the read side is in the byte stream.
-enum Frame {
-    /// Between frames.
-    Header,
-    /// A payload landing in the posted buffer of receive `id`.
-    Fill {
-        id: u64,
-        ptr: *mut u8,
-        len: usize,
-        done: usize,
-        meta: Meta,
-    },
-    /// A payload nobody waits for (yet), read into fresh memory.
-    Queue {
-        tag: u64,
-        data: Vec<u8>,
-        done: usize,
-        meta: Meta,
-    },
-    /// An abort notice's text (the first 64 KiB of it).
-    Abort {
-        tag: u64,
-        text: Vec<u8>,
-        left: usize,
-    },
-    /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
-    /// or `until` passes (then it is queued).
-    Held { header: FrameHeader, until: Instant },
-}
-
-/// The read side of a connection: a 64 KiB buffer in front of the socket, and the frame in
-/// progress. Every read is non-blocking, so the lock around it is only ever held briefly.
-struct Rx {
-    sock: socket2::Socket,
-    buf: Box<[u8]>,
-    lo: usize,
-    hi: usize,
-    frame: Frame,
-    dead: bool,
-}
-
-// SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
-// through only while this struct's mutex is held and the receive is `Filling`.
-unsafe impl Send for Rx {}
-
-/// What a call to [`Peer::progress`] ended with.
-enum Step {
-    /// Some bytes were consumed.
-    Progress,
-    /// Nothing to read now.
-    Idle,
-    /// A large frame waits for its receive to be posted, at most until then.
-    Held(Instant),
-    /// The connection ended.
-    Closed(String),
-}
-
-const RX_BUF: usize = 64 << 10;
-const MSG_DONTWAIT: i32 = 0x40;
-
-fn would_block(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::WouldBlock
-}
-
-/// Receives into `dst` without blocking.
-fn recv_now(sock: &socket2::Socket, dst: &mut [u8]) -> std::io::Result<usize> {
-    // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and `recv` only writes initialised bytes
-    // into the slice, so viewing initialised memory as maybe-uninitialised is sound.
-    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
-    loop {
-        match sock.recv_with_flags(dst, MSG_DONTWAIT) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            r => return r,
-        }
-    }
-}
-
-impl Rx {
-    /// Reads more of the stream into the buffer; `Ok(0)` at its end.
-    fn read_more(&mut self) -> std::io::Result<usize> {
-        if self.lo == self.hi {
-            (self.lo, self.hi) = (0, 0);
-        } else if self.hi == self.buf.len() {
-            self.buf.copy_within(self.lo..self.hi, 0);
-            (self.lo, self.hi) = (0, self.hi - self.lo);
-        }
-        let n = recv_now(&self.sock, &mut self.buf[self.hi..])?;
-        self.hi += n;
-        Ok(n)
-    }
-}
 
 /// Withdraws a posted receive when dropped while armed.
 struct PostGuard<'a> {
@@ -188,59 +77,6 @@ impl Drop for PostGuard<'_> {
         }
     }
 }
-
-/// An abort notice received from a peer: who sent it, on which tag, and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AbortNotice {
-    /// The rank that aborted.
-    pub from: usize,
-    /// The tag of the operation it aborted.
-    pub tag: Tag,
-    /// Its error.
-    pub reason: String,
-}
-
-/// The abort notices of one backend, shared by its peers. Once one has arrived, every wait on a
-/// system tag (barrier, collectives) fails with it instead of waiting out its deadline.
-#[derive(Debug, Default)]
-pub(crate) struct Aborts {
-    raised: AtomicBool,
-    notices: Mutex<Vec<AbortNotice>>,
-}
-
-impl Aborts {
-    pub(crate) fn raise(&self, n: AbortNotice) {
-        self.notices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(n);
-        self.raised.store(true, Ordering::Release);
-    }
-
-    pub(crate) fn raised(&self) -> bool {
-        self.raised.load(Ordering::Acquire)
-    }
-
-    pub(crate) fn notices(&self) -> Vec<AbortNotice> {
-        self.notices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn error(&self, me: usize, op: String) -> DistError {
-        let first = self.notices().into_iter().next();
-        DistError::Aborted {
-            rank: me,
-            op,
-            origin: first.as_ref().map_or(me, |n| n.from),
-            reason: first.map_or_else(|| "aborted".into(), |n| n.reason),
-        }
-    }
-}
-
-/// A hook the owning backend passes to each peer to hear of abort frames.
-pub(crate) type AbortSink = Arc<dyn Fn(AbortNotice) + Send + Sync>;
 
 /// One peer: its socket halves, and the messages and receives waiting on it.
 pub(crate) struct Peer {
@@ -261,43 +97,12 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
-}
-
-struct Writer {
-    sock: socket2::Socket,
-    broken: Option<String>,
+    limits: Limits,
 }
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Peer").field("rank", &self.rank).finish()
-    }
-}
-
-/// MSG_NOSIGNAL: a closed peer is an EPIPE error, never a SIGPIPE that kills the process.
-const MSG_NOSIGNAL: i32 = libc_msg_nosignal();
-
-fn write_all_vectored(sock: &socket2::Socket, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    while !bufs.is_empty() {
-        match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-const fn libc_msg_nosignal() -> i32 {
-    // The value of MSG_NOSIGNAL on Linux and the BSDs that have it.
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    {
-        0x4000
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "android")))]
-    {
-        0
     }
 }
 
@@ -309,6 +114,7 @@ impl Peer {
         stream: TcpStream,
         timeout: Duration,
         aborts: Arc<Aborts>,
+        limits: Limits,
     ) -> Result<Peer> {
         let io = |context: &str, source| DistError::Io {
             rank: me,
@@ -325,13 +131,14 @@ impl Peer {
         let sock = socket2::Socket::from(w);
         sock.set_write_timeout(Some(timeout))
             .map_err(|e| io("set send timeout", e))?;
+        crate::sys::prepare(&sock).map_err(|e| io("prepare socket", e))?;
         let r = stream.try_clone().map_err(|e| io("clone socket", e))?;
         Ok(Peer {
             me,
             rank,
             writer: Some(Mutex::new(Writer { sock, broken: None })),
             rx: Some(Mutex::new(Rx {
-                sock: socket2::Socket::from(r),
+                sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
                 lo: 0,
                 hi: 0,
@@ -341,19 +148,11 @@ impl Peer {
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
             stream: Some(stream),
-            state: Mutex::new(State {
-                closed: None,
-                posted: VecDeque::new(),
-                queued: HashMap::new(),
-                next_id: 0,
-                sleepers: 0,
-                reader_sleeping: false,
-                reader_holding: false,
-                closing: false,
-            }),
+            state: Mutex::new(State::new()),
             cond: Condvar::new(),
             reader_cond: Condvar::new(),
             aborts,
+            limits,
         })
     }
 
@@ -367,19 +166,15 @@ impl Peer {
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
             stream: None,
-            state: Mutex::new(State {
-                closed: None,
-                posted: VecDeque::new(),
-                queued: HashMap::new(),
-                next_id: 0,
-                sleepers: 0,
-                reader_sleeping: false,
-                reader_holding: false,
-                closing: false,
-            }),
+            state: Mutex::new(State::new()),
             cond: Condvar::new(),
             reader_cond: Condvar::new(),
             aborts,
+            // Loopback messages are copies of this rank's own sends: no wire, no budget.
+            limits: Limits {
+                max_message: u64::MAX,
+                unexpected: usize::MAX,
+            },
         }
     }
 
@@ -427,6 +222,12 @@ impl Peer {
         st
     }
 
+    fn wake_reader_if_holding(&self, st: &State) {
+        if st.reader_holding {
+            self.reader_cond.notify_one();
+        }
+    }
+
     fn wake_reader(&self, st: &State) {
         if st.reader_sleeping {
             self.reader_cond.notify_one();
@@ -446,160 +247,6 @@ impl Peer {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Sends one frame. `op` names the operation in errors.
-    pub(crate) fn send(
-        &self,
-        kind: FrameKind,
-        tag: u64,
-        data: &[u8],
-        meta: Meta,
-        op: &dyn Fn() -> String,
-    ) -> Result<()> {
-        let Some(writer) = &self.writer else {
-            return self.deliver_local(tag, data, meta);
-        };
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(cause) = &w.broken {
-            return Err(self.gone(op(), cause.clone()));
-        }
-        if let Some(cause) = &self.lock().closed {
-            return Err(self.gone(op(), cause.clone()));
-        }
-        let header = FrameHeader {
-            kind,
-            tag,
-            len: data.len() as u64,
-            meta,
-        }
-        .encode();
-        let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
-        let started = Instant::now();
-        write_all_vectored(&w.sock, &mut bufs).map_err(|e| self.send_failed(&mut w, e, started, op))
-    }
-
-    /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
-    /// socket is written without blocking and, whenever it is full, `src`'s socket is read, so
-    /// that neither direction waits on a thread switch. If neither moves for a spin period the
-    /// thread stops spinning: the reader thread takes the receive and the send blocks.
-    pub(crate) fn send_while_receiving(
-        &self,
-        tag: u64,
-        data: &[u8],
-        meta: Meta,
-        op: &dyn Fn() -> String,
-        src: &Peer,
-        id: u64,
-    ) -> Result<()> {
-        let (Some(writer), Some(rx)) = (&self.writer, &src.rx) else {
-            return self.send(FrameKind::Data, tag, data, meta, op);
-        };
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(cause) = &w.broken {
-            return Err(self.gone(op(), cause.clone()));
-        }
-        if let Some(cause) = &self.lock().closed {
-            return Err(self.gone(op(), cause.clone()));
-        }
-        let header = FrameHeader {
-            kind: FrameKind::Data,
-            tag,
-            len: data.len() as u64,
-            meta,
-        }
-        .encode();
-        let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
-        let mut bufs = &mut bufs[..];
-        let started = Instant::now();
-        let spin = spin_time();
-        src.spinners.fetch_add(1, Ordering::AcqRel);
-        let mut spinning = true;
-        let mut idle_since: Option<Instant> = None;
-        let mut received = false;
-        let r = loop {
-            if bufs.is_empty() {
-                break Ok(());
-            }
-            let mut moved = false;
-            match w
-                .sock
-                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT)
-            {
-                Ok(n) => {
-                    IoSlice::advance_slices(&mut bufs, n);
-                    moved = true;
-                }
-                Err(e) if would_block(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(e),
-            }
-            if !received && let Ok(mut r) = rx.try_lock() {
-                match src.progress(&mut r) {
-                    Step::Progress => moved = true,
-                    Step::Closed(cause) => src.shut(&mut r, cause),
-                    Step::Idle | Step::Held(_) => {}
-                }
-                drop(r);
-                received = src
-                    .lock()
-                    .posted
-                    .iter()
-                    .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
-            }
-            if moved {
-                idle_since = None;
-                continue;
-            }
-            let now = Instant::now();
-            if now - *idle_since.get_or_insert(now) > spin {
-                // Stop spinning: the reader thread takes the receive, and this thread blocks
-                // on the send (within the socket's send timeout).
-                src.spinners.fetch_sub(1, Ordering::AcqRel);
-                spinning = false;
-                src.wake_reader(&src.lock());
-                break write_all_vectored(&w.sock, bufs);
-            }
-            std::thread::yield_now();
-        };
-        if spinning {
-            src.spinners.fetch_sub(1, Ordering::AcqRel);
-        }
-        r.map_err(|e| self.send_failed(&mut w, e, started, op))
-    }
-
-    /// A send failed part-way: a frame may be half written, so the stream is no longer in step
-    /// with the reader on the other side. Close it; both sides then see the peer as gone.
-    fn send_failed(
-        &self,
-        w: &mut Writer,
-        e: std::io::Error,
-        started: Instant,
-        op: &dyn Fn() -> String,
-    ) -> DistError {
-        let timed_out = matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        );
-        let cause = if timed_out {
-            format!(
-                "send blocked for {:.1?}: peer not reading",
-                started.elapsed()
-            )
-        } else {
-            format!("send failed: {e}")
-        };
-        w.broken = Some(cause.clone());
-        let _ = w.sock.shutdown(Shutdown::Both);
-        if timed_out {
-            DistError::Timeout {
-                rank: self.me,
-                op: op(),
-                peer: self.rank,
-                waited: started.elapsed(),
-            }
-        } else {
-            self.gone(op(), cause)
-        }
-    }
-
     fn gone(&self, op: String, cause: String) -> DistError {
         DistError::PeerGone {
             rank: self.me,
@@ -611,14 +258,15 @@ impl Peer {
 
     /// A send to this rank itself: hand the bytes to a posted receive or queue a copy.
     fn deliver_local(&self, tag: u64, data: &[u8], meta: Meta) -> Result<()> {
-        self.offer(tag, Payload::Borrowed(data), meta);
+        self.offer(tag, Payload::Borrowed(data), meta, false);
         Ok(())
     }
 
     /// Hands a complete message to the first open receive on `tag` (copying it into the posted
     /// buffer), or queues it. A receive whose buffer has another size is told so, and the
     /// message stays queued for a receive with the right size.
-    fn offer(&self, tag: u64, data: Payload<'_>, meta: Meta) {
+    /// `counted`: the message came off the socket, and its bytes were taken from the budget.
+    fn offer(&self, tag: u64, data: Payload<'_>, meta: Meta, counted: bool) {
         let mut st = self.lock();
         let bytes = data.bytes();
         let keep = match st
@@ -631,6 +279,9 @@ impl Peer {
                 // only written by whoever moves the entry out of `Open`, which we do under the lock.
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.ptr, bytes.len()) };
                 p.slot = Slot::Done(Outcome::Delivered(meta));
+                if counted {
+                    st.queued_bytes -= bytes.len() + QUEUED_OVERHEAD;
+                }
                 false
             }
             Some(p) => {
@@ -641,10 +292,11 @@ impl Peer {
         };
         if keep {
             let data = data.into_vec();
-            st.queued
-                .entry(tag)
-                .or_default()
-                .push_back(Queued { data, meta });
+            st.queued.entry(tag).or_default().push_back(Queued {
+                data,
+                meta,
+                counted,
+            });
         }
         self.notify(&st);
     }
@@ -676,19 +328,12 @@ impl Peer {
         let started = Instant::now();
         let len = buf.len();
         let mut st = self.lock();
-        if let Some(q) = st.queued.get_mut(&tag)
-            && let Some(front) = q.front()
-        {
-            let r = if front.data.len() != len {
-                Err(self.mismatch(op(), len, front.data.len()))
-            } else {
-                let m = q.pop_front().expect("front exists");
-                buf.copy_from_slice(&m.data);
-                Ok(m.meta)
-            };
+        if let Some(r) = st.take_queued(tag, buf) {
+            // There may be room in the budget: a reader holding a frame back for it may go on.
+            self.wake_reader_if_holding(&st);
             drop(st);
             during(None)?;
-            return r;
+            return r.map_err(|got| self.mismatch(op(), len, got));
         }
         if let Some(cause) = &st.closed {
             let e = self.gone(op(), cause.clone());
@@ -696,15 +341,11 @@ impl Peer {
             during(None)?;
             return Err(e);
         }
-        let id = st.next_id;
-        st.next_id += 1;
-        st.posted.push_back(Posted {
-            id,
-            tag,
-            ptr: buf.as_mut_ptr(),
-            len,
-            slot: Slot::Open,
-        });
+        // SAFETY: `buf` is borrowed mutably for this whole call. The entry leaves `posted`
+        // before it returns: `wait` removes it on every return (waiting out or cutting a fill),
+        // and `guard` withdraws it on every other way out, a failing or panicking `during` or a
+        // panic in `wait` included (tests: peer::tests::a_receive_whose_*_unwinds_is_withdrawn).
+        let id = unsafe { st.post(tag, buf.as_mut_ptr(), len) };
         // The reader may be holding a large message back for a receive like this one; or we are
         // about to be busy sending, and it must take the message as it comes.
         if st.reader_holding || long {
@@ -713,6 +354,7 @@ impl Peer {
         drop(st);
         // From here the reader may write into `buf`: the guard withdraws the receive (waiting out
         // a fill in progress) on every way out, unwinding included, before `buf` is released.
+        // Nothing between the post and here can panic (a notify, a mutex guard's drop).
         let mut guard = PostGuard {
             peer: self,
             id,
@@ -720,8 +362,11 @@ impl Peer {
             armed: true,
         };
         during(Some(id))?;
+        let r = self.wait(id, tag, len, started, deadline, op);
+        // `wait` returned, and it removes the entry on every return: the reader can no longer
+        // reach `buf`. Had it unwound instead, the armed guard withdraws the receive.
         guard.armed = false;
-        self.wait(id, tag, len, started, deadline, op)
+        r
     }
 
     fn wait(
@@ -733,6 +378,10 @@ impl Peer {
         deadline: Instant,
         op: &dyn Fn() -> String,
     ) -> Result<Meta> {
+        #[cfg(test)]
+        if tests::PANIC_IN_WAIT.with(|p| p.replace(false)) {
+            panic!("injected: a panic inside a receive's wait");
+        }
         let mut st = self.lock();
         let mut timed_out = false;
         let mut spun = false;
@@ -769,7 +418,10 @@ impl Peer {
                 // comes within microseconds then lands with no thread switch at all.
                 spun = true;
                 drop(st);
-                self.spin(id, deadline.min(Instant::now() + spin_time()));
+                let until = Instant::now()
+                    .checked_add(spin_time())
+                    .map_or(deadline, |t| deadline.min(t));
+                self.spin(id, until);
                 st = self.lock();
                 let done = st
                     .posted
@@ -832,8 +484,12 @@ impl Peer {
     fn shut(&self, rx: &mut Rx, cause: String) {
         if !rx.dead {
             rx.dead = true;
+            if let Frame::Queue { data, .. } = &rx.frame {
+                // The budget reserved for a message that will now never be queued.
+                self.lock().queued_bytes -= data.len() + QUEUED_OVERHEAD;
+            }
             rx.frame = Frame::Header;
-            let _ = rx.sock.shutdown(Shutdown::Both);
+            rx.sock.shutdown();
             tracing::debug!(rank = self.me, peer = self.rank, %cause, "connection ended");
         }
         self.close(cause);
@@ -966,7 +622,7 @@ impl Peer {
     /// messages must not fill the sender's buffers while nobody receives).
     pub(crate) fn read_loop(&self, probe: TcpStream) {
         let Some(rx) = &self.rx else { return };
-        let mut held_until: Option<Instant> = None;
+        let mut held: Option<(Option<Instant>, u64)> = None;
         let mut mid_frame = false;
         loop {
             let watch = {
@@ -975,12 +631,19 @@ impl Peer {
                     if st.closed.is_some() {
                         return;
                     }
-                    let now = Instant::now();
-                    if let Some(until) = held_until.filter(|u| *u > now) {
-                        // A large message waits for its receive: a post (or the grace period
-                        // ending) moves it on.
-                        st = self.reader_sleep(st, until - now, true);
-                        held_until = None;
+                    if let Some((until, seen)) = held.take() {
+                        // A message waits for its receive (or, for flow control, for room in
+                        // the queue): a post or a take moves it on, as does the grace period
+                        // ending. Events since it was routed are rechecked at once.
+                        let limit = until.map_or(HOLD_RECHECK, |u| {
+                            u.saturating_duration_since(Instant::now())
+                        });
+                        if !st.closing && st.events == seen && !limit.is_zero() {
+                            st = self.reader_sleep(st, limit, true);
+                        }
+                        if st.closed.is_some() {
+                            return;
+                        }
                         break false;
                     }
                     let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
@@ -1004,260 +667,11 @@ impl Peer {
                     self.shut(&mut r, cause);
                     return;
                 }
-                Step::Held(until) => held_until = Some(until),
+                Step::Held(until, seen) => held = Some((until, seen)),
                 Step::Progress | Step::Idle => {}
             }
             mid_frame = !matches!(r.frame, Frame::Header);
         }
-    }
-
-    /// Reads whatever has arrived, without blocking, and moves frames along: into posted
-    /// buffers, into the queue, or to the abort hook.
-    fn progress(&self, rx: &mut Rx) -> Step {
-        if rx.dead {
-            return Step::Closed("connection closed".into());
-        }
-        let mut moved = false;
-        let io_end = |e: std::io::Error, moved: bool| {
-            if would_block(&e) {
-                if moved { Step::Progress } else { Step::Idle }
-            } else {
-                Step::Closed(describe(&e))
-            }
-        };
-        loop {
-            match &mut rx.frame {
-                Frame::Header => {
-                    while rx.hi - rx.lo < FRAME_HEADER_LEN {
-                        match rx.read_more() {
-                            Ok(0) if rx.hi == rx.lo => {
-                                return Step::Closed("connection closed by peer".into());
-                            }
-                            Ok(0) => {
-                                return Step::Closed(format!(
-                                    "connection closed in a frame header ({} of {FRAME_HEADER_LEN} bytes)",
-                                    rx.hi - rx.lo
-                                ));
-                            }
-                            Ok(_) => moved = true,
-                            Err(e) => return io_end(e, moved),
-                        }
-                    }
-                    let raw: [u8; FRAME_HEADER_LEN] = rx.buf[rx.lo..rx.lo + FRAME_HEADER_LEN]
-                        .try_into()
-                        .expect("a header's worth of bytes");
-                    rx.lo += FRAME_HEADER_LEN;
-                    moved = true;
-                    let h = match FrameHeader::decode(&raw) {
-                        Ok(h) => h,
-                        Err(e) => return Step::Closed(format!("protocol error: {e}")),
-                    };
-                    let Ok(len) = usize::try_from(h.len) else {
-                        return Step::Closed(format!("protocol error: frame of {} bytes", h.len));
-                    };
-                    rx.frame = match h.kind {
-                        FrameKind::Abort => Frame::Abort {
-                            tag: h.tag,
-                            text: Vec::with_capacity(len.min(64 << 10)),
-                            left: len,
-                        },
-                        FrameKind::Data => self.route(h, len, None),
-                    };
-                }
-                Frame::Held { header, until } => {
-                    let (h, until) = (*header, *until);
-                    rx.frame = self.route(h, h.len as usize, Some(until));
-                    if matches!(rx.frame, Frame::Held { .. }) {
-                        return Step::Held(until);
-                    }
-                }
-                Frame::Fill {
-                    id,
-                    ptr,
-                    len,
-                    done,
-                    meta,
-                } => {
-                    if *done < *len {
-                        // SAFETY: receive `id` is `Filling` and we hold the read-side lock: its
-                        // owner cannot release the buffer before the fill ends (see `State`), and
-                        // `len` is the buffer's length.
-                        let dst =
-                            unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
-                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, dst) {
-                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
-                            Ok(n) => {
-                                *done += n;
-                                moved = true;
-                            }
-                            Err(e) => return io_end(e, moved),
-                        }
-                        continue;
-                    }
-                    let (id, meta) = (*id, *meta);
-                    let mut st = self.lock();
-                    if let Some(p) = st.posted.iter_mut().find(|p| p.id == id) {
-                        p.slot = Slot::Done(Outcome::Delivered(meta));
-                    }
-                    self.notify(&st);
-                    drop(st);
-                    rx.frame = Frame::Header;
-                }
-                Frame::Queue {
-                    tag,
-                    data,
-                    done,
-                    meta,
-                } => {
-                    if *done < data.len() {
-                        match rx_pull(
-                            &mut rx.sock,
-                            &mut rx.buf,
-                            &mut rx.lo,
-                            &mut rx.hi,
-                            &mut data[*done..],
-                        ) {
-                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
-                            Ok(n) => {
-                                *done += n;
-                                moved = true;
-                            }
-                            Err(e) => return io_end(e, moved),
-                        }
-                        continue;
-                    }
-                    let (tag, meta) = (*tag, *meta);
-                    let data = std::mem::take(data);
-                    rx.frame = Frame::Header;
-                    self.offer(tag, Payload::Owned(data), meta);
-                }
-                Frame::Abort { tag, text, left } => {
-                    if *left > 0 {
-                        let mut scratch = [0u8; 4096];
-                        let k = (*left).min(scratch.len());
-                        match rx_pull(
-                            &mut rx.sock,
-                            &mut rx.buf,
-                            &mut rx.lo,
-                            &mut rx.hi,
-                            &mut scratch[..k],
-                        ) {
-                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
-                            Ok(n) => {
-                                let room = (64 << 10) - text.len().min(64 << 10);
-                                text.extend_from_slice(&scratch[..n.min(room)]);
-                                *left -= n;
-                                moved = true;
-                            }
-                            Err(e) => return io_end(e, moved),
-                        }
-                        continue;
-                    }
-                    let notice = AbortNotice {
-                        from: self.rank,
-                        tag: Tag::from_wire(*tag),
-                        reason: String::from_utf8_lossy(text).into_owned(),
-                    };
-                    rx.frame = Frame::Header;
-                    match self.on_abort.get() {
-                        Some(sink) => sink(notice),
-                        None => self.aborts.raise(notice),
-                    }
-                }
-            }
-        }
-    }
-
-    /// Decides where a data frame's payload goes: the first open receive on its tag with a
-    /// buffer of its size, else the queue. A large message that nobody waits for yet is held
-    /// in the socket for a moment first: streaming receivers post their next buffer just after
-    /// the last one filled, and the payload then lands in place instead of in fresh memory.
-    fn route(&self, h: FrameHeader, len: usize, held_until: Option<Instant>) -> Frame {
-        let mut st = self.lock();
-        let open = st
-            .posted
-            .iter_mut()
-            .find(|p| p.tag == h.tag && matches!(p.slot, Slot::Open));
-        match open {
-            Some(p) if p.len == len => {
-                p.slot = Slot::Filling;
-                return Frame::Fill {
-                    id: p.id,
-                    ptr: p.ptr,
-                    len,
-                    done: 0,
-                    meta: h.meta,
-                };
-            }
-            None if len >= GRACE_MIN_LEN => {
-                let until = held_until.unwrap_or_else(|| Instant::now() + GRACE);
-                if Instant::now() < until {
-                    return Frame::Held { header: h, until };
-                }
-            }
-            // A receive of another size is told so when the message has been queued.
-            _ => {}
-        }
-        Frame::Queue {
-            tag: h.tag,
-            data: vec![0u8; len],
-            done: 0,
-            meta: h.meta,
-        }
-    }
-}
-
-/// [`Rx::pull`] on the fields of a borrowed `Rx` (so that the frame can be borrowed beside it).
-fn rx_pull(
-    sock: &mut socket2::Socket,
-    buf: &mut [u8],
-    lo: &mut usize,
-    hi: &mut usize,
-    dst: &mut [u8],
-) -> std::io::Result<usize> {
-    if *lo == *hi {
-        (*lo, *hi) = (0, 0);
-        if dst.len() >= buf.len() / 2 {
-            return recv_now(sock, dst);
-        }
-        let n = recv_now(sock, buf)?;
-        if n == 0 {
-            return Ok(0);
-        }
-        *hi = n;
-    }
-    let n = dst.len().min(*hi - *lo);
-    dst[..n].copy_from_slice(&buf[*lo..*lo + n]);
-    *lo += n;
-    Ok(n)
-}
-
-enum Payload<'a> {
-    Borrowed(&'a [u8]),
-    Owned(Vec<u8>),
-}
-
-impl Payload<'_> {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Payload::Borrowed(b) => b,
-            Payload::Owned(v) => v,
-        }
-    }
-
-    fn into_vec(self) -> Vec<u8> {
-        match self {
-            Payload::Borrowed(b) => b.to_vec(),
-            Payload::Owned(v) => v,
-        }
-    }
-}
-
-fn describe(e: &std::io::Error) -> String {
-    match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => "connection closed mid-message".into(),
-        std::io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
-        _ => e.to_string(),
     }
 }
 

@@ -8,6 +8,8 @@
 
 mod admission;
 mod coll;
+mod flow;
+mod hostile;
 mod p2p;
 
 use std::process::ExitCode;
@@ -89,6 +91,8 @@ const CASES: &[Case] = &[
         Ok(())
     }),
     ("admission_flood", admission::flood),
+    ("flow_unexpected", flow::unexpected),
+    ("hostile_peer", hostile::peer),
 ];
 
 fn main() -> ExitCode {

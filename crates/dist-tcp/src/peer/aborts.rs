@@ -1,0 +1,59 @@
+//! Abort notices: what a peer's abort frame says, and the bounded list a backend keeps.
+
+use super::*;
+
+/// An abort notice received from a peer: who sent it, on which tag, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortNotice {
+    /// The rank that aborted.
+    pub from: usize,
+    /// The tag of the operation it aborted.
+    pub tag: Tag,
+    /// Its error.
+    pub reason: String,
+}
+
+/// The abort notices of one backend, shared by its peers. Once one has arrived, every wait on a
+/// system tag (barrier, collectives) fails with it instead of waiting out its deadline.
+#[derive(Debug, Default)]
+pub(crate) struct Aborts {
+    raised: AtomicBool,
+    notices: Mutex<Vec<AbortNotice>>,
+}
+
+impl Aborts {
+    /// Records `n`. Only the first [`ABORTS_KEPT`] are kept: a peer flooding abort frames
+    /// cannot grow this list.
+    pub(crate) fn raise(&self, n: AbortNotice) {
+        let mut v = self.notices.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() < ABORTS_KEPT {
+            v.push(n);
+        }
+        drop(v);
+        self.raised.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn raised(&self) -> bool {
+        self.raised.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn notices(&self) -> Vec<AbortNotice> {
+        self.notices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(super) fn error(&self, me: usize, op: String) -> DistError {
+        let first = self.notices().into_iter().next();
+        DistError::Aborted {
+            rank: me,
+            op,
+            origin: first.as_ref().map_or(me, |n| n.from),
+            reason: first.map_or_else(|| "aborted".into(), |n| n.reason),
+        }
+    }
+}
+
+/// A hook the owning backend passes to each peer to hear of abort frames.
+pub(crate) type AbortSink = Arc<dyn Fn(AbortNotice) + Send + Sync>;

@@ -1,0 +1,469 @@
+//! The frame receive state machine: the read side's buffer in front of the socket, the frame
+//! in progress, and how each frame's payload is routed (into a posted buffer, the queue, or the
+//! abort hook), checked and bounded.
+
+use super::*;
+
+/// Where the read side is in the byte stream.
+pub(super) enum Frame {
+    /// Between frames.
+    Header,
+    /// A payload landing in the posted buffer of receive `id`.
+    Fill {
+        id: u64,
+        ptr: *mut u8,
+        len: usize,
+        done: usize,
+        meta: Meta,
+    },
+    /// A payload nobody waits for (yet), read into fresh memory.
+    Queue {
+        tag: u64,
+        data: Vec<u8>,
+        done: usize,
+        meta: Meta,
+    },
+    /// An abort notice's text (the first 64 KiB of it).
+    Abort {
+        tag: u64,
+        text: Vec<u8>,
+        left: usize,
+    },
+    /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
+    /// or `until` passes (then it is queued); with no `until`, until a receive is posted or the
+    /// queue has room for it (flow control).
+    Held {
+        header: FrameHeader,
+        until: Option<Instant>,
+        /// [`State::events`] when it was routed.
+        seen: u64,
+    },
+    /// A payload read and dropped: nobody will receive it (the backend is closing).
+    Skip { left: u64 },
+}
+
+/// The read side of a connection: a 64 KiB buffer in front of the socket, and the frame in
+/// progress. Every read is non-blocking, so the lock around it is only ever held briefly.
+pub(super) struct Rx {
+    pub(super) sock: Source,
+    pub(super) buf: Box<[u8]>,
+    pub(super) lo: usize,
+    pub(super) hi: usize,
+    pub(super) frame: Frame,
+    pub(super) dead: bool,
+}
+
+// SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
+// through only while this struct's mutex is held and the receive is `Filling`.
+unsafe impl Send for Rx {}
+
+/// What a call to [`Peer::progress`] ended with.
+pub(super) enum Step {
+    /// Some bytes were consumed.
+    Progress,
+    /// Nothing to read now.
+    Idle,
+    /// A frame waits for its receive to be posted, at most until then (if given), or until
+    /// [`State::events`] moves past the count given.
+    Held(Option<Instant>, u64),
+    /// The connection ended.
+    Closed(String),
+}
+
+pub(super) const RX_BUF: usize = 64 << 10;
+
+pub(super) fn would_block(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::WouldBlock
+}
+
+/// What the read side reads: the socket or, in tests, a script of bytes.
+pub(super) enum Source {
+    Socket(socket2::Socket),
+    #[cfg(test)]
+    Script(Script),
+}
+
+/// Bytes a test makes available a piece at a time: reads return what is available, then
+/// `WouldBlock` (or the end of the stream once `eof` is set and everything was read).
+#[cfg(test)]
+#[derive(Default)]
+pub(super) struct Script {
+    pub(super) bytes: Vec<u8>,
+    pub(super) read: usize,
+    pub(super) available: usize,
+    pub(super) eof: bool,
+}
+
+impl Source {
+    pub(super) fn shutdown(&mut self) {
+        match self {
+            Source::Socket(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            #[cfg(test)]
+            Source::Script(s) => s.eof = true,
+        }
+    }
+}
+
+/// Receives into `dst` without blocking.
+pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usize> {
+    // Outside tests `Source` has one variant; the match is the same code in both builds.
+    #[allow(clippy::infallible_destructuring_match)]
+    let sock = match sock {
+        Source::Socket(s) => s,
+        #[cfg(test)]
+        Source::Script(s) => {
+            let n = dst.len().min(s.available - s.read);
+            if n == 0 && !(s.eof && s.available == s.bytes.len()) {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            dst[..n].copy_from_slice(&s.bytes[s.read..s.read + n]);
+            s.read += n;
+            return Ok(n);
+        }
+    };
+    // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and `recv` only writes initialised bytes
+    // into the slice, so viewing initialised memory as maybe-uninitialised is sound.
+    let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
+    loop {
+        match sock.recv_with_flags(dst, MSG_DONTWAIT) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+impl Rx {
+    /// Reads more of the stream into the buffer; `Ok(0)` at its end.
+    pub(super) fn read_more(&mut self) -> std::io::Result<usize> {
+        if self.lo == self.hi {
+            (self.lo, self.hi) = (0, 0);
+        } else if self.hi == self.buf.len() {
+            self.buf.copy_within(self.lo..self.hi, 0);
+            (self.lo, self.hi) = (0, self.hi - self.lo);
+        }
+        let n = recv_now(&mut self.sock, &mut self.buf[self.hi..])?;
+        self.hi += n;
+        Ok(n)
+    }
+}
+
+impl Peer {
+    /// Reads whatever has arrived, without blocking, and moves frames along: into posted
+    /// buffers, into the queue, or to the abort hook.
+    pub(super) fn progress(&self, rx: &mut Rx) -> Step {
+        if rx.dead {
+            return Step::Closed("connection closed".into());
+        }
+        let mut moved = false;
+        let io_end = |e: std::io::Error, moved: bool| {
+            if would_block(&e) {
+                if moved { Step::Progress } else { Step::Idle }
+            } else {
+                Step::Closed(describe(&e))
+            }
+        };
+        loop {
+            match &mut rx.frame {
+                Frame::Header => {
+                    while rx.hi - rx.lo < FRAME_HEADER_LEN {
+                        match rx.read_more() {
+                            Ok(0) if rx.hi == rx.lo => {
+                                return Step::Closed("connection closed by peer".into());
+                            }
+                            Ok(0) => {
+                                return Step::Closed(format!(
+                                    "connection closed in a frame header ({} of {FRAME_HEADER_LEN} bytes)",
+                                    rx.hi - rx.lo
+                                ));
+                            }
+                            Ok(_) => moved = true,
+                            Err(e) => return io_end(e, moved),
+                        }
+                    }
+                    let raw: [u8; FRAME_HEADER_LEN] = rx.buf[rx.lo..rx.lo + FRAME_HEADER_LEN]
+                        .try_into()
+                        .expect("a header's worth of bytes");
+                    rx.lo += FRAME_HEADER_LEN;
+                    moved = true;
+                    let (h, len) = match self.check_header(&raw) {
+                        Ok(x) => x,
+                        Err(cause) => return Step::Closed(cause),
+                    };
+                    rx.frame = match h.kind {
+                        FrameKind::Abort => Frame::Abort {
+                            tag: h.tag,
+                            text: Vec::with_capacity(len),
+                            left: len,
+                        },
+                        FrameKind::Data => self.route(h, len, None),
+                    };
+                    if let Frame::Held { until, seen, .. } = rx.frame {
+                        return Step::Held(until, seen);
+                    }
+                }
+                Frame::Held { header, until, .. } => {
+                    let (h, until) = (*header, *until);
+                    // Checked against `usize` when the header was read.
+                    let len = h.len as usize;
+                    rx.frame = self.route(h, len, Some(until));
+                    if let Frame::Held { until, seen, .. } = rx.frame {
+                        return Step::Held(until, seen);
+                    }
+                }
+                Frame::Skip { left } => {
+                    if *left > 0 {
+                        let mut scratch = [0u8; 4096];
+                        let k = (*left).min(scratch.len() as u64) as usize;
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut scratch[..k],
+                        ) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *left -= n as u64;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    rx.frame = Frame::Header;
+                }
+                Frame::Fill {
+                    id,
+                    ptr,
+                    len,
+                    done,
+                    meta,
+                } => {
+                    if *done < *len {
+                        // SAFETY: receive `id` is `Filling` and we hold the read-side lock: its
+                        // owner cannot release the buffer before the fill ends (see `State`), and
+                        // `len` is the buffer's length.
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
+                        match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, dst) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *done += n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let (id, meta) = (*id, *meta);
+                    let mut st = self.lock();
+                    if let Some(p) = st.posted.iter_mut().find(|p| p.id == id) {
+                        p.slot = Slot::Done(Outcome::Delivered(meta));
+                    }
+                    self.notify(&st);
+                    drop(st);
+                    rx.frame = Frame::Header;
+                }
+                Frame::Queue {
+                    tag,
+                    data,
+                    done,
+                    meta,
+                } => {
+                    if *done < data.len() {
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut data[*done..],
+                        ) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                *done += n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let (tag, meta) = (*tag, *meta);
+                    let data = std::mem::take(data);
+                    rx.frame = Frame::Header;
+                    self.offer(tag, Payload::Owned(data), meta, true);
+                }
+                Frame::Abort { tag, text, left } => {
+                    if *left > 0 {
+                        let mut scratch = [0u8; 4096];
+                        let k = (*left).min(scratch.len());
+                        match rx_pull(
+                            &mut rx.sock,
+                            &mut rx.buf,
+                            &mut rx.lo,
+                            &mut rx.hi,
+                            &mut scratch[..k],
+                        ) {
+                            Ok(0) => return Step::Closed("connection closed mid-message".into()),
+                            Ok(n) => {
+                                text.extend_from_slice(&scratch[..n]);
+                                *left -= n;
+                                moved = true;
+                            }
+                            Err(e) => return io_end(e, moved),
+                        }
+                        continue;
+                    }
+                    let notice = AbortNotice {
+                        from: self.rank,
+                        tag: Tag::from_wire(*tag),
+                        reason: String::from_utf8_lossy(text).into_owned(),
+                    };
+                    rx.frame = Frame::Header;
+                    match self.on_abort.get() {
+                        Some(sink) => sink(notice),
+                        None => self.aborts.raise(notice),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decides where a data frame's payload goes: the first open receive on its tag with a
+    /// buffer of its size, else the queue. A large message that nobody waits for yet is held
+    /// in the socket for a moment first: streaming receivers post their next buffer just after
+    /// the last one filled, and the payload then lands in place instead of in fresh memory.
+    ///
+    /// Flow control: a message queues only while the peer's queued bytes stay within
+    /// [`Limits::unexpected`]; otherwise it stays in the socket (so TCP slows the sender) until
+    /// a receive is posted for it or the queue drains. A message larger than the whole budget
+    /// is never queued: it waits for its receive and lands straight in the posted buffer.
+    /// `held` is `None` for a frame just read; `Some(until)` for one held back already: until
+    /// the grace period's end, or `Some(None)` once held for flow control.
+    pub(super) fn route(&self, h: FrameHeader, len: usize, held: Option<Option<Instant>>) -> Frame {
+        let mut st = self.lock();
+        let unexpected = self.limits.unexpected;
+        let st = &mut *st;
+        let open = st
+            .posted
+            .iter_mut()
+            .find(|p| p.tag == h.tag && matches!(p.slot, Slot::Open));
+        let cost = len.saturating_add(QUEUED_OVERHEAD);
+        let fits = st
+            .queued_bytes
+            .checked_add(cost)
+            .is_some_and(|b| b <= unexpected);
+        match open {
+            Some(p) if p.len == len => {
+                p.slot = Slot::Filling;
+                return Frame::Fill {
+                    id: p.id,
+                    ptr: p.ptr,
+                    len,
+                    done: 0,
+                    meta: h.meta,
+                };
+            }
+            // A receive of another size is told so: when the message has been queued, or now,
+            // if it cannot be queued.
+            Some(p) if !fits && !st.closing => {
+                p.slot = Slot::Done(Outcome::Mismatch(len));
+                self.notify(st);
+                return Frame::Held {
+                    header: h,
+                    until: None,
+                    seen: st.events,
+                };
+            }
+            None if st.closing => return Frame::Skip { left: h.len },
+            None if len >= GRACE_MIN_LEN => {
+                // `Instant + 5 ms` cannot overflow in practice; if it did, the grace is skipped.
+                let until = match held {
+                    None => Instant::now().checked_add(GRACE),
+                    Some(until) => until,
+                };
+                if let Some(until) = until.filter(|u| Instant::now() < *u) {
+                    return Frame::Held {
+                        header: h,
+                        until: Some(until),
+                        seen: st.events,
+                    };
+                }
+            }
+            _ => {}
+        }
+        if !fits {
+            if st.closing {
+                return Frame::Skip { left: h.len };
+            }
+            return Frame::Held {
+                header: h,
+                until: None,
+                seen: st.events,
+            };
+        }
+        st.queued_bytes = st.queued_bytes.saturating_add(cost);
+        Frame::Queue {
+            tag: h.tag,
+            data: vec![0u8; len],
+            done: 0,
+            meta: h.meta,
+        }
+    }
+
+    /// Decodes and checks a frame header from this peer: a known kind, no reserved flags, and
+    /// a length within [`Limits::max_message`] (data) or [`ABORT_MAX`] (abort notices).
+    /// Returns it with its length, or the protocol error that ends the connection.
+    pub(super) fn check_header(
+        &self,
+        raw: &[u8; FRAME_HEADER_LEN],
+    ) -> std::result::Result<(FrameHeader, usize), String> {
+        let h = FrameHeader::decode(raw)
+            .map_err(|e| format!("protocol error from peer {}: {e}", self.rank))?;
+        let max = match h.kind {
+            FrameKind::Data => self.limits.max_message,
+            FrameKind::Abort => ABORT_MAX as u64,
+        };
+        match usize::try_from(h.len) {
+            Ok(len) if h.len <= max => Ok((h, len)),
+            _ => Err(format!(
+                "protocol error from peer {}: {:?} frame of {} bytes on tag {} exceeds the limit of {max} bytes",
+                self.rank, h.kind, h.len, h.tag
+            )),
+        }
+    }
+}
+
+/// [`Rx::pull`] on the fields of a borrowed `Rx` (so that the frame can be borrowed beside it).
+pub(super) fn rx_pull(
+    sock: &mut Source,
+    buf: &mut [u8],
+    lo: &mut usize,
+    hi: &mut usize,
+    dst: &mut [u8],
+) -> std::io::Result<usize> {
+    if *lo == *hi {
+        (*lo, *hi) = (0, 0);
+        if dst.len() >= buf.len() / 2 {
+            return recv_now(sock, dst);
+        }
+        let n = recv_now(sock, buf)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        *hi = n;
+    }
+    let n = dst.len().min(*hi - *lo);
+    dst[..n].copy_from_slice(&buf[*lo..*lo + n]);
+    *lo += n;
+    Ok(n)
+}
+
+pub(super) fn describe(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => "connection closed mid-message".into(),
+        std::io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
+        _ => e.to_string(),
+    }
+}

@@ -1,0 +1,242 @@
+//! Tests of one peer's read side against a loopback socket whose other end the test writes.
+
+use std::cell::Cell;
+use std::io::Write;
+use std::net::TcpListener;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::thread::JoinHandle;
+
+use super::*;
+
+thread_local! {
+    /// Set by a test: the next receive's wait on this thread panics as it starts.
+    pub(super) static PANIC_IN_WAIT: Cell<bool> = const { Cell::new(false) };
+}
+
+const RANK: usize = 1;
+
+/// A peer (rank 1 as seen from rank 0) over loopback TCP with its reader thread running,
+/// and the raw other end, on which a test writes whatever bytes it likes.
+struct Pair {
+    peer: Arc<Peer>,
+    raw: TcpStream,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Pair {
+    fn new(limits: Limits) -> Pair {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let raw = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let peer = Arc::new(
+            Peer::connected(
+                0,
+                RANK,
+                s,
+                Duration::from_secs(10),
+                Arc::new(Aborts::default()),
+                limits,
+            )
+            .unwrap(),
+        );
+        let probe = peer.reader_stream().unwrap().unwrap();
+        let p = peer.clone();
+        let reader = Some(std::thread::spawn(move || p.read_loop(probe)));
+        Pair { peer, raw, reader }
+    }
+
+    fn frame(&mut self, kind: u32, tag: u64, len: u64, payload: &[u8]) {
+        let mut h = FrameHeader {
+            kind: FrameKind::Data,
+            tag,
+            len,
+            meta: [tag as u8; 16],
+        }
+        .encode();
+        h[..4].copy_from_slice(&kind.to_le_bytes());
+        self.raw.write_all(&h).unwrap();
+        self.raw.write_all(payload).unwrap();
+    }
+
+    fn recv(&self, buf: &mut [u8], tag: u64) -> Result<Meta> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        self.peer
+            .recv(buf, tag, deadline, &|| format!("recv tag {tag}"))
+    }
+
+    fn queued_bytes(&self) -> usize {
+        self.peer.lock().queued_bytes
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        let _ = self.raw.shutdown(Shutdown::Both);
+        self.peer.shutdown(Shutdown::Both);
+        if let Some(r) = self.reader.take() {
+            r.join().unwrap();
+        }
+    }
+}
+
+fn limits(max_message: u64, unexpected: usize) -> Limits {
+    Limits {
+        max_message,
+        unexpected,
+    }
+}
+
+/// Issue 10 point 8. Fails before the fix: the guard was disarmed before the wait, so the
+/// receive stayed posted after the panic and the reader wrote the message into `buf`,
+/// whose borrow had ended (here a live `Vec`, so the write is visible, not a crash).
+#[test]
+fn a_receive_whose_wait_unwinds_is_withdrawn() {
+    let mut pair = Pair::new(limits(1 << 30, 1 << 20));
+    let mut buf = vec![0u8; 8];
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        PANIC_IN_WAIT.with(|p| p.set(true));
+        pair.recv(&mut buf, 7)
+    }));
+    assert!(r.is_err(), "the injected panic unwound out of recv");
+    pair.frame(1, 7, 8, &[9; 8]);
+    // The message must now be queued, not written into `buf`.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pair.peer.peek(7).is_none() && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert_eq!(buf, [0; 8], "the reader wrote into a withdrawn buffer");
+    assert_eq!(pair.peer.peek(7), Some((8, [7; 16])));
+    let mut again = [0u8; 8];
+    assert_eq!(pair.recv(&mut again, 7).unwrap(), [7; 16]);
+    assert_eq!(again, [9; 8]);
+}
+
+/// A receive's `during` that panics also withdraws it (this held before the fix too).
+#[test]
+fn a_receive_whose_send_unwinds_is_withdrawn() {
+    let mut pair = Pair::new(limits(1 << 30, 1 << 20));
+    let mut buf = vec![0u8; 8];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        pair.peer
+            .recv_overlapped(&mut buf, 7, deadline, &|| "op".into(), false, |_| {
+                panic!("injected: a panic in the send beside a receive")
+            })
+    }));
+    assert!(r.is_err());
+    pair.frame(1, 7, 8, &[9; 8]);
+    while pair.peer.peek(7).is_none() && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert_eq!(buf, [0; 8]);
+    assert_eq!(pair.peer.peek(7), Some((8, [7; 16])));
+}
+
+/// What a receive from a peer that sent `bytes` fails with.
+fn after(bytes: &[u8], max_message: u64) -> DistError {
+    let mut pair = Pair::new(limits(max_message, 1 << 20));
+    pair.raw.write_all(bytes).unwrap();
+    pair.raw.shutdown(Shutdown::Write).unwrap();
+    let mut buf = [0u8; 4];
+    pair.recv(&mut buf, 3).unwrap_err()
+}
+
+fn header(kind: u32, len: u64) -> Vec<u8> {
+    let mut h = FrameHeader {
+        kind: FrameKind::Data,
+        tag: 3,
+        len,
+        meta: [0; 16],
+    }
+    .encode();
+    h[..4].copy_from_slice(&kind.to_le_bytes());
+    h.to_vec()
+}
+
+fn gone_cause(e: DistError) -> String {
+    match e {
+        DistError::PeerGone {
+            rank, peer, cause, ..
+        } => {
+            assert_eq!((rank, peer), (0, RANK));
+            cause
+        }
+        e => panic!("expected PeerGone, got {e}"),
+    }
+}
+
+/// Issue 10 point 9. Fails before the fix: a 2^47-byte frame was queued with
+/// `vec![0; 2^47]`, which aborts the process (allocation failure), and 2^63 the same.
+#[test]
+fn frames_over_the_cap_are_protocol_errors_naming_the_peer() {
+    for len in [1u64 << 47, 1 << 63, u64::MAX, (1 << 20) + 1] {
+        let cause = gone_cause(after(&header(1, len), 1 << 20));
+        assert!(cause.contains("protocol error from peer 1"), "{cause}");
+        assert!(cause.contains(&format!("{len} bytes")), "{cause}");
+        assert!(cause.contains("limit of 1048576 bytes"), "{cause}");
+    }
+    // An abort notice longer than 64 KiB is refused as well.
+    let cause = gone_cause(after(&header(2, 1 << 20), 1 << 30));
+    assert!(cause.contains("Abort frame of 1048576 bytes"), "{cause}");
+}
+
+#[test]
+fn unknown_kinds_and_truncated_frames_close_the_connection() {
+    let cause = gone_cause(after(&header(9, 4), 1 << 20));
+    assert!(
+        cause.contains("protocol error from peer 1: unknown frame kind 9"),
+        "{cause}"
+    );
+    let cause = gone_cause(after(&header(1, 4)[..17], 1 << 20));
+    assert!(cause.contains("frame header (17 of 40 bytes)"), "{cause}");
+    let mut cut = header(1, 4);
+    cut.extend_from_slice(&[1, 2]);
+    let cause = gone_cause(after(&cut, 1 << 20));
+    assert!(cause.contains("closed mid-message"), "{cause}");
+}
+
+/// Issue 10 point 10, in one process. Fails before the fix: every unexpected message was
+/// queued (`queued_bytes` had no bound; here it reached 16 MiB), and a message larger than
+/// the bound was queued whole.
+#[test]
+fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
+    const LIMIT: usize = 1 << 20;
+    const PIECE: usize = 64 << 10;
+    const COUNT: usize = 256;
+    let mut pair = Pair::new(limits(1 << 30, LIMIT));
+    let mut raw = pair.raw.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        // One message larger than the whole budget, then many small ones.
+        let big: Vec<u8> = (0..4 * LIMIT).map(|i| (i % 251) as u8).collect();
+        let mut h = FrameHeader {
+            kind: FrameKind::Data,
+            tag: 5,
+            len: big.len() as u64,
+            meta: [5; 16],
+        };
+        raw.write_all(&h.encode()).unwrap();
+        raw.write_all(&big).unwrap();
+        h.tag = 6;
+        h.len = PIECE as u64;
+        for k in 0..COUNT {
+            raw.write_all(&h.encode()).unwrap();
+            raw.write_all(&vec![k as u8; PIECE]).unwrap();
+        }
+    });
+    // Let the reader run into the bound while nothing is posted: the writer blocks.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(pair.queued_bytes() <= LIMIT, "{}", pair.queued_bytes());
+    let mut big = vec![0u8; 4 * LIMIT];
+    pair.recv(&mut big, 5).unwrap();
+    assert!(big.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    let mut buf = vec![0u8; PIECE];
+    let mut peak = 0;
+    for k in 0..COUNT {
+        peak = peak.max(pair.queued_bytes());
+        pair.recv(&mut buf, 6).unwrap();
+        assert!(buf.iter().all(|b| *b == k as u8), "message {k}");
+    }
+    assert!(peak <= LIMIT, "{peak}");
+    writer.join().unwrap();
+    pair.frame(1, 6, 0, &[]);
+}
