@@ -272,6 +272,7 @@ fn test() -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     cargo(&["test", "--workspace"])?;
+    check_other_unix()?;
     match bindgen::find_header(None) {
         Some(_) => bindgen::run(&bindgen::Args {
             header: None,
@@ -306,4 +307,37 @@ fn test() -> Result<()> {
         world_sizes: vec![2, 3, 4, 5, 8],
         ..multirank::Args::default()
     })
+}
+
+/// A Unix that is not Linux, whose socket flags differ (MSG_DONTWAIT is Linux's MSG_WAITALL
+/// elsewhere): dist-tcp must build there too. Needs that target's standard library, which
+/// `.ci/run` installs where rustup can fetch it; skipped (and said so) where it cannot.
+const OTHER_UNIX: &str = "x86_64-unknown-freebsd";
+
+fn check_other_unix() -> Result<()> {
+    let installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .current_dir(root())
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.trim() == OTHER_UNIX)
+        })
+        .unwrap_or(false);
+    if !installed {
+        println!(
+            "skipped: cargo check -p dist-tcp --target {OTHER_UNIX} (its standard library is not \
+             installed: rustup target add {OTHER_UNIX})"
+        );
+        return Ok(());
+    }
+    cargo(&[
+        "check",
+        "-p",
+        "dist-tcp",
+        "--all-targets",
+        "--target",
+        OTHER_UNIX,
+    ])
 }
