@@ -21,21 +21,40 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Communicators are created nonblocking, so that no NCCL call can block a thread: init and
-//! every call are polled against their deadline, and the watchdog can always take the
-//! communicator's lock to abort it. After an abort (a timeout, an asynchronous error, or
+//! A communicator forms in NCCL's nonblocking mode, so that init is polled against its deadline,
+//! and is then split into a blocking communicator, whose calls cost what plain NCCL's do. Every
+//! NCCL call on a communicator runs under its lock, one at a time, as NCCL requires; the
+//! watchdog takes the same lock before it aborts, so it never frees a communicator under a
+//! thread that is inside NCCL. After an abort (a timeout, an asynchronous error, or
 //! [`Communicator::abort`]) every call returns [`NcclError::Aborted`].
+//!
+//! Calls fused into one launch go through a [`Group`] ([`Communicator::group`], [`group()`]),
+//! which borrows their buffers until the launch.
+//!
+//! What is not bounded: on the blocking communicator, a call that NCCL blocks inside (the
+//! first call that connects to a peer, a group's end, a split) waits for that peer; if the peer
+//! never makes the matching call, the thread stays inside NCCL and the watchdog only reports
+//! it (aborting under it is not allowed). [`CommConfig::nonblocking_calls`] makes every call
+//! return at once and be polled against the timeout, at tens of µs per call.
 
 #![warn(missing_docs)]
 
-mod comm;
+mod communicator;
 mod error;
+mod group;
+mod id;
+mod ops;
+mod shared;
 mod types;
+mod watchdog;
 
-pub use comm::{CommConfig, Communicator, Group, Ops, UniqueId};
+pub use communicator::{CommConfig, Communicator};
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
-pub use types::{F8E4M3, F8E5M2, NcclType};
+pub use group::{Group, GroupOps, group};
+pub use id::UniqueId;
+pub use ops::Ops;
+pub use types::{F8E4M3, F8E5M2, NcclType, nccl_size};
 
 /// Whether a CUDA device can be used here: the driver loads and reports at least one device.
 /// Tests and benchmarks use it to skip themselves on machines without a GPU.
