@@ -481,7 +481,11 @@ impl Communicator {
             if self.sync_event.is_complete() {
                 return Ok(());
             }
-            if let Some(why) = &self.shared.lock().aborted {
+            // try_lock: a call another thread has inside NCCL must not hold this wait past its
+            // deadline.
+            if let Some(st) = self.shared.try_lock()
+                && let Some(why) = &st.aborted
+            {
                 return Err(self.shared.aborted_error("synchronize", why));
             }
             if started.elapsed() > self.shared.timeout + WATCH_EVERY * 10 {
@@ -567,6 +571,15 @@ impl Drop for Communicator {
         self.shared.wake.notify_all();
         if let Some(w) = self.watchdog.take() {
             let _ = w.join();
+        }
+        if crate::group::in_group() {
+            // This thread has a group open (over other communicators): finalize or abort now
+            // would be recorded into that group. Leaking the communicator is the safe choice.
+            tracing::error!(
+                comm = %self.shared.who,
+                "dropped inside another communicator's group; leaking it instead of calling NCCL"
+            );
+            return;
         }
         let limit = self.shared.timeout.min(Duration::from_secs(30));
         let drained = self.drain(Instant::now() + limit);
