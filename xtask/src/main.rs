@@ -87,7 +87,8 @@ struct PerfArgs {
     /// Timed iterations per size (default: by size, 5 to 1000).
     #[arg(long)]
     iters: Option<usize>,
-    /// nccl: also time a bare ncclAllReduce loop in the same program.
+    /// nccl: also time a bare NCCL loop of the op (all_reduce, all_gather, reduce_scatter,
+    /// broadcast, sendrecv) beside dist-nccl's, 3 rounds, in the same program.
     #[arg(long)]
     bare: bool,
 }
