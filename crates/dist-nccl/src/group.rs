@@ -73,7 +73,7 @@ use dist_nccl_sys::ncclResult_t;
 use crate::communicator::Communicator;
 use crate::error::{NcclError, Result};
 use crate::ops::{Guards, Ops};
-use crate::shared::nccl_error;
+use crate::shared::{nccl_error, sym};
 
 thread_local! {
     /// Whether this thread has a group open (dist refuses to nest them, and refuses calls that
@@ -176,11 +176,8 @@ pub fn group<'buf, R>(
             }
         }
     }
-    let start = match first
-        .shared
-        .nccl
-        .get("ncclGroupStart", &first.shared.nccl.raw().ncclGroupStart)
-    {
+    let nccl = &first.shared.nccl;
+    let start = match sym(nccl, "ncclGroupStart", &nccl.raw().ncclGroupStart) {
         // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state.
         Ok(f) => match unsafe { f() } {
             ncclResult_t::ncclSuccess => Ok(()),
@@ -192,7 +189,7 @@ pub fn group<'buf, R>(
                 None,
             )),
         },
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     };
     if let Err(e) = start {
         for c in &unique {
@@ -276,10 +273,7 @@ impl<'buf> Group<'buf> {
         IN_GROUP.with(|g| g.set(false));
         let first = &self.comms[0].shared;
         let mut states: Vec<_> = self.comms.iter().map(|c| c.shared.lock()).collect();
-        let r = match first
-            .nccl
-            .get("ncclGroupEnd", &first.nccl.raw().ncclGroupEnd)
-        {
+        let r = match sym(&first.nccl, "ncclGroupEnd", &first.nccl.raw().ncclGroupEnd) {
             // SAFETY: this thread opened the group (ncclGroupStart in `group`, and a Group never
             // leaves its thread); every communicator recorded in it is live: each was live when
             // the group took it, and an abort is deferred while the group owns it (`owner`);
@@ -289,7 +283,7 @@ impl<'buf> Group<'buf> {
                 for (c, st) in self.comms.iter().zip(states.iter_mut()) {
                     c.shared.release(st);
                 }
-                return Err(e.into());
+                return Err(e);
             }
         };
         let mut result = Ok(());

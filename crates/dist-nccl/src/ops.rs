@@ -106,16 +106,12 @@ pub(crate) fn builtin_op(op: ReduceOp) -> std::result::Result<Option<u32>, Strin
     }
 }
 
-/// The function NCCL exports as `name`: a field of the table loaded once, so no lookup per
-/// call; a missing one is the loader's error naming it and the version it needs.
 fn sym<'n, F>(
     shared: &'n Shared,
     name: &'static str,
     field: &'n std::result::Result<F, libloading::Error>,
 ) -> Result<&'n F> {
-    field
-        .as_ref()
-        .or_else(|_| shared.nccl.get(name, field).map_err(NcclError::from))
+    crate::shared::sym(&shared.nccl, name, field)
 }
 
 impl<'a> Ops<'a> {

@@ -62,6 +62,9 @@ pub(crate) struct State {
     /// group to end, and an abort meanwhile is deferred into `deferred`.
     pub(crate) owner: Option<ThreadId>,
     pub(crate) deferred: Option<Abort>,
+    /// Threads waiting for a group to release the communicator (notified only when some are,
+    /// so a group's end costs no futex wake when none waits).
+    waiters: usize,
     /// The last call enqueued, for timeout messages.
     pub(crate) last_op: &'static str,
     /// Every stream work was enqueued on; the first is the communicator's own.
@@ -101,6 +104,7 @@ impl Shared {
                 aborted: None,
                 owner: None,
                 deferred: None,
+                waiters: 0,
                 last_op: "none",
                 streams: vec![Used {
                     stream: stream.clone(),
@@ -163,11 +167,13 @@ impl Shared {
                         waited: started.elapsed(),
                     });
                 }
+                st.waiters += 1;
                 st = self
                     .freed
                     .wait_timeout(st, left)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
+                st.waiters -= 1;
             }
         }
         if let Some(why) = &st.aborted {
@@ -182,7 +188,9 @@ impl Shared {
         if let Some(why) = st.deferred.take() {
             self.abort_locked(st, why);
         }
-        self.freed.notify_all();
+        if st.waiters > 0 {
+            self.freed.notify_all();
+        }
     }
 
     /// Runs one NCCL call on the live communicator, under the lock, and settles an
@@ -261,6 +269,18 @@ impl Shared {
         }
         st.aborted = Some(why);
     }
+}
+
+/// The function NCCL exports as `name`: a field of the table loaded once, so no lookup per
+/// call; a missing one is the loader's error naming it and the version it needs.
+pub(crate) fn sym<'n, F>(
+    nccl: &'n Nccl,
+    name: &'static str,
+    field: &'n std::result::Result<F, libloading::Error>,
+) -> Result<&'n F> {
+    field
+        .as_ref()
+        .or_else(|_| nccl.get(name, field).map_err(NcclError::from))
 }
 
 pub(crate) fn error_text(nccl: &Nccl, r: ncclResult_t) -> String {
