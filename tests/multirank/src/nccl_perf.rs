@@ -76,6 +76,17 @@ fn main() -> ExitCode {
     }
     tcp.broadcast(&mut id, 0).unwrap();
     let ctx = CudaContext::new(device).unwrap_or_else(|e| panic!("{e}"));
+    // `DIST_PERF_NO_EVENT_TRACKING=1`: buffers without cudarc's per-buffer events, to tell
+    // dist-nccl's own per-call cost from the stream waits and records cudarc adds to each call
+    // (the bare loop has neither).
+    let untracked = std::env::var_os("DIST_PERF_NO_EVENT_TRACKING").is_some_and(|v| v == "1");
+    if untracked {
+        // SAFETY: every buffer this program allocates afterwards is used only on the
+        // communicator's own stream (dist's loop) or only on the bare loop's stream, each of
+        // which orders its own work; the two loops never share a buffer, and each loop's stream
+        // is synchronized before the other runs or the buffers are read back.
+        unsafe { ctx.disable_event_tracking() };
+    }
     let comm = Communicator::init_rank(
         nccl.clone(),
         &ctx,
@@ -94,10 +105,15 @@ fn main() -> ExitCode {
         .then(|| Bare::new(&tcp, &nccl, &ctx, &id[128..], o.max, o.op));
     if me == 0 {
         perf_header(&format!(
-            "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}",
+            "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}{}",
             o.op,
             dist_nccl_sys::version_string(nccl.version()),
-            nccl.path()
+            nccl.path(),
+            if untracked {
+                ", buffers without cudarc event tracking"
+            } else {
+                ""
+            }
         ));
     }
     for size in o.sizes() {
