@@ -455,13 +455,12 @@ impl Communicator {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): work in flight is cancelled and every later
-    /// call fails with [`NcclError::Aborted`]. It waits for a call another thread has inside
-    /// NCCL to return, and while a group is open over the communicator the abort happens at the
-    /// group's end.
+    /// call fails with [`NcclError::Aborted`]. Never waits: while another thread is inside an
+    /// NCCL call on it, the abort happens as soon as that call returns (NCCL does not allow it
+    /// under the call), and while a group is open over it, at the group's end.
     #[doc(alias = "ncclCommAbort")]
     pub fn abort(&self) {
-        let mut st = self.shared.lock();
-        self.shared.abort_locked(&mut st, Abort::User);
+        self.shared.request_abort(Abort::User);
     }
 
     /// Waits until everything enqueued on the communicator's stream so far has completed, or
@@ -489,15 +488,13 @@ impl Communicator {
                 return Err(self.shared.aborted_error("synchronize", why));
             }
             if started.elapsed() > self.shared.timeout + WATCH_EVERY * 10 {
-                // The watchdog should have acted by now; do it here if no call is inside NCCL
-                // (else the abort would be under it) and no group is open (then it is deferred).
+                // The watchdog should have acted by now; do it here (at once if no call is
+                // inside NCCL, else when that call returns; deferred while a group is open).
                 let why = Abort::Timeout {
                     op: "synchronize".into(),
                     waited: started.elapsed(),
                 };
-                if let Some(mut st) = self.shared.try_lock() {
-                    self.shared.abort_locked(&mut st, why.clone());
-                }
+                self.shared.request_abort(why.clone());
                 return Err(self.shared.aborted_error("synchronize", &why));
             }
             spins += 1;

@@ -6,7 +6,7 @@ use crate::error::{NcclError, Result};
 use crate::shared::nccl_error;
 
 /// The 128 opaque bytes that let ranks find each other. Rank 0 makes one and every rank passes
-/// the same one to [`Communicator::init_rank`]; move it as bytes (over TCP, through the
+/// the same one to [`crate::Communicator::init_rank`]; move it as bytes (over TCP, through the
 /// launcher...).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct UniqueId([u8; 128]);

@@ -20,6 +20,7 @@
 //!   communicator until `ncclGroupEnd`): then the abort is deferred to the group's end.
 
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -87,6 +88,10 @@ pub(crate) struct Shared {
     pub(crate) stop: Mutex<bool>,
     pub(crate) wake: Condvar,
     pub(crate) stream: Arc<CudaStream>,
+    /// An abort asked for while a thread was inside NCCL (holding the lock): whoever takes the
+    /// lock next applies it, so asking never waits behind a call.
+    requested: Mutex<Option<Abort>>,
+    requested_any: AtomicBool,
 }
 
 impl Shared {
@@ -117,6 +122,44 @@ impl Shared {
             stop: Mutex::new(false),
             wake: Condvar::new(),
             stream,
+            requested: Mutex::new(None),
+            requested_any: AtomicBool::new(false),
+        }
+    }
+
+    /// Aborts now if no thread is inside NCCL on the communicator; else records the abort for
+    /// whoever takes the lock next (the call's own thread, another caller or the watchdog), so
+    /// that it never waits behind a call.
+    pub(crate) fn request_abort(&self, why: Abort) {
+        match self.try_lock() {
+            Some(mut st) => self.abort_locked(&mut st, why),
+            None => {
+                {
+                    // The flag changes only with `requested` locked, so it never disagrees
+                    // with what is stored there.
+                    let mut r = self.requested.lock().unwrap_or_else(|p| p.into_inner());
+                    r.get_or_insert(why);
+                    self.requested_any.store(true, Ordering::Release);
+                }
+                // The holder may have released the lock meanwhile: apply it if we can now.
+                if let Some(mut st) = self.try_lock() {
+                    self.apply_requested(&mut st);
+                }
+            }
+        }
+    }
+
+    /// Applies an abort asked for while the lock was held (see `request_abort`).
+    pub(crate) fn apply_requested(&self, st: &mut State) {
+        if self.requested_any.load(Ordering::Acquire) {
+            let why = {
+                let mut r = self.requested.lock().unwrap_or_else(|p| p.into_inner());
+                self.requested_any.store(false, Ordering::Release);
+                r.take()
+            };
+            if let Some(why) = why {
+                self.abort_locked(st, why);
+            }
         }
     }
 
@@ -154,6 +197,7 @@ impl Shared {
     /// group holds the communicator, and refuses once it was aborted.
     pub(crate) fn lock_for_call(&self, op: &str) -> Result<MutexGuard<'_, State>> {
         let mut st = self.lock();
+        self.apply_requested(&mut st);
         if let Some(owner) = st.owner
             && owner != std::thread::current().id()
         {

@@ -5,7 +5,9 @@
 //! It never aborts under a thread that is inside NCCL: it takes the communicator's lock first,
 //! and every NCCL call on the communicator runs with that lock held (see `shared.rs`). It
 //! notices a call that stays inside NCCL (holding the lock) for the whole timeout only by
-//! failing to take the lock; it then logs the call, once, and keeps waiting.
+//! failing to take the lock; it then logs it, once (a call that returns was not dead; one that
+//! never returns cannot be aborted under). An abort asked for meanwhile ([`Shared::request_abort`])
+//! is applied by the first to take the lock, the watchdog included.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,6 +65,7 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
                 continue;
             }
         };
+        shared.apply_requested(&mut st);
         if st.aborted.is_some() {
             return;
         }
