@@ -39,6 +39,8 @@
 
 #![warn(missing_docs)]
 
+mod args;
+mod calls;
 mod communicator;
 mod error;
 mod group;

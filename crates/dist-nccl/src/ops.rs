@@ -11,6 +11,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop}
 use dist_core::ReduceOp;
 use dist_nccl_sys::{cudaStream_t, ncclComm_t, ncclRedOp_t, ncclResult_t, ncclScalarResidence_t};
 
+use crate::args::{RedOp, builtin_op, len_ok, rank_ok};
 use crate::communicator::Communicator;
 use crate::error::{NcclError, Result};
 use crate::shared::{Shared, Used};
@@ -46,63 +47,6 @@ impl<'b> Guards<'b> {
     }
     fn two(a: SyncOnDrop<'b>, b: SyncOnDrop<'b>) -> Guards<'b> {
         Guards(Some(a), Some(b))
-    }
-}
-
-/// A reduce op as NCCL takes it; a `PreMulSum` op is created for the call and destroyed after
-/// (NCCL allows that as soon as the call that uses it has returned).
-struct RedOp<'a> {
-    op: ncclRedOp_t,
-    premul: Option<&'a Shared>,
-}
-
-impl Drop for RedOp<'_> {
-    fn drop(&mut self) {
-        if let Some(shared) = self.premul
-            && let Ok(f) = shared
-                .nccl
-                .get("ncclRedOpDestroy", &shared.nccl.raw().ncclRedOpDestroy)
-        {
-            let op = self.op;
-            // SAFETY: the op was created on this communicator, which `call` uses only while
-            // live and under its lock; the call that used the op has returned.
-            let r = shared.call("destroy a PreMulSum op", |c| unsafe { f(op, c) });
-            if let Err(e) = r {
-                tracing::debug!(comm = %shared.who, error = %e, "ncclRedOpDestroy");
-            }
-        }
-    }
-}
-
-/// `got` elements where `want` are needed, or why not.
-pub(crate) fn len_ok(what: &str, got: usize, want: usize) -> std::result::Result<(), String> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(format!("{what} has {got} elements, expected {want}"))
-    }
-}
-
-/// A rank (root or peer) in `0..size`, as NCCL's `int`.
-pub(crate) fn rank_ok(what: &str, r: usize, size: usize) -> std::result::Result<i32, String> {
-    if r < size && r <= i32::MAX as usize {
-        Ok(r as i32)
-    } else {
-        Err(format!("{what} {r} is out of range for {size} ranks"))
-    }
-}
-
-/// NCCL's code for a built-in op; `None` for `PreMulSum`, which is created per call; an error
-/// for the ops NCCL does not have.
-pub(crate) fn builtin_op(op: ReduceOp) -> std::result::Result<Option<u32>, String> {
-    match op {
-        ReduceOp::Sum => Ok(Some(0)),
-        ReduceOp::Prod => Ok(Some(1)),
-        ReduceOp::Max => Ok(Some(2)),
-        ReduceOp::Min => Ok(Some(3)),
-        ReduceOp::Avg => Ok(Some(4)),
-        ReduceOp::PreMulSum(_) => Ok(None),
-        other => Err(format!("NCCL has no reduce op {}", other.name())),
     }
 }
 
@@ -672,125 +616,5 @@ impl<'a> Ops<'a> {
                 format!("{k} elements × {} ranks overflows", self.comm.size),
             )
         })
-    }
-}
-
-/// Each call once, as [`Ops`] (launched at once), as [`crate::GroupOps`] and [`crate::Group`]
-/// (recorded, launched at the group's end; the buffers are borrowed until then), and on the
-/// communicator's own stream.
-macro_rules! calls {
-    ($($(#[$m:meta])* fn $name:ident / $core:ident ($($arg:ident: $ty:ty),*);)*) => {
-        impl Ops<'_> {
-            $(
-                $(#[$m])*
-                pub fn $name<'x, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
-                    self.$core($($arg),*).map(drop)
-                }
-            )*
-        }
-
-        impl<'buf> crate::group::GroupOps<'_, 'buf> {
-            $(
-                $(#[$m])*
-                ///
-                /// Recorded in the group and launched at its end; the buffers stay borrowed
-                /// until then.
-                pub fn $name<'x: 'buf, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
-                    let guards = self.ops.$core($($arg),*)?;
-                    self.group.keep(guards);
-                    Ok(())
-                }
-            )*
-        }
-
-        impl<'buf> crate::group::Group<'buf> {
-            $(
-                $(#[$m])*
-                ///
-                /// On the group's first communicator and its own stream; recorded and launched
-                /// at the group's end, the buffers borrowed until then.
-                pub fn $name<'x: 'buf, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
-                    self.first().$name($($arg),*)
-                }
-            )*
-        }
-
-        impl Communicator {
-            $(
-                $(#[$m])*
-                ///
-                /// On the communicator's own stream.
-                pub fn $name<'x, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
-                    self.ops().$name($($arg),*)
-                }
-            )*
-        }
-    };
-}
-
-calls! {
-    /// Reduces `send` over all ranks with `op` into `recv` (same length).
-    #[doc(alias = "ncclAllReduce")]
-    fn all_reduce / all_reduce_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>, op: ReduceOp);
-    /// All-reduce in place.
-    #[doc(alias = "ncclAllReduce")]
-    fn all_reduce_in_place / all_reduce_in_place_g(buf: &'x mut CudaSlice<T>, op: ReduceOp);
-    /// Copies `buf` on `root` into `buf` on every rank.
-    #[doc(alias = "ncclBroadcast")]
-    fn broadcast / broadcast_g(buf: &'x mut CudaSlice<T>, root: usize);
-    /// Reduces `send` over all ranks into `recv` on `root` (`recv` is required there, of the
-    /// same length, and ignored elsewhere).
-    #[doc(alias = "ncclReduce")]
-    fn reduce / reduce_g(send: &'x CudaSlice<T>, recv: Option<&'x mut CudaSlice<T>>, op: ReduceOp, root: usize);
-    /// Every rank's `send` (length k) in rank order into `recv` (k × size).
-    #[doc(alias = "ncclAllGather")]
-    fn all_gather / all_gather_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>);
-    /// Reduces `send` (k × size) over all ranks and leaves block `rank` in `recv` (k).
-    #[doc(alias = "ncclReduceScatter")]
-    fn reduce_scatter / reduce_scatter_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>, op: ReduceOp);
-    /// Block j of `send` (k × size) to rank j, landing in block `rank` of its `recv`
-    /// (NCCL 2.28 or newer).
-    #[doc(alias = "ncclAlltoAll")]
-    fn all_to_all / all_to_all_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>);
-    /// Every rank's `send` (k) in rank order into `recv` (k × size) on `root` (NCCL 2.28+).
-    #[doc(alias = "ncclGather")]
-    fn gather / gather_g(send: &'x CudaSlice<T>, recv: Option<&'x mut CudaSlice<T>>, root: usize);
-    /// Block r of `send` (k × size) on `root` into rank r's `recv` (k) (NCCL 2.28+).
-    #[doc(alias = "ncclScatter")]
-    fn scatter / scatter_g(send: Option<&'x CudaSlice<T>>, recv: &'x mut CudaSlice<T>, root: usize);
-    /// Sends `buf` to `peer`, which must post a matching `recv`.
-    #[doc(alias = "ncclSend")]
-    fn send / send_g(buf: &'x CudaSlice<T>, peer: usize);
-    /// Receives into `buf` from `peer`.
-    #[doc(alias = "ncclRecv")]
-    fn recv / recv_g(buf: &'x mut CudaSlice<T>, peer: usize);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn argument_checks_without_a_gpu() {
-        assert_eq!(len_ok("recv", 20, 20), Ok(()));
-        assert_eq!(
-            len_ok("recv", 21, 20).unwrap_err(),
-            "recv has 21 elements, expected 20"
-        );
-        assert_eq!(rank_ok("root", 1, 2), Ok(1));
-        assert_eq!(
-            rank_ok("peer", 2, 2).unwrap_err(),
-            "peer 2 is out of range for 2 ranks"
-        );
-        assert_eq!(builtin_op(ReduceOp::Min), Ok(Some(3)));
-        assert_eq!(builtin_op(ReduceOp::Avg), Ok(Some(4)));
-        assert_eq!(builtin_op(ReduceOp::PreMulSum(0.5)), Ok(None));
-        assert_eq!(
-            builtin_op(ReduceOp::BitXor).unwrap_err(),
-            "NCCL has no reduce op bxor"
-        );
-        // The values NCCL's header gives these ops.
-        assert_eq!(dist_nccl_sys::ncclRedOp_t::ncclMin.0, 3);
-        assert_eq!(dist_nccl_sys::ncclRedOp_t::ncclAvg.0, 4);
     }
 }
