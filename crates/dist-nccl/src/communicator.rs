@@ -135,7 +135,8 @@ impl Communicator {
             .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
         let mut conf = config(&nccl, &cfg, name.as_ref(), false);
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call; NCCL copies the config and the name.
+        // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
+        // it points to stays alive as long as the communicator (kept in `Communicator::_name`).
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
         if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
             return Err(nccl_error(&nccl, &who, "ncclCommInitRankConfig", r, None));

@@ -215,7 +215,8 @@ impl<'a> Ops<'a> {
         let (s, gs) = send.device_ptr(stream);
         let (r, gr) = recv.device_ptr_mut(stream);
         // SAFETY: both buffers belong to this communicator's context and hold `n` elements of
-        // T, whose size is NCCL's for T::NCCL (checked above); cudarc made the stream wait for
+        // T, whose size is NCCL's for T::NCCL (checked by `enqueue` before the call runs);
+        // cudarc made the stream wait for
         // their earlier uses, and the guards returned keep them borrowed until the call has
         // launched (at once here, or at the group's end).
         self.enqueue::<T>(OP, |c, st| unsafe {
