@@ -216,9 +216,8 @@ impl<'a> Ops<'a> {
         let (r, gr) = recv.device_ptr_mut(stream);
         // SAFETY: both buffers belong to this communicator's context and hold `n` elements of
         // T, whose size is NCCL's for T::NCCL (checked by `enqueue` before the call runs);
-        // cudarc made the stream wait for
-        // their earlier uses, and the guards returned keep them borrowed until the call has
-        // launched (at once here, or at the group's end).
+        // cudarc made the stream wait for their earlier uses, and the guards returned keep them
+        // borrowed until the call has launched (at once here, or at the group's end).
         self.enqueue::<T>(OP, |c, st| unsafe {
             f(
                 s as *const c_void,
