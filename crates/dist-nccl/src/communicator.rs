@@ -258,13 +258,33 @@ impl Communicator {
 
     /// Splits this communicator: ranks passing the same `color` form a new one, ordered by
     /// `key` (then by rank). Every rank of this communicator must call it, within the init
-    /// deadline of `cfg`.
+    /// deadline of `cfg`: a rank whose peers never call it gets [`NcclError::Timeout`] naming
+    /// `split` by then, and this communicator stays usable.
+    ///
+    /// Bounded: NCCL blocks inside `ncclCommSplit` until every rank joins when the new
+    /// communicator is blocking, so the split always makes a nonblocking one (NCCL's
+    /// `blocking = 0` asks it "to never block in any NCCL call", and "if any NCCL function
+    /// returns ncclInProgress, users must query the communicator state until it becomes
+    /// ncclSuccess": NCCL user guide, Communicators, and ncclCommGetAsyncError), polled against
+    /// the deadline and aborted at it with no thread of ours inside a call on it. Unless
+    /// [`CommConfig::nonblocking_calls`], that one is then split (color 0, same order) into the
+    /// blocking communicator returned, as [`Communicator::init_rank`] does, after every rank
+    /// has joined.
     #[doc(alias = "ncclCommSplit")]
     pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
-        let blocking = !cfg.nonblocking_calls;
-        self.split_mode(color, key, cfg, blocking)
+        let formed = self.split_mode(color, key, cfg.clone(), false)?;
+        if cfg.nonblocking_calls {
+            return Ok(formed);
+        }
+        let rank = formed.rank as i32;
+        let child = formed.split_mode(0, rank, cfg, true)?;
+        drop(formed);
+        Ok(child)
     }
 
+    /// `ncclCommSplit` into a communicator of the given mode. The parent's lock is held until
+    /// the child is ready or given up on: NCCL's thread that forms the child uses the parent
+    /// (its bootstrap) meanwhile, so no other call may run on the parent.
     fn split_mode(
         &self,
         color: u32,
@@ -272,13 +292,14 @@ impl Communicator {
         cfg: CommConfig,
         blocking: bool,
     ) -> Result<Communicator> {
+        const OP: &str = "split";
         let nccl = self.shared.nccl.clone();
         let f = nccl.get("ncclCommSplit", &nccl.raw().ncclCommSplit)?;
         if color > i32::MAX as u32 {
-            return Err(self.invalid("split", format!("color {color} is over 2^31-1")));
+            return Err(self.invalid(OP, format!("color {color} is over 2^31-1")));
         }
         if crate::group::in_group() {
-            return Err(self.invalid("split", "not inside a group".into()));
+            return Err(self.invalid(OP, "not inside a group".into()));
         }
         let name = cfg
             .name
@@ -291,48 +312,76 @@ impl Communicator {
         // is still allocated.
         let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
         let slot_ptr: *mut ncclComm_t = slot.as_ptr();
-        self.shared.call("split", |c| {
-            // SAFETY: `c` is live and no other thread is inside NCCL on it (`call` holds its
-            // lock and checked `aborted`); the slot is valid, aligned memory for one handle that
-            // outlives any write NCCL makes to it (see above); the config and name are valid
-            // for the call, and NCCL copies them.
-            unsafe { f(c, color as i32, key, slot_ptr, &mut conf) }
-        })?;
+        let mut parent = self.shared.lock_for_call(OP)?;
+        // SAFETY: `parent.comm` is live (`lock_for_call` checked `aborted`) and no other thread
+        // is inside NCCL on it (we hold its lock, until the child is ready); the slot is valid,
+        // aligned memory for one handle that outlives any write NCCL makes to it (see above);
+        // the config and name are valid for the call, and NCCL copies them.
+        let r = unsafe { f(parent.comm, color as i32, key, slot_ptr, &mut conf) };
+        self.shared.settle(&mut parent, OP, r)?;
         let started = Instant::now();
         let new = loop {
             let v = slot.load(Ordering::Acquire);
             if !v.is_null() {
                 break v;
             }
-            if let Some(e) = self.async_error() {
-                Box::leak(slot);
-                return Err(e);
-            }
             if started.elapsed() > cfg.init_timeout {
+                // NCCL's thread may still write the slot and use the parent: the parent is
+                // given up too (aborted here, under its lock, no thread of ours inside it).
                 Box::leak(slot);
                 let why = Abort::Timeout {
-                    op: "split".into(),
+                    op: OP.into(),
                     waited: started.elapsed(),
                 };
-                let mut st = self.shared.lock();
-                self.shared.abort_locked(&mut st, why.clone());
-                return Err(self.shared.aborted_error("split", &why));
+                self.shared.abort_locked(&mut parent, why.clone());
+                return Err(self.shared.aborted_error(OP, &why));
             }
             std::thread::yield_now();
         };
         // The handle is ours now (NCCL wrote the slot once); the slot is freed with `slot`.
         drop(slot);
+        let who = format!(
+            "nccl comm {}(split {color} of {})",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |x| format!("'{x}' ")),
+            self.shared.who
+        );
+        // The child forms in NCCL's thread (nonblocking) or has formed (blocking): wait for it
+        // within the deadline, aborting it at the deadline (no thread of ours is inside a call
+        // on it: no one else has it yet).
+        let ready = Shared::new(
+            nccl.clone(),
+            new,
+            who.clone(),
+            cfg.timeout,
+            self.shared.stream.clone(),
+        );
+        {
+            let mut st = ready.lock();
+            let left = cfg.init_timeout.saturating_sub(started.elapsed());
+            if let Err(e) = ready.wait_ready(&mut st, OP, left) {
+                ready.abort_locked(&mut st, Abort::Error(e.to_string()));
+                return Err(e);
+            }
+        }
+        drop(parent);
         let (count, rank) = (
             nccl.get("ncclCommCount", &nccl.raw().ncclCommCount)?,
             nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank)?,
         );
+        let abort_new = |e: NcclError| {
+            ready.abort_locked(&mut ready.lock(), Abort::Error(e.to_string()));
+            e
+        };
         let stream = self
             .ctx
             .new_stream()
-            .map_err(cuda(&self.shared.who, "create a stream"))?;
+            .map_err(cuda(&self.shared.who, "create a stream"))
+            .map_err(abort_new)?;
         let (mut n, mut r) = (0i32, 0i32);
-        // SAFETY: `new` is a communicator NCCL handed back, used by this thread only (no one
-        // else has it yet); the pointers are valid for one int each.
+        // SAFETY: `new` is a ready communicator NCCL handed back, used by this thread only (no
+        // one else has it yet); the pointers are valid for one int each.
         let (a, b) = unsafe { (count(new, &mut n), rank(new, &mut r)) };
         let who = format!(
             "nccl comm {}rank {r}/{n} on cuda:{} (split {color} of {})",
@@ -344,12 +393,10 @@ impl Communicator {
         );
         if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
             let e = nccl_error(&nccl, &who, "query the split communicator", bad, Some(new));
-            if let Ok(abort) = nccl.get("ncclCommAbort", &nccl.raw().ncclCommAbort) {
-                // SAFETY: `new` is live and no other thread has it; it is not used again.
-                let _ = unsafe { abort(new) };
-            }
-            return Err(e);
+            return Err(abort_new(e));
         }
+        // `ready` only waited: `finish` owns the handle from here.
+        drop(ready);
         Self::finish(
             nccl,
             self.ctx.clone(),

@@ -716,6 +716,49 @@ fn drop_bounded() -> Result<(), String> {
     Ok(())
 }
 
+/// A split the last rank never joins: the others' `split` returns `Timeout` naming the split by
+/// its init deadline (plus polling slack), with no thread left inside NCCL. On main the split
+/// made a blocking communicator and NCCL blocked inside `ncclCommSplit` until every rank joined:
+/// this case hung there (the watchdog could only log it).
+fn split_absent() -> Result<(), String> {
+    let r = rig(Duration::from_secs(30))?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let deadline = Duration::from_secs(3);
+    if me + 1 < n {
+        let t = Instant::now();
+        let got = r.comm.split(
+            0,
+            me as i32,
+            CommConfig {
+                init_timeout: deadline,
+                ..CommConfig::default()
+            },
+        );
+        let took = t.elapsed();
+        let e = match got {
+            Ok(_) => panic!("rank {me}: split succeeded without rank {}", n - 1),
+            Err(e) => e,
+        };
+        println!("rank {me}: split without rank {} failed after {took:.1?}: {e}", n - 1);
+        let text = e.to_string();
+        assert!(
+            matches!(e, dist_nccl::NcclError::Timeout { .. }) && text.contains("split"),
+            "rank {me}: want a split timeout, got: {text}"
+        );
+        assert!(
+            took < deadline + Duration::from_secs(3),
+            "rank {me}: split took {took:?} with an init deadline of {deadline:?}"
+        );
+    } else {
+        println!("rank {me}: never joining the split");
+    }
+    r.tcp.barrier().unwrap();
+    // The parent's bootstrap may hold the half-done split's messages: end it by abort.
+    r.comm.abort();
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
 const CASES: &[Case] = &[
     ("nccl_collectives", collectives),
     ("nccl_collectives_socket", collectives_socket),
@@ -727,6 +770,7 @@ const CASES: &[Case] = &[
     ("nccl_threads", threads),
     ("nccl_group_paths", group_paths),
     ("nccl_drop_bounded", drop_bounded),
+    ("nccl_split_absent", split_absent),
 ];
 
 fn main() -> ExitCode {
