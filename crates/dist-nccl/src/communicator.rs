@@ -3,7 +3,6 @@
 
 use std::ffi::CString;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicPtr, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -15,6 +14,7 @@ use crate::group::Group;
 use crate::id::UniqueId;
 use crate::ops::Ops;
 use crate::shared::{Abort, Shared, cuda, nccl_error};
+use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
 
 /// How to create a communicator.
@@ -128,30 +128,26 @@ impl Communicator {
         let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
         ctx.bind_to_thread()
             .map_err(cuda(&who, "bind the CUDA context"))?;
-        let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
-        let name = cfg
-            .name
-            .as_ref()
-            .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
+        let name = split::c_name(cfg.name.as_ref());
         let mut conf = config(&nccl, &cfg, name.as_ref(), false);
         let mut comm: ncclComm_t = std::ptr::null_mut();
+        let started = Instant::now();
         // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
         // it points to stays alive as long as the communicator (kept in `Communicator::_name`).
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
         if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
             return Err(nccl_error(&nccl, &who, "ncclCommInitRankConfig", r, None));
         }
-        let formed = Self::finish(nccl, ctx.clone(), stream, comm, rank, size, who, name, &cfg)?;
-        if cfg.nonblocking_calls {
-            return Ok(formed);
-        }
-        // The communicator formed in nonblocking mode, so that init had a deadline and could be
-        // aborted. Calls on a nonblocking communicator each go through an NCCL thread (tens of
-        // µs); a blocking child with the same ranks (split, color 0, same order) makes them as
-        // cheap as plain NCCL. The watchdog can still abort a call that blocks.
-        let child = formed.split_mode(0, rank as i32, cfg, true)?;
-        drop(formed);
-        Ok(child)
+        // The communicator forms in nonblocking mode, so that init has a deadline and can be
+        // aborted; it is kept for splits, which then have a deadline too.
+        split::wait_handle(&nccl, comm, &who, "init", started, cfg.init_timeout)?;
+        let base = format!(
+            "nccl comm {}",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |n| format!("'{n}' "))
+        );
+        Self::from_nonblocking(nccl, ctx.clone(), comm, base, name, &cfg)
     }
 
     /// One process driving several GPUs (`ncclCommInitAll`): a communicator per device of
@@ -193,6 +189,7 @@ impl Communicator {
                 ctx,
                 stream,
                 comm,
+                None,
                 i,
                 n,
                 name,
@@ -209,6 +206,7 @@ impl Communicator {
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
         comm: ncclComm_t,
+        nb: Option<ncclComm_t>,
         rank: usize,
         size: usize,
         who: String,
@@ -218,6 +216,7 @@ impl Communicator {
         let shared = Arc::new(Shared::new(nccl, comm, who.clone(), cfg.timeout, stream));
         {
             let mut st = shared.lock();
+            st.nb = nb.unwrap_or(std::ptr::null_mut());
             if let Err(e) = shared.wait_ready(&mut st, "init", cfg.init_timeout) {
                 shared.abort_locked(&mut st, Abort::Error(e.to_string()));
                 return Err(e);
@@ -258,88 +257,25 @@ impl Communicator {
 
     /// Splits this communicator: ranks passing the same `color` form a new one, ordered by
     /// `key` (then by rank). Every rank of this communicator must call it, within the init
-    /// deadline of `cfg`: a rank whose peers never call it gets [`NcclError::Timeout`] naming
-    /// `split` by then, and this communicator stays usable.
+    /// deadline of `cfg`: where a peer never does, the split returns [`NcclError::Timeout`]
+    /// naming `split` at that deadline, and this communicator is aborted (NCCL's thread may
+    /// still be using it for the half-done split).
     ///
-    /// Bounded: NCCL blocks inside `ncclCommSplit` until every rank joins when the new
-    /// communicator is blocking, so the split always makes a nonblocking one (NCCL's
-    /// `blocking = 0` asks it "to never block in any NCCL call", and "if any NCCL function
-    /// returns ncclInProgress, users must query the communicator state until it becomes
-    /// ncclSuccess": NCCL user guide, Communicators, and ncclCommGetAsyncError), polled against
-    /// the deadline and aborted at it with no thread of ours inside a call on it. Unless
-    /// [`CommConfig::nonblocking_calls`], that one is then split (color 0, same order) into the
-    /// blocking communicator returned, as [`Communicator::init_rank`] does, after every rank
-    /// has joined.
+    /// Bounded: the split is issued on the nonblocking communicator this one was formed from
+    /// (see `split.rs`), into a nonblocking child polled against the deadline; unless
+    /// [`CommConfig::nonblocking_calls`], that child is then split (color 0, same order) into
+    /// the blocking communicator returned, once every rank has joined.
     #[doc(alias = "ncclCommSplit")]
     pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
-        let formed = self.split_mode(color, key, cfg.clone(), false)?;
-        if cfg.nonblocking_calls {
-            return Ok(formed);
-        }
-        let rank = formed.rank as i32;
-        let child = formed.split_mode(0, rank, cfg, true)?;
-        drop(formed);
-        Ok(child)
-    }
-
-    /// `ncclCommSplit` into a communicator of the given mode. The parent's lock is held until
-    /// the child is ready or given up on: NCCL's thread that forms the child uses the parent
-    /// (its bootstrap) meanwhile, so no other call may run on the parent.
-    fn split_mode(
-        &self,
-        color: u32,
-        key: i32,
-        cfg: CommConfig,
-        blocking: bool,
-    ) -> Result<Communicator> {
         const OP: &str = "split";
         let nccl = self.shared.nccl.clone();
-        let f = nccl.get("ncclCommSplit", &nccl.raw().ncclCommSplit)?;
         if color > i32::MAX as u32 {
             return Err(self.invalid(OP, format!("color {color} is over 2^31-1")));
         }
         if crate::group::in_group() {
             return Err(self.invalid(OP, "not inside a group".into()));
         }
-        let name = cfg
-            .name
-            .as_ref()
-            .map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"));
-        let mut conf = config(&nccl, &cfg, name.as_ref(), blocking);
-        // NCCL writes the new handle into the slot, possibly from its own thread when the split
-        // completes asynchronously: the slot is an atomic on the heap, read with acquire
-        // ordering, and leaked if we give up waiting, so that a late write lands in memory that
-        // is still allocated.
-        let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
-        let slot_ptr: *mut ncclComm_t = slot.as_ptr();
-        let mut parent = self.shared.lock_for_call(OP)?;
-        // SAFETY: `parent.comm` is live (`lock_for_call` checked `aborted`) and no other thread
-        // is inside NCCL on it (we hold its lock, until the child is ready); the slot is valid,
-        // aligned memory for one handle that outlives any write NCCL makes to it (see above);
-        // the config and name are valid for the call, and NCCL copies them.
-        let r = unsafe { f(parent.comm, color as i32, key, slot_ptr, &mut conf) };
-        self.shared.settle(&mut parent, OP, r)?;
-        let started = Instant::now();
-        let new = loop {
-            let v = slot.load(Ordering::Acquire);
-            if !v.is_null() {
-                break v;
-            }
-            if started.elapsed() > cfg.init_timeout {
-                // NCCL's thread may still write the slot and use the parent: the parent is
-                // given up too (aborted here, under its lock, no thread of ours inside it).
-                Box::leak(slot);
-                let why = Abort::Timeout {
-                    op: OP.into(),
-                    waited: started.elapsed(),
-                };
-                self.shared.abort_locked(&mut parent, why.clone());
-                return Err(self.shared.aborted_error(OP, &why));
-            }
-            std::thread::yield_now();
-        };
-        // The handle is ours now (NCCL wrote the slot once); the slot is freed with `slot`.
-        drop(slot);
+        let name = split::c_name(cfg.name.as_ref());
         let who = format!(
             "nccl comm {}(split {color} of {})",
             cfg.name
@@ -347,66 +283,94 @@ impl Communicator {
                 .map_or(String::new(), |x| format!("'{x}' ")),
             self.shared.who
         );
-        // The child forms in NCCL's thread (nonblocking) or has formed (blocking): wait for it
-        // within the deadline, aborting it at the deadline (no thread of ours is inside a call
-        // on it: no one else has it yet).
-        let ready = Shared::new(
-            nccl.clone(),
-            new,
-            who.clone(),
-            cfg.timeout,
-            self.shared.stream.clone(),
-        );
-        {
-            let mut st = ready.lock();
-            let left = cfg.init_timeout.saturating_sub(started.elapsed());
-            if let Err(e) = ready.wait_ready(&mut st, OP, left) {
-                ready.abort_locked(&mut st, Abort::Error(e.to_string()));
+        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        // The parent's lock is held until the child is ready or given up on: NCCL's thread
+        // uses the parent for the split meanwhile, so no other call may run on it.
+        let mut st = self.shared.lock_for_call(OP)?;
+        let parent = if st.nb.is_null() { st.comm } else { st.nb };
+        let nb = match split::split_handle(
+            &nccl,
+            parent,
+            &who,
+            color as i32,
+            key,
+            &mut conf,
+            cfg.init_timeout,
+        ) {
+            Ok(c) => c,
+            Err((e, poisoned)) => {
+                if poisoned {
+                    self.shared
+                        .abort_locked(&mut st, Abort::Error(e.to_string()));
+                }
                 return Err(e);
             }
-        }
-        drop(parent);
-        let (count, rank) = (
-            nccl.get("ncclCommCount", &nccl.raw().ncclCommCount)?,
-            nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank)?,
-        );
-        let abort_new = |e: NcclError| {
-            ready.abort_locked(&mut ready.lock(), Abort::Error(e.to_string()));
+        };
+        drop(st);
+        Self::from_nonblocking(nccl, self.ctx.clone(), nb, who, name, &cfg)
+    }
+
+    /// The communicator made from `nb`, a ready nonblocking handle no one else has: `nb` itself
+    /// ([`CommConfig::nonblocking_calls`]), or a blocking split of it (color 0, same order) for
+    /// the calls, keeping `nb` for later splits.
+    fn from_nonblocking(
+        nccl: Arc<Nccl>,
+        ctx: Arc<CudaContext>,
+        nb: ncclComm_t,
+        who: String,
+        name: Option<CString>,
+        cfg: &CommConfig,
+    ) -> Result<Communicator> {
+        let fail = |e: NcclError, comm: ncclComm_t| {
+            split::abort_handle(&nccl, comm);
+            split::abort_handle(&nccl, nb);
             e
         };
-        let stream = self
-            .ctx
-            .new_stream()
-            .map_err(cuda(&self.shared.who, "create a stream"))
-            .map_err(abort_new)?;
-        let (mut n, mut r) = (0i32, 0i32);
-        // SAFETY: `new` is a ready communicator NCCL handed back, used by this thread only (no
-        // one else has it yet); the pointers are valid for one int each.
-        let (a, b) = unsafe { (count(new, &mut n), rank(new, &mut r)) };
-        let who = format!(
-            "nccl comm {}rank {r}/{n} on cuda:{} (split {color} of {})",
-            cfg.name
-                .as_ref()
-                .map_or(String::new(), |x| format!("'{x}' ")),
-            self.device,
-            self.shared.who
+        let (count, user_rank) = (
+            nccl.get("ncclCommCount", &nccl.raw().ncclCommCount),
+            nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank),
         );
+        let (count, user_rank) = match (count, user_rank) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return Err(fail(e.into(), std::ptr::null_mut())),
+        };
+        let (mut n, mut r) = (0i32, 0i32);
+        // SAFETY: `nb` is a ready communicator used by this thread alone; the pointers are
+        // valid for one int each.
+        let (a, b) = unsafe { (count(nb, &mut n), user_rank(nb, &mut r)) };
         if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
-            let e = nccl_error(&nccl, &who, "query the split communicator", bad, Some(new));
-            return Err(abort_new(e));
+            let e = nccl_error(&nccl, &who, "query the communicator", bad, Some(nb));
+            return Err(fail(e, std::ptr::null_mut()));
         }
-        // `ready` only waited: `finish` owns the handle from here.
-        drop(ready);
+        let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
+        };
+        if cfg.nonblocking_calls {
+            let (rank, size) = (r as usize, n as usize);
+            return Self::finish(nccl, ctx, stream, nb, None, rank, size, who, name, cfg);
+        }
+        // Calls on a nonblocking communicator each go through an NCCL thread (tens of µs); a
+        // blocking child with the same ranks makes them as cheap as plain NCCL's. Every rank
+        // has joined `nb` by now.
+        let mut conf = config(&nccl, cfg, name.as_ref(), true);
+        let comm = match split::split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
+            Ok(c) => c,
+            Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
+        };
+        let (rank, size) = (r as usize, n as usize);
         Self::finish(
             nccl,
-            self.ctx.clone(),
+            ctx,
             stream,
-            new,
-            r as usize,
-            n as usize,
+            comm,
+            Some(nb),
+            rank,
+            size,
             who,
             name,
-            &cfg,
+            cfg,
         )
     }
 
@@ -669,5 +633,8 @@ impl Drop for Communicator {
             let _ = unsafe { f(st.comm) };
             st.aborted = Some(Abort::Error("destroyed".into()));
         }
+        // The nonblocking communicator kept for splits never had work enqueued: aborting it
+        // (under the lock, never used again) only frees it.
+        split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
     }
 }

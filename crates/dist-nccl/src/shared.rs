@@ -58,6 +58,9 @@ pub(crate) struct Used {
 pub(crate) struct State {
     /// The NCCL handle; valid while `aborted` is `None`.
     pub(crate) comm: ncclComm_t,
+    /// The nonblocking communicator `comm` was split from (null if none): only splits run on
+    /// it (`split.rs`), under this same lock; aborted and destroyed with `comm`.
+    pub(crate) nb: ncclComm_t,
     pub(crate) aborted: Option<Abort>,
     /// The thread whose open group holds the communicator: other threads' calls wait for the
     /// group to end, and an abort meanwhile is deferred into `deferred`.
@@ -106,6 +109,7 @@ impl Shared {
             nccl,
             state: Mutex::new(State {
                 comm,
+                nb: std::ptr::null_mut(),
                 aborted: None,
                 owner: None,
                 deferred: None,
@@ -311,6 +315,10 @@ impl Shared {
             // the same lock, and every use checks it first.
             let _ = unsafe { f(st.comm) };
         }
+        crate::split::abort_handle(
+            &self.nccl,
+            std::mem::replace(&mut st.nb, std::ptr::null_mut()),
+        );
         st.aborted = Some(why);
     }
 }

@@ -739,7 +739,10 @@ fn split_absent() -> Result<(), String> {
             Ok(_) => panic!("rank {me}: split succeeded without rank {}", n - 1),
             Err(e) => e,
         };
-        println!("rank {me}: split without rank {} failed after {took:.1?}: {e}", n - 1);
+        println!(
+            "rank {me}: split without rank {} failed after {took:.1?}: {e}",
+            n - 1
+        );
         let text = e.to_string();
         assert!(
             matches!(e, dist_nccl::NcclError::Timeout { .. }) && text.contains("split"),
