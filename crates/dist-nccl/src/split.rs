@@ -14,13 +14,137 @@
 //! thread inside an NCCL call on them.
 
 use std::ffi::CString;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaContext;
 use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t};
 
+use crate::communicator::{CommConfig, Communicator, config};
 use crate::error::{NcclError, Result};
-use crate::shared::nccl_error;
+use crate::shared::{Abort, cuda, nccl_error};
+
+impl Communicator {
+    /// Splits this communicator: ranks passing the same `color` form a new one, ordered by
+    /// `key` (then by rank). Every rank of this communicator must call it, within the init
+    /// deadline of `cfg`: where a peer never does, the split returns [`NcclError::Timeout`]
+    /// naming `split` at that deadline, and this communicator is aborted (NCCL's thread may
+    /// still be using it for the half-done split).
+    ///
+    /// Bounded: the split is issued on the nonblocking communicator this one was formed from
+    /// (see `split.rs`), into a nonblocking child polled against the deadline; unless
+    /// [`CommConfig::nonblocking_calls`], that child is then split (color 0, same order) into
+    /// the blocking communicator returned, once every rank has joined.
+    #[doc(alias = "ncclCommSplit")]
+    pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
+        const OP: &str = "split";
+        let nccl = self.shared.nccl.clone();
+        if color > i32::MAX as u32 {
+            return Err(self.invalid(OP, format!("color {color} is over 2^31-1")));
+        }
+        if crate::group::in_group() {
+            return Err(self.invalid(OP, "not inside a group".into()));
+        }
+        let name = c_name(cfg.name.as_ref());
+        let who = format!(
+            "nccl comm {}(split {color} of {})",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |x| format!("'{x}' ")),
+            self.shared.who
+        );
+        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        // The parent's lock is held until the child is ready or given up on: NCCL's thread
+        // uses the parent for the split meanwhile, so no other call may run on it.
+        let mut st = self.shared.lock_for_call(OP)?;
+        let parent = if st.nb.is_null() { st.comm } else { st.nb };
+        let nb = match split_handle(
+            &nccl,
+            parent,
+            &who,
+            color as i32,
+            key,
+            &mut conf,
+            cfg.init_timeout,
+        ) {
+            Ok(c) => c,
+            Err((e, poisoned)) => {
+                if poisoned {
+                    self.shared
+                        .abort_locked(&mut st, Abort::Error(e.to_string()));
+                }
+                return Err(e);
+            }
+        };
+        drop(st);
+        Self::from_nonblocking(nccl, self.ctx.clone(), nb, who, name, &cfg)
+    }
+
+    /// The communicator made from `nb`, a ready nonblocking handle no one else has: `nb` itself
+    /// ([`CommConfig::nonblocking_calls`]), or a blocking split of it (color 0, same order) for
+    /// the calls, keeping `nb` for later splits.
+    pub(crate) fn from_nonblocking(
+        nccl: Arc<Nccl>,
+        ctx: Arc<CudaContext>,
+        nb: ncclComm_t,
+        who: String,
+        name: Option<CString>,
+        cfg: &CommConfig,
+    ) -> Result<Communicator> {
+        let fail = |e: NcclError, comm: ncclComm_t| {
+            abort_handle(&nccl, comm);
+            abort_handle(&nccl, nb);
+            e
+        };
+        let (count, user_rank) = (
+            nccl.get("ncclCommCount", &nccl.raw().ncclCommCount),
+            nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank),
+        );
+        let (count, user_rank) = match (count, user_rank) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return Err(fail(e.into(), std::ptr::null_mut())),
+        };
+        let (mut n, mut r) = (0i32, 0i32);
+        // SAFETY: `nb` is a ready communicator used by this thread alone; the pointers are
+        // valid for one int each.
+        let (a, b) = unsafe { (count(nb, &mut n), user_rank(nb, &mut r)) };
+        if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
+            let e = nccl_error(&nccl, &who, "query the communicator", bad, Some(nb));
+            return Err(fail(e, std::ptr::null_mut()));
+        }
+        let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
+        };
+        if cfg.nonblocking_calls {
+            let (rank, size) = (r as usize, n as usize);
+            return Self::finish(nccl, ctx, stream, nb, None, rank, size, who, name, cfg);
+        }
+        // Calls on a nonblocking communicator each go through an NCCL thread (tens of µs); a
+        // blocking child with the same ranks makes them as cheap as plain NCCL's. Every rank
+        // has joined `nb` by now.
+        let mut conf = config(&nccl, cfg, name.as_ref(), true);
+        let comm = match split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
+            Ok(c) => c,
+            Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
+        };
+        let (rank, size) = (r as usize, n as usize);
+        Self::finish(
+            nccl,
+            ctx,
+            stream,
+            comm,
+            Some(nb),
+            rank,
+            size,
+            who,
+            name,
+            cfg,
+        )
+    }
+}
 
 /// One poll of `ncclCommGetAsyncError`: `Ok(true)` ready, `Ok(false)` in progress.
 pub(crate) fn ready(nccl: &Nccl, comm: ncclComm_t, who: &str, op: &str) -> Result<bool> {
