@@ -11,7 +11,11 @@
 //! (ncclCommGetAsyncError). So every split is issued on a nonblocking handle (each
 //! [`crate::Communicator`] keeps the one it formed from), its state is polled against the
 //! deadline, and at the deadline the handles are aborted by the thread that polls them, with no
-//! thread inside an NCCL call on them.
+//! thread inside an NCCL call on them. Aborting a communicator that is still `ncclInProgress` is
+//! what NCCL's user guide shows for nonblocking communicators (its "Fault Tolerance" example
+//! polls `ncclCommGetAsyncError` while the state is `ncclInProgress` and the application's own
+//! timeout has not passed, then calls `ncclCommAbort`); NCCL's thread working on the split is
+//! NCCL's own, not a caller inside a call. Run 5: that abort returned within 2 s.
 
 use std::ffi::CString;
 use std::sync::Arc;
