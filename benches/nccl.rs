@@ -37,20 +37,24 @@ impl Op {
 /// One group of one call per GPU.
 fn step(comms: &[Communicator], op: Op, a: &mut [CudaSlice<f32>], b: &mut [CudaSlice<f32>]) {
     let n = comms.len();
-    let g = comms[0].group().unwrap_or_else(|e| panic!("{e}"));
-    for (i, c) in comms.iter().enumerate() {
-        let r = match op {
-            Op::AllReduce => c.all_reduce_in_place(&mut a[i], ReduceOp::Sum),
-            Op::AllGather => c.all_gather(&a[i], &mut b[i]),
-            Op::ReduceScatter => c.reduce_scatter(&b[i], &mut a[i], ReduceOp::Sum),
-            Op::Broadcast => c.broadcast(&mut a[i], 0),
-            Op::SendRecv => c
-                .send(&a[i], (i + 1) % n)
-                .and_then(|()| c.recv(&mut b[i], (i + n - 1) % n)),
-        };
-        r.unwrap_or_else(|e| panic!("{e}"));
-    }
-    g.end().unwrap_or_else(|e| panic!("{e}"));
+    let refs: Vec<&Communicator> = comms.iter().collect();
+    dist_nccl::group(&refs, |g| {
+        for (i, (c, (a, b))) in comms.iter().zip(a.iter_mut().zip(b.iter_mut())).enumerate() {
+            let o = g.with(c)?;
+            match op {
+                Op::AllReduce => o.all_reduce_in_place(a, ReduceOp::Sum)?,
+                Op::AllGather => o.all_gather(a, b)?,
+                Op::ReduceScatter => o.reduce_scatter(b, a, ReduceOp::Sum)?,
+                Op::Broadcast => o.broadcast(a, 0)?,
+                Op::SendRecv => {
+                    o.send(a, (i + 1) % n)?;
+                    o.recv(b, (i + n - 1) % n)?;
+                }
+            }
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 fn nccl(c: &mut Criterion) {

@@ -90,7 +90,8 @@ struct PerfArgs {
     /// Timed iterations per size (default: by size, 5 to 1000).
     #[arg(long)]
     iters: Option<usize>,
-    /// nccl: also time a bare ncclAllReduce loop in the same program.
+    /// nccl: also time a bare NCCL loop of the op (all_reduce, all_gather, reduce_scatter,
+    /// broadcast, sendrecv) beside dist-nccl's, 3 rounds, in the same program.
     #[arg(long)]
     bare: bool,
 }
@@ -273,6 +274,15 @@ fn test() -> Result<()> {
     )?;
     cargo(&["test", "--workspace"])?;
     check_other_unix()?;
+    // The loader against the real library: ignored by `cargo test` (reported as ignored, not
+    // passed), run here when there is a library to run it against.
+    if std::env::var_os("DIST_NCCL_LIBRARY").is_some() {
+        cargo(&["test", "-p", "dist-nccl-sys", "--", "--ignored"])?;
+    } else {
+        println!(
+            "skipped: dist-nccl-sys's real-library test (DIST_NCCL_LIBRARY not set; .ci/run sets it)"
+        );
+    }
     match bindgen::find_header(None) {
         Some(_) => bindgen::run(&bindgen::Args {
             header: None,

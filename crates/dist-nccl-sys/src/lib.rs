@@ -281,14 +281,16 @@ mod tests {
         assert!(e.to_string().contains("no ncclGetVersion"), "{e}");
     }
 
-    /// Against the real library when `DIST_NCCL_LIBRARY` names one (`.ci/run` points it at the
-    /// nvidia-nccl-cu12 wheel's `libnccl.so.2`, which loads without a GPU).
+    /// Against the real library named by `DIST_NCCL_LIBRARY` (`.ci/run` points it at the
+    /// nvidia-nccl-cu12 wheel's `libnccl.so.2`, which loads without a GPU). Ignored by default,
+    /// so that without a library it is reported as ignored, never as passed (before, it printed
+    /// "skipped" and passed); `cargo xtask test` runs it with `--ignored` when the variable is
+    /// set, and then it fails if the library is missing or wrong.
     #[test]
+    #[ignore = "needs a real libnccl: set DIST_NCCL_LIBRARY and run with --ignored"]
     fn real_library_reports_version_errors_and_ids() {
-        let Some(path) = std::env::var_os("DIST_NCCL_LIBRARY") else {
-            eprintln!("skipped: DIST_NCCL_LIBRARY not set (no NCCL library to test against)");
-            return;
-        };
+        let path = std::env::var_os("DIST_NCCL_LIBRARY")
+            .expect("DIST_NCCL_LIBRARY names the libnccl.so.2 to test against");
         let lib = Library::load_from(&path).unwrap_or_else(|e| panic!("{e}"));
         assert!(lib.version() >= version_code(2, 28, 0), "{lib:?}");
         let err = lib

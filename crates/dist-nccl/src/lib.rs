@@ -21,21 +21,49 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Communicators are created nonblocking, so that no NCCL call can block a thread: init and
-//! every call are polled against their deadline, and the watchdog can always take the
-//! communicator's lock to abort it. After an abort (a timeout, an asynchronous error, or
+//! A communicator forms in NCCL's nonblocking mode, so that init is polled against its deadline,
+//! and is then split into a blocking communicator, whose calls cost what plain NCCL's do; the
+//! nonblocking one is kept for [`Communicator::split`], which is polled against its deadline too
+//! (NCCL blocks inside a split issued on a blocking communicator until every rank joins). Every
+//! NCCL call on a communicator runs under its lock, one at a time, as NCCL requires; the
+//! watchdog takes the same lock before it aborts, so it never frees a communicator under a
+//! thread that is inside NCCL. After an abort (a timeout, an asynchronous error, or
 //! [`Communicator::abort`]) every call returns [`NcclError::Aborted`].
+//!
+//! Calls fused into one launch go through a [`Group`] ([`Communicator::group`], [`group()`]),
+//! which borrows their buffers until the launch.
+//!
+//! What is not bounded: on the blocking communicator, a call that NCCL blocks inside (the
+//! first call that connects to a peer, a group's end) waits for that peer; if the peer never
+//! makes the matching call, the thread stays inside NCCL and the watchdog only reports it
+//! (aborting under it is not allowed). NCCL 2.28 has no cheap way out: on a nonblocking
+//! communicator every call, collectives included, ends its implicit group in a new NCCL thread
+//! (tens of µs), and one group cannot mix blocking and nonblocking communicators.
+//! [`CommConfig::nonblocking_calls`] makes every call return at once and be polled against the
+//! timeout, at that cost. The split of an [`Communicator::init_all`] communicator (blocking,
+//! with no nonblocking one kept) is not bounded either.
 
 #![warn(missing_docs)]
 
-mod comm;
+mod args;
+mod calls;
+mod communicator;
 mod error;
+mod group;
+mod id;
+mod ops;
+mod shared;
+mod split;
 mod types;
+mod watchdog;
 
-pub use comm::{CommConfig, Communicator, Group, Ops, UniqueId};
+pub use communicator::{CommConfig, Communicator};
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
-pub use types::{F8E4M3, F8E5M2, NcclType};
+pub use group::{Group, GroupOps, group};
+pub use id::UniqueId;
+pub use ops::Ops;
+pub use types::{F8E4M3, F8E5M2, NcclType, nccl_size};
 
 /// Whether a CUDA device can be used here: the driver loads and reports at least one device.
 /// Tests and benchmarks use it to skip themselves on machines without a GPU.

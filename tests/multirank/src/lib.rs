@@ -323,7 +323,7 @@ pub struct PerfOpts {
     pub iters: Option<usize>,
     /// Untimed calls before them (default: a tenth of them, at least 2).
     pub warmup: Option<usize>,
-    /// The NCCL tool's floor: a bare `ncclAllReduce` table after dist-nccl's.
+    /// The NCCL tool's floor: bare NCCL loops of the op timed beside dist-nccl's, 3 rounds.
     pub bare: bool,
 }
 

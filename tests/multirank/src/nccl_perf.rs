@@ -1,8 +1,9 @@
 //! `dist-nccl-perf`: the nccl-tests table for one NCCL collective through dist-nccl, one
 //! process per GPU, launched by `cargo xtask perf --backend nccl`. Same columns and definitions
-//! as the TCP tool. With `--bare`, an all_reduce table follows from a second communicator driven
-//! by raw `ncclAllReduce` calls in the same program, the floor dist-nccl's overhead is measured
-//! against.
+//! as the TCP tool. With `--bare` (all_reduce, all_gather, reduce_scatter, broadcast, sendrecv),
+//! each size is then timed three more rounds, alternating dist-nccl's loop and a bare loop of the
+//! same raw NCCL call on a second communicator in the same program (the floor dist-nccl's
+//! per-call overhead is measured against), and a line gives both medians and the difference.
 
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
@@ -12,11 +13,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use dist_core::{Backend, Collectives, DType, ReduceOp};
 use dist_multirank::{PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want};
 use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
-use dist_nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
+use dist_nccl_sys::{
+    cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
+};
 use dist_tcp::TcpBackend;
 
 /// Timed and untimed calls for `bytes`: `--iters` and `--warmup` if given, else by size.
@@ -42,12 +45,10 @@ fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaS
         PerfOp::AllGather => comm.all_gather(a, b),
         PerfOp::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum),
         PerfOp::AllToAll => comm.all_to_all(a, b),
-        PerfOp::SendRecv => {
-            let g = comm.group().unwrap();
-            comm.send(a, right).unwrap();
-            comm.recv(b, left).unwrap();
-            g.end()
-        }
+        PerfOp::SendRecv => comm.group(|g| {
+            g.send(a, right)?;
+            g.recv(b, left)
+        }),
     };
     r.unwrap_or_else(|e| panic!("{e}"));
 }
@@ -75,6 +76,17 @@ fn main() -> ExitCode {
     }
     tcp.broadcast(&mut id, 0).unwrap();
     let ctx = CudaContext::new(device).unwrap_or_else(|e| panic!("{e}"));
+    // `DIST_PERF_NO_EVENT_TRACKING=1`: buffers without cudarc's per-buffer events, to tell
+    // dist-nccl's own per-call cost from the stream waits and records cudarc adds to each call
+    // (the bare loop has neither).
+    let untracked = std::env::var_os("DIST_PERF_NO_EVENT_TRACKING").is_some_and(|v| v == "1");
+    if untracked {
+        // SAFETY: every buffer this program allocates afterwards is used only on the
+        // communicator's own stream (dist's loop) or only on the bare loop's stream, each of
+        // which orders its own work; the two loops never share a buffer, and each loop's stream
+        // is synchronized before the other runs or the buffers are read back.
+        unsafe { ctx.disable_event_tracking() };
+    }
     let comm = Communicator::init_rank(
         nccl.clone(),
         &ctx,
@@ -88,12 +100,20 @@ fn main() -> ExitCode {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let s = comm.stream().clone();
+    let mut bare = o
+        .bare
+        .then(|| Bare::new(&tcp, &nccl, &ctx, &id[128..], o.max, o.op));
     if me == 0 {
         perf_header(&format!(
-            "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}",
+            "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}{}",
             o.op,
             dist_nccl_sys::version_string(nccl.version()),
-            nccl.path()
+            nccl.path(),
+            if untracked {
+                ", buffers without cudarc event tracking"
+            } else {
+                ""
+            }
         ));
     }
     for size in o.sizes() {
@@ -142,95 +162,202 @@ fn main() -> ExitCode {
             bad as u64
         });
         let (iters, warmup) = iters_for(&o, count * 4);
-        for _ in 0..warmup {
-            run_op(&comm, o.op, &mut a, &mut b);
-        }
-        comm.synchronize().unwrap();
-        tcp.barrier().unwrap();
-        let t = Instant::now();
-        for _ in 0..iters {
-            run_op(&comm, o.op, &mut a, &mut b);
-        }
-        comm.synchronize().unwrap_or_else(|e| panic!("{e}"));
+        let dist = |a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>| {
+            timed(
+                &tcp,
+                iters,
+                warmup,
+                || run_op(&comm, o.op, a, b),
+                || comm.synchronize().unwrap_or_else(|e| panic!("{e}")),
+            )
+        };
         perf_row(
             &tcp,
             o.op,
             DType::F32,
             (count * 4, count),
-            t.elapsed().as_secs_f64() / iters as f64,
+            dist(&mut a, &mut b),
             wrong,
         );
+        if let Some(bare) = &mut bare {
+            let (mut d, mut r) = (Vec::new(), Vec::new());
+            for _ in 0..3 {
+                d.push(slowest(&tcp, dist(&mut a, &mut b)) * 1e6);
+                r.push(slowest(&tcp, bare.time(&tcp, o.op, count, iters, warmup)) * 1e6);
+            }
+            if me == 0 {
+                let (md, mr) = (median(&mut d), median(&mut r));
+                println!(
+                    "# per-call {:?} {} B: dist {d:.2?} us, bare {r:.2?} us; medians {md:.2} vs \
+                     {mr:.2} us: dist {:+.2} us per call",
+                    o.op,
+                    count * 4,
+                    md - mr
+                );
+            }
+        }
     }
-    if o.bare && o.op == PerfOp::AllReduce {
-        bare(&tcp, &nccl, &ctx, &id[128..], &o);
+    if let Some(bare) = bare {
+        bare.close();
     }
     tcp.barrier().unwrap();
     ExitCode::SUCCESS
 }
 
-/// The floor: a communicator made and driven by raw NCCL calls (blocking init, `ncclAllReduce`
-/// back to back, one stream synchronize), in this same program.
-fn bare(tcp: &TcpBackend, nccl: &Nccl, ctx: &Arc<CudaContext>, id: &[u8], o: &PerfOpts) {
-    let (me, n) = (tcp.rank(), tcp.world_size());
-    let raw = nccl.raw();
-    let init = nccl.get("ncclCommInitRank", &raw.ncclCommInitRank).unwrap();
-    let all_reduce = nccl.get("ncclAllReduce", &raw.ncclAllReduce).unwrap();
-    let destroy = nccl.get("ncclCommDestroy", &raw.ncclCommDestroy).unwrap();
-    let mut uid = ncclUniqueId::default();
-    for (d, s) in uid.internal.iter_mut().zip(id) {
-        *d = *s as _;
+/// Seconds per call of `call`, `iters` times after `warmup`, between barriers.
+fn timed(
+    tcp: &TcpBackend,
+    iters: usize,
+    warmup: usize,
+    mut call: impl FnMut(),
+    sync: impl Fn(),
+) -> f64 {
+    for _ in 0..warmup {
+        call();
     }
-    ctx.bind_to_thread().unwrap();
-    let mut comm: ncclComm_t = std::ptr::null_mut();
-    // SAFETY: valid pointers; every rank passes the same id.
-    let r = unsafe { init(&mut comm, n as i32, uid, me as i32) };
-    assert_eq!(r, ncclResult_t::ncclSuccess, "bare ncclCommInitRank");
-    let stream = ctx.new_stream().unwrap();
-    if me == 0 {
-        perf_header(&format!("bare ncclAllReduce loop, {n} ranks, same program"));
+    sync();
+    tcp.barrier().unwrap();
+    let t = Instant::now();
+    for _ in 0..iters {
+        call();
     }
-    for size in o.sizes() {
-        let count = (size / 4).max(1);
-        let mut buf = stream.alloc_zeros::<f32>(count).unwrap();
-        let (iters, warmup) = iters_for(o, count * 4);
-        let (p, guard) = buf.device_ptr_mut(&stream);
-        let cu = stream.cu_stream() as dist_nccl_sys::cudaStream_t;
-        let call = || {
-            // SAFETY: one live buffer of `count` f32 on this device, in place; live comm.
-            let r = unsafe {
-                all_reduce(
-                    p as *const c_void,
-                    p as *mut c_void,
-                    count,
-                    ncclDataType_t::ncclFloat32,
-                    ncclRedOp_t::ncclSum,
-                    comm,
-                    cu,
-                )
-            };
-            assert_eq!(r, ncclResult_t::ncclSuccess);
-        };
-        for _ in 0..warmup {
-            call();
-        }
-        stream.synchronize().unwrap();
-        tcp.barrier().unwrap();
-        let t = Instant::now();
-        for _ in 0..iters {
-            call();
-        }
-        stream.synchronize().unwrap();
-        let secs = t.elapsed().as_secs_f64() / iters as f64;
-        drop(guard);
-        perf_row(
-            tcp,
-            PerfOp::AllReduce,
-            DType::F32,
-            (count * 4, count),
-            secs,
-            None,
+    sync();
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+/// The slowest rank's value.
+fn slowest(tcp: &TcpBackend, secs: f64) -> f64 {
+    let mut t = [secs];
+    tcp.all_reduce(&mut t, ReduceOp::Max).unwrap();
+    t[0]
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The floor: a communicator made and driven by raw NCCL calls (blocking init, the op's NCCL
+/// call back to back, one stream synchronize), in this same program, on its own buffers.
+struct Bare {
+    nccl: Arc<Nccl>,
+    comm: ncclComm_t,
+    stream: Arc<CudaStream>,
+    a: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+    me: usize,
+    n: usize,
+}
+
+impl Bare {
+    fn new(
+        tcp: &TcpBackend,
+        nccl: &Arc<Nccl>,
+        ctx: &Arc<CudaContext>,
+        id: &[u8],
+        max: usize,
+        op: PerfOp,
+    ) -> Bare {
+        assert!(
+            matches!(
+                op,
+                PerfOp::AllReduce
+                    | PerfOp::AllGather
+                    | PerfOp::ReduceScatter
+                    | PerfOp::Broadcast
+                    | PerfOp::SendRecv
+            ),
+            "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, not {op:?}"
         );
+        let (me, n) = (tcp.rank(), tcp.world_size());
+        let init = nccl
+            .get("ncclCommInitRank", &nccl.raw().ncclCommInitRank)
+            .unwrap();
+        let mut uid = ncclUniqueId::default();
+        for (d, s) in uid.internal.iter_mut().zip(id) {
+            *d = *s as _;
+        }
+        ctx.bind_to_thread().unwrap();
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: valid pointers; every rank passes the same id.
+        let r = unsafe { init(&mut comm, n as i32, uid, me as i32) };
+        assert_eq!(r, ncclResult_t::ncclSuccess, "bare ncclCommInitRank");
+        let stream = ctx.new_stream().unwrap();
+        // Room for the largest size times the ranks (all_gather's output, reduce_scatter's
+        // input).
+        let elems = perf_count(op, max, 4, n) * n.max(1);
+        Bare {
+            nccl: nccl.clone(),
+            comm,
+            a: stream.alloc_zeros::<f32>(elems).unwrap(),
+            b: stream.alloc_zeros::<f32>(elems).unwrap(),
+            stream,
+            me,
+            n,
+        }
     }
-    // SAFETY: no work is pending on it (synchronized) and it is not used again.
-    unsafe { destroy(comm) };
+
+    /// Seconds per bare call of `op` on `count` elements (as dist's loop: blocks of
+    /// `count / n` for all_gather and reduce_scatter).
+    fn time(
+        &mut self,
+        tcp: &TcpBackend,
+        op: PerfOp,
+        count: usize,
+        iters: usize,
+        warmup: usize,
+    ) -> f64 {
+        let raw = self.nccl.raw();
+        let (n, me) = (self.n, self.me);
+        let k = count / n;
+        let (right, left) = (((me + 1) % n) as i32, ((me + n - 1) % n) as i32);
+        let cu = self.stream.cu_stream() as cudaStream_t;
+        let comm = self.comm;
+        let (pa, ga) = self.a.device_ptr_mut(&self.stream);
+        let (pb, gb) = self.b.device_ptr_mut(&self.stream);
+        let (pa, pb) = (pa as *mut c_void, pb as *mut c_void);
+        let f32t = ncclDataType_t::ncclFloat32;
+        let sum = ncclRedOp_t::ncclSum;
+        let all_reduce = *raw.ncclAllReduce.as_ref().unwrap();
+        let all_gather = *raw.ncclAllGather.as_ref().unwrap();
+        let reduce_scatter = *raw.ncclReduceScatter.as_ref().unwrap();
+        let broadcast = *raw.ncclBroadcast.as_ref().unwrap();
+        let send = *raw.ncclSend.as_ref().unwrap();
+        let recv = *raw.ncclRecv.as_ref().unwrap();
+        let start = *raw.ncclGroupStart.as_ref().unwrap();
+        let end = *raw.ncclGroupEnd.as_ref().unwrap();
+        let call = || {
+            // SAFETY: both buffers live (their guards are held) on this device, each with room
+            // for `count` elements and `count` × n (sizes from `new`); the communicator is live.
+            let r = unsafe {
+                match op {
+                    PerfOp::AllReduce => all_reduce(pa, pa, count, f32t, sum, comm, cu),
+                    PerfOp::AllGather => all_gather(pa, pb, k, f32t, comm, cu),
+                    PerfOp::ReduceScatter => reduce_scatter(pa, pb, k, f32t, sum, comm, cu),
+                    PerfOp::Broadcast => broadcast(pa, pa, count, f32t, 0, comm, cu),
+                    _ => {
+                        start();
+                        send(pa, count, f32t, right, comm, cu);
+                        recv(pb, count, f32t, left, comm, cu);
+                        end()
+                    }
+                }
+            };
+            assert_eq!(r, ncclResult_t::ncclSuccess, "bare {op:?}");
+        };
+        let stream = &self.stream;
+        let secs = timed(tcp, iters, warmup, call, || stream.synchronize().unwrap());
+        drop((ga, gb));
+        secs
+    }
+
+    fn close(self) {
+        self.stream.synchronize().unwrap();
+        let destroy = self
+            .nccl
+            .get("ncclCommDestroy", &self.nccl.raw().ncclCommDestroy)
+            .unwrap();
+        // SAFETY: no work is pending on it (synchronized) and it is not used again.
+        unsafe { destroy(self.comm) };
+    }
 }

@@ -18,6 +18,8 @@ use dist_nccl::{CommConfig, Communicator, F8E4M3, F8E5M2, Nccl, NcclError, NcclT
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
 
+mod nccl_bounded;
+
 struct Rig {
     tcp: TcpBackend,
     comm: Communicator,
@@ -215,14 +217,12 @@ fn one_type<T: TestElem + NcclType + Default>(r: &Rig, counts: &[usize]) {
         // send/recv around the ring, fused in a group.
         let (right, left) = ((me + 1) % n, (me + n - 1) % n);
         let mut inb = up(s, &poison::<T>(count));
-        {
-            let g = r.comm.group().unwrap_or_else(|e| panic!("{e}"));
-            r.comm.send(&send, right).unwrap_or_else(|e| panic!("{e}"));
-            r.comm
-                .recv(&mut inb, left)
-                .unwrap_or_else(|e| panic!("{e}"));
-            g.end().unwrap_or_else(|e| panic!("{e}"));
-        }
+        r.comm
+            .group(|g| {
+                g.send(&send, right)?;
+                g.recv(&mut inb, left)
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
         let want: Vec<T> = (0..count).map(|i| T::val(left, i, false)).collect();
         assert_eq!(bits(&down(&r.comm, &inb)), bits(&want), "recv from {left}");
     }
@@ -372,6 +372,32 @@ fn misuse() -> Result<(), String> {
             "the stream is on cuda:",
         );
     }
+    // Another CudaContext object of the same device: cudarc orders a buffer's uses only through
+    // its own context's events, so such buffers and streams are refused (accepted before).
+    let twin = CudaContext::new(r.comm.device()).unwrap();
+    let foreign = twin.default_stream().clone_htod(&[1.0f32; 10]).unwrap();
+    let mut mine = up(s, &[0.0f32; 10]);
+    expect(
+        r.comm.all_reduce(&foreign, &mut mine, ReduceOp::Sum),
+        "send belongs to another CudaContext",
+    );
+    expect(
+        r.comm
+            .on(&twin.default_stream())
+            .all_reduce_in_place(&mut mine, ReduceOp::Sum),
+        "the stream belongs to another CudaContext",
+    );
+    // A call made inside a group but not through it would be recorded into the group without
+    // its buffers being kept alive: refused.
+    expect(
+        r.comm
+            .group(|_g| r.comm.all_reduce_in_place(&mut mine, ReduceOp::Sum)),
+        "a group is open on this thread",
+    );
+    expect(
+        r.comm.group(|_g| r.comm.group(|_| Ok(()))),
+        "a group is already open on this thread",
+    );
     assert_eq!(
         bits(&down(&r.comm, &out)),
         bits(&before),
@@ -485,8 +511,20 @@ fn hybrid() -> Result<(), String> {
     Ok(())
 }
 
-/// One process driving every GPU (`init_all`), fused in a group, on the fp8 types: 1.0 summed
-/// over the GPUs is exact in both. Rank 0 runs it; the other ranks have nothing to do.
+/// 1.0 × n in (f8e4m3, f8e5m2) bits, for the sums the fp8 test checks (exact for n <= 4).
+fn fp8_sum(n: usize) -> (u8, u8) {
+    match n {
+        1 => (0x38, 0x3C),
+        2 => (0x40, 0x40),
+        3 => (0x44, 0x42),
+        4 => (0x48, 0x44),
+        _ => panic!("no exact fp8 sum table for {n} ranks"),
+    }
+}
+
+/// fp8 all_reduces fused in one group: on every rank over its own communicator (each rank checks
+/// its result; before, ranks other than 0 returned "ok" having checked nothing), and on rank 0
+/// also one process driving every GPU (`init_all`), one group over all those communicators.
 fn init_all_fp8() -> Result<(), String> {
     let devices = dist_nccl::cuda_device_count();
     if devices < 2 {
@@ -494,48 +532,154 @@ fn init_all_fp8() -> Result<(), String> {
             "skipped: init_all needs 2 CUDA devices, found {devices}"
         ));
     }
-    if dist_multirank::config().rank() != 0 {
-        return Ok(());
-    }
-    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
-    let all: Vec<usize> = (0..devices).collect();
-    let comms =
-        Communicator::init_all(nccl, &all, CommConfig::default()).unwrap_or_else(|e| panic!("{e}"));
-    let n = comms.len();
-    // 1.0 and n × 1.0 in each format (exact for n = 2 and 4).
-    let (one_e4, sum_e4) = (0x38u8, if n == 2 { 0x40 } else { 0x48 });
-    let (one_e5, sum_e5) = (0x3Cu8, if n == 2 { 0x40 } else { 0x44 });
-    let mut a: Vec<CudaSlice<F8E4M3>> = comms
-        .iter()
-        .map(|c| up(c.stream(), &vec![F8E4M3(one_e4); 4096]))
-        .collect();
-    let mut b: Vec<CudaSlice<F8E5M2>> = comms
-        .iter()
-        .map(|c| up(c.stream(), &vec![F8E5M2(one_e5); 4096]))
-        .collect();
-    {
-        let g = comms[0].group().unwrap_or_else(|e| panic!("{e}"));
-        for (c, (x, y)) in comms.iter().zip(a.iter_mut().zip(b.iter_mut())) {
-            c.all_reduce_in_place(x, ReduceOp::Sum)
-                .unwrap_or_else(|e| panic!("{e}"));
-            c.all_reduce_in_place(y, ReduceOp::Sum)
-                .unwrap_or_else(|e| panic!("{e}"));
+    let r = rig(Duration::from_secs(60))?;
+    let one = fp8_sum(1);
+    let check = |c: &Communicator, x: &CudaSlice<F8E4M3>, y: &CudaSlice<F8E5M2>, n: usize| {
+        let (e4, e5) = fp8_sum(n);
+        let (gx, gy) = (down(c, x), down(c, y));
+        assert!(
+            gx.iter().all(|v| v.0 == e4),
+            "f8e4m3 sum of {n} on cuda:{}: {:?}",
+            c.device(),
+            &gx[..4]
+        );
+        assert!(
+            gy.iter().all(|v| v.0 == e5),
+            "f8e5m2 sum of {n} on cuda:{}: {:?}",
+            c.device(),
+            &gy[..4]
+        );
+    };
+    let s = r.comm.stream();
+    let mut x = up(s, &vec![F8E4M3(one.0); 4096]);
+    let mut y = up(s, &vec![F8E5M2(one.1); 4096]);
+    r.comm
+        .group(|g| {
+            g.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+            g.all_reduce_in_place(&mut y, ReduceOp::Sum)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    check(&r.comm, &x, &y, r.comm.size());
+    println!("rank {}: fused fp8 all_reduce verified", r.comm.rank());
+    r.tcp.barrier().unwrap();
+    if r.comm.rank() == 0 {
+        let nccl = r.comm.nccl().clone();
+        let all: Vec<usize> = (0..devices).collect();
+        let comms = Communicator::init_all(nccl, &all, CommConfig::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let n = comms.len();
+        let mut a: Vec<CudaSlice<F8E4M3>> = comms
+            .iter()
+            .map(|c| up(c.stream(), &vec![F8E4M3(one.0); 4096]))
+            .collect();
+        let mut b: Vec<CudaSlice<F8E5M2>> = comms
+            .iter()
+            .map(|c| up(c.stream(), &vec![F8E5M2(one.1); 4096]))
+            .collect();
+        let refs: Vec<&Communicator> = comms.iter().collect();
+        dist_nccl::group(&refs, |g| {
+            for (c, (x, y)) in comms.iter().zip(a.iter_mut().zip(b.iter_mut())) {
+                let o = g.with(c)?;
+                o.all_reduce_in_place(x, ReduceOp::Sum)?;
+                o.all_reduce_in_place(y, ReduceOp::Sum)?;
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (c, (x, y)) in comms.iter().zip(a.iter().zip(&b)) {
+            check(c, x, y, n);
         }
-        g.end().unwrap_or_else(|e| panic!("{e}"));
+        println!("init_all over {n} GPUs: one group over {n} communicators, fp8 sums verified");
     }
-    for (c, (x, y)) in comms.iter().zip(a.iter().zip(&b)) {
-        assert!(
-            down(c, x).iter().all(|v| v.0 == sum_e4),
-            "f8e4m3 sum on cuda:{}",
-            c.device()
-        );
-        assert!(
-            down(c, y).iter().all(|v| v.0 == sum_e5),
-            "f8e5m2 sum on cuda:{}",
-            c.device()
-        );
-    }
-    println!("init_all over {n} GPUs: fused fp8 all_reduce verified");
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// Eight threads share one communicator, 50 all_reduces each, every result checked. NCCL forbids
+/// concurrent calls on one communicator; before, dist made them outside its lock (racing inside
+/// NCCL's enqueue); now each runs under the communicator's lock. Every rank's inputs are equal
+/// and every call has the same size, so however the threads' calls interleave (differently on
+/// each rank), each sum is exact.
+fn threads() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let want = (n * (n + 1) / 2) as f32;
+    let comm = &r.comm;
+    let t0 = Instant::now();
+    std::thread::scope(|sc| {
+        for t in 0..8 {
+            sc.spawn(move || {
+                comm.context().bind_to_thread().unwrap();
+                let s = comm.stream();
+                for i in 0..50 {
+                    let mut x = up(s, &vec![me as f32 + 1.0; 4099]);
+                    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
+                        .unwrap_or_else(|e| panic!("thread {t} call {i}: {e}"));
+                    let got = down(comm, &x);
+                    assert!(
+                        got.iter().all(|v| *v == want),
+                        "thread {t} call {i}: {:?}, want {want}",
+                        &got[..4]
+                    );
+                }
+            });
+        }
+    });
+    println!(
+        "8 threads x 50 all_reduces on one communicator, every result verified, in {:.1?}",
+        t0.elapsed()
+    );
+    r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// Groups end on every path: a closure that fails after recording a send and a receive still
+/// launches them (the ring's data arrives), a panicking one too (its guard ends the group while
+/// unwinding), and the thread is out of the group afterwards (a plain call works).
+fn group_paths() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+    let s = r.comm.stream();
+    let a = up(s, &vec![me as u32; 1024]);
+    let mut b = up(s, &vec![u32::MAX; 1024]);
+    let e = r
+        .comm
+        .group(|g| {
+            g.send(&a, right)?;
+            g.recv(&mut b, left)?;
+            g.send(&a, n + 7)
+        })
+        .expect_err("a bad peer inside the group");
+    assert!(
+        e.to_string()
+            .contains(&format!("peer {} is out of range", n + 7)),
+        "{e}"
+    );
+    assert!(
+        down(&r.comm, &b).iter().all(|v| *v == left as u32),
+        "after a failed group"
+    );
+    let mut c = up(s, &vec![u32::MAX; 1024]);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        r.comm.group(|g| -> dist_nccl::Result<()> {
+            g.send(&a, right)?;
+            g.recv(&mut c, left)?;
+            panic!("inside the group");
+        })
+    }));
+    assert!(caught.is_err(), "the closure panicked");
+    assert!(
+        down(&r.comm, &c).iter().all(|v| *v == left as u32),
+        "after a panicking group"
+    );
+    let mut y = up(s, &[1i32; 5]);
+    r.comm
+        .all_reduce_in_place(&mut y, ReduceOp::Sum)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(down(&r.comm, &y), vec![n as i32; 5]);
+    println!("groups ended and launched after an error and after a panic");
+    r.tcp.barrier().unwrap();
     Ok(())
 }
 
@@ -547,6 +691,10 @@ const CASES: &[Case] = &[
     ("nccl_peer_death", peer_death),
     ("hybrid", hybrid),
     ("nccl_init_all_fp8", init_all_fp8),
+    ("nccl_threads", threads),
+    ("nccl_group_paths", group_paths),
+    ("nccl_drop_bounded", nccl_bounded::drop_bounded),
+    ("nccl_split_absent", nccl_bounded::split_absent),
 ];
 
 fn main() -> ExitCode {

@@ -1,0 +1,100 @@
+//! The public calls, each written once in `ops.rs` and exposed four ways by one macro: on
+//! [`Ops`] (launched at once), on [`GroupOps`] and [`Group`] (recorded, launched at the group's
+//! end, their buffers borrowed until then), and on [`Communicator`] (its own stream).
+
+use cudarc::driver::CudaSlice;
+use dist_core::ReduceOp;
+
+use crate::communicator::Communicator;
+use crate::error::Result;
+use crate::group::{Group, GroupOps};
+use crate::ops::Ops;
+use crate::types::NcclType;
+
+macro_rules! calls {
+    ($($(#[$m:meta])* fn $name:ident / $core:ident ($($arg:ident: $ty:ty),*);)*) => {
+        impl Ops<'_> {
+            $(
+                $(#[$m])*
+                pub fn $name<'x, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                    self.$core($($arg),*).map(drop)
+                }
+            )*
+        }
+
+        impl<'buf> GroupOps<'_, 'buf> {
+            $(
+                $(#[$m])*
+                ///
+                /// Recorded in the group and launched at its end; the buffers stay borrowed
+                /// until then.
+                pub fn $name<'x: 'buf, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                    let guards = self.ops.$core($($arg),*)?;
+                    self.group.keep(guards);
+                    Ok(())
+                }
+            )*
+        }
+
+        impl<'buf> Group<'buf> {
+            $(
+                $(#[$m])*
+                ///
+                /// On the group's first communicator and its own stream; recorded and launched
+                /// at the group's end, the buffers borrowed until then.
+                pub fn $name<'x: 'buf, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                    self.first().$name($($arg),*)
+                }
+            )*
+        }
+
+        impl Communicator {
+            $(
+                $(#[$m])*
+                ///
+                /// On the communicator's own stream.
+                pub fn $name<'x, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                    self.ops().$name($($arg),*)
+                }
+            )*
+        }
+    };
+}
+
+calls! {
+    /// Reduces `send` over all ranks with `op` into `recv` (same length).
+    #[doc(alias = "ncclAllReduce")]
+    fn all_reduce / all_reduce_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>, op: ReduceOp);
+    /// All-reduce in place.
+    #[doc(alias = "ncclAllReduce")]
+    fn all_reduce_in_place / all_reduce_in_place_g(buf: &'x mut CudaSlice<T>, op: ReduceOp);
+    /// Copies `buf` on `root` into `buf` on every rank.
+    #[doc(alias = "ncclBroadcast")]
+    fn broadcast / broadcast_g(buf: &'x mut CudaSlice<T>, root: usize);
+    /// Reduces `send` over all ranks into `recv` on `root` (`recv` is required there, of the
+    /// same length, and ignored elsewhere).
+    #[doc(alias = "ncclReduce")]
+    fn reduce / reduce_g(send: &'x CudaSlice<T>, recv: Option<&'x mut CudaSlice<T>>, op: ReduceOp, root: usize);
+    /// Every rank's `send` (length k) in rank order into `recv` (k × size).
+    #[doc(alias = "ncclAllGather")]
+    fn all_gather / all_gather_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>);
+    /// Reduces `send` (k × size) over all ranks and leaves block `rank` in `recv` (k).
+    #[doc(alias = "ncclReduceScatter")]
+    fn reduce_scatter / reduce_scatter_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>, op: ReduceOp);
+    /// Block j of `send` (k × size) to rank j, landing in block `rank` of its `recv`
+    /// (NCCL 2.28 or newer).
+    #[doc(alias = "ncclAlltoAll")]
+    fn all_to_all / all_to_all_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>);
+    /// Every rank's `send` (k) in rank order into `recv` (k × size) on `root` (NCCL 2.28+).
+    #[doc(alias = "ncclGather")]
+    fn gather / gather_g(send: &'x CudaSlice<T>, recv: Option<&'x mut CudaSlice<T>>, root: usize);
+    /// Block r of `send` (k × size) on `root` into rank r's `recv` (k) (NCCL 2.28+).
+    #[doc(alias = "ncclScatter")]
+    fn scatter / scatter_g(send: Option<&'x CudaSlice<T>>, recv: &'x mut CudaSlice<T>, root: usize);
+    /// Sends `buf` to `peer`, which must post a matching `recv`.
+    #[doc(alias = "ncclSend")]
+    fn send / send_g(buf: &'x CudaSlice<T>, peer: usize);
+    /// Receives into `buf` from `peer`.
+    #[doc(alias = "ncclRecv")]
+    fn recv / recv_g(buf: &'x mut CudaSlice<T>, peer: usize);
+}

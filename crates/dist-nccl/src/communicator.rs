@@ -1,0 +1,526 @@
+//! `Communicator`: one rank of an NCCL communicator on one GPU, how it forms (with a
+//! deadline), splits, synchronizes, aborts and is dropped (within its timeout).
+
+use std::ffi::CString;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t, version_code};
+
+use crate::error::{NcclError, Result};
+use crate::group::Group;
+use crate::id::UniqueId;
+use crate::ops::Ops;
+use crate::shared::{Abort, Shared, cuda, nccl_error};
+use crate::split;
+use crate::watchdog::{WATCH_EVERY, watch};
+
+/// How to create a communicator.
+#[derive(Clone, Debug)]
+pub struct CommConfig {
+    /// Deadline for the communicator to form (default 120 s).
+    pub init_timeout: Duration,
+    /// Deadline for enqueued work to complete, and for each call (default 300 s). Work that
+    /// makes no progress for this long makes the watchdog abort the communicator.
+    pub timeout: Duration,
+    /// NCCL's minimum number of CTAs, if set.
+    pub min_ctas: Option<i32>,
+    /// NCCL's maximum number of CTAs, if set.
+    pub max_ctas: Option<i32>,
+    /// A name for logs and errors.
+    pub name: Option<String>,
+    /// Keep NCCL's nonblocking mode for every call (each call then goes through an NCCL
+    /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
+    /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
+    pub nonblocking_calls: bool,
+}
+
+impl Default for CommConfig {
+    fn default() -> CommConfig {
+        CommConfig {
+            init_timeout: Duration::from_secs(120),
+            timeout: Duration::from_secs(300),
+            min_ctas: None,
+            max_ctas: None,
+            name: None,
+            nonblocking_calls: false,
+        }
+    }
+}
+
+/// A member of an NCCL communicator, bound to one GPU, with its own stream and watchdog.
+///
+/// `Communicator` is `Sync`: threads may share one, and every NCCL call on it runs under its
+/// lock, one at a time, as NCCL requires. Calls from several threads are enqueued in the order
+/// they take the lock, which need not be the same on every rank: give each thread its own
+/// communicator (or order the calls) where the matching of collectives across ranks matters.
+pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    device: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    sync_event: CudaEvent,
+    watchdog: Option<JoinHandle<()>>,
+    /// The name NCCL was given (kept alive for as long as the communicator).
+    _name: Option<CString>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shared.who)
+    }
+}
+
+pub(crate) fn config(
+    nccl: &Nccl,
+    cfg: &CommConfig,
+    name: Option<&CString>,
+    blocking: bool,
+) -> ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    ncclConfig_t {
+        size: std::mem::size_of::<ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        // The struct's version is the older of the header's and the library's, so that an
+        // older NCCL reads only the fields it knows.
+        version: nccl.version().min(version_code(2, 28, 9)) as u32,
+        blocking: i32::from(blocking),
+        cgaClusterSize: UNDEF,
+        minCTAs: cfg.min_ctas.unwrap_or(UNDEF),
+        maxCTAs: cfg.max_ctas.unwrap_or(UNDEF),
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: name.map_or(std::ptr::null(), |n| n.as_ptr()),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    }
+}
+
+impl Communicator {
+    /// Joins communicator `id` as `rank` of `size`, on the GPU of `ctx`. Every rank must call
+    /// this with the same id; it returns when all have joined, or fails at the init deadline
+    /// (aborting the half-made communicator).
+    pub fn init_rank(
+        nccl: Arc<Nccl>,
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        size: usize,
+        id: &UniqueId,
+        cfg: CommConfig,
+    ) -> Result<Communicator> {
+        let device = ctx.ordinal();
+        let who = format!(
+            "nccl comm {}rank {rank}/{size} on cuda:{device}",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |n| format!("'{n}' "))
+        );
+        if size == 0 || size > i32::MAX as usize || rank >= size {
+            return Err(NcclError::InvalidArgument {
+                comm: who,
+                op: "init".into(),
+                reason: format!("rank {rank} of size {size}: need 0 <= rank < size <= 2^31-1"),
+            });
+        }
+        let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
+        ctx.bind_to_thread()
+            .map_err(cuda(&who, "bind the CUDA context"))?;
+        let name = split::c_name(cfg.name.as_ref());
+        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let started = Instant::now();
+        // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
+        // it points to stays alive as long as the communicator (kept in `Communicator::_name`).
+        let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
+        if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
+            return Err(nccl_error(&nccl, &who, "ncclCommInitRankConfig", r, None));
+        }
+        // The communicator forms in nonblocking mode, so that init has a deadline and can be
+        // aborted; it is kept for splits, which then have a deadline too.
+        split::wait_handle(&nccl, comm, &who, "init", started, cfg.init_timeout)?;
+        let base = format!(
+            "nccl comm {}",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |n| format!("'{n}' "))
+        );
+        Self::from_nonblocking(nccl, ctx.clone(), comm, base, name, &cfg)
+    }
+
+    /// One process driving several GPUs (`ncclCommInitAll`): a communicator per device of
+    /// `devices`, rank i on `devices[i]`. Drive them from one thread inside a
+    /// [`Communicator::group`], or from a thread each. All ranks are in this process, so the
+    /// init (blocking) has no remote peer to wait for.
+    pub fn init_all(
+        nccl: Arc<Nccl>,
+        devices: &[usize],
+        cfg: CommConfig,
+    ) -> Result<Vec<Communicator>> {
+        let f = nccl.get("ncclCommInitAll", &nccl.raw().ncclCommInitAll)?;
+        let who = format!("nccl init_all on devices {devices:?}");
+        if devices.is_empty() || devices.len() > i32::MAX as usize {
+            return Err(NcclError::InvalidArgument {
+                comm: who,
+                op: "init_all".into(),
+                reason: format!("{} devices", devices.len()),
+            });
+        }
+        let ctxs = devices
+            .iter()
+            .map(|d| CudaContext::new(*d).map_err(cuda(&who, &format!("open cuda:{d}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let list: Vec<i32> = devices.iter().map(|d| *d as i32).collect();
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: `comms` has room for one handle per device in `list`.
+        let r = unsafe { f(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) };
+        if r != ncclResult_t::ncclSuccess {
+            return Err(nccl_error(&nccl, &who, "ncclCommInitAll", r, None));
+        }
+        let n = devices.len();
+        let mut out = Vec::with_capacity(n);
+        for (i, (comm, ctx)) in comms.into_iter().zip(ctxs).enumerate() {
+            let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
+            let name = format!("nccl comm rank {i}/{n} on cuda:{} (init_all)", devices[i]);
+            out.push(Self::finish(
+                nccl.clone(),
+                ctx,
+                stream,
+                comm,
+                None,
+                i,
+                n,
+                name,
+                None,
+                &cfg,
+            )?);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "one private constructor's parts")]
+    pub(crate) fn finish(
+        nccl: Arc<Nccl>,
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        comm: ncclComm_t,
+        nb: Option<ncclComm_t>,
+        rank: usize,
+        size: usize,
+        who: String,
+        name: Option<CString>,
+        cfg: &CommConfig,
+    ) -> Result<Communicator> {
+        let shared = Arc::new(Shared::new(nccl, comm, who.clone(), cfg.timeout, stream));
+        {
+            let mut st = shared.lock();
+            st.nb = nb.unwrap_or(std::ptr::null_mut());
+            if let Err(e) = shared.wait_ready(&mut st, "init", cfg.init_timeout) {
+                shared.abort_locked(&mut st, Abort::Error(e.to_string()));
+                return Err(e);
+            }
+        }
+        let abort_with = |e: NcclError| {
+            shared.abort_locked(&mut shared.lock(), Abort::Error(e.to_string()));
+            e
+        };
+        let sync_event = ctx
+            .new_event(None)
+            .map_err(cuda(&who, "create an event"))
+            .map_err(abort_with)?;
+        let watchdog = {
+            let shared = shared.clone();
+            let ctx = ctx.clone();
+            std::thread::Builder::new()
+                .name(format!("dist-nccl-watchdog-{rank}"))
+                .spawn(move || watch(&shared, &ctx))
+                .map_err(|e| NcclError::Config {
+                    what: who.clone(),
+                    reason: format!("cannot start the watchdog thread: {e}"),
+                })
+                .map_err(abort_with)?
+        };
+        tracing::debug!(comm = %shared.who, "communicator ready");
+        Ok(Communicator {
+            shared,
+            rank,
+            size,
+            device: ctx.ordinal(),
+            ctx,
+            sync_event,
+            watchdog: Some(watchdog),
+            _name: name,
+        })
+    }
+
+    /// This rank in the communicator.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The CUDA device ordinal.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The CUDA context. Buffers and streams given to the communicator must belong to this
+    /// context object (another `CudaContext` of the same device is refused: cudarc orders a
+    /// buffer's uses only through its own context's events).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The communicator's own stream, on which [`Communicator`]'s calls run.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.shared.stream
+    }
+
+    /// The NCCL library it runs on.
+    pub fn nccl(&self) -> &Arc<Nccl> {
+        &self.shared.nccl
+    }
+
+    /// Collectives on the communicator's stream.
+    pub fn ops(&self) -> Ops<'_> {
+        Ops {
+            comm: self,
+            stream: &self.shared.stream,
+            grouped: false,
+        }
+    }
+
+    /// Collectives on `stream` (of this communicator's context) instead. The communicator keeps
+    /// the stream alive, watches the work enqueued on it, and waits for it (within the timeout)
+    /// when dropped.
+    pub fn on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> Ops<'a> {
+        Ops {
+            comm: self,
+            stream,
+            grouped: false,
+        }
+    }
+
+    /// Runs `f` inside one NCCL group on this communicator (see [`crate::group()`]): the calls
+    /// it makes through the [`Group`] are launched together when it returns, and the buffers
+    /// they name stay borrowed until then.
+    pub fn group<'buf, R>(&'buf self, f: impl FnOnce(&Group<'buf>) -> Result<R>) -> Result<R> {
+        crate::group::group(&[self], f)
+    }
+
+    /// The communicator's asynchronous error, if NCCL reports one (`ncclCommGetAsyncError`),
+    /// or why it was aborted.
+    #[doc(alias = "ncclCommGetAsyncError")]
+    pub fn async_error(&self) -> Option<NcclError> {
+        let st = match self.shared.lock_for_call("async_error") {
+            Ok(st) => st,
+            Err(e) => return Some(e),
+        };
+        let get = match self.shared.nccl.get(
+            "ncclCommGetAsyncError",
+            &self.shared.nccl.raw().ncclCommGetAsyncError,
+        ) {
+            Ok(g) => g,
+            Err(e) => return Some(e.into()),
+        };
+        let mut state = ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live (`lock_for_call` checked `aborted`) and we hold its
+        // lock, so no other thread is inside NCCL on it; valid pointer.
+        let r = unsafe { get(st.comm, &mut state) };
+        [r, state]
+            .into_iter()
+            .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
+            .map(|x| {
+                nccl_error(
+                    &self.shared.nccl,
+                    &self.shared.who,
+                    "async_error",
+                    x,
+                    Some(st.comm),
+                )
+            })
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): work in flight is cancelled and every later
+    /// call fails with [`NcclError::Aborted`]. Never waits: while another thread is inside an
+    /// NCCL call on it, the abort happens as soon as that call returns (NCCL does not allow it
+    /// under the call), and while a group is open over it, at the group's end.
+    #[doc(alias = "ncclCommAbort")]
+    pub fn abort(&self) {
+        self.shared.request_abort(Abort::User);
+    }
+
+    /// Waits until everything enqueued on the communicator's stream so far has completed, or
+    /// the communicator fails: never longer than its timeout (then the watchdog aborts it).
+    pub fn synchronize(&self) -> Result<()> {
+        self.synchronize_stream(&self.shared.stream)
+    }
+
+    /// [`Communicator::synchronize`] for another stream of this communicator's context.
+    pub fn synchronize_stream(&self, stream: &CudaStream) -> Result<()> {
+        self.sync_event
+            .record(stream)
+            .map_err(cuda(&self.shared.who, "record an event"))?;
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if self.sync_event.is_complete() {
+                return Ok(());
+            }
+            // try_lock: a call another thread has inside NCCL must not hold this wait past its
+            // deadline.
+            if let Some(st) = self.shared.try_lock()
+                && let Some(why) = &st.aborted
+            {
+                return Err(self.shared.aborted_error("synchronize", why));
+            }
+            if started.elapsed() > self.shared.timeout + WATCH_EVERY * 10 {
+                // The watchdog should have acted by now; do it here (at once if no call is
+                // inside NCCL, else when that call returns; deferred while a group is open).
+                let why = Abort::Timeout {
+                    op: "synchronize".into(),
+                    waited: started.elapsed(),
+                };
+                self.shared.request_abort(why.clone());
+                return Err(self.shared.aborted_error("synchronize", &why));
+            }
+            spins += 1;
+            if spins < 20_000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    pub(crate) fn invalid(&self, op: &str, reason: String) -> NcclError {
+        NcclError::InvalidArgument {
+            comm: self.shared.who.clone(),
+            op: op.to_string(),
+            reason,
+        }
+    }
+
+    /// Why `what`, of context `other`, is refused.
+    pub(crate) fn foreign(&self, what: &str, other: &Arc<CudaContext>) -> String {
+        let d = other.ordinal();
+        if d != self.device {
+            format!(
+                "{what} is on cuda:{d}, the communicator on cuda:{}",
+                self.device
+            )
+        } else {
+            format!(
+                "{what} belongs to another CudaContext of cuda:{d} than the communicator's \
+                 (allocate it from Communicator::context() or its streams: cudarc orders a \
+                 buffer's uses only within its own context object)"
+            )
+        }
+    }
+
+    /// Waits (until `deadline`) for the work enqueued so far on every stream the communicator
+    /// used; false if some did not complete.
+    fn drain(&self, deadline: Instant) -> bool {
+        let streams: Vec<Arc<CudaStream>> = self
+            .shared
+            .lock()
+            .streams
+            .iter()
+            .map(|u| u.stream.clone())
+            .collect();
+        for s in &streams {
+            if self.sync_event.record(s).is_err() {
+                return false;
+            }
+            loop {
+                if self.sync_event.is_complete() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        true
+    }
+}
+
+impl Drop for Communicator {
+    /// Bounded: waits (within the timeout, at most 30 s) for the work on every stream the
+    /// communicator enqueued on, then finalizes and destroys it; if the work does not complete
+    /// (a dead peer), aborts it instead.
+    fn drop(&mut self) {
+        *self.shared.stop.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.shared.wake.notify_all();
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        if crate::group::in_group() {
+            // This thread has a group open (over other communicators): finalize or abort now
+            // would be recorded into that group. Leaking the communicator is the safe choice.
+            tracing::error!(
+                comm = %self.shared.who,
+                "dropped inside another communicator's group; leaking it instead of calling NCCL"
+            );
+            return;
+        }
+        let limit = self.shared.timeout.min(Duration::from_secs(30));
+        let drained = self.drain(Instant::now() + limit);
+        let mut st = self.shared.lock();
+        if st.aborted.is_some() {
+            return;
+        }
+        if !drained {
+            tracing::warn!(comm = %self.shared.who, "work still in flight at drop; aborting");
+            let why = Abort::Timeout {
+                op: "drop".into(),
+                waited: limit,
+            };
+            self.shared.abort_locked(&mut st, why);
+            return;
+        }
+        let nccl = self.shared.nccl.clone();
+        // Graceful: finalize (flushes outstanding work), then destroy; abort if that fails.
+        let finalized = match nccl.get("ncclCommFinalize", &nccl.raw().ncclCommFinalize) {
+            Ok(f) => {
+                // SAFETY: live communicator (`aborted` is None) under its lock; no group can be
+                // open over it (a group borrows the communicator, which is being dropped).
+                let r = unsafe { f(st.comm) };
+                self.shared
+                    .settle(&mut st, "finalize", r)
+                    .and_then(|()| self.shared.wait_ready(&mut st, "finalize", limit))
+            }
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = finalized {
+            tracing::warn!(comm = %self.shared.who, error = %e, "finalize failed; aborting");
+            self.shared
+                .abort_locked(&mut st, Abort::Error(e.to_string()));
+            return;
+        }
+        if st.aborted.is_some() {
+            return;
+        }
+        if let Ok(f) = nccl.get("ncclCommDestroy", &nccl.raw().ncclCommDestroy) {
+            // SAFETY: finalized, live communicator under its lock, never used again (`aborted`
+            // is set right after, under the same lock).
+            let _ = unsafe { f(st.comm) };
+            st.aborted = Some(Abort::Error("destroyed".into()));
+        }
+        // The nonblocking communicator kept for splits never had work enqueued: aborting it
+        // (under the lock, never used again) only frees it.
+        split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
+    }
+}

@@ -1,0 +1,386 @@
+//! What a communicator, its watchdog and its groups share: the NCCL handle behind one lock,
+//! under which every NCCL call on it runs, why it was aborted, and the streams it enqueued on.
+//!
+//! The rules this file upholds come from NCCL's documentation:
+//! - Thread safety (docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/threadsafety.html):
+//!   "it is not allowed to issue NCCL operations to a single communicator in parallel with
+//!   multiple threads"; "it is safe to operate a communicator from multiple threads as long as
+//!   users can guarantee only one thread operates the communicator at a time"; "for any grouped
+//!   NCCL operations, users need to ensure only one thread issues all the operations in the
+//!   group". Hence: every call runs with [`Shared::lock`] held, and a thread that opened a group
+//!   owns the communicator (`State::owner`) until its `ncclGroupEnd`.
+//! - Nonblocking communicators (ncclCommGetAsyncError in the API reference, and nccl4py's
+//!   `get_async_error`): "If any NCCL function returns ncclInProgress, users must query the
+//!   communicator state until it becomes ncclSuccess before calling another NCCL function."
+//!   Hence: an `ncclInProgress` is polled with the lock still held, and within a deadline.
+//! - `ncclCommAbort` is an NCCL call on the communicator like any other; nothing in the
+//!   documentation allows it while another thread is inside a call on the same communicator.
+//!   Hence: [`Shared::abort_locked`] runs with the lock held (so no thread is inside NCCL on
+//!   this communicator), and never while a group is open over it (the group's ops reference the
+//!   communicator until `ncclGroupEnd`): then the abort is deferred to the group's end.
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
+
+use crate::error::{NcclError, Result};
+
+/// Why a communicator was aborted.
+#[derive(Clone, Debug)]
+pub(crate) enum Abort {
+    Timeout { op: String, waited: Duration },
+    Error(String),
+    User,
+}
+
+impl Abort {
+    pub(crate) fn reason(&self) -> String {
+        match self {
+            Abort::Timeout { op, waited } => format!("{op} made no progress for {waited:.1?}"),
+            Abort::Error(e) => e.clone(),
+            Abort::User => "abort() was called".into(),
+        }
+    }
+}
+
+/// A stream the communicator enqueued on, and how many calls it enqueued there.
+pub(crate) struct Used {
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) enqueued: u64,
+}
+
+/// The state behind the lock.
+pub(crate) struct State {
+    /// The NCCL handle; valid while `aborted` is `None`.
+    pub(crate) comm: ncclComm_t,
+    /// The nonblocking communicator `comm` was split from (null if none): only splits run on
+    /// it (`split.rs`), under this same lock; aborted and destroyed with `comm`.
+    pub(crate) nb: ncclComm_t,
+    pub(crate) aborted: Option<Abort>,
+    /// The thread whose open group holds the communicator: other threads' calls wait for the
+    /// group to end, and an abort meanwhile is deferred into `deferred`.
+    pub(crate) owner: Option<ThreadId>,
+    pub(crate) deferred: Option<Abort>,
+    /// Threads waiting for a group to release the communicator (notified only when some are,
+    /// so a group's end costs no futex wake when none waits).
+    waiters: usize,
+    /// The last call enqueued, for timeout messages.
+    pub(crate) last_op: &'static str,
+    /// Every stream work was enqueued on; the first is the communicator's own.
+    pub(crate) streams: Vec<Used>,
+}
+
+// SAFETY: `ncclComm_t` is a pointer NCCL lets any thread use, one thread at a time (thread
+// safety page quoted above). The handle is only ever used with the `Mutex<State>` around it held
+// (see `Shared::lock` and every caller), so one thread at a time uses it.
+unsafe impl Send for State {}
+
+/// What the communicator, its watchdog, its `Ops` and its groups share.
+pub(crate) struct Shared {
+    pub(crate) nccl: Arc<Nccl>,
+    state: Mutex<State>,
+    /// Signalled when a group releases the communicator.
+    freed: Condvar,
+    pub(crate) who: String,
+    pub(crate) timeout: Duration,
+    pub(crate) stop: Mutex<bool>,
+    pub(crate) wake: Condvar,
+    pub(crate) stream: Arc<CudaStream>,
+    /// An abort asked for while a thread was inside NCCL (holding the lock): whoever takes the
+    /// lock next applies it, so asking never waits behind a call.
+    requested: Mutex<Option<Abort>>,
+    requested_any: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        nccl: Arc<Nccl>,
+        comm: ncclComm_t,
+        who: String,
+        timeout: Duration,
+        stream: Arc<CudaStream>,
+    ) -> Shared {
+        Shared {
+            nccl,
+            state: Mutex::new(State {
+                comm,
+                nb: std::ptr::null_mut(),
+                aborted: None,
+                owner: None,
+                deferred: None,
+                waiters: 0,
+                last_op: "none",
+                streams: vec![Used {
+                    stream: stream.clone(),
+                    enqueued: 0,
+                }],
+            }),
+            freed: Condvar::new(),
+            who,
+            timeout,
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+            stream,
+            requested: Mutex::new(None),
+            requested_any: AtomicBool::new(false),
+        }
+    }
+
+    /// Aborts now if no thread is inside NCCL on the communicator; else records the abort for
+    /// whoever takes the lock next (the call's own thread, another caller or the watchdog), so
+    /// that it never waits behind a call.
+    pub(crate) fn request_abort(&self, why: Abort) {
+        match self.try_lock() {
+            Some(mut st) => self.abort_locked(&mut st, why),
+            None => {
+                {
+                    // The flag changes only with `requested` locked, so it never disagrees
+                    // with what is stored there.
+                    let mut r = self.requested.lock().unwrap_or_else(|p| p.into_inner());
+                    r.get_or_insert(why);
+                    self.requested_any.store(true, Ordering::Release);
+                }
+                // The holder may have released the lock meanwhile: apply it if we can now.
+                if let Some(mut st) = self.try_lock() {
+                    self.apply_requested(&mut st);
+                }
+            }
+        }
+    }
+
+    /// Applies an abort asked for while the lock was held (see `request_abort`).
+    pub(crate) fn apply_requested(&self, st: &mut State) {
+        if self.requested_any.load(Ordering::Acquire) {
+            let why = {
+                let mut r = self.requested.lock().unwrap_or_else(|p| p.into_inner());
+                self.requested_any.store(false, Ordering::Release);
+                r.take()
+            };
+            if let Some(why) = why {
+                self.abort_locked(st, why);
+            }
+        }
+    }
+
+    /// The state, locked. Poisoning is ignored: the state is updated only by assignments that
+    /// cannot be left half-done.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn aborted_error(&self, op: &str, why: &Abort) -> NcclError {
+        match why {
+            Abort::Timeout { op: slow, waited } => NcclError::Timeout {
+                comm: self.who.clone(),
+                op: format!("{op} (after {slow})"),
+                waited: *waited,
+            },
+            other => NcclError::Aborted {
+                comm: self.who.clone(),
+                op: op.to_string(),
+                reason: other.reason(),
+            },
+        }
+    }
+
+    /// The lock if no one holds it now (the watchdog's way in: it never waits behind a call).
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The lock, for a call by this thread: waits (within the timeout) while another thread's
+    /// group holds the communicator, and refuses once it was aborted.
+    pub(crate) fn lock_for_call(&self, op: &str) -> Result<MutexGuard<'_, State>> {
+        let mut st = self.lock();
+        self.apply_requested(&mut st);
+        if let Some(owner) = st.owner
+            && owner != std::thread::current().id()
+        {
+            let started = Instant::now();
+            while st.owner.is_some() {
+                let left = self.timeout.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(NcclError::Timeout {
+                        comm: self.who.clone(),
+                        op: format!("{op} (waiting for another thread's group to end)"),
+                        waited: started.elapsed(),
+                    });
+                }
+                st.waiters += 1;
+                st = self
+                    .freed
+                    .wait_timeout(st, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+                st.waiters -= 1;
+            }
+        }
+        if let Some(why) = &st.aborted {
+            return Err(self.aborted_error(op, why));
+        }
+        Ok(st)
+    }
+
+    /// Releases a group's hold on the communicator and applies an abort deferred meanwhile.
+    pub(crate) fn release(&self, st: &mut State) {
+        st.owner = None;
+        if let Some(why) = st.deferred.take() {
+            self.abort_locked(st, why);
+        }
+        if st.waiters > 0 {
+            self.freed.notify_all();
+        }
+    }
+
+    /// Runs one NCCL call on the live communicator, under the lock, and settles an
+    /// `ncclInProgress` (polling, within the timeout) before the lock is released.
+    pub(crate) fn call(&self, op: &str, f: impl FnOnce(ncclComm_t) -> ncclResult_t) -> Result<()> {
+        let mut st = self.lock_for_call(op)?;
+        let r = f(st.comm);
+        self.settle(&mut st, op, r)
+    }
+
+    /// An NCCL call's result: success, an error naming the call, or (nonblocking) a wait for
+    /// the communicator to leave `ncclInProgress`.
+    pub(crate) fn settle(&self, st: &mut State, op: &str, r: ncclResult_t) -> Result<()> {
+        match r {
+            ncclResult_t::ncclSuccess => Ok(()),
+            ncclResult_t::ncclInProgress => self.wait_ready(st, op, self.timeout),
+            other => Err(nccl_error(&self.nccl, &self.who, op, other, Some(st.comm))),
+        }
+    }
+
+    /// Polls `ncclCommGetAsyncError`, with the lock held (no other call may run meanwhile),
+    /// until the communicator is no longer in progress; aborts it at `limit`.
+    pub(crate) fn wait_ready(&self, st: &mut State, op: &str, limit: Duration) -> Result<()> {
+        let get = self.nccl.get(
+            "ncclCommGetAsyncError",
+            &self.nccl.raw().ncclCommGetAsyncError,
+        )?;
+        let started = Instant::now();
+        loop {
+            let mut state = ncclResult_t::ncclInProgress;
+            // SAFETY: the communicator is live (callers checked `aborted` under this lock, and
+            // only `abort_locked`, under the lock, ends it); the pointer is valid for one result.
+            let r = unsafe { get(st.comm, &mut state) };
+            if r != ncclResult_t::ncclSuccess {
+                return Err(nccl_error(&self.nccl, &self.who, op, r, Some(st.comm)));
+            }
+            match state {
+                ncclResult_t::ncclSuccess => return Ok(()),
+                ncclResult_t::ncclInProgress => {}
+                other => return Err(nccl_error(&self.nccl, &self.who, op, other, Some(st.comm))),
+            }
+            if started.elapsed() > limit {
+                let why = Abort::Timeout {
+                    op: op.to_string(),
+                    waited: started.elapsed(),
+                };
+                self.abort_locked(st, why.clone());
+                return Err(self.aborted_error(op, &why));
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// `ncclCommAbort`, once; afterwards the handle is dead and every call refuses. Called with
+    /// the lock held, so no thread is inside an NCCL call on this communicator. While a group is
+    /// open over it, the abort is deferred to the group's end (its `ncclGroupEnd` still needs
+    /// the communicator).
+    pub(crate) fn abort_locked(&self, st: &mut State, why: Abort) {
+        if st.aborted.is_some() {
+            return;
+        }
+        if st.owner.is_some() {
+            st.deferred.get_or_insert(why);
+            return;
+        }
+        tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");
+        if let Ok(f) = self
+            .nccl
+            .get("ncclCommAbort", &self.nccl.raw().ncclCommAbort)
+        {
+            // SAFETY: the communicator is live (`aborted` is None); we hold its lock, so no other
+            // thread is inside an NCCL call on it, and no group is open over it (`owner` is
+            // None). After this the handle is never used again: `aborted` is set below, under
+            // the same lock, and every use checks it first.
+            let _ = unsafe { f(st.comm) };
+        }
+        crate::split::abort_handle(
+            &self.nccl,
+            std::mem::replace(&mut st.nb, std::ptr::null_mut()),
+        );
+        st.aborted = Some(why);
+    }
+}
+
+/// The function NCCL exports as `name`: a field of the table loaded once, so no lookup per
+/// call; a missing one is the loader's error naming it and the version it needs.
+pub(crate) fn sym<'n, F>(
+    nccl: &'n Nccl,
+    name: &'static str,
+    field: &'n std::result::Result<F, libloading::Error>,
+) -> Result<&'n F> {
+    field
+        .as_ref()
+        .or_else(|_| nccl.get(name, field).map_err(NcclError::from))
+}
+
+pub(crate) fn error_text(nccl: &Nccl, r: ncclResult_t) -> String {
+    match nccl.get("ncclGetErrorString", &nccl.raw().ncclGetErrorString) {
+        // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any code.
+        Ok(f) => unsafe { CStr::from_ptr(f(r)) }
+            .to_string_lossy()
+            .into_owned(),
+        Err(_) => format!("code {}", r.0),
+    }
+}
+
+fn last_error(nccl: &Nccl, comm: Option<ncclComm_t>) -> String {
+    match nccl.get("ncclGetLastError", &nccl.raw().ncclGetLastError) {
+        Ok(f) => {
+            // SAFETY: ncclGetLastError takes a communicator or null and returns a C string
+            // owned by NCCL (possibly empty), valid until the next NCCL call on this thread;
+            // callers pass a communicator only while holding its lock, and it is copied below
+            // before any other call.
+            let p = unsafe { f(comm.unwrap_or(std::ptr::null_mut())) };
+            if p.is_null() {
+                String::new()
+            } else {
+                // SAFETY: non-null, NUL-terminated, see above.
+                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+            }
+        }
+        Err(_) => String::new(),
+    }
+}
+
+pub(crate) fn nccl_error(
+    nccl: &Nccl,
+    who: &str,
+    op: &str,
+    r: ncclResult_t,
+    comm: Option<ncclComm_t>,
+) -> NcclError {
+    NcclError::Nccl {
+        comm: who.to_string(),
+        op: op.to_string(),
+        code: r.0,
+        text: error_text(nccl, r),
+        last: last_error(nccl, comm),
+    }
+}
+
+pub(crate) fn cuda(who: &str, op: &str) -> impl FnOnce(cudarc::driver::DriverError) -> NcclError {
+    let (comm, op) = (who.to_string(), op.to_string());
+    move |source| NcclError::Cuda { comm, op, source }
+}

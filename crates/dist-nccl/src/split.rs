@@ -1,0 +1,279 @@
+//! Splitting a communicator within a deadline, on raw handles that the caller uses alone (it
+//! holds the communicator's lock, or no one else has the handle yet).
+//!
+//! Why a nonblocking handle: NCCL blocks inside `ncclCommSplit` issued on a blocking
+//! communicator until every rank joins (run 4 of `docs/results/2026-11-30-2xH200/`: a split
+//! with a nonblocking child, issued on the blocking parent, stayed inside NCCL for 60 s, until
+//! the absent peer's process exited). A communicator whose config has `blocking = 0` lets
+//! NCCL "never block in any NCCL call" (NCCL user guide, "Creating a communication with
+//! options"), and "if any NCCL function returns ncclInProgress, users must query the
+//! communicator state until it becomes ncclSuccess before calling another NCCL function"
+//! (ncclCommGetAsyncError). So every split is issued on a nonblocking handle (each
+//! [`crate::Communicator`] keeps the one it formed from), its state is polled against the
+//! deadline, and at the deadline the handles are aborted by the thread that polls them, with no
+//! thread inside an NCCL call on them. Aborting a communicator that is still `ncclInProgress` is
+//! what NCCL's user guide shows for nonblocking communicators (its "Fault Tolerance" example
+//! polls `ncclCommGetAsyncError` while the state is `ncclInProgress` and the application's own
+//! timeout has not passed, then calls `ncclCommAbort`); NCCL's thread working on the split is
+//! NCCL's own, not a caller inside a call. Run 5: that abort returned within 2 s.
+
+use std::ffi::CString;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaContext;
+use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t};
+
+use crate::communicator::{CommConfig, Communicator, config};
+use crate::error::{NcclError, Result};
+use crate::shared::{Abort, cuda, nccl_error};
+
+impl Communicator {
+    /// Splits this communicator: ranks passing the same `color` form a new one, ordered by
+    /// `key` (then by rank). Every rank of this communicator must call it, within the init
+    /// deadline of `cfg`: where a peer never does, the split returns [`NcclError::Timeout`]
+    /// naming `split` at that deadline, and this communicator is aborted (NCCL's thread may
+    /// still be using it for the half-done split).
+    ///
+    /// Bounded: the split is issued on the nonblocking communicator this one was formed from
+    /// (see `split.rs`), into a nonblocking child polled against the deadline; unless
+    /// [`CommConfig::nonblocking_calls`], that child is then split (color 0, same order) into
+    /// the blocking communicator returned, once every rank has joined.
+    #[doc(alias = "ncclCommSplit")]
+    pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
+        const OP: &str = "split";
+        let nccl = self.shared.nccl.clone();
+        if color > i32::MAX as u32 {
+            return Err(self.invalid(OP, format!("color {color} is over 2^31-1")));
+        }
+        if crate::group::in_group() {
+            return Err(self.invalid(OP, "not inside a group".into()));
+        }
+        let name = c_name(cfg.name.as_ref());
+        let who = format!(
+            "nccl comm {}(split {color} of {})",
+            cfg.name
+                .as_ref()
+                .map_or(String::new(), |x| format!("'{x}' ")),
+            self.shared.who
+        );
+        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        // The parent's lock is held until the child is ready or given up on: NCCL's thread
+        // uses the parent for the split meanwhile, so no other call may run on it.
+        let mut st = self.shared.lock_for_call(OP)?;
+        let parent = if st.nb.is_null() { st.comm } else { st.nb };
+        let nb = match split_handle(
+            &nccl,
+            parent,
+            &who,
+            color as i32,
+            key,
+            &mut conf,
+            cfg.init_timeout,
+        ) {
+            Ok(c) => c,
+            Err((e, poisoned)) => {
+                if poisoned {
+                    self.shared
+                        .abort_locked(&mut st, Abort::Error(e.to_string()));
+                }
+                return Err(e);
+            }
+        };
+        drop(st);
+        Self::from_nonblocking(nccl, self.ctx.clone(), nb, who, name, &cfg)
+    }
+
+    /// The communicator made from `nb`, a ready nonblocking handle no one else has: `nb` itself
+    /// ([`CommConfig::nonblocking_calls`]), or a blocking split of it (color 0, same order) for
+    /// the calls, keeping `nb` for later splits.
+    pub(crate) fn from_nonblocking(
+        nccl: Arc<Nccl>,
+        ctx: Arc<CudaContext>,
+        nb: ncclComm_t,
+        who: String,
+        name: Option<CString>,
+        cfg: &CommConfig,
+    ) -> Result<Communicator> {
+        let fail = |e: NcclError, comm: ncclComm_t| {
+            abort_handle(&nccl, comm);
+            abort_handle(&nccl, nb);
+            e
+        };
+        let (count, user_rank) = (
+            nccl.get("ncclCommCount", &nccl.raw().ncclCommCount),
+            nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank),
+        );
+        let (count, user_rank) = match (count, user_rank) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => return Err(fail(e.into(), std::ptr::null_mut())),
+        };
+        let (mut n, mut r) = (0i32, 0i32);
+        // SAFETY: `nb` is a ready communicator used by this thread alone; the pointers are
+        // valid for one int each.
+        let (a, b) = unsafe { (count(nb, &mut n), user_rank(nb, &mut r)) };
+        if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
+            let e = nccl_error(&nccl, &who, "query the communicator", bad, Some(nb));
+            return Err(fail(e, std::ptr::null_mut()));
+        }
+        let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
+        let stream = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
+        };
+        if cfg.nonblocking_calls {
+            let (rank, size) = (r as usize, n as usize);
+            return Self::finish(nccl, ctx, stream, nb, None, rank, size, who, name, cfg);
+        }
+        // Calls on a nonblocking communicator each go through an NCCL thread (tens of µs); a
+        // blocking child with the same ranks makes them as cheap as plain NCCL's. Every rank
+        // has joined `nb` by now.
+        let mut conf = config(&nccl, cfg, name.as_ref(), true);
+        let comm = match split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
+            Ok(c) => c,
+            Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
+        };
+        let (rank, size) = (r as usize, n as usize);
+        Self::finish(
+            nccl,
+            ctx,
+            stream,
+            comm,
+            Some(nb),
+            rank,
+            size,
+            who,
+            name,
+            cfg,
+        )
+    }
+}
+
+/// One poll of `ncclCommGetAsyncError`: `Ok(true)` ready, `Ok(false)` in progress.
+pub(crate) fn ready(nccl: &Nccl, comm: ncclComm_t, who: &str, op: &str) -> Result<bool> {
+    let get = nccl.get("ncclCommGetAsyncError", &nccl.raw().ncclCommGetAsyncError)?;
+    let mut state = ncclResult_t::ncclInProgress;
+    // SAFETY: `comm` is a live handle the caller uses alone (module doc); valid pointer.
+    let r = unsafe { get(comm, &mut state) };
+    match (r, state) {
+        (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess) => Ok(true),
+        (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => Ok(false),
+        (ncclResult_t::ncclSuccess, bad) | (bad, _) => {
+            Err(nccl_error(nccl, who, op, bad, Some(comm)))
+        }
+    }
+}
+
+/// `ncclCommAbort` on a handle the caller uses alone and never uses again.
+pub(crate) fn abort_handle(nccl: &Nccl, comm: ncclComm_t) {
+    if comm.is_null() {
+        return;
+    }
+    if let Ok(f) = nccl.get("ncclCommAbort", &nccl.raw().ncclCommAbort) {
+        // SAFETY: live handle, used by this thread alone (no thread inside a call on it), and
+        // never used again (the caller's contract).
+        let _ = unsafe { f(comm) };
+    }
+}
+
+/// Polls `comm` until ready; aborts it on an error or at `deadline` (the error names `op`).
+pub(crate) fn wait_handle(
+    nccl: &Nccl,
+    comm: ncclComm_t,
+    who: &str,
+    op: &str,
+    started: Instant,
+    limit: Duration,
+) -> Result<()> {
+    loop {
+        match ready(nccl, comm, who, op) {
+            Ok(true) => return Ok(()),
+            Ok(false) if started.elapsed() > limit => {
+                abort_handle(nccl, comm);
+                return Err(NcclError::Timeout {
+                    comm: who.to_string(),
+                    op: op.to_string(),
+                    waited: started.elapsed(),
+                });
+            }
+            Ok(false) => std::thread::yield_now(),
+            Err(e) => {
+                abort_handle(nccl, comm);
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// `ncclCommSplit` of `parent` (nonblocking, or blocking for the final step that only runs
+/// once every rank has joined the nonblocking split) into a child of the mode in `conf`, both
+/// polled until ready within `limit`. On an error the child (if NCCL made one) is aborted; the
+/// parent is the caller's to abort (`Err(_, true)`) when NCCL may still be using it.
+pub(crate) fn split_handle(
+    nccl: &Nccl,
+    parent: ncclComm_t,
+    who: &str,
+    color: i32,
+    key: i32,
+    conf: &mut ncclConfig_t,
+    limit: Duration,
+) -> std::result::Result<ncclComm_t, (NcclError, bool)> {
+    const OP: &str = "split";
+    let f = nccl
+        .get("ncclCommSplit", &nccl.raw().ncclCommSplit)
+        .map_err(|e| (e.into(), false))?;
+    // NCCL writes the new handle into the slot, possibly from its own thread: the slot is an
+    // atomic on the heap, read with acquire ordering, and leaked if we give up waiting, so
+    // that a late write lands in memory that is still allocated.
+    let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
+    let started = Instant::now();
+    // SAFETY: `parent` is live and used by this thread alone (module doc); the slot is valid,
+    // aligned memory for one handle that outlives any write NCCL makes to it (see above); the
+    // config (and the name it points to, owned by the caller) is valid for the call, and NCCL
+    // copies it.
+    let r = unsafe { f(parent, color, key, slot.as_ptr(), conf) };
+    if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
+        return Err((nccl_error(nccl, who, OP, r, Some(parent)), false));
+    }
+    // The parent first (NCCL's thread uses it until its part of the split is done), then the
+    // child's handle and its readiness.
+    let parent_done = loop {
+        match ready(nccl, parent, who, OP) {
+            Ok(true) => break Ok(()),
+            Ok(false) if started.elapsed() > limit => {
+                break Err(NcclError::Timeout {
+                    comm: who.to_string(),
+                    op: OP.to_string(),
+                    waited: started.elapsed(),
+                });
+            }
+            Ok(false) => std::thread::yield_now(),
+            Err(e) => break Err(e),
+        }
+    };
+    if let Err(e) = parent_done {
+        Box::leak(slot);
+        return Err((e, true));
+    }
+    let child = slot.load(Ordering::Acquire);
+    if child.is_null() {
+        // NCCL is done with the split and made no handle.
+        return Err((
+            NcclError::InvalidArgument {
+                comm: who.to_string(),
+                op: OP.to_string(),
+                reason: "NCCL returned no communicator for this color".into(),
+            },
+            false,
+        ));
+    }
+    drop(slot);
+    wait_handle(nccl, child, who, OP, started, limit).map_err(|e| (e, false))?;
+    Ok(child)
+}
+
+/// The communicator's name as NCCL is given it (NULs replaced).
+pub(crate) fn c_name(name: Option<&String>) -> Option<CString> {
+    name.map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"))
+}

@@ -1,0 +1,138 @@
+//! The watchdog thread of a communicator: it aborts the communicator when NCCL reports an
+//! asynchronous error, or when work enqueued on any stream the communicator used stops
+//! completing for the whole timeout, so a dead peer never hangs the process.
+//!
+//! It never aborts under a thread that is inside NCCL: it takes the communicator's lock first,
+//! and every NCCL call on the communicator runs with that lock held (see `shared.rs`). It
+//! notices a call that stays inside NCCL (holding the lock) for the whole timeout only by
+//! failing to take the lock; it then logs it, once (a call that returns was not dead; one that
+//! never returns cannot be aborted under). An abort asked for meanwhile ([`Shared::request_abort`])
+//! is applied by the first to take the lock, the watchdog included.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use dist_nccl_sys::ncclResult_t;
+
+use crate::shared::{Abort, Shared, nccl_error};
+
+/// How often the watchdog looks at a communicator.
+pub(crate) const WATCH_EVERY: Duration = Duration::from_millis(10);
+
+/// One watched stream: a marker event recorded behind its work, the enqueue count behind it,
+/// and when it was recorded.
+struct Watched {
+    stream: Arc<CudaStream>,
+    marker: CudaEvent,
+    marked: u64,
+    pending: Option<Instant>,
+}
+
+pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
+    let mut watched: Vec<Watched> = Vec::new();
+    let mut busy_since: Option<Instant> = None;
+    let mut reported = false;
+    loop {
+        {
+            let stop = shared.stop.lock().unwrap_or_else(|p| p.into_inner());
+            let (stop, _) = shared
+                .wake
+                .wait_timeout(stop, WATCH_EVERY)
+                .unwrap_or_else(|p| p.into_inner());
+            if *stop {
+                return;
+            }
+        }
+        // A thread inside NCCL holds the lock: never abort under it.
+        let mut st = match shared.try_lock() {
+            Some(st) => {
+                busy_since = None;
+                reported = false;
+                st
+            }
+            None => {
+                let since = *busy_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > shared.timeout && !reported {
+                    reported = true;
+                    tracing::error!(
+                        comm = %shared.who,
+                        "a call has been inside NCCL for {:.1?}; it cannot be aborted while \
+                         it is (NCCL forbids concurrent calls on one communicator)",
+                        since.elapsed()
+                    );
+                }
+                continue;
+            }
+        };
+        shared.apply_requested(&mut st);
+        if st.aborted.is_some() {
+            return;
+        }
+        // While a group is open its ops are recorded but not launched (and it owns the
+        // communicator): leave it be until it ends.
+        if st.owner.is_some() {
+            continue;
+        }
+        if let Ok(get) = shared.nccl.get(
+            "ncclCommGetAsyncError",
+            &shared.nccl.raw().ncclCommGetAsyncError,
+        ) {
+            let mut state = ncclResult_t::ncclSuccess;
+            // SAFETY: the communicator is live (`aborted` is None) and we hold its lock, so no
+            // other thread is inside NCCL on it and no group is open over it; valid pointer.
+            let r = unsafe { get(st.comm, &mut state) };
+            if let Some(bad) = [r, state]
+                .into_iter()
+                .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
+            {
+                let e = nccl_error(
+                    &shared.nccl,
+                    &shared.who,
+                    "asynchronous error",
+                    bad,
+                    Some(st.comm),
+                );
+                shared.abort_locked(&mut st, Abort::Error(e.to_string()));
+                return;
+            }
+        }
+        // New streams, and the work enqueued on each.
+        for i in 0..st.streams.len() {
+            if i >= watched.len() {
+                match ctx.new_event(None) {
+                    Ok(marker) => watched.push(Watched {
+                        stream: st.streams[i].stream.clone(),
+                        marker,
+                        marked: 0,
+                        pending: None,
+                    }),
+                    Err(e) => {
+                        tracing::error!(comm = %shared.who, error = %e, "watchdog cannot create an event");
+                        break;
+                    }
+                }
+            }
+            let w = &mut watched[i];
+            match w.pending {
+                Some(_) if w.marker.is_complete() => w.pending = None,
+                Some(at) if at.elapsed() > shared.timeout => {
+                    let why = Abort::Timeout {
+                        op: st.last_op.to_string(),
+                        waited: at.elapsed(),
+                    };
+                    shared.abort_locked(&mut st, why);
+                    return;
+                }
+                _ => {}
+            }
+            let enqueued = st.streams[i].enqueued;
+            if w.pending.is_none() && enqueued > w.marked {
+                if w.marker.record(&w.stream).is_ok() {
+                    w.pending = Some(Instant::now());
+                }
+                w.marked = enqueued;
+            }
+        }
+    }
+}
