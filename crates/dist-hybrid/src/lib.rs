@@ -371,6 +371,14 @@ impl HybridBackend {
         })
     }
 
+    /// Turns the comparison of NCCL calls on or off (initially on unless `DIST_NCCL_CHECK=0`).
+    /// Every rank must switch between the same two calls; calls made while it is off are not
+    /// compared (they still count in the sequence, so the ranks stay in step). A failed rank is
+    /// reported either way.
+    pub fn set_nccl_check(&mut self, on: bool) {
+        self.check_calls = on && self.checker.is_some();
+    }
+
     /// Runs one NCCL call `f` through the record and the check.
     fn nccl_call<T: NcclType>(
         &self,
