@@ -405,6 +405,13 @@ impl Communicator {
             if self.sync_event.is_complete() {
                 return Ok(());
             }
+            // An abort decided on another thread: refuse now, while NCCL may still be tearing
+            // the communicator down under the lock. The work left on the stream is cancelled by
+            // that abort; a buffer dropped now is freed only after its last use on the stream
+            // (cudarc waits for its events, then frees in stream order or after a sync).
+            if let Some(why) = self.shared.doomed.get() {
+                return Err(self.shared.aborted_error("synchronize", why));
+            }
             // try_lock: a call another thread has inside NCCL must not hold this wait past its
             // deadline.
             if let Some(st) = self.shared.try_lock()
