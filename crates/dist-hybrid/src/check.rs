@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,6 +37,14 @@ pub(crate) const CHANNEL: usize = 4096;
 pub(crate) const UNMATCHED: usize = 4096;
 /// How long the receiving thread waits per receive before it looks at its stop flag.
 const POLL: Duration = Duration::from_millis(50);
+/// Descriptors per frame (72 bytes each, after a 16-byte header).
+pub(crate) const PER_FRAME: usize = 6;
+const DESC_LEN: usize = 72;
+/// While calls keep coming, the sender looks at the queue this often instead of blocking on it,
+/// so that a call's `try_send` finds no thread to wake (a futex wake per call cost the caller
+/// microseconds); it blocks again after [`BUSY_FOR`] without a call.
+const BUSY_POLL: Duration = Duration::from_micros(50);
+const BUSY_FOR: Duration = Duration::from_millis(5);
 
 const KIND_DESC: u8 = 1;
 const KIND_POISON: u8 = 2;
@@ -111,8 +119,8 @@ impl fmt::Display for Desc {
 /// A frame of the check's protocol.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
-    /// A call of the sender.
-    Desc(Desc),
+    /// Calls of the sender, in order (1 to [`PER_FRAME`]).
+    Descs(Vec<Desc>),
     /// Abort: `origin` found `reason`; forwarded round the ring up to the rank before it.
     Poison { origin: u64, reason: String },
     /// The sender is shutting down normally: its connection closing is no failure.
@@ -123,14 +131,19 @@ impl Frame {
     pub(crate) fn encode(&self) -> [u8; FRAME] {
         let mut b = [0u8; FRAME];
         match self {
-            Frame::Desc(d) => {
+            Frame::Descs(ds) => {
                 b[0] = KIND_DESC;
-                b[8..16].copy_from_slice(&d.seq.to_le_bytes());
-                b[16..24].copy_from_slice(&d.count.to_le_bytes());
-                b[24..32].copy_from_slice(&d.root.unwrap_or(u64::MAX).to_le_bytes());
-                b[32..48].copy_from_slice(&d.coll.0);
-                b[48..64].copy_from_slice(&d.dtype.0);
-                b[64..80].copy_from_slice(&d.op.0);
+                let n = ds.len().min(PER_FRAME);
+                b[1] = n as u8;
+                for (i, d) in ds[..n].iter().enumerate() {
+                    let o = TEXT_AT + i * DESC_LEN;
+                    b[o..o + 8].copy_from_slice(&d.seq.to_le_bytes());
+                    b[o + 8..o + 16].copy_from_slice(&d.count.to_le_bytes());
+                    b[o + 16..o + 24].copy_from_slice(&d.root.unwrap_or(u64::MAX).to_le_bytes());
+                    b[o + 24..o + 40].copy_from_slice(&d.coll.0);
+                    b[o + 40..o + 56].copy_from_slice(&d.dtype.0);
+                    b[o + 56..o + 72].copy_from_slice(&d.op.0);
+                }
             }
             Frame::Poison { origin, reason } => {
                 b[0] = KIND_POISON;
@@ -164,14 +177,29 @@ impl Frame {
             Name(x)
         };
         match b[0] {
-            KIND_DESC => Ok(Frame::Desc(Desc {
-                seq: u64_at(8),
-                count: u64_at(16),
-                root: Some(u64_at(24)).filter(|&r| r != u64::MAX),
-                coll: name_at(32),
-                dtype: name_at(48),
-                op: name_at(64),
-            })),
+            KIND_DESC => {
+                let n = usize::from(b[1]);
+                if n == 0 || n > PER_FRAME {
+                    return Err(format!(
+                        "a check frame of {n} descriptors (1 to {PER_FRAME})"
+                    ));
+                }
+                Ok(Frame::Descs(
+                    (0..n)
+                        .map(|i| {
+                            let o = TEXT_AT + i * DESC_LEN;
+                            Desc {
+                                seq: u64_at(o),
+                                count: u64_at(o + 8),
+                                root: Some(u64_at(o + 16)).filter(|&r| r != u64::MAX),
+                                coll: name_at(o + 24),
+                                dtype: name_at(o + 40),
+                                op: name_at(o + 56),
+                            }
+                        })
+                        .collect(),
+                ))
+            }
             KIND_POISON => {
                 let n = usize::from(u16::from_le_bytes([b[2], b[3]])).min(FRAME - TEXT_AT);
                 Ok(Frame::Poison {
@@ -444,18 +472,49 @@ impl Ctx {
         }
     }
 
-    fn send_loop(&self, rx: Receiver<Desc>) {
-        // Ends when the calling side closes the channel (`Checker::stop`).
-        while let Ok(d) = rx.recv() {
-            let found = self
-                .matcher
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .mine(d);
-            if let Some(m) = found {
-                self.poison(self.me, mismatch_text(self.me, self.left, &m));
+    /// The next descriptors queued, up to a frame's worth: at once if some are queued; while
+    /// calls came within [`BUSY_FOR`], by polling every [`BUSY_POLL`]; else by blocking. `None`
+    /// when the calling side closed the channel (`Checker::stop`).
+    fn next_batch(rx: &Receiver<Desc>, last: &mut Instant) -> Option<Vec<Desc>> {
+        let mut batch = Vec::with_capacity(PER_FRAME);
+        loop {
+            match rx.try_recv() {
+                Ok(d) => {
+                    batch.push(d);
+                    if batch.len() == PER_FRAME {
+                        break;
+                    }
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) if batch.is_empty() => return None,
+                Err(_) if !batch.is_empty() => break,
+                Err(_) => {}
             }
-            match self.send(&Frame::Desc(d)) {
+            if last.elapsed() < BUSY_FOR {
+                // A polling interval, not a wait for some event: see BUSY_POLL.
+                std::thread::sleep(BUSY_POLL);
+            } else {
+                batch.push(rx.recv().ok()?);
+            }
+        }
+        *last = Instant::now();
+        Some(batch)
+    }
+
+    fn send_loop(&self, rx: Receiver<Desc>) {
+        let mut last = Instant::now();
+        while let Some(batch) = Self::next_batch(&rx, &mut last) {
+            for &d in &batch {
+                let found = self
+                    .matcher
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .mine(d);
+                if let Some(m) = found {
+                    self.poison(self.me, mismatch_text(self.me, self.left, &m));
+                }
+            }
+            match self.send(&Frame::Descs(batch)) {
                 Ok(()) => {}
                 Err(e @ DistError::PeerGone { .. }) => {
                     (self.peer_gone)(self.right, e.to_string());
@@ -480,12 +539,11 @@ impl Ctx {
                 .recv_tagged_timeout(&mut buf, self.left, CHECK_TAG, POLL)
             {
                 Ok(()) => match Frame::decode(&buf) {
-                    Ok(Frame::Desc(d)) => {
-                        let found = self
-                            .matcher
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .theirs(d);
+                    Ok(Frame::Descs(ds)) => {
+                        let found = {
+                            let mut m = self.matcher.lock().unwrap_or_else(|p| p.into_inner());
+                            ds.into_iter().find_map(|d| m.theirs(d))
+                        };
                         if let Some(m) = found {
                             self.poison(self.me, mismatch_text(self.me, self.left, &m));
                             return;

@@ -27,8 +27,12 @@ fn ar(seq: u64, count: u64) -> Desc {
 #[test]
 fn frames_round_trip_and_bad_bytes_are_errors() {
     for f in [
-        Frame::Desc(d(7, "broadcast", "bf16", 1 << 40, "-", Some(3))),
-        Frame::Desc(ar(u64::MAX - 1, 0)),
+        Frame::Descs(vec![d(7, "broadcast", "bf16", 1 << 40, "-", Some(3))]),
+        Frame::Descs(
+            (1..=PER_FRAME as u64)
+                .map(|s| ar(u64::MAX - s, s))
+                .collect(),
+        ),
         Frame::Poison {
             origin: 2,
             reason: "rank 1 called #3 ...".into(),
@@ -59,6 +63,12 @@ fn frames_round_trip_and_bad_bytes_are_errors() {
     junk[0] = KIND_POISON; // a text length past the frame is cut
     assert!(Frame::decode(&junk).is_ok());
     assert!(Frame::decode(&junk[..10]).unwrap_err().contains("10 bytes"));
+    junk[0] = KIND_DESC; // 255 descriptors claimed
+    assert!(
+        Frame::decode(&junk)
+            .unwrap_err()
+            .contains("255 descriptors")
+    );
 }
 
 #[test]
@@ -259,4 +269,37 @@ fn a_dead_rank_is_named_on_every_survivor() {
     }
     assert!(seen.contains(&0) && seen.contains(&2), "{seen:?}");
     assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+/// What `note` costs the calling thread while the threads run, paced like 8 B GPU calls (one
+/// per ~10 µs). Prints; `cargo test -p dist-hybrid --lib note_cost -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn note_cost() {
+    let tcps = job(2);
+    let (cs, _rx) = checkers(&tcps);
+    let hs: Vec<_> = cs
+        .into_iter()
+        .map(|c| {
+            std::thread::spawn(move || {
+                let n = 50_000u64;
+                let mut spent = Duration::ZERO;
+                for s in 1..=n {
+                    let until = Instant::now() + Duration::from_micros(10);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                    let t = Instant::now();
+                    c.note(ar(s, 8));
+                    spent += t.elapsed();
+                }
+                let dropped = c.dropped.load(Ordering::Relaxed);
+                (spent / n as u32, dropped, c)
+            })
+        })
+        .collect();
+    for h in hs {
+        let (per, dropped, _c) = h.join().unwrap();
+        println!("note: {per:?} per call, {dropped} dropped");
+    }
 }
