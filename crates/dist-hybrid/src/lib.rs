@@ -360,7 +360,7 @@ impl HybridBackend {
     }
 
     /// NCCL calls the check did not compare: dropped because its queue or its record was
-    /// full ([`check`](crate) holds 4,096 of each), on this rank or the previous one.
+    /// full (4,096 of each), on this rank or the previous one.
     pub fn unchecked_calls(&self) -> u64 {
         self.checker.as_ref().map_or(0, |c| {
             c.dropped.load(std::sync::atomic::Ordering::Relaxed)
