@@ -21,10 +21,12 @@
 
 #![warn(missing_docs)]
 
+mod check;
 mod host;
+mod watch;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice};
 use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag};
@@ -90,10 +92,36 @@ pub enum GpuChoice {
 }
 
 /// TCP and NCCL, formed together.
+///
+/// With NCCL, two background threads check every NCCL call made through the backend against
+/// the previous rank's (see the crate's guide, "when something goes wrong"): a mismatch, or a
+/// rank whose TCP connection closes, aborts the communicator on every rank with an error
+/// naming the ranks, the calls and the NCCL op in flight. `DIST_NCCL_CHECK=0` turns the
+/// comparison off (a dead rank is still reported).
 pub struct HybridBackend {
-    tcp: TcpBackend,
+    tcp: Arc<TcpBackend>,
     nccl: Option<Communicator>,
     why_no_nccl: String,
+    watch: Option<Arc<watch::Watch>>,
+    checker: Option<check::Checker>,
+    check_calls: bool,
+}
+
+impl Drop for HybridBackend {
+    /// Stops the check's threads (within 2 s) before the communicator and the TCP mesh go.
+    fn drop(&mut self) {
+        if let Some(mut c) = self.checker.take() {
+            c.stop(Instant::now() + Duration::from_secs(2));
+        }
+    }
+}
+
+/// Whether `DIST_NCCL_CHECK` leaves the call check on (anything but `0`, `off`, `false`).
+fn check_from_env() -> bool {
+    !matches!(
+        std::env::var("DIST_NCCL_CHECK").as_deref(),
+        Ok("0" | "off" | "false")
+    )
 }
 
 impl std::fmt::Debug for HybridBackend {
@@ -230,9 +258,12 @@ impl HybridBackend {
                 tracing::warn!(rank = me, why = %why, "NCCL off, TCP only");
             }
             return Ok(HybridBackend {
-                tcp,
+                tcp: Arc::new(tcp),
                 nccl: None,
                 why_no_nccl: why,
+                watch: None,
+                checker: None,
+                check_calls: false,
             });
         };
         let nccl = Arc::new(Nccl::load().map_err(NcclError::from)?);
@@ -253,10 +284,18 @@ impl HybridBackend {
             source,
         })?;
         let comm = Communicator::init_rank(nccl, &ctx, me, n, &id, cfg)?;
+        let tcp = Arc::new(tcp);
+        let watch = Arc::new(watch::Watch::new(me, comm.abort_handle()));
+        let (fail, peer) = watch::sinks(&watch);
+        let peer = watch::watch_peer_faults(&tcp, peer);
+        let checker = check::Checker::start(tcp.clone(), fail, peer);
         Ok(HybridBackend {
             tcp,
             nccl: Some(comm),
             why_no_nccl: String::new(),
+            watch: Some(watch),
+            checker: Some(checker),
+            check_calls: check_from_env(),
         })
     }
 
@@ -275,12 +314,96 @@ impl HybridBackend {
         self.nccl.is_none().then_some(self.why_no_nccl.as_str())
     }
 
-    /// Waits for the NCCL work enqueued so far (no-op without NCCL).
+    /// Waits for the NCCL work enqueued so far (no-op without NCCL), within the NCCL timeout
+    /// (`DIST_TIMEOUT`'s, see [`nccl_config_for`]).
     pub fn synchronize_nccl(&self) -> Result<()> {
-        if let Some(c) = &self.nccl {
-            c.synchronize()?;
+        self.sync_with(|c| c.synchronize())
+    }
+
+    /// [`HybridBackend::synchronize_nccl`] with a deadline of its own (capped at the NCCL
+    /// timeout): past it, the communicator is aborted and this returns the timeout.
+    pub fn synchronize_nccl_timeout(&self, timeout: Duration) -> Result<()> {
+        self.sync_with(|c| c.synchronize_timeout(timeout))
+    }
+
+    fn sync_with(&self, f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>) -> Result<()> {
+        let (Some(c), Some(w)) = (&self.nccl, &self.watch) else {
+            return Ok(());
+        };
+        let r = f(c);
+        match &r {
+            Ok(()) => w.synced(Ok(())),
+            Err(e) => w.synced(Err(e)),
         }
-        Ok(())
+        Ok(r?)
+    }
+
+    /// Aborts the NCCL communicator at once because rank `peer` failed (`cause` says how):
+    /// the calls and the synchronize of this rank fail from now on with an error naming
+    /// `peer`, `cause` and the NCCL op in flight here. No-op without NCCL.
+    pub fn peer_failed(&self, peer: usize, cause: &str) {
+        if let Some(w) = &self.watch {
+            w.peer_failed(peer, cause);
+        }
+    }
+
+    /// The first failure the NCCL side was aborted for (a mismatch, a failed peer), with the
+    /// NCCL op in flight then.
+    pub fn nccl_failure(&self) -> Option<&str> {
+        self.watch.as_ref().and_then(|w| w.failure())
+    }
+
+    /// The flight recorder of the NCCL calls made through this backend (sequence number,
+    /// collective, type, count, root; queued until a synchronize sees them done).
+    pub fn nccl_flight(&self) -> Option<&dist_core::flight::FlightRecorder> {
+        self.watch.as_ref().map(|w| &w.flight)
+    }
+
+    /// NCCL calls the check did not compare: dropped because its queue or its record was
+    /// full (4,096 of each), on this rank or the previous one.
+    pub fn unchecked_calls(&self) -> u64 {
+        self.checker.as_ref().map_or(0, |c| {
+            c.dropped.load(std::sync::atomic::Ordering::Relaxed)
+                + c.matcher
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .unchecked
+        })
+    }
+
+    /// Turns the comparison of NCCL calls on or off (initially on unless `DIST_NCCL_CHECK=0`).
+    /// Every rank must switch between the same two calls; calls made while it is off are not
+    /// compared (they still count in the sequence, so the ranks stay in step). A failed rank is
+    /// reported either way.
+    pub fn set_nccl_check(&mut self, on: bool) {
+        self.check_calls = on && self.checker.is_some();
+    }
+
+    /// Runs one NCCL call `f` through the record and the check.
+    fn nccl_call<T: NcclType>(
+        &self,
+        coll: &'static str,
+        count: usize,
+        op: Option<ReduceOp>,
+        root: Option<usize>,
+        f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>,
+    ) -> Result<()> {
+        let c = self.need_nccl(coll)?;
+        let Some(w) = &self.watch else {
+            return Ok(f(c)?);
+        };
+        let d = w.begin(coll, T::NAME, count, op.map(|o| o.name()), root);
+        // Once aborted, the calls only fail here: nothing more to compare.
+        if self.check_calls
+            && w.failure().is_none()
+            && let Some(k) = &self.checker
+        {
+            k.note(d);
+        }
+        f(c).map_err(|e| {
+            w.failed_call(&e);
+            e.into()
+        })
     }
 
     fn need_nccl(&self, op: &str) -> Result<&Communicator> {
@@ -324,11 +447,15 @@ impl<T: Element> Buffer for [T] {
 
 impl<T: NcclType> Buffer for CudaSlice<T> {
     fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
-        Ok(h.need_nccl("all_reduce")?.all_reduce_in_place(self, op)?)
+        h.nccl_call::<T>("all_reduce", self.len(), Some(op), None, |c| {
+            c.all_reduce_in_place(self, op)
+        })
     }
 
     fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
-        Ok(h.need_nccl("broadcast")?.broadcast(self, root)?)
+        h.nccl_call::<T>("broadcast", self.len(), None, Some(root), |c| {
+            c.broadcast(self, root)
+        })
     }
 }
 

@@ -361,14 +361,41 @@ impl Communicator {
         self.shared.request_abort(Abort::User);
     }
 
+    /// [`Communicator::abort`] with a reason: every later call (and a `synchronize` waiting
+    /// now) fails with [`NcclError::Aborted`] carrying `reason` and naming the refused call.
+    /// Only the first abort's reason is kept.
+    pub fn abort_with(&self, reason: impl Into<String>) {
+        self.shared.request_abort(Abort::Error(reason.into()));
+    }
+
+    /// A handle that aborts this communicator from another thread (a watchdog of the caller's
+    /// own, e.g. a peer-failure or mismatch check) without borrowing it; it keeps only the
+    /// shared state alive, and aborting after the communicator was dropped does nothing.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// Waits until everything enqueued on the communicator's stream so far has completed, or
     /// the communicator fails: never longer than its timeout (then the watchdog aborts it).
     pub fn synchronize(&self) -> Result<()> {
         self.synchronize_stream(&self.shared.stream)
     }
 
+    /// [`Communicator::synchronize`] with a deadline of its own: if the work has not completed
+    /// within `timeout` (capped at the communicator's timeout), the communicator is aborted
+    /// and this returns [`NcclError::Timeout`].
+    pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
+        self.wait_stream(&self.shared.stream, timeout.min(self.shared.timeout))
+    }
+
     /// [`Communicator::synchronize`] for another stream of this communicator's context.
     pub fn synchronize_stream(&self, stream: &CudaStream) -> Result<()> {
+        self.wait_stream(stream, self.shared.timeout + WATCH_EVERY * 10)
+    }
+
+    fn wait_stream(&self, stream: &CudaStream, limit: Duration) -> Result<()> {
         self.sync_event
             .record(stream)
             .map_err(cuda(&self.shared.who, "record an event"))?;
@@ -378,6 +405,13 @@ impl Communicator {
             if self.sync_event.is_complete() {
                 return Ok(());
             }
+            // An abort decided on another thread: refuse now, while NCCL may still be tearing
+            // the communicator down under the lock. The work left on the stream is cancelled by
+            // that abort; a buffer dropped now is freed only after its last use on the stream
+            // (cudarc waits for its events, then frees in stream order or after a sync).
+            if let Some(why) = self.shared.doomed.get() {
+                return Err(self.shared.aborted_error("synchronize", why));
+            }
             // try_lock: a call another thread has inside NCCL must not hold this wait past its
             // deadline.
             if let Some(st) = self.shared.try_lock()
@@ -385,7 +419,7 @@ impl Communicator {
             {
                 return Err(self.shared.aborted_error("synchronize", why));
             }
-            if started.elapsed() > self.shared.timeout + WATCH_EVERY * 10 {
+            if started.elapsed() > limit {
                 // The watchdog should have acted by now; do it here (at once if no call is
                 // inside NCCL, else when that call returns; deferred while a group is open).
                 let why = Abort::Timeout {
@@ -454,6 +488,34 @@ impl Communicator {
             }
         }
         true
+    }
+}
+
+/// Aborts a [`Communicator`] from anywhere (see [`Communicator::abort_handle`]).
+#[derive(Clone)]
+pub struct AbortHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AbortHandle({})", self.shared.who)
+    }
+}
+
+impl AbortHandle {
+    /// [`Communicator::abort_with`]: never waits behind a call inside NCCL (the abort then
+    /// happens when that call returns).
+    pub fn abort_with(&self, reason: impl Into<String>) {
+        self.shared.request_abort(Abort::Error(reason.into()));
+    }
+
+    /// Why the communicator was aborted, if it was (`None` also while the abort waits for a
+    /// call inside NCCL to return).
+    pub fn aborted(&self) -> Option<String> {
+        self.shared
+            .try_lock()
+            .and_then(|st| st.aborted.as_ref().map(Abort::reason))
     }
 }
 

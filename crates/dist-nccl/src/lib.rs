@@ -57,7 +57,7 @@ mod split;
 mod types;
 mod watchdog;
 
-pub use communicator::{CommConfig, Communicator};
+pub use communicator::{AbortHandle, CommConfig, Communicator};
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
 pub use group::{Group, GroupOps, group};

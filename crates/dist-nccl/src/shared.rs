@@ -21,7 +21,7 @@
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,10 @@ pub(crate) struct Shared {
     /// lock next applies it, so asking never waits behind a call.
     requested: Mutex<Option<Abort>>,
     requested_any: AtomicBool,
+    /// The first abort decided (asked for, or applied), set before `ncclCommAbort` runs: calls
+    /// and synchronizes refuse from then on, without waiting for the abort (which takes NCCL
+    /// about a second) to finish under the lock.
+    pub(crate) doomed: OnceLock<Abort>,
 }
 
 impl Shared {
@@ -128,6 +132,7 @@ impl Shared {
             stream,
             requested: Mutex::new(None),
             requested_any: AtomicBool::new(false),
+            doomed: OnceLock::new(),
         }
     }
 
@@ -135,6 +140,7 @@ impl Shared {
     /// whoever takes the lock next (the call's own thread, another caller or the watchdog), so
     /// that it never waits behind a call.
     pub(crate) fn request_abort(&self, why: Abort) {
+        let _ = self.doomed.set(why.clone());
         match self.try_lock() {
             Some(mut st) => self.abort_locked(&mut st, why),
             None => {
@@ -200,6 +206,9 @@ impl Shared {
     /// The lock, for a call by this thread: waits (within the timeout) while another thread's
     /// group holds the communicator, and refuses once it was aborted.
     pub(crate) fn lock_for_call(&self, op: &str) -> Result<MutexGuard<'_, State>> {
+        if let Some(why) = self.doomed.get() {
+            return Err(self.aborted_error(op, why));
+        }
         let mut st = self.lock();
         self.apply_requested(&mut st);
         if let Some(owner) = st.owner
@@ -300,6 +309,7 @@ impl Shared {
         if st.aborted.is_some() {
             return;
         }
+        let _ = self.doomed.set(why.clone());
         if st.owner.is_some() {
             st.deferred.get_or_insert(why);
             return;

@@ -19,6 +19,7 @@ use dist_tcp::TcpBackend;
 use half::{bf16, f16};
 
 mod nccl_bounded;
+mod nccl_failures;
 
 struct Rig {
     tcp: TcpBackend,
@@ -695,6 +696,13 @@ const CASES: &[Case] = &[
     ("nccl_group_paths", group_paths),
     ("nccl_drop_bounded", nccl_bounded::drop_bounded),
     ("nccl_split_absent", nccl_bounded::split_absent),
+    ("hybrid_mismatch_count", nccl_failures::mismatch_count),
+    ("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
+    ("hybrid_mismatch_op", nccl_failures::mismatch_op),
+    ("hybrid_mismatch_root", nccl_failures::mismatch_root),
+    ("hybrid_sigkill", nccl_failures::sigkill),
+    ("hybrid_sigstop", nccl_failures::sigstop),
+    ("hybrid_check_cost", nccl_failures::check_cost),
 ];
 
 fn main() -> ExitCode {

@@ -1,0 +1,187 @@
+//! What the hybrid keeps beside its NCCL communicator to fail fast and say why: the flight
+//! recorder of its NCCL calls, their sequence numbers, and the abort with a reason that names
+//! the NCCL op in flight. The check (`check.rs`) and the peer-failure wiring
+//! ([`watch_peer_faults`]) end here.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use dist_core::flight::{DEFAULT_CAPACITY, Entry, FlightRecorder, OpInfo, OpState};
+use dist_nccl::AbortHandle;
+use dist_tcp::TcpBackend;
+
+use crate::check::{Desc, Name, PeerSink};
+
+/// The NCCL side's record and abort.
+pub(crate) struct Watch {
+    me: usize,
+    abort: AbortHandle,
+    pub(crate) flight: FlightRecorder,
+    /// Calls enqueued and not yet seen complete by a synchronize (at most the record's size).
+    open: Mutex<VecDeque<Entry>>,
+    seq: AtomicU64,
+    /// The first failure's full reason.
+    failed: OnceLock<String>,
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("rank", &self.me)
+            .field("failed", &self.failed.get())
+            .finish()
+    }
+}
+
+impl Watch {
+    pub(crate) fn new(me: usize, abort: AbortHandle) -> Watch {
+        Watch {
+            me,
+            abort,
+            flight: FlightRecorder::new(DEFAULT_CAPACITY),
+            open: Mutex::new(VecDeque::new()),
+            seq: AtomicU64::new(0),
+            failed: OnceLock::new(),
+        }
+    }
+
+    /// Records a call about to be enqueued; its descriptor for the check.
+    pub(crate) fn begin(
+        &self,
+        coll: &'static str,
+        dtype: &'static str,
+        count: usize,
+        op: Option<&'static str>,
+        root: Option<usize>,
+    ) -> Desc {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let e = self.flight.begin(
+            OpInfo {
+                seq,
+                op: coll,
+                dtype,
+                count,
+                peer: root,
+            },
+            OpState::Queued,
+        );
+        {
+            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            if open.len() == DEFAULT_CAPACITY {
+                open.pop_front();
+            }
+            open.push_back(e);
+        }
+        Desc {
+            seq,
+            coll: Name::new(coll),
+            dtype: Name::new(dtype),
+            count: count as u64,
+            op: Name::new(op.unwrap_or("-")),
+            root: root.map(|r| r as u64),
+        }
+    }
+
+    /// A call that failed to enqueue.
+    pub(crate) fn failed_call(&self, why: &dyn std::fmt::Display) {
+        let e = self
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_back();
+        if let Some(e) = e {
+            self.flight.finish(e, Err(why));
+        }
+    }
+
+    /// A synchronize's outcome: every open call done, or failed with its error.
+    pub(crate) fn synced(&self, outcome: Result<(), &dyn std::fmt::Display>) {
+        let open: Vec<Entry> = self
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for e in open {
+            self.flight.finish(e, outcome);
+        }
+    }
+
+    /// The oldest NCCL call not yet seen complete, else the latest; `none` before the first.
+    pub(crate) fn in_flight(&self) -> String {
+        let recs = self.flight.snapshot();
+        let open = recs
+            .iter()
+            .find(|r| matches!(r.state, OpState::Queued | OpState::Started));
+        match open.or(recs.last()) {
+            None => "none".into(),
+            Some(r) => {
+                let i = &r.info;
+                let root = i.peer.map_or(String::new(), |p| format!(" root {p}"));
+                format!(
+                    "#{} {} {} x {}{root} ({})",
+                    i.seq,
+                    i.op,
+                    i.dtype,
+                    i.count,
+                    r.state.name()
+                )
+            }
+        }
+    }
+
+    /// Aborts the communicator with `reason` and the op in flight here; returns the full text
+    /// (the first failure's, if there was one already).
+    pub(crate) fn fail(&self, reason: &str) -> String {
+        let full = format!(
+            "{reason}; NCCL op in flight on rank {}: {}",
+            self.me,
+            self.in_flight()
+        );
+        let kept = self.failed.get_or_init(|| full).clone();
+        self.abort.abort_with(kept.clone());
+        kept
+    }
+
+    /// Aborts because rank `peer` failed.
+    pub(crate) fn peer_failed(&self, peer: usize, cause: &str) -> String {
+        self.fail(&format!("rank {peer} failed ({cause})"))
+    }
+
+    /// The first failure's reason.
+    pub(crate) fn failure(&self) -> Option<&str> {
+        self.failed.get().map(String::as_str)
+    }
+}
+
+// ============================ MERGE POINT: issue 11, point 2 ============================
+/// Connects TCP's knowledge of failed peers to the NCCL side: `on_fault(rank, cause)` aborts
+/// the communicator naming the rank. Returns the sink the NCCL call check calls when its
+/// receive from the previous rank fails with `PeerGone` (that rank died).
+///
+/// Today `TcpBackend` has no fault hook, so only that receive reports a failure: the previous
+/// rank in the ring dying is seen at once, and the check forwards the reason round the ring.
+/// A stopped (SIGSTOP) rank is not seen until TCP has liveness. At the merge with the TCP
+/// liveness work, register the hook here as well:
+///
+/// ```ignore
+/// let f = on_fault.clone();
+/// tcp.on_peer_fault(move |fault| { f(fault.peer, fault.to_string()); });
+/// ```
+pub(crate) fn watch_peer_faults(tcp: &TcpBackend, on_fault: PeerSink) -> PeerSink {
+    let _ = tcp;
+    on_fault
+}
+// =========================================================================================
+
+/// The sinks the check calls, bound to `watch`.
+pub(crate) fn sinks(watch: &Arc<Watch>) -> (crate::check::Sink, PeerSink) {
+    let w = watch.clone();
+    let fail: crate::check::Sink = Arc::new(move |reason: String| {
+        w.fail(&reason);
+    });
+    let w = watch.clone();
+    let peer: PeerSink = Arc::new(move |peer: usize, cause: String| w.peer_failed(peer, &cause));
+    (fail, peer)
+}
