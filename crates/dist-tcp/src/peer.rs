@@ -7,6 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -658,8 +659,17 @@ impl Peer {
                 }
             };
             if watch {
-                // Block until bytes (or the end of the stream) arrive, without taking them.
-                let _ = probe.peek(&mut [0u8; 1]);
+                // A spinner may have read a frame and held it back: its bytes left the socket,
+                // so wait as the holder does (on `reader_cond`), not on the socket.
+                let r = rx.lock().unwrap_or_else(|p| p.into_inner());
+                if let Frame::Held { until, seen, .. } = r.frame {
+                    held = Some((until, seen));
+                    continue;
+                }
+                drop(r);
+                // Block until bytes (or the end of the stream) arrive, without taking them; at
+                // most HOLD_RECHECK, in case a spinner holds a frame back meanwhile.
+                let _ = crate::sys::poll_read(probe.as_raw_fd(), HOLD_RECHECK);
             }
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             match self.progress(&mut r) {

@@ -240,3 +240,77 @@ fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
     writer.join().unwrap();
     pair.frame(1, 6, 0, &[]);
 }
+
+/// Review finding 1. Fails before the fix (t1 times out after 3 s): a frame held for flow
+/// control by a spinner (not the reader thread) was never re-routed when the budget freed,
+/// while the reader thread sat in `peek` on a socket whose bytes were already in `rx.buf`.
+#[test]
+fn review_held_by_spinner_lost_wake() {
+    // Room for one 100-byte message, not two.
+    let mut pair = Pair::new(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50));
+    pair.frame(1, 1, 100, &[1; 100]);
+    let t = Instant::now();
+    while pair.queued_bytes() != 100 + QUEUED_OVERHEAD && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(pair.queued_bytes(), 100 + QUEUED_OVERHEAD);
+    // T0 sleeps on tag 5 forever: the reader thread watches the socket (peek).
+    let p0 = pair.peer.clone();
+    let t0 = std::thread::spawn(move || {
+        let mut b = [0u8; 10];
+        let d = Instant::now() + Duration::from_secs(8);
+        let _ = p0.recv(&mut b, 5, d, &|| "t0".into());
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // Act as a spinner: M1 (tag 2, does not fit) then M2 (tag 3), in one write.
+    let mut bytes = Vec::new();
+    for (tag, len) in [(2u64, 100usize), (3, 10)] {
+        bytes.extend_from_slice(
+            &FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                len: len as u64,
+                meta: [0; 16],
+            }
+            .encode(),
+        );
+        bytes.extend(std::iter::repeat_n(tag as u8, len));
+    }
+    pair.peer.spinners.fetch_add(1, Ordering::AcqRel);
+    pair.raw.write_all(&bytes).unwrap();
+    let rx = pair.peer.rx.as_ref().unwrap();
+    let t = Instant::now();
+    let mut held = false;
+    while t.elapsed() < Duration::from_secs(2) {
+        if let Ok(mut r) = rx.try_lock()
+            && let Step::Held(..) = pair.peer.progress(&mut r)
+        {
+            held = true;
+            break;
+        }
+    }
+    pair.peer.spinners.fetch_sub(1, Ordering::AcqRel);
+    assert!(held);
+    let reader_knows = pair.peer.lock().reader_holding;
+    eprintln!("reader holding after spinner got Held: {reader_knows}");
+    // T1 receives tag 3 (behind M1); then the queue drains, which should let M1 queue and M2 land.
+    let p1 = pair.peer.clone();
+    let t1 = std::thread::spawn(move || {
+        let mut b = [0u8; 10];
+        let d = Instant::now() + Duration::from_secs(3);
+        let s = Instant::now();
+        let r = p1.recv(&mut b, 3, d, &|| "t1".into());
+        (r.map(|_| b), s.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let mut b = [0u8; 100];
+    pair.recv(&mut b, 1).unwrap();
+    let (r, took) = t1.join().unwrap();
+    eprintln!("t1: {r:?} after {took:?}");
+    assert!(
+        r.is_ok(),
+        "lost wake: tag 3 never delivered after the budget freed ({took:?})"
+    );
+    drop(pair);
+    let _ = t0.join();
+}
