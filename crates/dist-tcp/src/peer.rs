@@ -677,12 +677,41 @@ impl Peer {
                     self.shut(&mut r, cause);
                     return;
                 }
-                Step::Held(until, seen) => held = Some((until, seen)),
+                Step::Held(until, seen) => {
+                    // Nothing is read while a frame is held: notice a dead connection here.
+                    if let Some(cause) = held_hang_up(&probe, &r) {
+                        self.shut(&mut r, cause);
+                        return;
+                    }
+                    held = Some((until, seen));
+                }
                 Step::Progress | Step::Idle => {}
             }
             mid_frame = !matches!(r.frame, Frame::Header);
         }
     }
+}
+
+/// Why a connection whose read side holds a frame back is dead, if it is: reset or shut in both
+/// directions, or shut by the peer before the held frame's payload fully arrived.
+fn held_hang_up(probe: &TcpStream, r: &Rx) -> Option<String> {
+    let fd = probe.as_raw_fd();
+    let ev = match crate::sys::poll_read(fd, Duration::ZERO) {
+        Ok(ev) => ev,
+        Err(e) => return Some(format!("connection check failed: {e}")),
+    };
+    if ev & crate::sys::HUNG_UP != 0 {
+        return Some("connection closed or reset while a message was held back".into());
+    }
+    if ev & crate::sys::PEER_SHUT != 0
+        && let Frame::Held { header, .. } = &r.frame
+    {
+        let have = crate::sys::unread(fd).unwrap_or(0) + (r.hi - r.lo);
+        if (have as u64) < header.len {
+            return Some("connection closed mid-message".into());
+        }
+    }
+    None
 }
 
 fn spin_time() -> Duration {

@@ -314,3 +314,30 @@ fn review_held_by_spinner_lost_wake() {
     drop(pair);
     let _ = t0.join();
 }
+
+/// Review finding 2. Fails before the fix (a Timeout after 3 s, then `Pair::drop` hangs on the
+/// reader): while a frame was held for flow control nothing read the socket, so a peer that
+/// hung up mid-message was never noticed.
+#[test]
+fn a_connection_that_dies_while_a_frame_is_held_is_gone() {
+    let mut pair = Pair::new(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50));
+    pair.frame(1, 1, 100, &[1; 100]);
+    let t = Instant::now();
+    while pair.queued_bytes() != 100 + QUEUED_OVERHEAD && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A second message does not fit: it is held. The peer dies after half its payload.
+    let mut h = header(1, 100);
+    h.extend_from_slice(&[2; 50]);
+    pair.raw.write_all(&h).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    pair.raw.shutdown(Shutdown::Write).unwrap();
+    let mut buf = [0u8; 4];
+    let d = Instant::now() + Duration::from_secs(3);
+    let e = pair
+        .peer
+        .recv(&mut buf, 9, d, &|| "recv tag 9".into())
+        .unwrap_err();
+    let cause = gone_cause(e);
+    assert!(cause.contains("closed mid-message"), "{cause}");
+}
