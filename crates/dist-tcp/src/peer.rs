@@ -36,8 +36,13 @@ use writer::*;
 pub(crate) const ABORT_MAX: usize = 64 << 10;
 /// How many abort notices a backend keeps (the first ones; later ones are counted only).
 const ABORTS_KEPT: usize = 64;
-/// What a queued message costs the unexpected-message budget beyond its payload (its entry).
-const QUEUED_OVERHEAD: usize = 64;
+/// What a queued message costs the unexpected-message budget beyond its payload. A message on a
+/// fresh tag costs about this much memory besides its bytes: the `Queued` entry (40 B) in a
+/// `VecDeque` that allocates room for 4 on its first push (160 B), the map's bucket (tag + deque,
+/// 40 B, more with the load factor), and the allocator's minimum chunk and header on the payload
+/// and the deque (16-32 B each). Charging less let a peer that sends 1-byte messages on distinct
+/// tags hold several times the budget.
+const QUEUED_OVERHEAD: usize = 256;
 /// How often a reader that holds a message back for flow control rechecks on its own (it is
 /// woken whenever a receive is posted or a queued message taken; this only bounds a lost wake).
 const HOLD_RECHECK: Duration = Duration::from_millis(500);

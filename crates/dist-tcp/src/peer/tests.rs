@@ -341,3 +341,45 @@ fn a_connection_that_dies_while_a_frame_is_held_is_gone() {
     let cause = gone_cause(e);
     assert!(cause.contains("closed mid-message"), "{cause}");
 }
+
+/// Review finding 6. Fails before the fix: the queue kept an empty deque for every tag ever
+/// received (the map never shrank), and 1-byte messages on fresh tags were charged 64 bytes
+/// each, far less than the memory their entries take.
+#[test]
+fn messages_on_many_distinct_tags_stay_within_the_budget_and_leave_no_entries() {
+    const LIMIT: usize = 64 << 10;
+    let pair = Pair::new(limits(1 << 30, LIMIT));
+    let mut raw = pair.raw.try_clone().unwrap();
+    const N: u64 = 2000;
+    let writer = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        for tag in 100..100 + N {
+            let h = FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                len: 1,
+                meta: [0; 16],
+            };
+            bytes.extend_from_slice(&h.encode());
+            bytes.push(tag as u8);
+        }
+        raw.write_all(&bytes).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // Each queued message is charged at least 256 bytes: at most LIMIT/257 of them are queued.
+    let entries = pair.peer.lock().queued.len();
+    assert!(entries <= LIMIT / 257, "{entries} messages queued");
+    assert!(pair.queued_bytes() <= LIMIT, "{}", pair.queued_bytes());
+    let mut b = [0u8; 1];
+    for tag in 100..100 + N {
+        pair.recv(&mut b, tag).unwrap();
+        assert_eq!(b[0], tag as u8);
+    }
+    writer.join().unwrap();
+    assert_eq!(
+        pair.peer.lock().queued.len(),
+        0,
+        "emptied tags left entries"
+    );
+    assert_eq!(pair.queued_bytes(), 0);
+}
