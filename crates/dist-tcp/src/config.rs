@@ -150,6 +150,9 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
+        // Read by the receive path itself (peer.rs `spin_time`); checked here so that a value
+        // that would spin a core for long is an error at init, not a silent busy loop.
+        number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
         cfg = crate::limits_from_env(cfg, &get)?;
         cfg.validate()?;
         Ok(cfg)
@@ -380,6 +383,8 @@ mod tests {
             ("DIST_TCP_PARALLEL", "2"),
             ("DIST_TCP_LANES", "3"),
             ("DIST_RING_PIECE_KB", "0"),
+            ("DIST_SPIN_US", "1e12"),
+            ("DIST_SPIN_US", "10001"),
         ] {
             let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
             v.push((k, bad));

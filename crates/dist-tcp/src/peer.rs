@@ -67,6 +67,8 @@ const IDLE_DRAIN: Duration = Duration::from_millis(20);
 
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
+/// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
+pub(crate) const SPIN_MAX_US: u32 = 10_000;
 
 /// Withdraws a posted receive when dropped while armed.
 struct PostGuard<'a> {
@@ -725,7 +727,7 @@ fn spin_time() -> Duration {
         std::env::var("DIST_SPIN_US")
             .ok()
             .and_then(|v| v.parse().ok())
-            .map(Duration::from_micros)
+            .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
             .unwrap_or(SPIN)
     })
 }

@@ -34,12 +34,25 @@ pub(crate) fn poll_read(
     fd: std::os::fd::RawFd,
     limit: std::time::Duration,
 ) -> std::io::Result<i16> {
+    poll_one(fd, libc::POLLIN | PEER_SHUT, limit.as_millis())
+}
+
+/// Waits up to `limit` (rounded up to milliseconds) until `fd` has room to write or hangs up;
+/// returns poll's `revents` (0 if the time passed or a signal came).
+pub(crate) fn poll_write(
+    fd: std::os::fd::RawFd,
+    limit: std::time::Duration,
+) -> std::io::Result<i16> {
+    poll_one(fd, libc::POLLOUT, limit.as_micros().div_ceil(1000))
+}
+
+fn poll_one(fd: std::os::fd::RawFd, events: i16, ms: u128) -> std::io::Result<i16> {
     let mut p = libc::pollfd {
         fd,
-        events: libc::POLLIN | PEER_SHUT,
+        events,
         revents: 0,
     };
-    let ms = limit.as_millis().min(i32::MAX as u128) as i32;
+    let ms = ms.min(i32::MAX as u128) as i32;
     // SAFETY: `p` is one initialised `pollfd` that outlives the call, and we pass `nfds` = 1.
     // An fd that is not open is reported in `revents` (POLLNVAL), not undefined behaviour.
     let n = unsafe { libc::poll(&mut p, 1, ms) };

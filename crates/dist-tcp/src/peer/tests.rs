@@ -383,3 +383,89 @@ fn messages_on_many_distinct_tags_stay_within_the_budget_and_leave_no_entries() 
     );
     assert_eq!(pair.queued_bytes(), 0);
 }
+
+/// Review finding 3. Fails before the fix: the send waited on `SO_SNDTIMEO` (here 10 s per
+/// write) whatever its deadline, and a second send waited for the writer lock behind it.
+#[test]
+fn a_send_to_a_peer_that_does_not_read_ends_by_its_deadline() {
+    let pair = Pair::new(limits(1 << 30, 1 << 20));
+    let p = pair.peer.clone();
+    let big = std::thread::spawn(move || {
+        let data = vec![0u8; 64 << 20];
+        let s = Instant::now();
+        let d = s + Duration::from_millis(800);
+        let r = p.send(FrameKind::Data, 1, &data, [0; 16], &|| "big send".into(), d);
+        (r, s.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let s = Instant::now();
+    let d = s + Duration::from_millis(200);
+    let r = pair.peer.send(
+        FrameKind::Data,
+        2,
+        &[1; 8],
+        [0; 16],
+        &|| "small send".into(),
+        d,
+    );
+    let took = s.elapsed();
+    match r {
+        Err(DistError::Timeout { op, peer, .. }) => {
+            assert_eq!(peer, RANK);
+            assert!(
+                op.contains("small send") && op.contains("behind another send"),
+                "{op}"
+            );
+        }
+        r => panic!("expected a Timeout, got {r:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let (r, took) = big.join().unwrap();
+    assert!(matches!(r, Err(DistError::Timeout { .. })), "{r:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+/// Review finding 4. Fails before the fix: a peer flooding frames (abort notices here) made
+/// every pass of `send_while_receiving`'s spin loop count as progress, so it spun past its
+/// deadline for as long as the flood lasted (then blocked on `SO_SNDTIMEO`, 10 s).
+#[test]
+fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
+    let pair = Pair::new(limits(1 << 30, 1 << 20));
+    let mut raw = pair.raw.try_clone().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let flood = std::thread::spawn(move || {
+        let mut f = header(2, 4096);
+        f.extend_from_slice(&[b'x'; 4096]);
+        let t = Instant::now();
+        while !flag.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(8) {
+            if raw.write_all(&f).is_err() {
+                break;
+            }
+        }
+    });
+    let data = vec![0u8; 64 << 20];
+    let mut buf = [0u8; 8];
+    let s = Instant::now();
+    let d = s + Duration::from_secs(1);
+    let peer = pair.peer.clone();
+    let r = pair
+        .peer
+        .recv_overlapped(&mut buf, 5, d, &|| "recv".into(), false, |posted| {
+            peer.send_while_receiving(
+                5,
+                &data,
+                [0; 16],
+                &|| "send".into(),
+                &peer,
+                posted.unwrap(),
+                d,
+            )
+        });
+    let took = s.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    assert!(matches!(r, Err(DistError::Timeout { .. })), "{r:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    let _ = pair.raw.shutdown(Shutdown::Both);
+    flood.join().unwrap();
+}
