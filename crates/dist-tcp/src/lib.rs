@@ -516,7 +516,11 @@ impl Drop for TcpBackend {
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Write);
         }
-        let deadline = Instant::now() + self.shared.linger;
+        // `validate` bounds the linger; were it still too far out, wait as long as one can.
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(self.shared.linger)
+            .unwrap_or(now + dist_core::MAX_TIMEOUT);
         for p in &self.shared.peers {
             if !p.wait_closed(deadline) {
                 tracing::debug!(

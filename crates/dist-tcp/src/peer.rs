@@ -70,6 +70,23 @@ const SPIN: Duration = Duration::from_micros(50);
 /// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
 pub(crate) const SPIN_MAX_US: u32 = 10_000;
 
+/// Counts a spinner in [`Peer::spinners`] while it lives, so that a panic cannot leave it counted
+/// (the reader thread would then stand back for good).
+struct Spinning<'a>(&'a AtomicUsize);
+
+impl<'a> Spinning<'a> {
+    fn new(n: &'a AtomicUsize) -> Spinning<'a> {
+        n.fetch_add(1, Ordering::AcqRel);
+        Spinning(n)
+    }
+}
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Withdraws a posted receive when dropped while armed.
 struct PostGuard<'a> {
     peer: &'a Peer,
@@ -467,7 +484,7 @@ impl Peer {
     /// as nobody else is reading it at that moment.
     fn spin(&self, id: u64, until: Instant) {
         let Some(rx) = &self.rx else { return };
-        self.spinners.fetch_add(1, Ordering::AcqRel);
+        let _spinning = Spinning::new(&self.spinners);
         loop {
             if let Ok(mut r) = rx.try_lock()
                 && let Step::Closed(cause) = self.progress(&mut r)
@@ -484,7 +501,6 @@ impl Peer {
             }
             std::thread::yield_now();
         }
-        self.spinners.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Ends the connection: no more bytes are read, every waiting receive fails with `cause`.

@@ -103,6 +103,8 @@ impl Peer {
     /// socket is written without blocking and, whenever it is full, `src`'s socket is read, so
     /// that neither direction waits on a thread switch. If neither moves for a spin period the
     /// thread stops spinning: the reader thread takes the receive and the send blocks.
+    // The frame (tag, data, meta), its op and deadline, and the receive it runs beside.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn send_while_receiving(
         &self,
         tag: u64,
@@ -134,8 +136,7 @@ impl Peer {
         let mut bufs = &mut bufs[..];
         let started = Instant::now();
         let spin = spin_time();
-        src.spinners.fetch_add(1, Ordering::AcqRel);
-        let mut spinning = true;
+        let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
         let r = loop {
@@ -179,16 +180,13 @@ impl Peer {
             if now.saturating_duration_since(*idle_since.get_or_insert(now)) > spin {
                 // Stop spinning: the reader thread takes the receive, and this thread blocks
                 // on the send (within the socket's send timeout).
-                src.spinners.fetch_sub(1, Ordering::AcqRel);
-                spinning = false;
+                spinning = None;
                 src.wake_reader(&src.lock());
                 break write_all_vectored(&w.sock, bufs, deadline);
             }
             std::thread::yield_now();
         };
-        if spinning {
-            src.spinners.fetch_sub(1, Ordering::AcqRel);
-        }
+        drop(spinning);
         r.map_err(|e| self.send_failed(&mut w, e, started, op))
     }
 
