@@ -421,7 +421,15 @@ fn a_send_to_a_peer_that_does_not_read_ends_by_its_deadline() {
     }
     assert!(took < Duration::from_secs(2), "{took:?}");
     let (r, took) = big.join().unwrap();
-    assert!(matches!(r, Err(DistError::Timeout { .. })), "{r:?}");
+    match r {
+        Err(DistError::Timeout { op, .. }) => {
+            assert!(
+                op.contains("big send") && op.contains(" of 67108904 bytes sent"),
+                "{op}"
+            )
+        }
+        r => panic!("expected a Timeout, got {r:?}"),
+    }
     assert!(took < Duration::from_secs(3), "{took:?}");
 }
 

@@ -15,11 +15,15 @@ pub(super) fn write_all_vectored(
     sock: &socket2::Socket,
     mut bufs: &mut [IoSlice<'_>],
     deadline: Instant,
+    sent: &mut usize,
 ) -> std::io::Result<()> {
     while !bufs.is_empty() {
         match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Ok(n) => {
+                IoSlice::advance_slices(&mut bufs, n);
+                *sent += n;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) if would_block(&e) => {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -95,8 +99,10 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let started = Instant::now();
-        write_all_vectored(&w.sock, &mut bufs, deadline)
-            .map_err(|e| self.send_failed(&mut w, e, started, op))
+        let mut sent = 0;
+        write_all_vectored(&w.sock, &mut bufs, deadline, &mut sent).map_err(|e| {
+            self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len()))
+        })
     }
 
     /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
@@ -134,6 +140,7 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let mut bufs = &mut bufs[..];
+        let mut sent = 0;
         let started = Instant::now();
         let spin = spin_time();
         let mut spinning = Some(Spinning::new(&src.spinners));
@@ -150,6 +157,7 @@ impl Peer {
             {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
+                    sent += n;
                     moved = true;
                 }
                 Err(e) if would_block(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -182,12 +190,12 @@ impl Peer {
                 // on the send (within the socket's send timeout).
                 spinning = None;
                 src.wake_reader(&src.lock());
-                break write_all_vectored(&w.sock, bufs, deadline);
+                break write_all_vectored(&w.sock, bufs, deadline, &mut sent);
             }
             std::thread::yield_now();
         };
         drop(spinning);
-        r.map_err(|e| self.send_failed(&mut w, e, started, op))
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len())))
     }
 
     /// A send failed part-way: a frame may be half written, so the stream is no longer in step
@@ -198,6 +206,7 @@ impl Peer {
         e: std::io::Error,
         started: Instant,
         op: &dyn Fn() -> String,
+        (sent, total): (usize, usize),
     ) -> DistError {
         let timed_out = matches!(
             e.kind(),
@@ -205,18 +214,18 @@ impl Peer {
         );
         let cause = if timed_out {
             format!(
-                "send blocked for {:.1?}: peer not reading",
+                "send blocked for {:.1?} with {sent} of {total} bytes sent: peer not reading",
                 started.elapsed()
             )
         } else {
-            format!("send failed: {e}")
+            format!("send failed with {sent} of {total} bytes sent: {e}")
         };
         w.broken = Some(cause.clone());
         let _ = w.sock.shutdown(Shutdown::Both);
         if timed_out {
             DistError::Timeout {
                 rank: self.me,
-                op: op(),
+                op: format!("{} ({sent} of {total} bytes sent)", op()),
                 peer: self.rank,
                 waited: started.elapsed(),
             }
