@@ -8,6 +8,10 @@ use dist_core::{DistError, Result};
 use crate::launch::LaunchEnv;
 use crate::wire::{MIN_SECRET_LEN, Tuning};
 
+/// The shortest operation, init or handshake timeout: socket timeouts under 1 µs mean "block
+/// forever" to the OS, and nothing useful completes in less than a millisecond.
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default deadline for the whole job to form.
@@ -101,15 +105,15 @@ impl TcpConfig {
                 .map(|v| {
                     match v.trim().parse::<f64>().ok().filter(|s| *s > 0.0).map(|s| {
                         // Refuses NaN, infinities and what a Duration cannot hold (1e20).
-                        Duration::try_from_secs_f64(s)
-                            .ok()
-                            .filter(|d| dist_core::timeout_problem(*d).is_none())
+                        Duration::try_from_secs_f64(s).ok().filter(|d| {
+                            *d >= MIN_TIMEOUT && dist_core::timeout_problem(*d).is_none()
+                        })
                     }) {
                         Some(Some(d)) => Ok(d),
                         _ => Err(DistError::Config {
                             what: k.into(),
                             reason: format!(
-                                "{v:?} is not a positive number of seconds up to {}",
+                                "{v:?} is not a number of seconds from 0.001 up to {}",
                                 dist_core::MAX_TIMEOUT.as_secs()
                             ),
                         }),
@@ -146,6 +150,9 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
+        // Read by the receive path itself (peer.rs `spin_time`); checked here so that a value
+        // that would spin a core for long is an error at init, not a silent busy loop.
+        number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
         cfg = crate::limits_from_env(cfg, &get)?;
         cfg.validate()?;
         Ok(cfg)
@@ -279,6 +286,13 @@ impl TcpConfig {
             ("handshake timeout", self.handshake_timeout),
             ("linger", self.linger),
         ] {
+            // Under 1 ms a socket timeout rounds to 0, which the OS reads as "never time out".
+            if t < MIN_TIMEOUT && what != "linger" {
+                return Err(DistError::Config {
+                    what: what.into(),
+                    reason: format!("{t:?} is shorter than the shortest allowed, 1 ms"),
+                });
+            }
             if let Some(reason) = dist_core::timeout_problem(t) {
                 return Err(DistError::Config {
                     what: what.into(),
@@ -369,6 +383,8 @@ mod tests {
             ("DIST_TCP_PARALLEL", "2"),
             ("DIST_TCP_LANES", "3"),
             ("DIST_RING_PIECE_KB", "0"),
+            ("DIST_SPIN_US", "1e12"),
+            ("DIST_SPIN_US", "10001"),
         ] {
             let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
             v.push((k, bad));
@@ -411,6 +427,38 @@ mod tests {
                 e.contains(what) && e.contains("longer than the longest"),
                 "{e}"
             );
+        }
+    }
+
+    /// Review finding 5. Fails before the fix: `timeout(Duration::ZERO)` passed `validate`, and
+    /// `DIST_TIMEOUT=1e-7` was accepted; socket2 turns a send timeout under 1 µs into 0, which
+    /// the OS reads as "block forever".
+    #[test]
+    fn timeouts_under_a_millisecond_are_refused() {
+        let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+        for (what, cfg) in [
+            ("timeout", c().timeout(Duration::ZERO)),
+            ("timeout", c().timeout(Duration::from_nanos(100))),
+            ("init timeout", c().init_timeout(Duration::from_micros(999))),
+            ("handshake timeout", c().handshake_timeout(Duration::ZERO)),
+        ] {
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(
+                e.contains(what) && e.contains("shortest allowed, 1 ms"),
+                "{e}"
+            );
+        }
+        assert!(c().timeout(Duration::from_millis(1)).validate().is_ok());
+        for k in ["DIST_TIMEOUT", "DIST_INIT_TIMEOUT"] {
+            for bad in ["1e-7", "0.0009"] {
+                let mut v = OK.to_vec();
+                v.push((k, bad));
+                let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+                assert!(
+                    e.contains(k) && e.contains(bad) && e.contains("0.001"),
+                    "{e}"
+                );
+            }
         }
     }
 

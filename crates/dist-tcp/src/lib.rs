@@ -105,6 +105,9 @@ struct Shared {
 
 /// Sends at least this large may run beside their receive on another thread.
 const PARALLEL_MIN: usize = 64 << 10;
+/// How long an abort notice may take to send to one peer (a peer that stopped reading must not
+/// hold the abort back for the whole operation timeout).
+const ABORT_SEND: Duration = Duration::from_secs(1);
 
 /// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
 /// where the machine has at least 8 cores.
@@ -254,8 +257,9 @@ impl Transport for TcpBackend {
     /// collectives use it for their call descriptor).
     fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
         let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+        let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
         self.peer(dst, &op)?
-            .send(FrameKind::Data, tag.to_wire(), data, meta, &op)
+            .send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
     }
 
     /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
@@ -289,10 +293,16 @@ impl Transport for TcpBackend {
         let parallel = send.len() >= PARALLEL_MIN && self.shared.parallel;
         src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, parallel, |posted| {
             match posted {
-                Some(id) if !parallel => {
-                    dst_peer.send_while_receiving(tag.to_wire(), send, meta, &sop, src_peer, id)
-                }
-                _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop),
+                Some(id) if !parallel => dst_peer.send_while_receiving(
+                    tag.to_wire(),
+                    send,
+                    meta,
+                    &sop,
+                    src_peer,
+                    id,
+                    deadline,
+                ),
+                _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop, deadline),
             }?;
             meanwhile()
         })
@@ -341,6 +351,7 @@ impl Transport for TcpBackend {
                 reason.as_bytes(),
                 [0; 16],
                 &op,
+                Instant::now() + ABORT_SEND,
             ) {
                 tracing::debug!(rank = self.shared.rank, peer = p.rank, error = %e, "abort notice not delivered");
             }
@@ -505,7 +516,11 @@ impl Drop for TcpBackend {
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Write);
         }
-        let deadline = Instant::now() + self.shared.linger;
+        // `validate` bounds the linger; were it still too far out, wait as long as one can.
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(self.shared.linger)
+            .unwrap_or(now + dist_core::MAX_TIMEOUT);
         for p in &self.shared.peers {
             if !p.wait_closed(deadline) {
                 tracing::debug!(

@@ -7,6 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -35,8 +36,13 @@ use writer::*;
 pub(crate) const ABORT_MAX: usize = 64 << 10;
 /// How many abort notices a backend keeps (the first ones; later ones are counted only).
 const ABORTS_KEPT: usize = 64;
-/// What a queued message costs the unexpected-message budget beyond its payload (its entry).
-const QUEUED_OVERHEAD: usize = 64;
+/// What a queued message costs the unexpected-message budget beyond its payload. A message on a
+/// fresh tag costs about this much memory besides its bytes: the `Queued` entry (40 B) in a
+/// `VecDeque` that allocates room for 4 on its first push (160 B), the map's bucket (tag + deque,
+/// 40 B, more with the load factor), and the allocator's minimum chunk and header on the payload
+/// and the deque (16-32 B each). Charging less let a peer that sends 1-byte messages on distinct
+/// tags hold several times the budget.
+const QUEUED_OVERHEAD: usize = 256;
 /// How often a reader that holds a message back for flow control rechecks on its own (it is
 /// woken whenever a receive is posted or a queued message taken; this only bounds a lost wake).
 const HOLD_RECHECK: Duration = Duration::from_millis(500);
@@ -61,6 +67,25 @@ const IDLE_DRAIN: Duration = Duration::from_millis(20);
 
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
+/// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
+pub(crate) const SPIN_MAX_US: u32 = 10_000;
+
+/// Counts a spinner in [`Peer::spinners`] while it lives, so that a panic cannot leave it counted
+/// (the reader thread would then stand back for good).
+struct Spinning<'a>(&'a AtomicUsize);
+
+impl<'a> Spinning<'a> {
+    fn new(n: &'a AtomicUsize) -> Spinning<'a> {
+        n.fetch_add(1, Ordering::AcqRel);
+        Spinning(n)
+    }
+}
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// Withdraws a posted receive when dropped while armed.
 struct PostGuard<'a> {
@@ -459,7 +484,7 @@ impl Peer {
     /// as nobody else is reading it at that moment.
     fn spin(&self, id: u64, until: Instant) {
         let Some(rx) = &self.rx else { return };
-        self.spinners.fetch_add(1, Ordering::AcqRel);
+        let _spinning = Spinning::new(&self.spinners);
         loop {
             if let Ok(mut r) = rx.try_lock()
                 && let Step::Closed(cause) = self.progress(&mut r)
@@ -476,7 +501,6 @@ impl Peer {
             }
             std::thread::yield_now();
         }
-        self.spinners.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Ends the connection: no more bytes are read, every waiting receive fails with `cause`.
@@ -658,8 +682,17 @@ impl Peer {
                 }
             };
             if watch {
-                // Block until bytes (or the end of the stream) arrive, without taking them.
-                let _ = probe.peek(&mut [0u8; 1]);
+                // A spinner may have read a frame and held it back: its bytes left the socket,
+                // so wait as the holder does (on `reader_cond`), not on the socket.
+                let r = rx.lock().unwrap_or_else(|p| p.into_inner());
+                if let Frame::Held { until, seen, .. } = r.frame {
+                    held = Some((until, seen));
+                    continue;
+                }
+                drop(r);
+                // Block until bytes (or the end of the stream) arrive, without taking them; at
+                // most HOLD_RECHECK, in case a spinner holds a frame back meanwhile.
+                let _ = crate::sys::poll_read(probe.as_raw_fd(), HOLD_RECHECK);
             }
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             match self.progress(&mut r) {
@@ -667,12 +700,41 @@ impl Peer {
                     self.shut(&mut r, cause);
                     return;
                 }
-                Step::Held(until, seen) => held = Some((until, seen)),
+                Step::Held(until, seen) => {
+                    // Nothing is read while a frame is held: notice a dead connection here.
+                    if let Some(cause) = held_hang_up(&probe, &r) {
+                        self.shut(&mut r, cause);
+                        return;
+                    }
+                    held = Some((until, seen));
+                }
                 Step::Progress | Step::Idle => {}
             }
             mid_frame = !matches!(r.frame, Frame::Header);
         }
     }
+}
+
+/// Why a connection whose read side holds a frame back is dead, if it is: reset or shut in both
+/// directions, or shut by the peer before the held frame's payload fully arrived.
+fn held_hang_up(probe: &TcpStream, r: &Rx) -> Option<String> {
+    let fd = probe.as_raw_fd();
+    let ev = match crate::sys::poll_read(fd, Duration::ZERO) {
+        Ok(ev) => ev,
+        Err(e) => return Some(format!("connection check failed: {e}")),
+    };
+    if ev & crate::sys::HUNG_UP != 0 {
+        return Some("connection closed or reset while a message was held back".into());
+    }
+    if ev & crate::sys::PEER_SHUT != 0
+        && let Frame::Held { header, .. } = &r.frame
+    {
+        let have = crate::sys::unread(fd).unwrap_or(0) + (r.hi - r.lo);
+        if (have as u64) < header.len {
+            return Some("connection closed mid-message".into());
+        }
+    }
+    None
 }
 
 fn spin_time() -> Duration {
@@ -681,7 +743,7 @@ fn spin_time() -> Duration {
         std::env::var("DIST_SPIN_US")
             .ok()
             .and_then(|v| v.parse().ok())
-            .map(Duration::from_micros)
+            .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
             .unwrap_or(SPIN)
     })
 }

@@ -19,6 +19,64 @@ pub(crate) fn prepare(sock: &socket2::Socket) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Hang-up bits of [`poll_read`]'s result: the connection is reset, or shut in both directions
+/// (by the peer, or locally).
+pub(crate) const HUNG_UP: i16 = libc::POLLHUP | libc::POLLERR;
+/// The peer shut its sending side (end of stream after the bytes already received).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+pub(crate) const PEER_SHUT: i16 = libc::POLLRDHUP;
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+pub(crate) const PEER_SHUT: i16 = 0;
+
+/// Waits up to `limit` (rounded down to milliseconds) until `fd` has bytes to read or hangs up,
+/// without taking any; returns poll's `revents` (0 if the time passed or a signal came).
+pub(crate) fn poll_read(
+    fd: std::os::fd::RawFd,
+    limit: std::time::Duration,
+) -> std::io::Result<i16> {
+    poll_one(fd, libc::POLLIN | PEER_SHUT, limit.as_millis())
+}
+
+/// Waits up to `limit` (rounded up to milliseconds) until `fd` has room to write or hangs up;
+/// returns poll's `revents` (0 if the time passed or a signal came).
+pub(crate) fn poll_write(
+    fd: std::os::fd::RawFd,
+    limit: std::time::Duration,
+) -> std::io::Result<i16> {
+    poll_one(fd, libc::POLLOUT, limit.as_micros().div_ceil(1000))
+}
+
+fn poll_one(fd: std::os::fd::RawFd, events: i16, ms: u128) -> std::io::Result<i16> {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let ms = ms.min(i32::MAX as u128) as i32;
+    // SAFETY: `p` is one initialised `pollfd` that outlives the call, and we pass `nfds` = 1.
+    // An fd that is not open is reported in `revents` (POLLNVAL), not undefined behaviour.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(0)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(p.revents)
+}
+
+/// Bytes received on `fd` and not yet read.
+pub(crate) fn unread(fd: std::os::fd::RawFd) -> std::io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one `c_int` through the pointer, which points to `n`, live here.
+    if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n as *mut libc::c_int) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n.max(0) as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -83,6 +83,10 @@ impl State {
             return Some(Err(front.data.len()));
         }
         let m = q.pop_front()?;
+        if q.is_empty() {
+            // An emptied tag's deque is dropped, or many distinct tags would leak one each.
+            self.queued.remove(&tag);
+        }
         buf.copy_from_slice(&m.data);
         if m.counted {
             self.queued_bytes -= m.data.len() + QUEUED_OVERHEAD;

@@ -240,3 +240,240 @@ fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
     writer.join().unwrap();
     pair.frame(1, 6, 0, &[]);
 }
+
+/// Review finding 1. Fails before the fix (t1 times out after 3 s): a frame held for flow
+/// control by a spinner (not the reader thread) was never re-routed when the budget freed,
+/// while the reader thread sat in `peek` on a socket whose bytes were already in `rx.buf`.
+#[test]
+fn review_held_by_spinner_lost_wake() {
+    // Room for one 100-byte message, not two.
+    let mut pair = Pair::new(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50));
+    pair.frame(1, 1, 100, &[1; 100]);
+    let t = Instant::now();
+    while pair.queued_bytes() != 100 + QUEUED_OVERHEAD && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(pair.queued_bytes(), 100 + QUEUED_OVERHEAD);
+    // T0 sleeps on tag 5 forever: the reader thread watches the socket (peek).
+    let p0 = pair.peer.clone();
+    let t0 = std::thread::spawn(move || {
+        let mut b = [0u8; 10];
+        let d = Instant::now() + Duration::from_secs(8);
+        let _ = p0.recv(&mut b, 5, d, &|| "t0".into());
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // Act as a spinner: M1 (tag 2, does not fit) then M2 (tag 3), in one write.
+    let mut bytes = Vec::new();
+    for (tag, len) in [(2u64, 100usize), (3, 10)] {
+        bytes.extend_from_slice(
+            &FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                len: len as u64,
+                meta: [0; 16],
+            }
+            .encode(),
+        );
+        bytes.extend(std::iter::repeat_n(tag as u8, len));
+    }
+    pair.peer.spinners.fetch_add(1, Ordering::AcqRel);
+    pair.raw.write_all(&bytes).unwrap();
+    let rx = pair.peer.rx.as_ref().unwrap();
+    let t = Instant::now();
+    let mut held = false;
+    while t.elapsed() < Duration::from_secs(2) {
+        if let Ok(mut r) = rx.try_lock()
+            && let Step::Held(..) = pair.peer.progress(&mut r)
+        {
+            held = true;
+            break;
+        }
+    }
+    pair.peer.spinners.fetch_sub(1, Ordering::AcqRel);
+    assert!(held);
+    let reader_knows = pair.peer.lock().reader_holding;
+    eprintln!("reader holding after spinner got Held: {reader_knows}");
+    // T1 receives tag 3 (behind M1); then the queue drains, which should let M1 queue and M2 land.
+    let p1 = pair.peer.clone();
+    let t1 = std::thread::spawn(move || {
+        let mut b = [0u8; 10];
+        let d = Instant::now() + Duration::from_secs(3);
+        let s = Instant::now();
+        let r = p1.recv(&mut b, 3, d, &|| "t1".into());
+        (r.map(|_| b), s.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let mut b = [0u8; 100];
+    pair.recv(&mut b, 1).unwrap();
+    let (r, took) = t1.join().unwrap();
+    eprintln!("t1: {r:?} after {took:?}");
+    assert!(
+        r.is_ok(),
+        "lost wake: tag 3 never delivered after the budget freed ({took:?})"
+    );
+    drop(pair);
+    let _ = t0.join();
+}
+
+/// Review finding 2. Fails before the fix (a Timeout after 3 s, then `Pair::drop` hangs on the
+/// reader): while a frame was held for flow control nothing read the socket, so a peer that
+/// hung up mid-message was never noticed.
+#[test]
+fn a_connection_that_dies_while_a_frame_is_held_is_gone() {
+    let mut pair = Pair::new(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50));
+    pair.frame(1, 1, 100, &[1; 100]);
+    let t = Instant::now();
+    while pair.queued_bytes() != 100 + QUEUED_OVERHEAD && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A second message does not fit: it is held. The peer dies after half its payload.
+    let mut h = header(1, 100);
+    h.extend_from_slice(&[2; 50]);
+    pair.raw.write_all(&h).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    pair.raw.shutdown(Shutdown::Write).unwrap();
+    let mut buf = [0u8; 4];
+    let d = Instant::now() + Duration::from_secs(3);
+    let e = pair
+        .peer
+        .recv(&mut buf, 9, d, &|| "recv tag 9".into())
+        .unwrap_err();
+    let cause = gone_cause(e);
+    assert!(cause.contains("closed mid-message"), "{cause}");
+}
+
+/// Review finding 6. Fails before the fix: the queue kept an empty deque for every tag ever
+/// received (the map never shrank), and 1-byte messages on fresh tags were charged 64 bytes
+/// each, far less than the memory their entries take.
+#[test]
+fn messages_on_many_distinct_tags_stay_within_the_budget_and_leave_no_entries() {
+    const LIMIT: usize = 64 << 10;
+    let pair = Pair::new(limits(1 << 30, LIMIT));
+    let mut raw = pair.raw.try_clone().unwrap();
+    const N: u64 = 2000;
+    let writer = std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        for tag in 100..100 + N {
+            let h = FrameHeader {
+                kind: FrameKind::Data,
+                tag,
+                len: 1,
+                meta: [0; 16],
+            };
+            bytes.extend_from_slice(&h.encode());
+            bytes.push(tag as u8);
+        }
+        raw.write_all(&bytes).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // Each queued message is charged at least 256 bytes: at most LIMIT/257 of them are queued.
+    let entries = pair.peer.lock().queued.len();
+    assert!(entries <= LIMIT / 257, "{entries} messages queued");
+    assert!(pair.queued_bytes() <= LIMIT, "{}", pair.queued_bytes());
+    let mut b = [0u8; 1];
+    for tag in 100..100 + N {
+        pair.recv(&mut b, tag).unwrap();
+        assert_eq!(b[0], tag as u8);
+    }
+    writer.join().unwrap();
+    assert_eq!(
+        pair.peer.lock().queued.len(),
+        0,
+        "emptied tags left entries"
+    );
+    assert_eq!(pair.queued_bytes(), 0);
+}
+
+/// Review finding 3. Fails before the fix: the send waited on `SO_SNDTIMEO` (here 10 s per
+/// write) whatever its deadline, and a second send waited for the writer lock behind it.
+#[test]
+fn a_send_to_a_peer_that_does_not_read_ends_by_its_deadline() {
+    let pair = Pair::new(limits(1 << 30, 1 << 20));
+    let p = pair.peer.clone();
+    let big = std::thread::spawn(move || {
+        let data = vec![0u8; 64 << 20];
+        let s = Instant::now();
+        let d = s + Duration::from_millis(800);
+        let r = p.send(FrameKind::Data, 1, &data, [0; 16], &|| "big send".into(), d);
+        (r, s.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let s = Instant::now();
+    let d = s + Duration::from_millis(200);
+    let r = pair.peer.send(
+        FrameKind::Data,
+        2,
+        &[1; 8],
+        [0; 16],
+        &|| "small send".into(),
+        d,
+    );
+    let took = s.elapsed();
+    match r {
+        Err(DistError::Timeout { op, peer, .. }) => {
+            assert_eq!(peer, RANK);
+            assert!(
+                op.contains("small send") && op.contains("behind another send"),
+                "{op}"
+            );
+        }
+        r => panic!("expected a Timeout, got {r:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let (r, took) = big.join().unwrap();
+    match r {
+        Err(DistError::Timeout { op, .. }) => {
+            assert!(
+                op.contains("big send") && op.contains(" of 67108904 bytes sent"),
+                "{op}"
+            )
+        }
+        r => panic!("expected a Timeout, got {r:?}"),
+    }
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
+/// Review finding 4. Fails before the fix: a peer flooding frames (abort notices here) made
+/// every pass of `send_while_receiving`'s spin loop count as progress, so it spun past its
+/// deadline for as long as the flood lasted (then blocked on `SO_SNDTIMEO`, 10 s).
+#[test]
+fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
+    let pair = Pair::new(limits(1 << 30, 1 << 20));
+    let mut raw = pair.raw.try_clone().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let flood = std::thread::spawn(move || {
+        let mut f = header(2, 4096);
+        f.extend_from_slice(&[b'x'; 4096]);
+        let t = Instant::now();
+        while !flag.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(8) {
+            if raw.write_all(&f).is_err() {
+                break;
+            }
+        }
+    });
+    let data = vec![0u8; 64 << 20];
+    let mut buf = [0u8; 8];
+    let s = Instant::now();
+    let d = s + Duration::from_secs(1);
+    let peer = pair.peer.clone();
+    let r = pair
+        .peer
+        .recv_overlapped(&mut buf, 5, d, &|| "recv".into(), false, |posted| {
+            peer.send_while_receiving(
+                5,
+                &data,
+                [0; 16],
+                &|| "send".into(),
+                &peer,
+                posted.unwrap(),
+                d,
+            )
+        });
+    let took = s.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    assert!(matches!(r, Err(DistError::Timeout { .. })), "{r:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    let _ = pair.raw.shutdown(Shutdown::Both);
+    flood.join().unwrap();
+}

@@ -1,5 +1,7 @@
 //! The writing half of a connection: callers' threads write whole frames, one at a time.
 
+use std::os::fd::AsRawFd;
+
 use super::*;
 
 pub(super) struct Writer {
@@ -7,19 +9,64 @@ pub(super) struct Writer {
     pub(super) broken: Option<String>,
 }
 
+/// Writes all of `bufs` by `deadline`: non-blocking writes, and `poll` for room (at most until
+/// the deadline) whenever the socket is full. `SO_SNDTIMEO` would bound each write, not the whole.
 pub(super) fn write_all_vectored(
     sock: &socket2::Socket,
     mut bufs: &mut [IoSlice<'_>],
+    deadline: Instant,
+    sent: &mut usize,
 ) -> std::io::Result<()> {
     while !bufs.is_empty() {
-        match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL) {
+        match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Ok(n) => {
+                IoSlice::advance_slices(&mut bufs, n);
+                *sent += n;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if would_block(&e) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                crate::sys::poll_write(sock.as_raw_fd(), left)?;
+            }
             Err(e) => return Err(e),
         }
     }
     Ok(())
+}
+
+/// Takes the writer's lock by `deadline`: a send stuck behind another one to a slow peer fails
+/// with a Timeout instead of waiting for it without end.
+fn lock_writer<'a>(
+    peer: &Peer,
+    writer: &'a Mutex<Writer>,
+    deadline: Instant,
+    op: &dyn Fn() -> String,
+) -> Result<MutexGuard<'a, Writer>> {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        match writer.try_lock() {
+            Ok(w) => return Ok(w),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Ok(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => {}
+        }
+        if Instant::now() >= deadline {
+            return Err(peer.timeout(
+                format!("{} (waiting behind another send to this peer)", op()),
+                started,
+            ));
+        }
+        tries = tries.saturating_add(1);
+        if tries < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
 }
 
 impl Peer {
@@ -31,11 +78,12 @@ impl Peer {
         data: &[u8],
         meta: Meta,
         op: &dyn Fn() -> String,
+        deadline: Instant,
     ) -> Result<()> {
         let Some(writer) = &self.writer else {
             return self.deliver_local(tag, data, meta);
         };
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = lock_writer(self, writer, deadline, op)?;
         if let Some(cause) = &w.broken {
             return Err(self.gone(op(), cause.clone()));
         }
@@ -51,13 +99,18 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let started = Instant::now();
-        write_all_vectored(&w.sock, &mut bufs).map_err(|e| self.send_failed(&mut w, e, started, op))
+        let mut sent = 0;
+        write_all_vectored(&w.sock, &mut bufs, deadline, &mut sent).map_err(|e| {
+            self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len()))
+        })
     }
 
     /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
     /// socket is written without blocking and, whenever it is full, `src`'s socket is read, so
     /// that neither direction waits on a thread switch. If neither moves for a spin period the
     /// thread stops spinning: the reader thread takes the receive and the send blocks.
+    // The frame (tag, data, meta), its op and deadline, and the receive it runs beside.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn send_while_receiving(
         &self,
         tag: u64,
@@ -66,11 +119,12 @@ impl Peer {
         op: &dyn Fn() -> String,
         src: &Peer,
         id: u64,
+        deadline: Instant,
     ) -> Result<()> {
         let (Some(writer), Some(rx)) = (&self.writer, &src.rx) else {
-            return self.send(FrameKind::Data, tag, data, meta, op);
+            return self.send(FrameKind::Data, tag, data, meta, op, deadline);
         };
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = lock_writer(self, writer, deadline, op)?;
         if let Some(cause) = &w.broken {
             return Err(self.gone(op(), cause.clone()));
         }
@@ -86,10 +140,10 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let mut bufs = &mut bufs[..];
+        let mut sent = 0;
         let started = Instant::now();
         let spin = spin_time();
-        src.spinners.fetch_add(1, Ordering::AcqRel);
-        let mut spinning = true;
+        let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
         let r = loop {
@@ -103,6 +157,7 @@ impl Peer {
             {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
+                    sent += n;
                     moved = true;
                 }
                 Err(e) if would_block(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -126,20 +181,21 @@ impl Peer {
                 continue;
             }
             let now = Instant::now();
-            if now - *idle_since.get_or_insert(now) > spin {
+            if now >= deadline {
+                // A peer that keeps `src` busy (a flood of frames) must not keep us spinning.
+                break Err(std::io::ErrorKind::TimedOut.into());
+            }
+            if now.saturating_duration_since(*idle_since.get_or_insert(now)) > spin {
                 // Stop spinning: the reader thread takes the receive, and this thread blocks
                 // on the send (within the socket's send timeout).
-                src.spinners.fetch_sub(1, Ordering::AcqRel);
-                spinning = false;
+                spinning = None;
                 src.wake_reader(&src.lock());
-                break write_all_vectored(&w.sock, bufs);
+                break write_all_vectored(&w.sock, bufs, deadline, &mut sent);
             }
             std::thread::yield_now();
         };
-        if spinning {
-            src.spinners.fetch_sub(1, Ordering::AcqRel);
-        }
-        r.map_err(|e| self.send_failed(&mut w, e, started, op))
+        drop(spinning);
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len())))
     }
 
     /// A send failed part-way: a frame may be half written, so the stream is no longer in step
@@ -150,6 +206,7 @@ impl Peer {
         e: std::io::Error,
         started: Instant,
         op: &dyn Fn() -> String,
+        (sent, total): (usize, usize),
     ) -> DistError {
         let timed_out = matches!(
             e.kind(),
@@ -157,18 +214,18 @@ impl Peer {
         );
         let cause = if timed_out {
             format!(
-                "send blocked for {:.1?}: peer not reading",
+                "send blocked for {:.1?} with {sent} of {total} bytes sent: peer not reading",
                 started.elapsed()
             )
         } else {
-            format!("send failed: {e}")
+            format!("send failed with {sent} of {total} bytes sent: {e}")
         };
         w.broken = Some(cause.clone());
         let _ = w.sock.shutdown(Shutdown::Both);
         if timed_out {
             DistError::Timeout {
                 rank: self.me,
-                op: op(),
+                op: format!("{} ({sent} of {total} bytes sent)", op()),
                 peer: self.rank,
                 waited: started.elapsed(),
             }
