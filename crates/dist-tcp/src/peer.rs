@@ -108,7 +108,7 @@ pub(crate) struct Peer {
     pub(crate) me: usize,
     pub(crate) rank: usize,
     /// The writing half; `None` for the loopback peer (this rank itself).
-    writer: Option<Mutex<Writer>>,
+    writer: Option<WriterLock>,
     /// A handle used only to shut the connection down.
     stream: Option<TcpStream>,
     state: Mutex<State>,
@@ -161,7 +161,7 @@ impl Peer {
         Ok(Peer {
             me,
             rank,
-            writer: Some(Mutex::new(Writer { sock, broken: None })),
+            writer: Some(WriterLock::new(Writer { sock, broken: None })),
             rx: Some(Mutex::new(Rx {
                 sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
