@@ -396,21 +396,28 @@ impl Communicator {
     }
 
     fn wait_stream(&self, stream: &CudaStream, limit: Duration) -> Result<()> {
+        // An abort decided on another thread: refuse now, while NCCL may still be tearing the
+        // communicator down under the lock. Checked before every CUDA call here, not after:
+        // while `ncclCommAbort` frees the communicator's device resources, a CUDA call on this
+        // context can block until it is done (seen on 2 x H200: an event query that began just
+        // after the decision returned 1.3 s later, the length of the abort). The work left on
+        // the stream is cancelled by that abort; a buffer dropped now is freed only after its
+        // last use on the stream (cudarc waits for its events, then frees in stream order or
+        // after a sync).
+        if let Some(why) = self.shared.doomed.get() {
+            return Err(self.shared.aborted_error("synchronize", why));
+        }
         self.sync_event
             .record(stream)
             .map_err(cuda(&self.shared.who, "record an event"))?;
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
-            if self.sync_event.is_complete() {
-                return Ok(());
-            }
-            // An abort decided on another thread: refuse now, while NCCL may still be tearing
-            // the communicator down under the lock. The work left on the stream is cancelled by
-            // that abort; a buffer dropped now is freed only after its last use on the stream
-            // (cudarc waits for its events, then frees in stream order or after a sync).
             if let Some(why) = self.shared.doomed.get() {
                 return Err(self.shared.aborted_error("synchronize", why));
+            }
+            if self.sync_event.is_complete() {
+                return Ok(());
             }
             // try_lock: a call another thread has inside NCCL must not hold this wait past its
             // deadline.
