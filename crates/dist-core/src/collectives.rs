@@ -451,6 +451,19 @@ impl<B: Transport + ?Sized> Call<'_, B> {
                 origin,
                 reason,
             },
+            DistError::PeerUnresponsive {
+                rank,
+                peer,
+                silent,
+                position,
+                ..
+            } => DistError::PeerUnresponsive {
+                rank,
+                peer,
+                op: self.op_text(),
+                silent,
+                position,
+            },
             other => other,
         }
     }

@@ -10,6 +10,9 @@ use crate::wire::{MIN_SECRET_LEN, Tuning};
 
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default time a peer may stay silent before it is reported unresponsive
+/// ([`TcpConfig::peer_timeout`]).
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default deadline for the whole job to form.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default time a connection gets to complete its handshake before it is dropped.
@@ -23,6 +26,7 @@ pub struct TcpConfig {
     pub(crate) master: String,
     pub(crate) bind: Option<std::net::IpAddr>,
     pub(crate) timeout: Duration,
+    pub(crate) peer_timeout: Duration,
     pub(crate) init_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) linger: Duration,
@@ -43,6 +47,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("master", &self.master)
             .field("bind", &self.bind)
             .field("timeout", &self.timeout)
+            .field("peer_timeout", &self.peer_timeout)
             .field("init_timeout", &self.init_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("linger", &self.linger)
@@ -66,6 +71,7 @@ impl TcpConfig {
             master: master.into(),
             bind: None,
             timeout: DEFAULT_TIMEOUT,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
             init_timeout: DEFAULT_INIT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             linger: Duration::from_secs(30),
@@ -122,6 +128,9 @@ impl TcpConfig {
         if let Some(t) = seconds("DIST_TIMEOUT")? {
             cfg.timeout = t;
         }
+        if let Some(t) = seconds("DIST_PEER_TIMEOUT")? {
+            cfg.peer_timeout = t;
+        }
         if let Some(t) = seconds("DIST_INIT_TIMEOUT")? {
             cfg.init_timeout = t;
         }
@@ -154,6 +163,17 @@ impl TcpConfig {
     /// The deadline of every operation that takes none (default 300 s; `DIST_TIMEOUT`).
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+
+    /// How long a peer may stay silent (nothing at all received from it, heartbeats included)
+    /// before every wait on it fails with [`DistError::PeerUnresponsive`] (default 10 s;
+    /// `DIST_PEER_TIMEOUT`). Each rank's transport sends a heartbeat to every peer at least five
+    /// times per peer timeout from a thread of its own, so a peer that computes for a long time
+    /// is never reported; one that is stopped, partitioned away or whose host is down is, in
+    /// about this long. Keep it well below [`TcpConfig::timeout`].
+    pub fn peer_timeout(mut self, t: Duration) -> Self {
+        self.peer_timeout = t;
         self
     }
 
@@ -275,6 +295,7 @@ impl TcpConfig {
         }
         for (what, t) in [
             ("timeout (DIST_TIMEOUT)", self.timeout),
+            ("peer timeout (DIST_PEER_TIMEOUT)", self.peer_timeout),
             ("init timeout (DIST_INIT_TIMEOUT)", self.init_timeout),
             ("handshake timeout", self.handshake_timeout),
             ("linger", self.linger),

@@ -31,6 +31,7 @@
 mod config;
 mod init;
 pub mod launch;
+mod liveness;
 mod peer;
 mod sys;
 #[doc(hidden)]
@@ -45,8 +46,12 @@ use std::time::{Duration, Instant};
 
 use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
-pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
+pub use config::{
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
+    TcpConfig,
+};
 pub use launch::{LaunchEnv, Launcher};
+pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
 use peer::{Aborts, Limits, Peer};
 use wire::{FrameKind, Tuning};
@@ -101,6 +106,14 @@ struct Shared {
     /// The thread that runs a second lane, started on first use (`None` inside if it could
     /// not be): starting one per call costs more than a 1 MiB all_reduce saves.
     lane: OnceLock<Option<rayon::ThreadPool>>,
+    /// How long a peer may be silent before it is declared unresponsive.
+    peer_timeout: Duration,
+    /// The backend is being dropped: connections ending now are no faults.
+    closing: AtomicBool,
+    /// The peer-fault hooks, and the faults seen so far.
+    faults: std::sync::Mutex<liveness::Faults>,
+    /// The liveness thread's inbox.
+    events: std::sync::Mutex<std::sync::mpsc::Sender<liveness::Event>>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -140,6 +153,7 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 pub struct TcpBackend {
     shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
+    liveness: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -186,6 +200,7 @@ impl TcpBackend {
                 None => Peer::loopback(me, aborts.clone()),
             }));
         }
+        let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,
             world: cfg.world_size,
@@ -198,6 +213,10 @@ impl TcpBackend {
             parallel,
             tuning,
             lane: OnceLock::new(),
+            peer_timeout: cfg.peer_timeout,
+            closing: AtomicBool::new(false),
+            faults: Default::default(),
+            events,
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -211,12 +230,30 @@ impl TcpBackend {
             })?;
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
-            let sink: peer::AbortSink = Arc::new(move |notice| {
+            let sink: peer::AbortSink = Arc::new(move |notice: AbortNotice| {
                 if let Some(s) = weak.upgrade() {
+                    s.post(PeerFault {
+                        rank: s.rank,
+                        peer: notice.from,
+                        cause: FaultCause::Aborted(notice.reason.clone()),
+                    });
                     s.note_abort(notice);
                 }
             });
             peer.set_abort_sink(sink);
+            let weak = Arc::downgrade(&shared);
+            peer.set_close_sink(Arc::new(move |from, cause| {
+                if let Some(s) = weak.upgrade()
+                    && !s.peers[from].declared_silent()
+                    && !s.peers[from].leaving()
+                {
+                    s.post(PeerFault {
+                        rank: s.rank,
+                        peer: from,
+                        cause: FaultCause::Closed(cause),
+                    });
+                }
+            }));
             let handle = std::thread::Builder::new()
                 .name(format!("dist-rx-{me}-from-{}", p.rank))
                 .spawn(move || peer.read_loop(stream))
@@ -227,7 +264,40 @@ impl TcpBackend {
                 })?;
             readers.push(handle);
         }
-        Ok(TcpBackend { shared, readers })
+        let weak = Arc::downgrade(&shared);
+        let (world, interval) = (
+            cfg.world_size,
+            liveness::heartbeat_interval(cfg.peer_timeout),
+        );
+        let liveness = std::thread::Builder::new()
+            .name(format!("dist-live-{me}"))
+            .spawn(move || liveness::run(weak, inbox, world, interval))
+            .map_err(|source| DistError::Io {
+                rank: me,
+                context: "spawn the liveness thread".into(),
+                source,
+            })?;
+        Ok(TcpBackend {
+            shared,
+            readers,
+            liveness: Some(liveness),
+        })
+    }
+
+    /// Calls `hook` whenever a peer fails: its connection closes or breaks, it stays silent past
+    /// the peer timeout ([`TcpConfig::peer_timeout`]), or it sends an abort notice (one of its
+    /// collectives failed). Faults seen before the call are passed to `hook` at once, on the
+    /// calling thread; later ones on this backend's liveness thread, within milliseconds of
+    /// being seen. A layer above (such as NCCL beside this mesh) can abort its own work there.
+    ///
+    /// Hooks must be quick and must not wait: the liveness thread also sends this rank's
+    /// heartbeats, and a hook that blocks for longer than the peer timeout makes the peers
+    /// declare this rank unresponsive. Calling back into the backend from a hook does not
+    /// deadlock (no lock is held while hooks run), but a blocking call (a receive, a
+    /// collective) holds the liveness thread up as any wait would. No fault is reported once
+    /// the backend is being dropped.
+    pub fn on_peer_fault(&self, hook: impl Fn(&PeerFault) + Send + Sync + 'static) {
+        self.shared.add_hook(Arc::new(hook));
     }
 
     fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
@@ -327,24 +397,7 @@ impl Transport for TcpBackend {
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        let reason = &reason[..cut];
-        for p in self
-            .shared
-            .peers
-            .iter()
-            .filter(|p| p.rank != self.shared.rank)
-        {
-            let op = || format!("abort notice to {}", p.rank);
-            if let Err(e) = p.send(
-                FrameKind::Abort,
-                tag.to_wire(),
-                reason.as_bytes(),
-                [0; 16],
-                &op,
-            ) {
-                tracing::debug!(rank = self.shared.rank, peer = p.rank, error = %e, "abort notice not delivered");
-            }
-        }
+        self.shared.send_abort_notices(tag, &reason[..cut]);
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -493,12 +546,31 @@ fn relabel(e: DistError, what: &str) -> DistError {
             op: format!("{what}: {op}"),
             cause,
         },
+        DistError::PeerUnresponsive {
+            rank,
+            peer,
+            op,
+            silent,
+            position,
+        } => DistError::PeerUnresponsive {
+            rank,
+            peer,
+            op: format!("{what}: {op}"),
+            silent,
+            position,
+        },
         other => other,
     }
 }
 
 impl Drop for TcpBackend {
     fn drop(&mut self) {
+        // Connections ending from here on are no faults; heartbeats go on while we linger.
+        self.shared.closing.store(true, Ordering::Release);
+        let position = self.shared.collectives.load(Ordering::Relaxed);
+        for p in &self.shared.peers {
+            p.goodbye(position);
+        }
         // Close our sending side, then wait (up to the linger time) for each peer to close
         // theirs, so that nothing they sent us is cut off by a reset, and nothing we sent them is
         // lost. Then close everything.
@@ -514,6 +586,12 @@ impl Drop for TcpBackend {
                     "peer did not close in time"
                 );
             }
+        }
+        if let Some(l) = self.liveness.take() {
+            let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = events.send(liveness::Event::Stop);
+            drop(events);
+            let _ = l.join();
         }
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Both);

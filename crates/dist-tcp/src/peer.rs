@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
+mod live;
 #[cfg(test)]
 mod props;
 mod rx;
@@ -97,8 +98,21 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
+    /// Hears, from the reader thread, that the connection has ended (with why).
+    on_close: OnceLock<CloseSink>,
     limits: Limits,
+    /// Set whenever something arrives from the peer; the liveness thread clears it each tick.
+    pub(crate) heard: AtomicBool,
+    /// How long the peer had been silent when it was declared unresponsive, in ms (0: it was not).
+    silent_ms: AtomicU64,
+    /// The collectives the peer had started, as its last heartbeat said (`u64::MAX`: none yet).
+    position: AtomicU64,
+    /// The peer said it is closing its backend normally.
+    leaving: AtomicBool,
 }
+
+/// A hook the owning backend passes to each peer to hear that its connection ended.
+pub(crate) type CloseSink = Arc<dyn Fn(usize, String) + Send + Sync>;
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -136,7 +150,12 @@ impl Peer {
         Ok(Peer {
             me,
             rank,
-            writer: Some(Mutex::new(Writer { sock, broken: None })),
+            writer: Some(Mutex::new(Writer {
+                sock,
+                broken: None,
+                hb: [0; FRAME_HEADER_LEN],
+                hb_left: 0,
+            })),
             rx: Some(Mutex::new(Rx {
                 sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
@@ -147,6 +166,11 @@ impl Peer {
             })),
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
+            on_close: OnceLock::new(),
+            heard: AtomicBool::new(false),
+            silent_ms: AtomicU64::new(0),
+            position: AtomicU64::new(u64::MAX),
+            leaving: AtomicBool::new(false),
             stream: Some(stream),
             state: Mutex::new(State::new()),
             cond: Condvar::new(),
@@ -165,6 +189,11 @@ impl Peer {
             rx: None,
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
+            on_close: OnceLock::new(),
+            heard: AtomicBool::new(false),
+            silent_ms: AtomicU64::new(0),
+            position: AtomicU64::new(u64::MAX),
+            leaving: AtomicBool::new(false),
             stream: None,
             state: Mutex::new(State::new()),
             cond: Condvar::new(),
@@ -248,6 +277,16 @@ impl Peer {
     }
 
     fn gone(&self, op: String, cause: String) -> DistError {
+        let silent = self.silent_ms.load(Ordering::Acquire);
+        if silent > 0 {
+            return DistError::PeerUnresponsive {
+                rank: self.me,
+                peer: self.rank,
+                op,
+                silent: Duration::from_millis(silent),
+                position: self.position_text(),
+            };
+        }
         DistError::PeerGone {
             rank: self.me,
             peer: self.rank,
@@ -621,6 +660,15 @@ impl Peer {
     /// with no thread switch, and only drains the socket every [`IDLE_DRAIN`] (unexpected
     /// messages must not fill the sender's buffers while nobody receives).
     pub(crate) fn read_loop(&self, probe: TcpStream) {
+        self.read_frames(probe);
+        // The connection has ended: tell the backend (outside every lock of this peer).
+        let cause = self.lock().closed.clone();
+        if let (Some(sink), Some(cause)) = (self.on_close.get(), cause) {
+            sink(self.rank, cause);
+        }
+    }
+
+    fn read_frames(&self, probe: TcpStream) {
         let Some(rx) = &self.rx else { return };
         let mut held: Option<(Option<Instant>, u64)> = None;
         let mut mid_frame = false;

@@ -153,6 +153,16 @@ impl Peer {
     /// Reads whatever has arrived, without blocking, and moves frames along: into posted
     /// buffers, into the queue, or to the abort hook.
     pub(super) fn progress(&self, rx: &mut Rx) -> Step {
+        let step = self.progress_frames(rx);
+        // Any byte from the peer proves it alive; so does a frame held back for flow control
+        // (its socket is not read meanwhile, so its heartbeats wait behind that frame).
+        if matches!(step, Step::Progress | Step::Held(..)) {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        step
+    }
+
+    fn progress_frames(&self, rx: &mut Rx) -> Step {
         if rx.dead {
             return Step::Closed("connection closed".into());
         }
@@ -192,6 +202,17 @@ impl Peer {
                         Err(cause) => return Step::Closed(cause),
                     };
                     rx.frame = match h.kind {
+                        FrameKind::Heartbeat => {
+                            let pos =
+                                u64::from_le_bytes(h.meta[..8].try_into().expect("eight bytes"));
+                            self.position.store(pos, Ordering::Relaxed);
+                            let flags =
+                                u64::from_le_bytes(h.meta[8..].try_into().expect("eight bytes"));
+                            if flags & crate::wire::HEARTBEAT_CLOSING != 0 {
+                                self.leaving.store(true, Ordering::Release);
+                            }
+                            continue;
+                        }
                         FrameKind::Abort => Frame::Abort {
                             tag: h.tag,
                             text: Vec::with_capacity(len),
@@ -424,6 +445,7 @@ impl Peer {
         let max = match h.kind {
             FrameKind::Data => self.limits.max_message,
             FrameKind::Abort => ABORT_MAX as u64,
+            FrameKind::Heartbeat => 0,
         };
         match usize::try_from(h.len) {
             Ok(len) if h.len <= max => Ok((h, len)),

@@ -5,6 +5,33 @@ use super::*;
 pub(super) struct Writer {
     pub(super) sock: socket2::Socket,
     pub(super) broken: Option<String>,
+    /// A heartbeat frame, of which the last `hb_left` bytes are still to be written: heartbeats
+    /// are written without blocking, and a part that did not fit goes out before the next frame.
+    pub(super) hb: [u8; FRAME_HEADER_LEN],
+    pub(super) hb_left: usize,
+}
+
+impl Writer {
+    /// Writes what is left of a heartbeat; without blocking unless `block`. `Ok` with some of
+    /// it left only when not blocking.
+    pub(super) fn push_heartbeat(&mut self, block: bool) -> std::io::Result<()> {
+        let flags = if block {
+            MSG_NOSIGNAL
+        } else {
+            MSG_NOSIGNAL | MSG_DONTWAIT
+        };
+        while self.hb_left > 0 {
+            let from = FRAME_HEADER_LEN - self.hb_left;
+            match self.sock.send_with_flags(&self.hb[from..], flags) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.hb_left -= n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if !block && would_block(&e) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 pub(super) fn write_all_vectored(
@@ -42,6 +69,12 @@ impl Peer {
         if let Some(cause) = &self.lock().closed {
             return Err(self.gone(op(), cause.clone()));
         }
+        let started = Instant::now();
+        if w.hb_left > 0
+            && let Err(e) = w.push_heartbeat(true)
+        {
+            return Err(self.send_failed(&mut w, e, started, op));
+        }
         let header = FrameHeader {
             kind,
             tag,
@@ -50,7 +83,6 @@ impl Peer {
         }
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
-        let started = Instant::now();
         write_all_vectored(&w.sock, &mut bufs).map_err(|e| self.send_failed(&mut w, e, started, op))
     }
 
@@ -77,6 +109,12 @@ impl Peer {
         if let Some(cause) = &self.lock().closed {
             return Err(self.gone(op(), cause.clone()));
         }
+        let started = Instant::now();
+        if w.hb_left > 0
+            && let Err(e) = w.push_heartbeat(true)
+        {
+            return Err(self.send_failed(&mut w, e, started, op));
+        }
         let header = FrameHeader {
             kind: FrameKind::Data,
             tag,
@@ -86,7 +124,6 @@ impl Peer {
         .encode();
         let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
         let mut bufs = &mut bufs[..];
-        let started = Instant::now();
         let spin = spin_time();
         src.spinners.fetch_add(1, Ordering::AcqRel);
         let mut spinning = true;
