@@ -82,10 +82,12 @@ pub enum Kind {
     AllToAll = 8,
     /// [`Collectives::all_to_all_v`]
     AllToAllV = 9,
+    /// [`barrier`]: every rank waits for every other.
+    Barrier = 10,
 }
 
 impl Kind {
-    const ALL: [Kind; 9] = [
+    const ALL: [Kind; 10] = [
         Kind::AllReduce,
         Kind::Broadcast,
         Kind::Reduce,
@@ -95,6 +97,7 @@ impl Kind {
         Kind::ReduceScatter,
         Kind::AllToAll,
         Kind::AllToAllV,
+        Kind::Barrier,
     ];
 
     /// The collective's name, as in `all_reduce`.
@@ -109,6 +112,7 @@ impl Kind {
             Kind::ReduceScatter => "reduce_scatter",
             Kind::AllToAll => "all_to_all",
             Kind::AllToAllV => "all_to_all_v",
+            Kind::Barrier => "barrier",
         }
     }
 
@@ -190,8 +194,11 @@ impl Desc {
         .unwrap_or("?")
     }
 
-    /// `all_reduce(f32 x 100, sum)`.
+    /// `all_reduce(f32 x 100, sum)`, `barrier`.
     fn describe(&self) -> String {
+        if self.kind == Kind::Barrier as u8 {
+            return Kind::Barrier.name().into();
+        }
         let mut s = format!(
             "{}({} x {}",
             self.kind_name(),
@@ -533,6 +540,19 @@ fn run<B: Transport + ?Sized, T: Element, R>(
     root: usize,
     f: impl FnOnce(&Call<'_, B>) -> Result<R>,
 ) -> Result<R> {
+    run_within::<B, T, R>(b, kind, count, op, root, b.default_timeout(), f)
+}
+
+/// [`run`] with a deadline `timeout` from now.
+fn run_within<B: Transport + ?Sized, T: Element, R>(
+    b: &B,
+    kind: Kind,
+    count: usize,
+    op: Option<ReduceOp>,
+    root: usize,
+    timeout: std::time::Duration,
+    f: impl FnOnce(&Call<'_, B>) -> Result<R>,
+) -> Result<R> {
     let desc = Desc {
         kind: kind as u8,
         dtype: T::DTYPE as u8,
@@ -541,9 +561,7 @@ fn run<B: Transport + ?Sized, T: Element, R>(
         seq: b.next_collective() as u16,
         count: count as u64,
     };
-    let deadline = crate::deadline_after(Instant::now(), b.default_timeout(), b.rank(), || {
-        desc.describe()
-    })?;
+    let deadline = crate::deadline_after(Instant::now(), timeout, b.rank(), || desc.describe())?;
     let call = Call {
         b,
         me: b.rank(),
@@ -580,6 +598,22 @@ fn run<B: Transport + ?Sized, T: Element, R>(
         b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
     }
     r
+}
+
+/// A barrier that is a collective: every rank waits until every other has entered it, within
+/// `timeout`, and its messages carry the call's descriptor like every collective's, so a barrier
+/// that meets another collective on another rank is a [`DistError::CollectiveMismatch`] on every
+/// rank at once (not a wait until the deadline). Dissemination: in round k each rank signals
+/// rank + 2^k and waits for rank - 2^k; after ceil(log2 n) rounds each has heard from all.
+pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: std::time::Duration) -> Result<()> {
+    run_within::<B, u8, ()>(b, Kind::Barrier, 0, None, 0, timeout, |c| {
+        let mut d = 1;
+        while d < c.n {
+            c.send_recv(&[], (c.me + d) % c.n, &mut [], (c.me + c.n - d) % c.n)?;
+            d *= 2;
+        }
+        Ok(())
+    })
 }
 
 /// Applies the scaling that `Avg` and `PreMulSum` need after (or before) a sum.

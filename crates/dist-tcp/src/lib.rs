@@ -87,9 +87,6 @@ fn limits_from_env(cfg: TcpConfig, get: &impl Fn(&str) -> Option<String>) -> Res
     Ok(cfg)
 }
 
-/// The tag of the dissemination barrier's messages.
-const BARRIER_TAG: Tag = Tag::system(1);
-
 struct Shared {
     rank: usize,
     world: usize,
@@ -492,20 +489,9 @@ impl Backend for TcpBackend {
         self.recv_meta(buf, src, tag, deadline).map(|_| ())
     }
 
+    /// A collective: see [`dist_core::collectives::barrier`].
     fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
-        // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
-        // after ceil(log2 n) rounds each rank has heard, transitively, from all others.
-        let deadline = deadline_after(self.shared.rank, timeout, || "barrier".into())?;
-        let (me, n) = (self.shared.rank, self.shared.world);
-        let mut d = 1;
-        while d < n {
-            let to = (me + d) % n;
-            let from = (me + n - d) % n;
-            self.send_recv_meta((&[], to), (&mut [], from), BARRIER_TAG, [0; 16], deadline)
-                .map_err(|e| relabel(e, "barrier"))?;
-            d *= 2;
-        }
-        Ok(())
+        dist_core::collectives::barrier(self, timeout)
     }
 }
 
@@ -519,48 +505,6 @@ fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -
             op: op(),
             reason: format!("timeout {timeout:?} is too far in the future to be a deadline"),
         })
-}
-
-/// Puts the name of the user-facing operation in front of a transport error's op.
-fn relabel(e: DistError, what: &str) -> DistError {
-    match e {
-        DistError::Timeout {
-            rank,
-            op,
-            peer,
-            waited,
-        } => DistError::Timeout {
-            rank,
-            op: format!("{what}: {op}"),
-            peer,
-            waited,
-        },
-        DistError::PeerGone {
-            rank,
-            peer,
-            op,
-            cause,
-        } => DistError::PeerGone {
-            rank,
-            peer,
-            op: format!("{what}: {op}"),
-            cause,
-        },
-        DistError::PeerUnresponsive {
-            rank,
-            peer,
-            op,
-            silent,
-            position,
-        } => DistError::PeerUnresponsive {
-            rank,
-            peer,
-            op: format!("{what}: {op}"),
-            silent,
-            position,
-        },
-        other => other,
-    }
 }
 
 impl Drop for TcpBackend {
