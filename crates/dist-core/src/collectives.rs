@@ -577,7 +577,7 @@ fn run_within<B: Transport + ?Sized, T: Element, R>(
             origin,
             reason,
         };
-        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+        abort_all(b, &e);
         return Err(e);
     }
     let mut r = f(&call);
@@ -595,7 +595,7 @@ fn run_within<B: Transport + ?Sized, T: Element, R>(
     if let Err(e) = &r {
         // Pass every failure on, heard-of ones included: a rank that has not heard yet must
         // hear it from this one before it sees this one leave.
-        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+        abort_all(b, e);
     }
     r
 }
@@ -614,6 +614,17 @@ pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: std::time::Duration) -> Re
         }
         Ok(())
     })
+}
+
+/// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
+/// one (a peer gone or unresponsive, or the origin of an abort passed on).
+fn abort_all<B: Transport + ?Sized>(b: &B, e: &DistError) {
+    let culprit = match e {
+        DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => Some(*peer),
+        DistError::Aborted { origin, .. } => Some(*origin),
+        _ => None,
+    };
+    b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), culprit);
 }
 
 /// Applies the scaling that `Avg` and `PreMulSum` need after (or before) a sum.
@@ -999,7 +1010,7 @@ fn two_lanes<B: Transport + ?Sized>(
 ) -> Result<()> {
     let report = |r: Result<()>| {
         if let Err(e) = &r {
-            c.b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+            abort_all(c.b, e);
         }
         r
     };

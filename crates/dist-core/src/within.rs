@@ -109,6 +109,10 @@ impl<B: Transport + ?Sized> Transport for Timed<'_, B> {
         self.b.broadcast_abort(tag, reason)
     }
 
+    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        self.b.broadcast_abort_naming(tag, reason, culprit)
+    }
+
     fn abort_notice(&self) -> Option<(usize, String)> {
         self.b.abort_notice()
     }

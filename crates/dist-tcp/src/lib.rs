@@ -377,6 +377,14 @@ impl Transport for TcpBackend {
     /// first call sends anything: a rank reports its first failure (its own, or one it heard of
     /// and passes on, so that ranks that have not heard yet do before they see this one leave).
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
+        self.broadcast_abort_naming(tag, reason, None);
+    }
+
+    /// [`Transport::broadcast_abort`] naming the rank at fault: the notice carries it (abort
+    /// frame meta bytes 0..8, rank + 1), and the other ranks' errors name it as the origin.
+    /// Notices go out from threads of their own; this waits for them 500 ms at most, so a
+    /// peer that does not read (stopped, or its buffers full) holds nobody up.
+    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
         if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -385,6 +393,7 @@ impl Transport for TcpBackend {
         if self.shared.aborts.notices().is_empty() {
             self.shared.note_abort(AbortNotice {
                 from: self.shared.rank,
+                culprit,
                 tag,
                 reason: reason.to_string(),
             });
@@ -394,7 +403,7 @@ impl Transport for TcpBackend {
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        self.shared.send_abort_notices(tag, &reason[..cut]);
+        self.shared.send_abort_notices(tag, &reason[..cut], culprit);
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -407,7 +416,7 @@ impl Transport for TcpBackend {
             .notices()
             .into_iter()
             .next()
-            .map(|n| (n.from, n.reason))
+            .map(|n| (n.origin(), n.reason))
     }
 
     fn next_collective(&self) -> u64 {

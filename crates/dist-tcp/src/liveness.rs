@@ -144,7 +144,8 @@ impl Shared {
             .unresponsive("the liveness check".into())
             .map_or_else(String::new, |e| e.to_string());
         self.note_abort(AbortNotice {
-            from: p.rank,
+            from: self.rank,
+            culprit: Some(p.rank),
             tag: COLLECTIVE_TAG,
             reason,
         });
@@ -202,7 +203,11 @@ impl Shared {
     /// Sends an abort notice to every other rank, each from a thread of its own, and waits for
     /// them at most [`ABORT_WAIT`]: a peer that does not read (stopped, or its buffers full)
     /// holds up neither the caller nor the notices to the others.
-    pub(crate) fn send_abort_notices(&self, tag: Tag, reason: &str) {
+    pub(crate) fn send_abort_notices(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let mut meta = [0u8; 16];
+        if let Some(c) = culprit {
+            meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
+        }
         let (done, finished) = std::sync::mpsc::channel::<()>();
         let reason: Arc<str> = Arc::from(reason);
         let mut sent = 0;
@@ -212,14 +217,14 @@ impl Shared {
             let spawned = std::thread::Builder::new()
                 .name(format!("dist-abort-{me}-to-{}", p.rank))
                 .spawn(move || {
-                    notify(&p, tag, &text);
+                    notify(&p, tag, &text, meta);
                     let _ = done.send(());
                 });
             match spawned {
                 Ok(_) => sent += 1,
                 Err(e) => {
                     tracing::debug!(rank = me, error = %e, "no thread for an abort notice");
-                    notify(peer, tag, &reason);
+                    notify(peer, tag, &reason, meta);
                 }
             }
         }
@@ -237,13 +242,13 @@ impl Shared {
 /// How long a failing call waits for its abort notices to go out.
 pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(500);
 
-fn notify(p: &Peer, tag: Tag, reason: &str) {
+fn notify(p: &Peer, tag: Tag, reason: &str, meta: [u8; 16]) {
     let op = || format!("abort notice to {}", p.rank);
     if let Err(e) = p.send(
         FrameKind::Abort,
         tag.to_wire(),
         reason.as_bytes(),
-        [0; 16],
+        meta,
         &op,
     ) {
         tracing::debug!(rank = p.me, peer = p.rank, error = %e, "abort notice not delivered");

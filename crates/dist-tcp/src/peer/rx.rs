@@ -28,6 +28,8 @@ pub(super) enum Frame {
         tag: u64,
         text: Vec<u8>,
         left: usize,
+        /// The rank at fault that the notice names (meta bytes 0..8: rank + 1, 0 for none).
+        culprit: Option<usize>,
     },
     /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
     /// or `until` passes (then it is queued); with no `until`, until a receive is posted or the
@@ -217,6 +219,11 @@ impl Peer {
                             tag: h.tag,
                             text: Vec::with_capacity(len),
                             left: len,
+                            culprit: u64::from_le_bytes(
+                                h.meta[..8].try_into().expect("eight bytes"),
+                            )
+                            .checked_sub(1)
+                            .and_then(|c| usize::try_from(c).ok()),
                         },
                         FrameKind::Data => self.route(h, len, None),
                     };
@@ -315,7 +322,12 @@ impl Peer {
                     rx.frame = Frame::Header;
                     self.offer(tag, Payload::Owned(data), meta, true);
                 }
-                Frame::Abort { tag, text, left } => {
+                Frame::Abort {
+                    tag,
+                    text,
+                    left,
+                    culprit,
+                } => {
                     if *left > 0 {
                         let mut scratch = [0u8; 4096];
                         let k = (*left).min(scratch.len());
@@ -338,6 +350,7 @@ impl Peer {
                     }
                     let notice = AbortNotice {
                         from: self.rank,
+                        culprit: *culprit,
                         tag: Tag::from_wire(*tag),
                         reason: String::from_utf8_lossy(text).into_owned(),
                     };
