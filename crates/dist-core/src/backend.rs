@@ -179,6 +179,17 @@ pub trait Transport: Backend {
         self.broadcast_abort(tag, reason);
     }
 
+    /// The transport's flight recorder, if it keeps one: the collectives record themselves in it.
+    fn flight(&self) -> Option<&crate::flight::FlightRecorder> {
+        None
+    }
+
+    /// Where every rank is, in one line ([`crate::flight::describe_positions`]), as far as
+    /// this transport knows; for the errors of timed-out collectives.
+    fn positions(&self) -> Option<String> {
+        None
+    }
+
     /// The first abort notice received, as `(rank, reason)`.
     fn abort_notice(&self) -> Option<(usize, String)>;
 

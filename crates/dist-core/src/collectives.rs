@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use crate::backend::{Meta, Tag, Transport};
 use crate::error::{DistError, Result};
+use crate::flight::{OpInfo, OpState, Position};
 use crate::types::{DType, Element, ReduceOp};
 
 /// The tag every collective message travels on. Collectives are called in the same order on
@@ -553,14 +554,55 @@ fn run_within<B: Transport + ?Sized, T: Element, R>(
     timeout: std::time::Duration,
     f: impl FnOnce(&Call<'_, B>) -> Result<R>,
 ) -> Result<R> {
+    let seq = b.next_collective();
     let desc = Desc {
         kind: kind as u8,
         dtype: T::DTYPE as u8,
         op: op.map_or(0, ReduceOp::code),
         root: (root as u32) & 0x00ff_ffff,
-        seq: b.next_collective() as u16,
+        seq: seq as u16,
         count: count as u64,
     };
+    // Numbered from 1 in the record (0 marks point-to-point operations there).
+    let entry = b.flight().map(|f| {
+        let info = OpInfo {
+            seq: seq + 1,
+            op: kind.name(),
+            dtype: if kind == Kind::Barrier {
+                ""
+            } else {
+                T::DTYPE.name()
+            },
+            count,
+            peer: kind.has_root().then_some(root),
+        };
+        (f, f.begin(info, OpState::Started))
+    });
+    let r = run_call(b, desc, seq + 1, timeout, f);
+    if let Some((f, e)) = entry {
+        f.finish(
+            e,
+            r.as_ref()
+                .map(|_| ())
+                .map_err(|e| e as &dyn std::fmt::Display),
+        );
+    }
+    if let Err(e) = &r {
+        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
+        // hear it from this one before it sees this one leave.
+        abort_all(b, e);
+    }
+    r
+}
+
+/// The body of [`run_within`]: the call's deadline, its run, and its error.
+fn run_call<B: Transport + ?Sized, R>(
+    b: &B,
+    desc: Desc,
+    number: u64,
+    timeout: std::time::Duration,
+    f: impl FnOnce(&Call<'_, B>) -> Result<R>,
+) -> Result<R> {
     let deadline = crate::deadline_after(Instant::now(), timeout, b.rank(), || desc.describe())?;
     let call = Call {
         b,
@@ -571,14 +613,12 @@ fn run_within<B: Transport + ?Sized, T: Element, R>(
         deadline,
     };
     if let Some((origin, reason)) = b.abort_notice() {
-        let e = DistError::Aborted {
+        return Err(DistError::Aborted {
             rank: call.me,
             op: call.op_text(),
             origin,
             reason,
-        };
-        abort_all(b, &e);
-        return Err(e);
+        });
     }
     let mut r = f(&call);
     if r.is_ok()
@@ -592,10 +632,24 @@ fn run_within<B: Transport + ?Sized, T: Element, R>(
             reason,
         });
     }
-    if let Err(e) = &r {
-        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
-        // hear it from this one before it sees this one leave.
-        abort_all(b, e);
+    if let Err(DistError::Timeout {
+        rank,
+        op,
+        peer,
+        waited,
+    }) = r
+    {
+        // Who is behind: where the ranks are, as the transport knows it.
+        let op = match b.positions() {
+            Some(p) => format!("{op} #{number} [{p}]"),
+            None => op,
+        };
+        r = Err(DistError::Timeout {
+            rank,
+            op,
+            peer,
+            waited,
+        });
     }
     r
 }
@@ -614,6 +668,36 @@ pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: std::time::Duration) -> Re
         }
         Ok(())
     })
+}
+
+/// A rank's position as a heartbeat carries it: the collective's sequence number (0: none),
+/// its state (1 queued, 2 started, 3 done, 4 failed) and its kind's code.
+pub fn position_to_wire(p: Option<Position>) -> (u64, u8, u8) {
+    let Some(p) = p else { return (0, 0, 0) };
+    let state = match p.state {
+        OpState::Queued => 1,
+        OpState::Started => 2,
+        OpState::Done => 3,
+        OpState::Failed => 4,
+    };
+    let kind = Kind::ALL
+        .into_iter()
+        .find(|k| k.name() == p.op)
+        .map_or(0, |k| k as u8);
+    (p.seq, state, kind)
+}
+
+/// The inverse of [`position_to_wire`]; `None` for "none" and for what it cannot read.
+pub fn position_from_wire(seq: u64, state: u8, kind: u8) -> Option<Position> {
+    let state = match state {
+        1 => OpState::Queued,
+        2 => OpState::Started,
+        3 => OpState::Done,
+        4 => OpState::Failed,
+        _ => return None,
+    };
+    let op = Kind::from_code(kind)?.name();
+    (seq != 0).then_some(Position { seq, op, state })
 }
 
 /// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names

@@ -113,6 +113,14 @@ impl<B: Transport + ?Sized> Transport for Timed<'_, B> {
         self.b.broadcast_abort_naming(tag, reason, culprit)
     }
 
+    fn flight(&self) -> Option<&crate::flight::FlightRecorder> {
+        self.b.flight()
+    }
+
+    fn positions(&self) -> Option<String> {
+        self.b.positions()
+    }
+
     fn abort_notice(&self) -> Option<(usize, String)> {
         self.b.abort_notice()
     }

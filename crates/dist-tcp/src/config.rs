@@ -27,6 +27,7 @@ pub struct TcpConfig {
     pub(crate) bind: Option<std::net::IpAddr>,
     pub(crate) timeout: Duration,
     pub(crate) peer_timeout: Duration,
+    pub(crate) trace_dir: Option<std::path::PathBuf>,
     pub(crate) init_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) linger: Duration,
@@ -72,6 +73,7 @@ impl TcpConfig {
             bind: None,
             timeout: DEFAULT_TIMEOUT,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            trace_dir: None,
             init_timeout: DEFAULT_INIT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             linger: Duration::from_secs(30),
@@ -134,6 +136,9 @@ impl TcpConfig {
         if let Some(t) = seconds("DIST_INIT_TIMEOUT")? {
             cfg.init_timeout = t;
         }
+        if let Some(d) = get("DIST_TRACE_DIR").filter(|d| !d.is_empty()) {
+            cfg.trace_dir = Some(d.into());
+        }
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
         }
@@ -174,6 +179,14 @@ impl TcpConfig {
     /// about this long. Keep it well below [`TcpConfig::timeout`].
     pub fn peer_timeout(mut self, t: Duration) -> Self {
         self.peer_timeout = t;
+        self
+    }
+
+    /// A folder where this rank writes its flight record (its last operations, as JSON, file
+    /// `rank-R.json`) when one of its collectives fails; `DIST_TRACE_DIR`. `cargo xtask trace
+    /// DIR` prints a summary of the ranks' files: who was where, who is behind.
+    pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.trace_dir = Some(dir.into());
         self
     }
 

@@ -44,6 +44,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dist_core::flight::{FlightRecorder, OpInfo, OpState, describe_positions};
 use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
 pub use config::{
@@ -111,6 +112,12 @@ struct Shared {
     faults: std::sync::Mutex<liveness::Faults>,
     /// The liveness thread's inbox.
     events: std::sync::Mutex<std::sync::mpsc::Sender<liveness::Event>>,
+    /// The last operations of this rank (collectives, barriers, point-to-point).
+    flight: FlightRecorder,
+    /// Where to write the flight record on a failure (`DIST_TRACE_DIR`).
+    trace_dir: Option<std::path::PathBuf>,
+    /// Held while the record is written (by a failing call, or the liveness thread).
+    trace_lock: std::sync::Mutex<()>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -214,6 +221,9 @@ impl TcpBackend {
             closing: AtomicBool::new(false),
             faults: Default::default(),
             events,
+            flight: FlightRecorder::default(),
+            trace_dir: cfg.trace_dir.clone(),
+            trace_lock: std::sync::Mutex::new(()),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -234,6 +244,11 @@ impl TcpBackend {
                         peer: notice.from,
                         cause: FaultCause::Aborted(notice.reason.clone()),
                     });
+                    // A rank that only hears of a failure writes its record too (on the
+                    // liveness thread: no file I/O on a reader thread).
+                    if s.trace_dir.is_some() {
+                        s.post_event(liveness::Event::WriteTrace);
+                    }
                     s.note_abort(notice);
                 }
             });
@@ -308,6 +323,32 @@ impl TcpBackend {
                 given: r,
                 world_size: self.shared.world,
             })
+    }
+
+    /// Runs a point-to-point operation, recorded in the flight recorder (two uncontended locks,
+    /// no allocation unless it fails).
+    fn recorded(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        peer: usize,
+        f: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let info = OpInfo {
+            seq: 0,
+            op,
+            dtype: "",
+            count: bytes,
+            peer: Some(peer),
+        };
+        let flight = &self.shared.flight;
+        let entry = flight.begin(info, OpState::Started);
+        let r = f();
+        flight.finish(
+            entry,
+            r.as_ref().map_err(|e| e as &dyn std::fmt::Display).copied(),
+        );
+        r
     }
 
     /// The abort notices received so far.
@@ -404,6 +445,28 @@ impl Transport for TcpBackend {
             cut -= 1;
         }
         self.shared.send_abort_notices(tag, &reason[..cut], culprit);
+        self.shared.write_trace();
+    }
+
+    fn flight(&self) -> Option<&FlightRecorder> {
+        Some(&self.shared.flight)
+    }
+
+    /// This rank's position from its own record, every peer's from its last heartbeat.
+    fn positions(&self) -> Option<String> {
+        let all: Vec<_> = self
+            .shared
+            .peers
+            .iter()
+            .map(|p| {
+                if p.rank == self.shared.rank {
+                    (p.rank, self.shared.flight.position())
+                } else {
+                    (p.rank, p.remote_position())
+                }
+            })
+            .collect();
+        Some(describe_positions(&all))
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -458,6 +521,21 @@ impl Transport for TcpBackend {
 }
 
 impl Shared {
+    /// Writes the flight record to `DIST_TRACE_DIR`, if set (on a failure).
+    pub(crate) fn write_trace(&self) {
+        if let Some(dir) = &self.trace_dir {
+            let _one_at_a_time = self.trace_lock.lock().unwrap_or_else(|p| p.into_inner());
+            match self.flight.write_json(dir, self.rank, self.world) {
+                Ok(path) => {
+                    tracing::info!(rank = self.rank, path = %path.display(), "flight record written")
+                }
+                Err(e) => {
+                    tracing::warn!(rank = self.rank, dir = %dir.display(), error = %e, "flight record not written")
+                }
+            }
+        }
+    }
+
     fn note_abort(&self, n: AbortNotice) {
         tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
         self.aborts.raise(n);
@@ -481,7 +559,9 @@ impl Backend for TcpBackend {
     }
 
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
-        self.send_meta(data, dst, tag, [0; 16])
+        self.recorded("send", data.len(), dst, || {
+            self.send_meta(data, dst, tag, [0; 16])
+        })
     }
 
     fn recv_tagged_timeout(
@@ -495,7 +575,9 @@ impl Backend for TcpBackend {
         let deadline = deadline_after(self.shared.rank, timeout, || {
             format!("recv from {src} (tag {tag}, {len} bytes)")
         })?;
-        self.recv_meta(buf, src, tag, deadline).map(|_| ())
+        self.recorded("recv", len, src, || {
+            self.recv_meta(buf, src, tag, deadline).map(|_| ())
+        })
     }
 
     /// A collective: see [`dist_core::collectives::barrier`].
@@ -520,7 +602,7 @@ impl Drop for TcpBackend {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);
-        let position = self.shared.collectives.load(Ordering::Relaxed);
+        let position = self.shared.flight.position();
         for p in &self.shared.peers {
             p.goodbye(position);
         }

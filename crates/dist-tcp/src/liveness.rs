@@ -66,6 +66,8 @@ const FAULTS_KEPT: usize = 64;
 pub(crate) enum Event {
     /// Dispatch this fault to the hooks.
     Fault(PeerFault),
+    /// Write the flight record to the trace folder (an abort notice arrived).
+    WriteTrace,
     /// The backend is going away.
     Stop,
 }
@@ -99,6 +101,12 @@ pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, i
                 }
                 continue;
             }
+            Ok(Event::WriteTrace) => {
+                if let Some(s) = shared.upgrade() {
+                    s.write_trace();
+                }
+                continue;
+            }
             Err(RecvTimeoutError::Timeout) => {}
         }
         let Some(s) = shared.upgrade() else { return };
@@ -117,7 +125,7 @@ pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, i
 impl Shared {
     /// One heartbeat round, and the silent peers declared.
     fn tick(&self, last: &mut [Instant], now: Instant) {
-        let position = self.collectives.load(std::sync::atomic::Ordering::Relaxed);
+        let position = self.flight.position();
         for p in self.peers.iter().filter(|p| p.rank != self.rank) {
             if p.heard.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 last[p.rank] = now;
@@ -162,8 +170,13 @@ impl Shared {
         if self.closing() {
             return;
         }
+        self.post_event(Event::Fault(f));
+    }
+
+    /// Queues `e` for the liveness thread.
+    pub(crate) fn post_event(&self, e: Event) {
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = events.send(Event::Fault(f));
+        let _ = events.send(e);
     }
 
     /// Calls every hook with `f`, holding no lock.

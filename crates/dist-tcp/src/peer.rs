@@ -105,7 +105,8 @@ pub(crate) struct Peer {
     pub(crate) heard: AtomicBool,
     /// How long the peer had been silent when it was declared unresponsive, in ms (0: it was not).
     silent_ms: AtomicU64,
-    /// The collectives the peer had started, as its last heartbeat said (`u64::MAX`: none yet).
+    /// The peer's latest collective, as its last heartbeat said, packed (see `live.rs`;
+    /// `u64::MAX`: none yet).
     position: AtomicU64,
     /// The peer said it is closing its backend normally.
     leaving: AtomicBool,

@@ -452,15 +452,16 @@ pub enum FrameKind {
     Data = 1,
     /// The sender's collective failed; the payload is its error text.
     Abort = 2,
-    /// The sender is alive: no payload; the meta's first eight bytes (little-endian) are the
-    /// number of collectives the sender has started, the next eight its flags
-    /// ([`HEARTBEAT_CLOSING`]).
+    /// The sender is alive: no payload; the meta says where it is: bytes 0..8 (little-endian)
+    /// its latest collective's sequence number (0: none yet), byte 8 flags
+    /// ([`HEARTBEAT_CLOSING`]), byte 9 that collective's state (1 queued, 2 started, 3 done,
+    /// 4 failed), byte 10 its kind ([`dist_core::collectives::Kind`]).
     Heartbeat = 3,
 }
 
 /// A heartbeat flag: the sender is closing its backend normally; its connection ending next is
 /// no fault.
-pub const HEARTBEAT_CLOSING: u64 = 1;
+pub const HEARTBEAT_CLOSING: u8 = 1;
 
 /// The header in front of every message after the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

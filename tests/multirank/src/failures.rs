@@ -160,3 +160,79 @@ pub fn barrier_vs_all_reduce() {
     );
     assert!(took < Duration::from_secs(2), "{took:?}: {e}");
 }
+
+/// A collective skipped by the last rank: the others' error (a 2 s per-call timeout) says which
+/// rank had not reached which sequence number ("rank 2 finished #4 all_reduce; ranks 0–1 wait
+/// in #5 all_reduce"), from the positions the heartbeats carried; and every rank writes its
+/// flight record to the trace folder, where the skipping rank's ends at #4.
+pub fn skipped_collective() {
+    let port = std::env::var("MASTER_PORT").unwrap_or_default();
+    let n_env = std::env::var("WORLD_SIZE").unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("dist-trace-{port}-n{n_env}"));
+    let b = TcpBackend::with_config(
+        config()
+            .timeout(Duration::from_secs(30))
+            .peer_timeout(PEER_TIMEOUT)
+            .trace_dir(&dir),
+    )
+    .unwrap_or_else(|e| panic!("init failed: {e}"));
+    let (me, n) = (b.rank(), b.world_size());
+    let (done, written) = (Tag::user(91), Tag::user(92));
+    b.barrier().unwrap();
+    let mut x = [1.0f32; 8];
+    for _ in 0..3 {
+        b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    }
+    let skipper = n - 1;
+    if me == skipper {
+        // Skips #5; waits until rank 0 has its error (by then it has heard of the abort and
+        // written its record, on the liveness thread: rank 0 waits for the file below).
+        b.recv_tagged_timeout(&mut [0u8; 1], 0, done, Duration::from_secs(20))
+            .unwrap();
+    } else {
+        use dist_core::Within;
+        let t = Instant::now();
+        let e = b
+            .within(Duration::from_secs(2))
+            .all_reduce(&mut x, ReduceOp::Sum)
+            .unwrap_err();
+        println!("rank {me}: after {:.2?}: {e}", t.elapsed());
+        let want = format!("rank {skipper} finished #4 all_reduce");
+        assert!(e.to_string().contains(&want), "no '{want}' in: {e}");
+    }
+    if me != 0 {
+        b.send_tagged(&[1], 0, written).unwrap();
+        return;
+    }
+    // Every rank that called #5 has its error; only then may the skipping rank go on (and
+    // leave, closing its connections).
+    for r in 1..skipper {
+        b.recv_tagged_timeout(&mut [0u8; 1], r, written, Duration::from_secs(20))
+            .unwrap();
+    }
+    b.send_tagged(&[1], skipper, done).unwrap();
+    b.recv_tagged_timeout(&mut [0u8; 1], skipper, written, Duration::from_secs(20))
+        .unwrap();
+    for r in 0..n {
+        let path = dir.join(format!("rank-{r}.json"));
+        // The skipping rank writes its record on its liveness thread, when the abort notice
+        // arrives; wait for it (bounded), as for any file another process writes.
+        let until = Instant::now() + Duration::from_secs(10);
+        let json = loop {
+            match std::fs::read_to_string(&path) {
+                Ok(j) if j.ends_with("]}\n") => break j,
+                r if Instant::now() > until => panic!("{}: {r:?}", path.display()),
+                _ => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        let reached_5 = json.contains("\"seq\":5,\"op\":\"all_reduce\"");
+        assert_eq!(reached_5, r != skipper, "rank {r}'s record: {json}");
+    }
+    println!(
+        "flight records in {} (cargo xtask trace {0})",
+        dir.display()
+    );
+    if std::env::var_os("DIST_KEEP_TRACE").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -97,6 +97,10 @@ const CASES: &[Case] = &[
         failures::barrier_vs_all_reduce();
         Ok(())
     }),
+    ("fail_skipped_collective", || {
+        failures::skipped_collective();
+        Ok(())
+    }),
     ("admission_flood", admission::flood),
     ("flow_unexpected", flow::unexpected),
     ("hostile_peer", hostile::peer),

@@ -3,6 +3,11 @@
 
 use super::*;
 use crate::wire::HEARTBEAT_CLOSING;
+use dist_core::collectives::{position_from_wire, position_to_wire};
+use dist_core::flight::{Position, describe_positions};
+
+/// The bits of a packed position that hold the sequence number.
+const SEQ_MASK: u64 = (1 << 48) - 1;
 
 /// What one heartbeat attempt found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,10 +21,10 @@ pub(crate) enum Beat {
 }
 
 impl Peer {
-    /// Writes a heartbeat carrying `position` (the collectives this rank has started), without
+    /// Writes a heartbeat carrying `position` (this rank's latest collective), without
     /// blocking: when a send holds the writer, or the socket is full, it is left at that. What
     /// this proves is nothing about the peer; only what we receive from it does.
-    pub(crate) fn heartbeat(&self, position: u64) -> Beat {
+    pub(crate) fn heartbeat(&self, position: Option<Position>) -> Beat {
         let Some(writer) = &self.writer else {
             return Beat::Off;
         };
@@ -32,7 +37,7 @@ impl Peer {
     /// Tells the peer that this rank is closing its backend normally (so that the connection
     /// ending next is no fault), by a heartbeat with [`HEARTBEAT_CLOSING`] set; best effort,
     /// without blocking on the socket.
-    pub(crate) fn goodbye(&self, position: u64) {
+    pub(crate) fn goodbye(&self, position: Option<Position>) {
         if let Some(writer) = &self.writer {
             let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
             if w.hb_left > 0 {
@@ -44,14 +49,17 @@ impl Peer {
         }
     }
 
-    fn beat(&self, w: &mut Writer, position: u64, flags: u64) -> Beat {
+    fn beat(&self, w: &mut Writer, position: Option<Position>, flags: u8) -> Beat {
         if w.broken.is_some() {
             return Beat::Off;
         }
         if w.hb_left == 0 {
+            let (seq, state, kind) = position_to_wire(position);
             let mut meta = [0u8; 16];
-            meta[..8].copy_from_slice(&position.to_le_bytes());
-            meta[8..].copy_from_slice(&flags.to_le_bytes());
+            meta[..8].copy_from_slice(&seq.to_le_bytes());
+            meta[8] = flags;
+            meta[9] = state;
+            meta[10] = kind;
             w.hb = FrameHeader {
                 kind: FrameKind::Heartbeat,
                 tag: 0,
@@ -109,10 +117,34 @@ impl Peer {
 
     /// Where the peer last said it was, for error texts ("" if it never said).
     pub(crate) fn position_text(&self) -> String {
-        match self.position.load(Ordering::Relaxed) {
-            u64::MAX => String::new(),
-            n => format!("its last heartbeat said it had started {n} collectives"),
+        match self.remote_position() {
+            None => String::new(),
+            Some(p) => format!(
+                "its last heartbeat said: {}",
+                describe_positions(&[(self.rank, Some(p))])
+            ),
         }
+    }
+
+    /// Takes what a heartbeat's meta says: the peer's position and whether it is leaving.
+    pub(super) fn heard_position(&self, meta: &Meta) {
+        let seq = u64::from_le_bytes(meta[..8].try_into().expect("eight bytes"));
+        // Packed into one word: 48 bits of sequence number, the state, the kind.
+        let packed = (seq & SEQ_MASK) | (u64::from(meta[9]) << 48) | (u64::from(meta[10]) << 56);
+        self.position.store(packed, Ordering::Relaxed);
+        if meta[8] & HEARTBEAT_CLOSING != 0 {
+            self.leaving.store(true, Ordering::Release);
+        }
+    }
+
+    /// The peer's latest collective, as its last heartbeat said.
+    pub(crate) fn remote_position(&self) -> Option<Position> {
+        let packed = self.position.load(Ordering::Relaxed);
+        position_from_wire(
+            packed & SEQ_MASK,
+            (packed >> 48) as u8,
+            (packed >> 56) as u8,
+        )
     }
 
     /// Sets the hook that hears that the connection ended.

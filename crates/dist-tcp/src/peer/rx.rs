@@ -205,14 +205,7 @@ impl Peer {
                     };
                     rx.frame = match h.kind {
                         FrameKind::Heartbeat => {
-                            let pos =
-                                u64::from_le_bytes(h.meta[..8].try_into().expect("eight bytes"));
-                            self.position.store(pos, Ordering::Relaxed);
-                            let flags =
-                                u64::from_le_bytes(h.meta[8..].try_into().expect("eight bytes"));
-                            if flags & crate::wire::HEARTBEAT_CLOSING != 0 {
-                                self.leaving.store(true, Ordering::Release);
-                            }
+                            self.heard_position(&h.meta);
                             continue;
                         }
                         FrameKind::Abort => Frame::Abort {
