@@ -702,13 +702,17 @@ pub fn position_from_wire(seq: u64, state: u8, kind: u8) -> Option<Position> {
 
 /// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
 /// one (a peer gone or unresponsive, or the origin of an abort passed on).
+/// An abort heard of is passed on as it came (its origin and the first error), not wrapped.
 fn abort_all<B: Transport + ?Sized>(b: &B, e: &DistError) {
-    let culprit = match e {
-        DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => Some(*peer),
-        DistError::Aborted { origin, .. } => Some(*origin),
-        _ => None,
-    };
-    b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), culprit);
+    match e {
+        DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
+            b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), Some(*peer))
+        }
+        DistError::Aborted { origin, reason, .. } => {
+            b.broadcast_abort_naming(COLLECTIVE_TAG, reason, Some(*origin))
+        }
+        _ => b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), None),
+    }
 }
 
 /// Applies the scaling that `Avg` and `PreMulSum` need after (or before) a sum.

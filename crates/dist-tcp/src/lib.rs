@@ -33,6 +33,7 @@ mod init;
 pub mod launch;
 mod liveness;
 mod peer;
+mod record;
 mod sys;
 #[doc(hidden)]
 pub mod testing;
@@ -44,7 +45,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use dist_core::flight::{FlightRecorder, OpInfo, OpState, describe_positions};
+use dist_core::flight::FlightRecorder;
 use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
 pub use config::{
@@ -325,32 +326,6 @@ impl TcpBackend {
             })
     }
 
-    /// Runs a point-to-point operation, recorded in the flight recorder (two uncontended locks,
-    /// no allocation unless it fails).
-    fn recorded(
-        &self,
-        op: &'static str,
-        bytes: usize,
-        peer: usize,
-        f: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
-        let info = OpInfo {
-            seq: 0,
-            op,
-            dtype: "",
-            count: bytes,
-            peer: Some(peer),
-        };
-        let flight = &self.shared.flight;
-        let entry = flight.begin(info, OpState::Started);
-        let r = f();
-        flight.finish(
-            entry,
-            r.as_ref().map_err(|e| e as &dyn std::fmt::Display).copied(),
-        );
-        r
-    }
-
     /// The abort notices received so far.
     pub fn abort_notices(&self) -> Vec<AbortNotice> {
         self.shared.aborts.notices()
@@ -454,19 +429,7 @@ impl Transport for TcpBackend {
 
     /// This rank's position from its own record, every peer's from its last heartbeat.
     fn positions(&self) -> Option<String> {
-        let all: Vec<_> = self
-            .shared
-            .peers
-            .iter()
-            .map(|p| {
-                if p.rank == self.shared.rank {
-                    (p.rank, self.shared.flight.position())
-                } else {
-                    (p.rank, p.remote_position())
-                }
-            })
-            .collect();
-        Some(describe_positions(&all))
+        Some(self.shared.positions_text())
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -521,21 +484,6 @@ impl Transport for TcpBackend {
 }
 
 impl Shared {
-    /// Writes the flight record to `DIST_TRACE_DIR`, if set (on a failure).
-    pub(crate) fn write_trace(&self) {
-        if let Some(dir) = &self.trace_dir {
-            let _one_at_a_time = self.trace_lock.lock().unwrap_or_else(|p| p.into_inner());
-            match self.flight.write_json(dir, self.rank, self.world) {
-                Ok(path) => {
-                    tracing::info!(rank = self.rank, path = %path.display(), "flight record written")
-                }
-                Err(e) => {
-                    tracing::warn!(rank = self.rank, dir = %dir.display(), error = %e, "flight record not written")
-                }
-            }
-        }
-    }
-
     fn note_abort(&self, n: AbortNotice) {
         tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
         self.aborts.raise(n);
