@@ -250,7 +250,9 @@ impl Desc {
         if self.seq != theirs.seq && d.is_empty() {
             d.push(format!(
                 "it is at collective #{} and this rank at #{} (a rank skipped or added a collective)",
-                theirs.seq, self.seq
+                // Numbered from 1, as in the flight record (the descriptor keeps 16 bits).
+                u32::from(theirs.seq) + 1,
+                u32::from(self.seq) + 1
             ));
         }
         if d.is_empty() {
