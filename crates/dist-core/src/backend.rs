@@ -171,6 +171,25 @@ pub trait Transport: Backend {
     /// then on their waits on system tags fail with [`DistError::Aborted`](crate::DistError).
     fn broadcast_abort(&self, tag: Tag, reason: &str);
 
+    /// [`Transport::broadcast_abort`] for a failure caused by rank `culprit` (a peer that died,
+    /// went silent, or failed first): the other ranks' errors then name it as the origin,
+    /// rather than this rank, which only noticed. The default ignores `culprit`.
+    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let _ = culprit;
+        self.broadcast_abort(tag, reason);
+    }
+
+    /// The transport's flight recorder, if it keeps one: the collectives record themselves in it.
+    fn flight(&self) -> Option<&crate::flight::FlightRecorder> {
+        None
+    }
+
+    /// Where every rank is, in one line ([`crate::flight::describe_positions`]), as far as
+    /// this transport knows; for the errors of timed-out collectives.
+    fn positions(&self) -> Option<String> {
+        None
+    }
+
     /// The first abort notice received, as `(rank, reason)`.
     fn abort_notice(&self) -> Option<(usize, String)>;
 

@@ -27,6 +27,7 @@ use std::time::Instant;
 
 use crate::backend::{Meta, Tag, Transport};
 use crate::error::{DistError, Result};
+use crate::flight::{OpInfo, OpState, Position};
 use crate::types::{DType, Element, ReduceOp};
 
 /// The tag every collective message travels on. Collectives are called in the same order on
@@ -82,10 +83,12 @@ pub enum Kind {
     AllToAll = 8,
     /// [`Collectives::all_to_all_v`]
     AllToAllV = 9,
+    /// [`barrier`]: every rank waits for every other.
+    Barrier = 10,
 }
 
 impl Kind {
-    const ALL: [Kind; 9] = [
+    const ALL: [Kind; 10] = [
         Kind::AllReduce,
         Kind::Broadcast,
         Kind::Reduce,
@@ -95,6 +98,7 @@ impl Kind {
         Kind::ReduceScatter,
         Kind::AllToAll,
         Kind::AllToAllV,
+        Kind::Barrier,
     ];
 
     /// The collective's name, as in `all_reduce`.
@@ -109,6 +113,7 @@ impl Kind {
             Kind::ReduceScatter => "reduce_scatter",
             Kind::AllToAll => "all_to_all",
             Kind::AllToAllV => "all_to_all_v",
+            Kind::Barrier => "barrier",
         }
     }
 
@@ -190,8 +195,11 @@ impl Desc {
         .unwrap_or("?")
     }
 
-    /// `all_reduce(f32 x 100, sum)`.
+    /// `all_reduce(f32 x 100, sum)`, `barrier`.
     fn describe(&self) -> String {
+        if self.kind == Kind::Barrier as u8 {
+            return Kind::Barrier.name().into();
+        }
         let mut s = format!(
             "{}({} x {}",
             self.kind_name(),
@@ -242,7 +250,9 @@ impl Desc {
         if self.seq != theirs.seq && d.is_empty() {
             d.push(format!(
                 "it is at collective #{} and this rank at #{} (a rank skipped or added a collective)",
-                theirs.seq, self.seq
+                // Numbered from 1, as in the flight record (the descriptor keeps 16 bits).
+                u32::from(theirs.seq) + 1,
+                u32::from(self.seq) + 1
             ));
         }
         if d.is_empty() {
@@ -451,6 +461,19 @@ impl<B: Transport + ?Sized> Call<'_, B> {
                 origin,
                 reason,
             },
+            DistError::PeerUnresponsive {
+                rank,
+                peer,
+                silent,
+                position,
+                ..
+            } => DistError::PeerUnresponsive {
+                rank,
+                peer,
+                op: self.op_text(),
+                silent,
+                position,
+            },
             other => other,
         }
     }
@@ -520,17 +543,69 @@ fn run<B: Transport + ?Sized, T: Element, R>(
     root: usize,
     f: impl FnOnce(&Call<'_, B>) -> Result<R>,
 ) -> Result<R> {
+    run_within::<B, T, R>(b, kind, count, op, root, b.default_timeout(), f)
+}
+
+/// [`run`] with a deadline `timeout` from now.
+fn run_within<B: Transport + ?Sized, T: Element, R>(
+    b: &B,
+    kind: Kind,
+    count: usize,
+    op: Option<ReduceOp>,
+    root: usize,
+    timeout: std::time::Duration,
+    f: impl FnOnce(&Call<'_, B>) -> Result<R>,
+) -> Result<R> {
+    let seq = b.next_collective();
     let desc = Desc {
         kind: kind as u8,
         dtype: T::DTYPE as u8,
         op: op.map_or(0, ReduceOp::code),
         root: (root as u32) & 0x00ff_ffff,
-        seq: b.next_collective() as u16,
+        seq: seq as u16,
         count: count as u64,
     };
-    let deadline = crate::deadline_after(Instant::now(), b.default_timeout(), b.rank(), || {
-        desc.describe()
-    })?;
+    // Numbered from 1 in the record (0 marks point-to-point operations there).
+    let entry = b.flight().map(|f| {
+        let info = OpInfo {
+            seq: seq + 1,
+            op: kind.name(),
+            dtype: if kind == Kind::Barrier {
+                ""
+            } else {
+                T::DTYPE.name()
+            },
+            count,
+            peer: kind.has_root().then_some(root),
+        };
+        (f, f.begin(info, OpState::Started))
+    });
+    let r = run_call(b, desc, seq + 1, timeout, f);
+    if let Some((f, e)) = entry {
+        f.finish(
+            e,
+            r.as_ref()
+                .map(|_| ())
+                .map_err(|e| e as &dyn std::fmt::Display),
+        );
+    }
+    if let Err(e) = &r {
+        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
+        // hear it from this one before it sees this one leave.
+        abort_all(b, e);
+    }
+    r
+}
+
+/// The body of [`run_within`]: the call's deadline, its run, and its error.
+fn run_call<B: Transport + ?Sized, R>(
+    b: &B,
+    desc: Desc,
+    number: u64,
+    timeout: std::time::Duration,
+    f: impl FnOnce(&Call<'_, B>) -> Result<R>,
+) -> Result<R> {
+    let deadline = crate::deadline_after(Instant::now(), timeout, b.rank(), || desc.describe())?;
     let call = Call {
         b,
         me: b.rank(),
@@ -540,14 +615,12 @@ fn run<B: Transport + ?Sized, T: Element, R>(
         deadline,
     };
     if let Some((origin, reason)) = b.abort_notice() {
-        let e = DistError::Aborted {
+        return Err(DistError::Aborted {
             rank: call.me,
             op: call.op_text(),
             origin,
             reason,
-        };
-        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
-        return Err(e);
+        });
     }
     let mut r = f(&call);
     if r.is_ok()
@@ -561,12 +634,87 @@ fn run<B: Transport + ?Sized, T: Element, R>(
             reason,
         });
     }
-    if let Err(e) = &r {
-        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
-        // hear it from this one before it sees this one leave.
-        b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+    if let Err(DistError::Timeout {
+        rank,
+        op,
+        peer,
+        waited,
+    }) = r
+    {
+        // Who is behind: where the ranks are, as the transport knows it.
+        let op = match b.positions() {
+            Some(p) => format!("{op} #{number} [{p}]"),
+            None => op,
+        };
+        r = Err(DistError::Timeout {
+            rank,
+            op,
+            peer,
+            waited,
+        });
     }
     r
+}
+
+/// A barrier that is a collective: every rank waits until every other has entered it, within
+/// `timeout`, and its messages carry the call's descriptor like every collective's, so a barrier
+/// that meets another collective on another rank is a [`DistError::CollectiveMismatch`] on every
+/// rank at once (not a wait until the deadline). Dissemination: in round k each rank signals
+/// rank + 2^k and waits for rank - 2^k; after ceil(log2 n) rounds each has heard from all.
+pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: std::time::Duration) -> Result<()> {
+    run_within::<B, u8, ()>(b, Kind::Barrier, 0, None, 0, timeout, |c| {
+        let mut d = 1;
+        while d < c.n {
+            c.send_recv(&[], (c.me + d) % c.n, &mut [], (c.me + c.n - d) % c.n)?;
+            d *= 2;
+        }
+        Ok(())
+    })
+}
+
+/// A rank's position as a heartbeat carries it: the collective's sequence number (0: none),
+/// its state (1 queued, 2 started, 3 done, 4 failed) and its kind's code.
+pub fn position_to_wire(p: Option<Position>) -> (u64, u8, u8) {
+    let Some(p) = p else { return (0, 0, 0) };
+    let state = match p.state {
+        OpState::Queued => 1,
+        OpState::Started => 2,
+        OpState::Done => 3,
+        OpState::Failed => 4,
+    };
+    let kind = Kind::ALL
+        .into_iter()
+        .find(|k| k.name() == p.op)
+        .map_or(0, |k| k as u8);
+    (p.seq, state, kind)
+}
+
+/// The inverse of [`position_to_wire`]; `None` for "none" and for what it cannot read.
+pub fn position_from_wire(seq: u64, state: u8, kind: u8) -> Option<Position> {
+    let state = match state {
+        1 => OpState::Queued,
+        2 => OpState::Started,
+        3 => OpState::Done,
+        4 => OpState::Failed,
+        _ => return None,
+    };
+    let op = Kind::from_code(kind)?.name();
+    (seq != 0).then_some(Position { seq, op, state })
+}
+
+/// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
+/// one (a peer gone or unresponsive, or the origin of an abort passed on).
+/// An abort heard of is passed on as it came (its origin and the first error), not wrapped.
+fn abort_all<B: Transport + ?Sized>(b: &B, e: &DistError) {
+    match e {
+        DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
+            b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), Some(*peer))
+        }
+        DistError::Aborted { origin, reason, .. } => {
+            b.broadcast_abort_naming(COLLECTIVE_TAG, reason, Some(*origin))
+        }
+        _ => b.broadcast_abort_naming(COLLECTIVE_TAG, &e.to_string(), None),
+    }
 }
 
 /// Applies the scaling that `Avg` and `PreMulSum` need after (or before) a sum.
@@ -952,7 +1100,7 @@ fn two_lanes<B: Transport + ?Sized>(
 ) -> Result<()> {
     let report = |r: Result<()>| {
         if let Err(e) = &r {
-            c.b.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+            abort_all(c.b, e);
         }
         r
     };

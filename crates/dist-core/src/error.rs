@@ -36,6 +36,27 @@ pub enum DistError {
         cause: String,
     },
 
+    /// Nothing has come from a peer for longer than the peer timeout, although its connection is
+    /// open: the process is stopped, the network between the two is partitioned, or its host is
+    /// down. (A live peer's transport sends heartbeats even while the peer computes.)
+    #[error(
+        "rank {rank}: peer {peer} unresponsive during {op}: nothing heard from it for {silent:.1?} \
+         (stopped, partitioned, or its host down){}",
+        if position.is_empty() { String::new() } else { format!("; {position}") }
+    )]
+    PeerUnresponsive {
+        /// The rank that noticed.
+        rank: usize,
+        /// The silent rank.
+        peer: usize,
+        /// The operation that noticed it.
+        op: String,
+        /// How long nothing had been heard from it when it was declared unresponsive.
+        silent: Duration,
+        /// Where the peer last said it was (its last heartbeat), if known.
+        position: String,
+    },
+
     /// A message's length differs from the buffer posted for it. Nothing was written to the
     /// buffer and the message stays queued.
     #[error(
@@ -165,6 +186,7 @@ impl DistError {
         match self {
             DistError::Timeout { peer, .. }
             | DistError::PeerGone { peer, .. }
+            | DistError::PeerUnresponsive { peer, .. }
             | DistError::SizeMismatch { peer, .. }
             | DistError::CollectiveMismatch { peer, .. } => Some(*peer),
             DistError::Aborted { origin, .. } => Some(*origin),

@@ -23,9 +23,11 @@ mod deadline;
 mod error;
 pub mod flight;
 mod types;
+mod within;
 
 pub use backend::{Backend, Meta, Tag, Transport, run_beside_scoped};
 pub use collectives::Collectives;
 pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};
 pub use error::{DistError, Result};
 pub use types::{DType, Element, ReduceOp};
+pub use within::{Timed, Within};

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use dist_core::flight::{DEFAULT_CAPACITY, Entry, FlightRecorder, OpInfo, OpState};
 use dist_nccl::AbortHandle;
-use dist_tcp::TcpBackend;
+use dist_tcp::{FaultCause, TcpBackend};
 
 use crate::check::{Desc, Name, PeerSink};
 
@@ -155,25 +155,33 @@ impl Watch {
     }
 }
 
-// ============================ MERGE POINT: issue 11, point 2 ============================
 /// Connects TCP's knowledge of failed peers to the NCCL side: `on_fault(rank, cause)` aborts
-/// the communicator naming the rank. Returns the sink the NCCL call check calls when its
-/// receive from the previous rank fails with `PeerGone` (that rank died).
+/// the communicator naming the rank. Two sources: the TCP mesh's fault hook
+/// (`TcpBackend::on_peer_fault`: a peer's connection closed other than by a normal drop, or the
+/// peer silent past the peer timeout, e.g. stopped), and the sink returned here, which the NCCL
+/// call check calls when its receive from the previous rank fails with `PeerGone`. Abort
+/// notices of TCP collectives are not NCCL faults and are left to the TCP side.
 ///
-/// Today `TcpBackend` has no fault hook, so only that receive reports a failure: the previous
-/// rank in the ring dying is seen at once, and the check forwards the reason round the ring.
-/// A stopped (SIGSTOP) rank is not seen until TCP has liveness. At the merge with the TCP
-/// liveness work, register the hook here as well:
-///
-/// ```ignore
-/// let f = on_fault.clone();
-/// tcp.on_peer_fault(move |fault| { f(fault.peer, fault.to_string()); });
-/// ```
+/// The hook runs on the TCP liveness thread, which must stay quick (it sends the heartbeats):
+/// the abort, which can take NCCL a second or more, runs on a thread of its own.
 pub(crate) fn watch_peer_faults(tcp: &TcpBackend, on_fault: PeerSink) -> PeerSink {
-    let _ = tcp;
+    let f = on_fault.clone();
+    tcp.on_peer_fault(move |fault| {
+        if !matches!(fault.cause, FaultCause::Closed(_) | FaultCause::Silent(_)) {
+            return;
+        }
+        let (f, peer, text) = (f.clone(), fault.peer, fault.to_string());
+        let spawned = std::thread::Builder::new()
+            .name(format!("dist-nccl-abort-{peer}"))
+            .spawn(move || {
+                f(peer, text);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(peer, error = %e, "no thread to abort NCCL for a failed peer");
+        }
+    });
     on_fault
 }
-// =========================================================================================
 
 /// The sinks the check calls, bound to `watch`.
 pub(crate) fn sinks(watch: &Arc<Watch>) -> (crate::check::Sink, PeerSink) {

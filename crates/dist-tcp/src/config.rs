@@ -14,6 +14,9 @@ const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default time a peer may stay silent before it is reported unresponsive
+/// ([`TcpConfig::peer_timeout`]).
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default deadline for the whole job to form.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default time a connection gets to complete its handshake before it is dropped.
@@ -27,6 +30,8 @@ pub struct TcpConfig {
     pub(crate) master: String,
     pub(crate) bind: Option<std::net::IpAddr>,
     pub(crate) timeout: Duration,
+    pub(crate) peer_timeout: Duration,
+    pub(crate) trace_dir: Option<std::path::PathBuf>,
     pub(crate) init_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) linger: Duration,
@@ -47,6 +52,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("master", &self.master)
             .field("bind", &self.bind)
             .field("timeout", &self.timeout)
+            .field("peer_timeout", &self.peer_timeout)
             .field("init_timeout", &self.init_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("linger", &self.linger)
@@ -70,6 +76,8 @@ impl TcpConfig {
             master: master.into(),
             bind: None,
             timeout: DEFAULT_TIMEOUT,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
+            trace_dir: None,
             init_timeout: DEFAULT_INIT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             linger: Duration::from_secs(30),
@@ -126,8 +134,14 @@ impl TcpConfig {
         if let Some(t) = seconds("DIST_TIMEOUT")? {
             cfg.timeout = t;
         }
+        if let Some(t) = seconds("DIST_PEER_TIMEOUT")? {
+            cfg.peer_timeout = t;
+        }
         if let Some(t) = seconds("DIST_INIT_TIMEOUT")? {
             cfg.init_timeout = t;
+        }
+        if let Some(d) = get("DIST_TRACE_DIR").filter(|d| !d.is_empty()) {
+            cfg.trace_dir = Some(d.into());
         }
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
@@ -161,6 +175,25 @@ impl TcpConfig {
     /// The deadline of every operation that takes none (default 300 s; `DIST_TIMEOUT`).
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+
+    /// How long a peer may stay silent (nothing at all received from it, heartbeats included)
+    /// before every wait on it fails with [`DistError::PeerUnresponsive`] (default 10 s;
+    /// `DIST_PEER_TIMEOUT`). Each rank's transport sends a heartbeat to every peer at least five
+    /// times per peer timeout from a thread of its own, so a peer that computes for a long time
+    /// is never reported; one that is stopped, partitioned away or whose host is down is, in
+    /// about this long. Keep it well below [`TcpConfig::timeout`].
+    pub fn peer_timeout(mut self, t: Duration) -> Self {
+        self.peer_timeout = t;
+        self
+    }
+
+    /// A folder where this rank writes its flight record (its last operations, as JSON, file
+    /// `rank-R.json`) when one of its collectives fails; `DIST_TRACE_DIR`. `cargo xtask trace
+    /// DIR` prints a summary of the ranks' files: who was where, who is behind.
+    pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.trace_dir = Some(dir.into());
         self
     }
 
@@ -282,6 +315,7 @@ impl TcpConfig {
         }
         for (what, t) in [
             ("timeout (DIST_TIMEOUT)", self.timeout),
+            ("peer timeout (DIST_PEER_TIMEOUT)", self.peer_timeout),
             ("init timeout (DIST_INIT_TIMEOUT)", self.init_timeout),
             ("handshake timeout", self.handshake_timeout),
             ("linger", self.linger),

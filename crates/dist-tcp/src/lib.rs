@@ -31,7 +31,9 @@
 mod config;
 mod init;
 pub mod launch;
+mod liveness;
 mod peer;
+mod record;
 mod sys;
 #[doc(hidden)]
 pub mod testing;
@@ -43,10 +45,15 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dist_core::flight::FlightRecorder;
 use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
 
-pub use config::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, TcpConfig};
+pub use config::{
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
+    TcpConfig,
+};
 pub use launch::{LaunchEnv, Launcher};
+pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
 use peer::{Aborts, Limits, Peer};
 use wire::{FrameKind, Tuning};
@@ -82,9 +89,6 @@ fn limits_from_env(cfg: TcpConfig, get: &impl Fn(&str) -> Option<String>) -> Res
     Ok(cfg)
 }
 
-/// The tag of the dissemination barrier's messages.
-const BARRIER_TAG: Tag = Tag::system(1);
-
 struct Shared {
     rank: usize,
     world: usize,
@@ -101,13 +105,24 @@ struct Shared {
     /// The thread that runs a second lane, started on first use (`None` inside if it could
     /// not be): starting one per call costs more than a 1 MiB all_reduce saves.
     lane: OnceLock<Option<rayon::ThreadPool>>,
+    /// How long a peer may be silent before it is declared unresponsive.
+    peer_timeout: Duration,
+    /// The backend is being dropped: connections ending now are no faults.
+    closing: AtomicBool,
+    /// The peer-fault hooks, and the faults seen so far.
+    faults: std::sync::Mutex<liveness::Faults>,
+    /// The liveness thread's inbox.
+    events: std::sync::Mutex<std::sync::mpsc::Sender<liveness::Event>>,
+    /// The last operations of this rank (collectives, barriers, point-to-point).
+    flight: FlightRecorder,
+    /// Where to write the flight record on a failure (`DIST_TRACE_DIR`).
+    trace_dir: Option<std::path::PathBuf>,
+    /// Held while the record is written (by a failing call, or the liveness thread).
+    trace_lock: std::sync::Mutex<()>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
 const PARALLEL_MIN: usize = 64 << 10;
-/// How long an abort notice may take to send to one peer (a peer that stopped reading must not
-/// hold the abort back for the whole operation timeout).
-const ABORT_SEND: Duration = Duration::from_secs(1);
 
 /// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
 /// where the machine has at least 8 cores.
@@ -143,6 +158,7 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 pub struct TcpBackend {
     shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
+    liveness: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -189,6 +205,7 @@ impl TcpBackend {
                 None => Peer::loopback(me, aborts.clone()),
             }));
         }
+        let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,
             world: cfg.world_size,
@@ -201,6 +218,13 @@ impl TcpBackend {
             parallel,
             tuning,
             lane: OnceLock::new(),
+            peer_timeout: cfg.peer_timeout,
+            closing: AtomicBool::new(false),
+            faults: Default::default(),
+            events,
+            flight: FlightRecorder::default(),
+            trace_dir: cfg.trace_dir.clone(),
+            trace_lock: std::sync::Mutex::new(()),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -214,12 +238,35 @@ impl TcpBackend {
             })?;
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
-            let sink: peer::AbortSink = Arc::new(move |notice| {
+            let sink: peer::AbortSink = Arc::new(move |notice: AbortNotice| {
                 if let Some(s) = weak.upgrade() {
+                    s.post(PeerFault {
+                        rank: s.rank,
+                        peer: notice.from,
+                        cause: FaultCause::Aborted(notice.reason.clone()),
+                    });
+                    // A rank that only hears of a failure writes its record too (on the
+                    // liveness thread: no file I/O on a reader thread).
+                    if s.trace_dir.is_some() {
+                        s.post_event(liveness::Event::WriteTrace);
+                    }
                     s.note_abort(notice);
                 }
             });
             peer.set_abort_sink(sink);
+            let weak = Arc::downgrade(&shared);
+            peer.set_close_sink(Arc::new(move |from, cause| {
+                if let Some(s) = weak.upgrade()
+                    && !s.peers[from].declared_silent()
+                    && !s.peers[from].leaving()
+                {
+                    s.post(PeerFault {
+                        rank: s.rank,
+                        peer: from,
+                        cause: FaultCause::Closed(cause),
+                    });
+                }
+            }));
             let handle = std::thread::Builder::new()
                 .name(format!("dist-rx-{me}-from-{}", p.rank))
                 .spawn(move || peer.read_loop(stream))
@@ -230,7 +277,40 @@ impl TcpBackend {
                 })?;
             readers.push(handle);
         }
-        Ok(TcpBackend { shared, readers })
+        let weak = Arc::downgrade(&shared);
+        let (world, interval) = (
+            cfg.world_size,
+            liveness::heartbeat_interval(cfg.peer_timeout),
+        );
+        let liveness = std::thread::Builder::new()
+            .name(format!("dist-live-{me}"))
+            .spawn(move || liveness::run(weak, inbox, world, interval))
+            .map_err(|source| DistError::Io {
+                rank: me,
+                context: "spawn the liveness thread".into(),
+                source,
+            })?;
+        Ok(TcpBackend {
+            shared,
+            readers,
+            liveness: Some(liveness),
+        })
+    }
+
+    /// Calls `hook` whenever a peer fails: its connection closes or breaks, it stays silent past
+    /// the peer timeout ([`TcpConfig::peer_timeout`]), or it sends an abort notice (one of its
+    /// collectives failed). Faults seen before the call are passed to `hook` at once, on the
+    /// calling thread; later ones on this backend's liveness thread, within milliseconds of
+    /// being seen. A layer above (such as NCCL beside this mesh) can abort its own work there.
+    ///
+    /// Hooks must be quick and must not wait: the liveness thread also sends this rank's
+    /// heartbeats, and a hook that blocks for longer than the peer timeout makes the peers
+    /// declare this rank unresponsive. Calling back into the backend from a hook does not
+    /// deadlock (no lock is held while hooks run), but a blocking call (a receive, a
+    /// collective) holds the liveness thread up as any wait would. No fault is reported once
+    /// the backend is being dropped.
+    pub fn on_peer_fault(&self, hook: impl Fn(&PeerFault) + Send + Sync + 'static) {
+        self.shared.add_hook(Arc::new(hook));
     }
 
     fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
@@ -320,6 +400,14 @@ impl Transport for TcpBackend {
     /// first call sends anything: a rank reports its first failure (its own, or one it heard of
     /// and passes on, so that ranks that have not heard yet do before they see this one leave).
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
+        self.broadcast_abort_naming(tag, reason, None);
+    }
+
+    /// [`Transport::broadcast_abort`] naming the rank at fault: the notice carries it (abort
+    /// frame meta bytes 0..8, rank + 1), and the other ranks' errors name it as the origin.
+    /// Notices go out from threads of their own; this waits for them 500 ms at most, so a
+    /// peer that does not read (stopped, or its buffers full) holds nobody up.
+    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
         if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -328,6 +416,7 @@ impl Transport for TcpBackend {
         if self.shared.aborts.notices().is_empty() {
             self.shared.note_abort(AbortNotice {
                 from: self.shared.rank,
+                culprit,
                 tag,
                 reason: reason.to_string(),
             });
@@ -337,25 +426,17 @@ impl Transport for TcpBackend {
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        let reason = &reason[..cut];
-        for p in self
-            .shared
-            .peers
-            .iter()
-            .filter(|p| p.rank != self.shared.rank)
-        {
-            let op = || format!("abort notice to {}", p.rank);
-            if let Err(e) = p.send(
-                FrameKind::Abort,
-                tag.to_wire(),
-                reason.as_bytes(),
-                [0; 16],
-                &op,
-                Instant::now() + ABORT_SEND,
-            ) {
-                tracing::debug!(rank = self.shared.rank, peer = p.rank, error = %e, "abort notice not delivered");
-            }
-        }
+        self.shared.send_abort_notices(tag, &reason[..cut], culprit);
+        self.shared.write_trace();
+    }
+
+    fn flight(&self) -> Option<&FlightRecorder> {
+        Some(&self.shared.flight)
+    }
+
+    /// This rank's position from its own record, every peer's from its last heartbeat.
+    fn positions(&self) -> Option<String> {
+        Some(self.shared.positions_text())
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -368,7 +449,7 @@ impl Transport for TcpBackend {
             .notices()
             .into_iter()
             .next()
-            .map(|n| (n.from, n.reason))
+            .map(|n| (n.origin(), n.reason))
     }
 
     fn next_collective(&self) -> u64 {
@@ -433,7 +514,9 @@ impl Backend for TcpBackend {
     }
 
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
-        self.send_meta(data, dst, tag, [0; 16])
+        self.recorded("send", data.len(), dst, || {
+            self.send_meta(data, dst, tag, [0; 16])
+        })
     }
 
     fn recv_tagged_timeout(
@@ -447,23 +530,14 @@ impl Backend for TcpBackend {
         let deadline = deadline_after(self.shared.rank, timeout, || {
             format!("recv from {src} (tag {tag}, {len} bytes)")
         })?;
-        self.recv_meta(buf, src, tag, deadline).map(|_| ())
+        self.recorded("recv", len, src, || {
+            self.recv_meta(buf, src, tag, deadline).map(|_| ())
+        })
     }
 
+    /// A collective: see [`dist_core::collectives::barrier`].
     fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
-        // Dissemination barrier: in round k every rank signals rank + 2^k and waits for rank - 2^k;
-        // after ceil(log2 n) rounds each rank has heard, transitively, from all others.
-        let deadline = deadline_after(self.shared.rank, timeout, || "barrier".into())?;
-        let (me, n) = (self.shared.rank, self.shared.world);
-        let mut d = 1;
-        while d < n {
-            let to = (me + d) % n;
-            let from = (me + n - d) % n;
-            self.send_recv_meta((&[], to), (&mut [], from), BARRIER_TAG, [0; 16], deadline)
-                .map_err(|e| relabel(e, "barrier"))?;
-            d *= 2;
-        }
-        Ok(())
+        dist_core::collectives::barrier(self, timeout)
     }
 }
 
@@ -479,37 +553,14 @@ fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -
         })
 }
 
-/// Puts the name of the user-facing operation in front of a transport error's op.
-fn relabel(e: DistError, what: &str) -> DistError {
-    match e {
-        DistError::Timeout {
-            rank,
-            op,
-            peer,
-            waited,
-        } => DistError::Timeout {
-            rank,
-            op: format!("{what}: {op}"),
-            peer,
-            waited,
-        },
-        DistError::PeerGone {
-            rank,
-            peer,
-            op,
-            cause,
-        } => DistError::PeerGone {
-            rank,
-            peer,
-            op: format!("{what}: {op}"),
-            cause,
-        },
-        other => other,
-    }
-}
-
 impl Drop for TcpBackend {
     fn drop(&mut self) {
+        // Connections ending from here on are no faults; heartbeats go on while we linger.
+        self.shared.closing.store(true, Ordering::Release);
+        let position = self.shared.flight.position();
+        for p in &self.shared.peers {
+            p.goodbye(position);
+        }
         // Close our sending side, then wait (up to the linger time) for each peer to close
         // theirs, so that nothing they sent us is cut off by a reset, and nothing we sent them is
         // lost. Then close everything.
@@ -529,6 +580,12 @@ impl Drop for TcpBackend {
                     "peer did not close in time"
                 );
             }
+        }
+        if let Some(l) = self.liveness.take() {
+            let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = events.send(liveness::Event::Stop);
+            drop(events);
+            let _ = l.join();
         }
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Both);

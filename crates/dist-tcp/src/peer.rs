@@ -7,8 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -18,8 +17,10 @@ use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
+mod live;
 #[cfg(test)]
 mod props;
+mod reader;
 mod rx;
 mod slots;
 #[cfg(test)]
@@ -122,8 +123,22 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
+    /// Hears, from the reader thread, that the connection has ended (with why).
+    on_close: OnceLock<CloseSink>,
     limits: Limits,
+    /// Set whenever something arrives from the peer; the liveness thread clears it each tick.
+    pub(crate) heard: AtomicBool,
+    /// How long the peer had been silent when it was declared unresponsive, in ms (0: it was not).
+    silent_ms: AtomicU64,
+    /// The peer's latest collective, as its last heartbeat said, packed (see `live.rs`;
+    /// `u64::MAX`: none yet).
+    position: AtomicU64,
+    /// The peer said it is closing its backend normally.
+    leaving: AtomicBool,
 }
+
+/// A hook the owning backend passes to each peer to hear that its connection ended.
+pub(crate) type CloseSink = Arc<dyn Fn(usize, String) + Send + Sync>;
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -161,7 +176,12 @@ impl Peer {
         Ok(Peer {
             me,
             rank,
-            writer: Some(WriterLock::new(Writer { sock, broken: None })),
+            writer: Some(WriterLock::new(Writer {
+                sock,
+                broken: None,
+                hb: [0; FRAME_HEADER_LEN],
+                hb_left: 0,
+            })),
             rx: Some(Mutex::new(Rx {
                 sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
@@ -172,6 +192,11 @@ impl Peer {
             })),
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
+            on_close: OnceLock::new(),
+            heard: AtomicBool::new(false),
+            silent_ms: AtomicU64::new(0),
+            position: AtomicU64::new(u64::MAX),
+            leaving: AtomicBool::new(false),
             stream: Some(stream),
             state: Mutex::new(State::new()),
             cond: Condvar::new(),
@@ -190,6 +215,11 @@ impl Peer {
             rx: None,
             spinners: AtomicUsize::new(0),
             on_abort: OnceLock::new(),
+            on_close: OnceLock::new(),
+            heard: AtomicBool::new(false),
+            silent_ms: AtomicU64::new(0),
+            position: AtomicU64::new(u64::MAX),
+            leaving: AtomicBool::new(false),
             stream: None,
             state: Mutex::new(State::new()),
             cond: Condvar::new(),
@@ -273,6 +303,16 @@ impl Peer {
     }
 
     fn gone(&self, op: String, cause: String) -> DistError {
+        let silent = self.silent_ms.load(Ordering::Acquire);
+        if silent > 0 {
+            return DistError::PeerUnresponsive {
+                rank: self.me,
+                peer: self.rank,
+                op,
+                silent: Duration::from_millis(silent),
+                position: self.position_text(),
+            };
+        }
         DistError::PeerGone {
             rank: self.me,
             peer: self.rank,
@@ -638,103 +678,6 @@ impl Peer {
     pub(crate) fn set_abort_sink(&self, sink: AbortSink) {
         let _ = self.on_abort.set(sink);
     }
-
-    /// The reader thread's body, until the connection ends. While a receiver sleeps waiting on
-    /// this peer, or a frame is half read, it blocks until bytes arrive and moves them along.
-    /// Otherwise it stays off the socket, so that a spinning receiver reads its message itself
-    /// with no thread switch, and only drains the socket every [`IDLE_DRAIN`] (unexpected
-    /// messages must not fill the sender's buffers while nobody receives).
-    pub(crate) fn read_loop(&self, probe: TcpStream) {
-        let Some(rx) = &self.rx else { return };
-        let mut held: Option<(Option<Instant>, u64)> = None;
-        let mut mid_frame = false;
-        loop {
-            let watch = {
-                let mut st = self.lock();
-                loop {
-                    if st.closed.is_some() {
-                        return;
-                    }
-                    if let Some((until, seen)) = held.take() {
-                        // A message waits for its receive (or, for flow control, for room in
-                        // the queue): a post or a take moves it on, as does the grace period
-                        // ending. Events since it was routed are rechecked at once.
-                        let limit = until.map_or(HOLD_RECHECK, |u| {
-                            u.saturating_duration_since(Instant::now())
-                        });
-                        if !st.closing && st.events == seen && !limit.is_zero() {
-                            st = self.reader_sleep(st, limit, true);
-                        }
-                        if st.closed.is_some() {
-                            return;
-                        }
-                        break false;
-                    }
-                    let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
-                    let spinning = self.spinners.load(Ordering::Acquire) > 0;
-                    if st.closing || ((sleeping || mid_frame) && !spinning) {
-                        break true;
-                    }
-                    st = self.reader_sleep(st, IDLE_DRAIN, false);
-                    if st.closed.is_none() {
-                        break false;
-                    }
-                }
-            };
-            if watch {
-                // A spinner may have read a frame and held it back: its bytes left the socket,
-                // so wait as the holder does (on `reader_cond`), not on the socket.
-                let r = rx.lock().unwrap_or_else(|p| p.into_inner());
-                if let Frame::Held { until, seen, .. } = r.frame {
-                    held = Some((until, seen));
-                    continue;
-                }
-                drop(r);
-                // Block until bytes (or the end of the stream) arrive, without taking them; at
-                // most HOLD_RECHECK, in case a spinner holds a frame back meanwhile.
-                let _ = crate::sys::poll_read(probe.as_raw_fd(), HOLD_RECHECK);
-            }
-            let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
-            match self.progress(&mut r) {
-                Step::Closed(cause) => {
-                    self.shut(&mut r, cause);
-                    return;
-                }
-                Step::Held(until, seen) => {
-                    // Nothing is read while a frame is held: notice a dead connection here.
-                    if let Some(cause) = held_hang_up(&probe, &r) {
-                        self.shut(&mut r, cause);
-                        return;
-                    }
-                    held = Some((until, seen));
-                }
-                Step::Progress | Step::Idle => {}
-            }
-            mid_frame = !matches!(r.frame, Frame::Header);
-        }
-    }
-}
-
-/// Why a connection whose read side holds a frame back is dead, if it is: reset or shut in both
-/// directions, or shut by the peer before the held frame's payload fully arrived.
-fn held_hang_up(probe: &TcpStream, r: &Rx) -> Option<String> {
-    let fd = probe.as_raw_fd();
-    let ev = match crate::sys::poll_read(fd, Duration::ZERO) {
-        Ok(ev) => ev,
-        Err(e) => return Some(format!("connection check failed: {e}")),
-    };
-    if ev & crate::sys::HUNG_UP != 0 {
-        return Some("connection closed or reset while a message was held back".into());
-    }
-    if ev & crate::sys::PEER_SHUT != 0
-        && let Frame::Held { header, .. } = &r.frame
-    {
-        let have = crate::sys::unread(fd).unwrap_or(0) + (r.hi - r.lo);
-        if (have as u64) < header.len {
-            return Some("connection closed mid-message".into());
-        }
-    }
-    None
 }
 
 fn spin_time() -> Duration {

@@ -15,7 +15,7 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -452,7 +452,16 @@ pub enum FrameKind {
     Data = 1,
     /// The sender's collective failed; the payload is its error text.
     Abort = 2,
+    /// The sender is alive: no payload; the meta says where it is: bytes 0..8 (little-endian)
+    /// its latest collective's sequence number (0: none yet), byte 8 flags
+    /// ([`HEARTBEAT_CLOSING`]), byte 9 that collective's state (1 queued, 2 started, 3 done,
+    /// 4 failed), byte 10 its kind ([`dist_core::collectives::Kind`]).
+    Heartbeat = 3,
 }
+
+/// A heartbeat flag: the sender is closing its backend normally; its connection ending next is
+/// no fault.
+pub const HEARTBEAT_CLOSING: u8 = 1;
 
 /// The header in front of every message after the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -501,6 +510,7 @@ impl FrameHeader {
         let kind = match u32_at(b, 0) {
             1 => FrameKind::Data,
             2 => FrameKind::Abort,
+            3 => FrameKind::Heartbeat,
             k => return Err(FrameError::Kind(k)),
         };
         let flags = u32_at(b, 4);

@@ -4,7 +4,7 @@
 //! errors must name it; none panics, aborts or grows past the unexpected-message budget; they
 //! still talk to each other afterwards.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::Duration;
 
@@ -79,6 +79,17 @@ fn hostile(me: usize) {
                 stream
                     .set_write_timeout(Some(Duration::from_secs(60)))
                     .unwrap();
+                // Read (and drop) what the honest rank sends, its heartbeats: a socket closed
+                // with unread bytes resets the connection, and a reset would discard the flood
+                // still waiting in the honest rank's buffers.
+                let mut drain = stream.try_clone().unwrap();
+                drain
+                    .set_read_timeout(Some(Duration::from_secs(60)))
+                    .unwrap();
+                let drainer = std::thread::spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    while matches!(drain.read(&mut buf), Ok(n) if n > 0) {}
+                });
                 for _ in 0..ABORT_FLOOD {
                     write_frame(
                         &mut stream,
@@ -95,8 +106,10 @@ fn hostile(me: usize) {
                         .unwrap_or_else(|e| panic!("flood message {k} to {r}: {e}"));
                 }
                 stream.write_all(&attack(r).0).unwrap();
-                // Disappear.
-                let _ = stream.shutdown(Shutdown::Both);
+                // Disappear: the honest rank closes the connection on the malformed frame,
+                // which ends the drain.
+                let _ = stream.shutdown(Shutdown::Write);
+                let _ = drainer.join();
             });
         }
     });

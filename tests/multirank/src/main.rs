@@ -8,6 +8,7 @@
 
 mod admission;
 mod coll;
+mod failures;
 mod flow;
 mod hostile;
 mod p2p;
@@ -88,6 +89,16 @@ const CASES: &[Case] = &[
     }),
     ("coll_peer_death", || {
         coll::peer_death();
+        Ok(())
+    }),
+    ("fail_sigkill", failures::sigkill),
+    ("fail_sigstop", failures::sigstop),
+    ("fail_barrier_vs_all_reduce", || {
+        failures::barrier_vs_all_reduce();
+        Ok(())
+    }),
+    ("fail_skipped_collective", || {
+        failures::skipped_collective();
         Ok(())
     }),
     ("admission_flood", admission::flood),

@@ -16,13 +16,6 @@ use half::f16;
 /// comes from a timeout.
 const NCCL_TIMEOUT: Duration = Duration::from_secs(30);
 
-// ======================= MERGE POINT: issue 11, point 1 (TCP liveness) =======================
-/// Whether `TcpBackend` reports a silent (stopped) peer: false on this branch, which has no
-/// liveness; the lead sets it to true when the TCP liveness work (and its `on_peer_fault` hook,
-/// wired in `dist_hybrid`'s `watch_peer_faults`) is merged, which enables `hybrid_sigstop`.
-const TCP_LIVENESS: bool = false;
-// ==============================================================================================
-
 fn hybrid() -> Result<HybridBackend, String> {
     let devices = dist_nccl::cuda_device_count();
     let world: usize = std::env::var("WORLD_SIZE")
@@ -168,13 +161,6 @@ fn victim(sig: i32, bound: impl Fn() -> Duration) -> Result<(), String> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    if sig == libc::SIGSTOP && !TCP_LIVENESS {
-        return Err(
-            "skipped: TcpBackend has no liveness on this branch (a stopped rank keeps its \
-             connections open); enabled at the merge with TCP_LIVENESS"
-                .into(),
-        );
-    }
     if rank == world - 1 && std::env::var_os(CHILD).is_none() {
         if dist_nccl::cuda_device_count() < world {
             return Err("skipped: fewer CUDA devices than ranks".into());
@@ -263,8 +249,8 @@ pub fn sigkill() -> Result<(), String> {
     victim(libc::SIGKILL, || Duration::from_secs(2))
 }
 
-/// SIGSTOP mid all_reduce: every survivor's error within the peer timeout + 2 s. Needs TCP
-/// liveness (see [`TCP_LIVENESS`]).
+/// SIGSTOP mid all_reduce: every survivor's error within the peer timeout + 2 s (TCP's
+/// heartbeats stop, the mesh's fault hook aborts NCCL).
 pub fn sigstop() -> Result<(), String> {
     victim(libc::SIGSTOP, || {
         let peer = std::env::var("DIST_PEER_TIMEOUT")

@@ -5,12 +5,22 @@ use super::*;
 /// An abort notice received from a peer: who sent it, on which tag, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AbortNotice {
-    /// The rank that aborted.
+    /// The rank that aborted (sent the notice).
     pub from: usize,
+    /// The rank at fault, where the notice names one (a peer that died or went silent, or the
+    /// origin of an abort passed on); else the failure is `from`'s own.
+    pub culprit: Option<usize>,
     /// The tag of the operation it aborted.
     pub tag: Tag,
     /// Its error.
     pub reason: String,
+}
+
+impl AbortNotice {
+    /// The rank the failure is due to: the culprit it names, else its sender.
+    pub fn origin(&self) -> usize {
+        self.culprit.unwrap_or(self.from)
+    }
 }
 
 /// The abort notices of one backend, shared by its peers. Once one has arrived, every wait on a
@@ -49,7 +59,7 @@ impl Aborts {
         DistError::Aborted {
             rank: me,
             op,
-            origin: first.as_ref().map_or(me, |n| n.from),
+            origin: first.as_ref().map_or(me, AbortNotice::origin),
             reason: first.map_or_else(|| "aborted".into(), |n| n.reason),
         }
     }

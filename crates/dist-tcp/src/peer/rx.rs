@@ -28,6 +28,8 @@ pub(super) enum Frame {
         tag: u64,
         text: Vec<u8>,
         left: usize,
+        /// The rank at fault that the notice names (meta bytes 0..8: rank + 1, 0 for none).
+        culprit: Option<usize>,
     },
     /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
     /// or `until` passes (then it is queued); with no `until`, until a receive is posted or the
@@ -153,6 +155,16 @@ impl Peer {
     /// Reads whatever has arrived, without blocking, and moves frames along: into posted
     /// buffers, into the queue, or to the abort hook.
     pub(super) fn progress(&self, rx: &mut Rx) -> Step {
+        let step = self.progress_frames(rx);
+        // Any byte from the peer proves it alive; so does a frame held back for flow control
+        // (its socket is not read meanwhile, so its heartbeats wait behind that frame).
+        if matches!(step, Step::Progress | Step::Held(..)) {
+            self.heard.store(true, Ordering::Relaxed);
+        }
+        step
+    }
+
+    fn progress_frames(&self, rx: &mut Rx) -> Step {
         if rx.dead {
             return Step::Closed("connection closed".into());
         }
@@ -192,10 +204,19 @@ impl Peer {
                         Err(cause) => return Step::Closed(cause),
                     };
                     rx.frame = match h.kind {
+                        FrameKind::Heartbeat => {
+                            self.heard_position(&h.meta);
+                            continue;
+                        }
                         FrameKind::Abort => Frame::Abort {
                             tag: h.tag,
                             text: Vec::with_capacity(len),
                             left: len,
+                            culprit: u64::from_le_bytes(
+                                h.meta[..8].try_into().expect("eight bytes"),
+                            )
+                            .checked_sub(1)
+                            .and_then(|c| usize::try_from(c).ok()),
                         },
                         FrameKind::Data => self.route(h, len, None),
                     };
@@ -294,7 +315,12 @@ impl Peer {
                     rx.frame = Frame::Header;
                     self.offer(tag, Payload::Owned(data), meta, true);
                 }
-                Frame::Abort { tag, text, left } => {
+                Frame::Abort {
+                    tag,
+                    text,
+                    left,
+                    culprit,
+                } => {
                     if *left > 0 {
                         let mut scratch = [0u8; 4096];
                         let k = (*left).min(scratch.len());
@@ -317,6 +343,7 @@ impl Peer {
                     }
                     let notice = AbortNotice {
                         from: self.rank,
+                        culprit: *culprit,
                         tag: Tag::from_wire(*tag),
                         reason: String::from_utf8_lossy(text).into_owned(),
                     };
@@ -424,6 +451,7 @@ impl Peer {
         let max = match h.kind {
             FrameKind::Data => self.limits.max_message,
             FrameKind::Abort => ABORT_MAX as u64,
+            FrameKind::Heartbeat => 0,
         };
         match usize::try_from(h.len) {
             Ok(len) if h.len <= max => Ok((h, len)),

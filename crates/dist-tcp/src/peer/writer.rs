@@ -7,6 +7,31 @@ use super::*;
 pub(super) struct Writer {
     pub(super) sock: socket2::Socket,
     pub(super) broken: Option<String>,
+    /// A heartbeat frame, of which the last `hb_left` bytes are still to be written: heartbeats
+    /// are written without blocking, and a part that did not fit goes out before the next frame.
+    pub(super) hb: [u8; FRAME_HEADER_LEN],
+    pub(super) hb_left: usize,
+}
+
+impl Writer {
+    /// Writes what is left of a heartbeat without blocking: `Ok` with some of it left when the
+    /// socket is full (the next frame's write sends the rest first).
+    pub(super) fn push_heartbeat(&mut self) -> std::io::Result<()> {
+        while self.hb_left > 0 {
+            let from = FRAME_HEADER_LEN - self.hb_left;
+            match self
+                .sock
+                .send_with_flags(&self.hb[from..], MSG_NOSIGNAL | MSG_DONTWAIT)
+            {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.hb_left -= n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes all of `bufs` by `deadline`: non-blocking writes, and `poll` for room (at most until
@@ -98,7 +123,7 @@ impl WriterLock {
     }
 
     /// The writer, or `None` if another sender still holds it at `deadline`.
-    fn lock_by(&self, deadline: Instant) -> Option<WriterGuard<'_>> {
+    pub(super) fn lock_by(&self, deadline: Instant) -> Option<WriterGuard<'_>> {
         let mut g = self.gate();
         while g.busy {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -160,6 +185,9 @@ impl Peer {
         if let Some(cause) = &self.lock().closed {
             return Err(self.gone(op(), cause.clone()));
         }
+        // What is left of a heartbeat written in part goes out first, in the same bounded write.
+        let hb = w.hb;
+        let hb_rest = &hb[FRAME_HEADER_LEN - w.hb_left..];
         let header = FrameHeader {
             kind,
             tag,
@@ -167,12 +195,17 @@ impl Peer {
             meta,
         }
         .encode();
-        let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
+        let mut bufs = [
+            IoSlice::new(hb_rest),
+            IoSlice::new(&header),
+            IoSlice::new(data),
+        ];
         let started = Instant::now();
         let mut sent = 0;
-        write_all_vectored(&w.sock, &mut bufs, deadline, &mut sent).map_err(|e| {
-            self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len()))
-        })
+        let total = hb_rest.len() + header.len() + data.len();
+        let r = write_all_vectored(&w.sock, &mut bufs, deadline, &mut sent);
+        w.hb_left = w.hb_left.saturating_sub(sent);
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total)))
     }
 
     /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
@@ -201,6 +234,9 @@ impl Peer {
         if let Some(cause) = &self.lock().closed {
             return Err(self.gone(op(), cause.clone()));
         }
+        // What is left of a heartbeat written in part goes out first, in the same writes.
+        let hb = w.hb;
+        let hb_rest = &hb[FRAME_HEADER_LEN - w.hb_left..];
         let header = FrameHeader {
             kind: FrameKind::Data,
             tag,
@@ -208,7 +244,12 @@ impl Peer {
             meta,
         }
         .encode();
-        let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
+        let total = hb_rest.len() + header.len() + data.len();
+        let mut bufs = [
+            IoSlice::new(hb_rest),
+            IoSlice::new(&header),
+            IoSlice::new(data),
+        ];
         let mut bufs = &mut bufs[..];
         let mut sent = 0;
         let started = Instant::now();
@@ -265,7 +306,8 @@ impl Peer {
             std::thread::yield_now();
         };
         drop(spinning);
-        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, header.len() + data.len())))
+        w.hb_left = w.hb_left.saturating_sub(sent);
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total)))
     }
 
     /// A send failed part-way: a frame may be half written, so the stream is no longer in step
@@ -312,7 +354,12 @@ mod lock_tests {
     fn lock() -> WriterLock {
         let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
             .expect("a socket");
-        WriterLock::new(Writer { sock, broken: None })
+        WriterLock::new(Writer {
+            sock,
+            broken: None,
+            hb: [0; FRAME_HEADER_LEN],
+            hb_left: 0,
+        })
     }
 
     #[test]

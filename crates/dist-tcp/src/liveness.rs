@@ -1,0 +1,280 @@
+//! Liveness and peer faults: the thread that sends heartbeats and declares silent peers
+//! unresponsive, the [`PeerFault`] hook, and abort notices sent without blocking the caller.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use dist_core::Tag;
+use dist_core::collectives::COLLECTIVE_TAG;
+
+use crate::Shared;
+use crate::peer::{AbortNotice, Peer};
+use crate::wire::FrameKind;
+
+/// Why a peer is reported as faulty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultCause {
+    /// Its connection closed or broke (the process exited or was killed, or the connection was
+    /// reset); the text is what the transport saw. A peer that ends its job normally (drops its
+    /// backend) while this rank still runs is reported this way too.
+    Closed(String),
+    /// Nothing was heard from it for this long, past the peer timeout, while its connection
+    /// stayed open: it is stopped, partitioned away, or its host is down. Its connection is
+    /// closed by this rank when this is reported.
+    Silent(Duration),
+    /// It sent an abort notice: one of its collectives failed, with this error.
+    Aborted(String),
+}
+
+/// A peer fault, as [`TcpBackend::on_peer_fault`](crate::TcpBackend::on_peer_fault) hooks hear
+/// of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PeerFault {
+    /// The rank reporting it (this backend's rank).
+    pub rank: usize,
+    /// The faulty peer (for an abort notice, the rank that sent it).
+    pub peer: usize,
+    /// What happened.
+    pub cause: FaultCause,
+}
+
+impl std::fmt::Display for PeerFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (rank, peer) = (self.rank, self.peer);
+        match &self.cause {
+            FaultCause::Closed(c) => write!(f, "rank {rank}: peer {peer} gone: {c}"),
+            FaultCause::Silent(d) => write!(
+                f,
+                "rank {rank}: peer {peer} unresponsive: nothing heard from it for {d:.1?} \
+                 (stopped, partitioned, or its host down)"
+            ),
+            FaultCause::Aborted(r) => write!(f, "rank {rank}: peer {peer} aborted: {r}"),
+        }
+    }
+}
+
+/// A registered fault hook.
+pub(crate) type FaultHook = Arc<dyn Fn(&PeerFault) + Send + Sync>;
+
+/// How many faults a backend remembers, to replay to hooks registered later.
+const FAULTS_KEPT: usize = 64;
+
+/// What the liveness thread is told.
+pub(crate) enum Event {
+    /// Dispatch this fault to the hooks.
+    Fault(PeerFault),
+    /// Write the flight record to the trace folder (an abort notice arrived).
+    WriteTrace,
+    /// The backend is going away.
+    Stop,
+}
+
+/// The hooks and the faults seen so far.
+#[derive(Default)]
+pub(crate) struct Faults {
+    hooks: Vec<FaultHook>,
+    seen: Vec<PeerFault>,
+}
+
+/// How often heartbeats go out, for a peer timeout: five per timeout, at most one a second.
+pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 5).clamp(Duration::from_millis(5), Duration::from_secs(1))
+}
+
+/// The liveness thread's body: a heartbeat to every peer each interval, silent peers declared
+/// unresponsive, and faults dispatched to the hooks as they come.
+pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, interval: Duration) {
+    let start = Instant::now();
+    let mut last = vec![start; world];
+    let mut prev = start;
+    let mut next = start + interval;
+    loop {
+        let wait = next.saturating_duration_since(Instant::now());
+        match events.recv_timeout(wait) {
+            Ok(Event::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(Event::Fault(f)) => {
+                if let Some(s) = shared.upgrade() {
+                    s.dispatch(f);
+                }
+                continue;
+            }
+            Ok(Event::WriteTrace) => {
+                if let Some(s) = shared.upgrade() {
+                    s.write_trace();
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let Some(s) = shared.upgrade() else { return };
+        let now = Instant::now();
+        if now.saturating_duration_since(prev) > interval * 3 {
+            // This thread itself was held up (the process stopped, or starved of CPU): the
+            // peers' silence meanwhile says nothing about them. Judge afresh from now.
+            last.fill(now);
+        }
+        prev = now;
+        next = now + interval;
+        s.tick(&mut last, now);
+    }
+}
+
+impl Shared {
+    /// One heartbeat round, and the silent peers declared.
+    fn tick(&self, last: &mut [Instant], now: Instant) {
+        let position = self.flight.position();
+        for p in self.peers.iter().filter(|p| p.rank != self.rank) {
+            if p.heard.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                last[p.rank] = now;
+            }
+            p.heartbeat(position);
+            let silent = now.saturating_duration_since(last[p.rank]);
+            if silent <= self.peer_timeout
+                || self.closing()
+                || p.declared_silent()
+                || p.leaving()
+                || !p.is_open()
+            {
+                continue;
+            }
+            self.silent(p, silent);
+        }
+    }
+
+    /// Declares `p` unresponsive: its waits fail naming it, and so do this rank's collectives
+    /// (whichever peer they wait on), with it as the origin of their abort.
+    fn silent(&self, p: &Peer, silent: Duration) {
+        p.declare_silent(silent);
+        let reason = p
+            .unresponsive("the liveness check".into())
+            .map_or_else(String::new, |e| e.to_string());
+        self.note_abort(AbortNotice {
+            from: self.rank,
+            culprit: Some(p.rank),
+            tag: COLLECTIVE_TAG,
+            reason,
+        });
+        self.dispatch(PeerFault {
+            rank: self.rank,
+            peer: p.rank,
+            cause: FaultCause::Silent(silent),
+        });
+    }
+
+    /// Queues `f` for the liveness thread to dispatch (from a reader thread, which must not run
+    /// the hooks itself: it may hold the read side of a connection).
+    pub(crate) fn post(&self, f: PeerFault) {
+        if self.closing() {
+            return;
+        }
+        self.post_event(Event::Fault(f));
+    }
+
+    /// Queues `e` for the liveness thread.
+    pub(crate) fn post_event(&self, e: Event) {
+        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = events.send(e);
+    }
+
+    /// Calls every hook with `f`, holding no lock.
+    fn dispatch(&self, f: PeerFault) {
+        if self.closing() {
+            return;
+        }
+        let hooks = {
+            let mut faults = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+            if faults.seen.len() < FAULTS_KEPT {
+                faults.seen.push(f.clone());
+            }
+            faults.hooks.clone()
+        };
+        tracing::debug!(rank = self.rank, fault = %f, "peer fault");
+        for h in hooks {
+            h(&f);
+        }
+    }
+
+    /// Registers `hook`, and calls it (on this thread) with every fault seen before.
+    pub(crate) fn add_hook(&self, hook: FaultHook) {
+        let seen = {
+            let mut faults = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+            faults.hooks.push(hook.clone());
+            faults.seen.clone()
+        };
+        for f in &seen {
+            hook(f);
+        }
+    }
+
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sends an abort notice to every other rank, each from a thread of its own, and waits for
+    /// them at most [`ABORT_WAIT`]: a peer that does not read (stopped, or its buffers full)
+    /// holds up neither the caller nor the notices to the others.
+    pub(crate) fn send_abort_notices(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let mut meta = [0u8; 16];
+        if let Some(c) = culprit {
+            meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
+        }
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let reason: Arc<str> = Arc::from(reason);
+        let mut sent = 0;
+        for peer in self.peers.iter().filter(|p| p.rank != self.rank) {
+            let (p, text, done) = (peer.clone(), reason.clone(), done.clone());
+            let me = self.rank;
+            let spawned = std::thread::Builder::new()
+                .name(format!("dist-abort-{me}-to-{}", p.rank))
+                .spawn(move || {
+                    notify(&p, tag, &text, meta);
+                    let _ = done.send(());
+                });
+            match spawned {
+                Ok(_) => sent += 1,
+                Err(e) => {
+                    tracing::debug!(rank = me, error = %e, "no thread for an abort notice");
+                    notify(peer, tag, &reason, meta);
+                }
+            }
+        }
+        let deadline = Instant::now() + ABORT_WAIT;
+        for _ in 0..sent {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if finished.recv_timeout(left).is_err() {
+                tracing::debug!(rank = self.rank, "abort notices still on their way");
+                break;
+            }
+        }
+    }
+}
+
+/// How long a failing call waits for its abort notices to go out.
+pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(500);
+
+/// How long one abort notice's thread tries to write it (a peer that does not read must not keep
+/// the thread for the operation's whole timeout).
+const NOTICE_SEND: Duration = Duration::from_secs(1);
+
+fn notify(p: &Peer, tag: Tag, reason: &str, meta: [u8; 16]) {
+    let op = || format!("abort notice to {}", p.rank);
+    if let Err(e) = p.send(
+        FrameKind::Abort,
+        tag.to_wire(),
+        reason.as_bytes(),
+        meta,
+        &op,
+        Instant::now() + NOTICE_SEND,
+    ) {
+        tracing::debug!(rank = p.me, peer = p.rank, error = %e, "abort notice not delivered");
+    }
+}
+
+/// The channel the liveness thread listens on.
+pub(crate) fn channel() -> (Mutex<Sender<Event>>, Receiver<Event>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    (Mutex::new(tx), rx)
+}

@@ -1,0 +1,160 @@
+//! A peer's liveness: the heartbeats this rank writes to it (never blocking), what it last said
+//! of itself, and declaring it unresponsive once it has been silent past the peer timeout.
+
+use super::*;
+use crate::wire::HEARTBEAT_CLOSING;
+use dist_core::collectives::{position_from_wire, position_to_wire};
+use dist_core::flight::{Position, describe_positions};
+
+/// How long a closing backend waits for a send in progress before skipping its goodbye.
+const GOODBYE_WAIT: Duration = Duration::from_millis(100);
+
+/// The bits of a packed position that hold the sequence number.
+const SEQ_MASK: u64 = (1 << 48) - 1;
+
+/// What one heartbeat attempt found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Beat {
+    /// Written (or, in part, left for the next frame to finish).
+    Sent,
+    /// A send holds the writer: it is on its way, and the heartbeat is not needed.
+    Busy,
+    /// The connection is broken or this is the loopback peer.
+    Off,
+}
+
+impl Peer {
+    /// Writes a heartbeat carrying `position` (this rank's latest collective), without
+    /// blocking: when a send holds the writer, or the socket is full, it is left at that. What
+    /// this proves is nothing about the peer; only what we receive from it does.
+    pub(crate) fn heartbeat(&self, position: Option<Position>) -> Beat {
+        let Some(writer) = &self.writer else {
+            return Beat::Off;
+        };
+        // A deadline already passed: the writer if it is free, at once; else `Busy`.
+        let Some(mut w) = writer.lock_by(Instant::now()) else {
+            return Beat::Busy;
+        };
+        self.beat(&mut w, position, 0)
+    }
+
+    /// Tells the peer that this rank is closing its backend normally (so that the connection
+    /// ending next is no fault), by a heartbeat with [`HEARTBEAT_CLOSING`] set; best effort,
+    /// without blocking on the socket.
+    pub(crate) fn goodbye(&self, position: Option<Position>) {
+        if let Some(writer) = &self.writer {
+            let Some(mut w) = writer.lock_by(Instant::now() + GOODBYE_WAIT) else {
+                return;
+            };
+            if w.hb_left > 0 {
+                let _ = w.push_heartbeat();
+            }
+            if w.hb_left == 0 {
+                self.beat(&mut w, position, HEARTBEAT_CLOSING);
+            }
+        }
+    }
+
+    fn beat(&self, w: &mut Writer, position: Option<Position>, flags: u8) -> Beat {
+        if w.broken.is_some() {
+            return Beat::Off;
+        }
+        if w.hb_left == 0 {
+            let (seq, state, kind) = position_to_wire(position);
+            let mut meta = [0u8; 16];
+            meta[..8].copy_from_slice(&seq.to_le_bytes());
+            meta[8] = flags;
+            meta[9] = state;
+            meta[10] = kind;
+            w.hb = FrameHeader {
+                kind: FrameKind::Heartbeat,
+                tag: 0,
+                len: 0,
+                meta,
+            }
+            .encode();
+            w.hb_left = FRAME_HEADER_LEN;
+        }
+        match w.push_heartbeat() {
+            Ok(()) => Beat::Sent,
+            Err(e) => {
+                // The connection broke; the reader sees it end and the waits on it fail.
+                w.broken = Some(format!("send failed: {e}"));
+                Beat::Off
+            }
+        }
+    }
+
+    /// Whether the connection is still open (the loopback peer: always).
+    pub(crate) fn is_open(&self) -> bool {
+        self.lock().closed.is_none()
+    }
+
+    /// Declares the peer unresponsive after `silent` with nothing heard: ends the connection,
+    /// and every wait on it (now or later) fails with [`DistError::PeerUnresponsive`].
+    pub(crate) fn declare_silent(&self, silent: Duration) {
+        let ms = u64::try_from(silent.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.silent_ms.store(ms, Ordering::Release);
+        let cause = format!(
+            "unresponsive: nothing heard from it for {silent:.1?} (stopped, partitioned, or its \
+             host down)"
+        );
+        tracing::warn!(rank = self.me, peer = self.rank, "peer {cause}");
+        if let Some(rx) = &self.rx {
+            let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
+            self.shut(&mut r, cause);
+        }
+    }
+
+    /// Whether the peer said it is closing normally.
+    pub(crate) fn leaving(&self) -> bool {
+        self.leaving.load(Ordering::Acquire)
+    }
+
+    /// Whether the peer was declared unresponsive.
+    pub(crate) fn declared_silent(&self) -> bool {
+        self.silent_ms.load(Ordering::Acquire) > 0
+    }
+
+    /// The error a wait on this peer fails with once it was declared unresponsive.
+    pub(crate) fn unresponsive(&self, op: String) -> Option<DistError> {
+        self.declared_silent().then(|| self.gone(op, String::new()))
+    }
+
+    /// Where the peer last said it was, for error texts ("" if it never said).
+    pub(crate) fn position_text(&self) -> String {
+        match self.remote_position() {
+            None => String::new(),
+            Some(p) => format!(
+                "its last heartbeat said: {}",
+                describe_positions(&[(self.rank, Some(p))])
+            ),
+        }
+    }
+
+    /// Takes what a heartbeat's meta says: the peer's position and whether it is leaving.
+    pub(super) fn heard_position(&self, meta: &Meta) {
+        let seq = u64::from_le_bytes(meta[..8].try_into().expect("eight bytes"));
+        // Packed into one word: 48 bits of sequence number, the state, the kind.
+        let packed = (seq & SEQ_MASK) | (u64::from(meta[9]) << 48) | (u64::from(meta[10]) << 56);
+        self.position.store(packed, Ordering::Relaxed);
+        if meta[8] & HEARTBEAT_CLOSING != 0 {
+            self.leaving.store(true, Ordering::Release);
+        }
+    }
+
+    /// The peer's latest collective, as its last heartbeat said.
+    pub(crate) fn remote_position(&self) -> Option<Position> {
+        let packed = self.position.load(Ordering::Relaxed);
+        position_from_wire(
+            packed & SEQ_MASK,
+            (packed >> 48) as u8,
+            (packed >> 56) as u8,
+        )
+    }
+
+    /// Sets the hook that hears that the connection ended.
+    pub(crate) fn set_close_sink(&self, sink: CloseSink) {
+        let _ = self.on_close.set(sink);
+    }
+}
