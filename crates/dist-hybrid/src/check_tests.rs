@@ -239,7 +239,11 @@ fn a_count_mismatch_reaches_every_rank_naming_both() {
     assert!(got[2].contains(
         "rank 1 called #2 all_reduce f32 x 8 sum but rank 2 called #2 all_reduce f32 x 16"
     ));
-    assert!(got[3].contains("rank 2 called #2 all_reduce f32 x 16 sum"), "{}", got[3]);
+    assert!(
+        got[3].contains("rank 2 called #2 all_reduce f32 x 16 sum"),
+        "{}",
+        got[3]
+    );
     drop(cs);
 }
 

@@ -285,7 +285,8 @@ impl HybridBackend {
         })?;
         let comm = Communicator::init_rank(nccl, &ctx, me, n, &id, cfg)?;
         let tcp = Arc::new(tcp);
-        let watch = Arc::new(watch::Watch::new(me, comm.abort_handle()));
+        let trace = tcp.trace_dir().map(|d| (d.to_path_buf(), n));
+        let watch = Arc::new(watch::Watch::new(me, comm.abort_handle(), trace));
         let (fail, peer) = watch::sinks(&watch);
         let peer = watch::watch_peer_faults(&tcp, peer);
         let checker = check::Checker::start(tcp.clone(), fail, peer);

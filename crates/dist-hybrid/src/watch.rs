@@ -23,6 +23,8 @@ pub(crate) struct Watch {
     seq: AtomicU64,
     /// The first failure's full reason.
     failed: OnceLock<String>,
+    /// Where to write the record on the first failure, and the world size.
+    trace: Option<(std::path::PathBuf, usize)>,
 }
 
 impl std::fmt::Debug for Watch {
@@ -35,10 +37,15 @@ impl std::fmt::Debug for Watch {
 }
 
 impl Watch {
-    pub(crate) fn new(me: usize, abort: AbortHandle) -> Watch {
+    pub(crate) fn new(
+        me: usize,
+        abort: AbortHandle,
+        trace: Option<(std::path::PathBuf, usize)>,
+    ) -> Watch {
         Watch {
             me,
             abort,
+            trace,
             flight: FlightRecorder::new(DEFAULT_CAPACITY),
             open: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
@@ -139,9 +146,35 @@ impl Watch {
             self.me,
             self.in_flight()
         );
-        let kept = self.failed.get_or_init(|| full).clone();
+        let mut first = false;
+        let kept = self
+            .failed
+            .get_or_init(|| {
+                first = true;
+                full
+            })
+            .clone();
         self.abort.abort_with(kept.clone());
+        if first {
+            self.write_trace();
+        }
         kept
+    }
+
+    /// With a trace folder (`DIST_TRACE_DIR`), writes the NCCL calls' record to
+    /// `DIR/nccl/rank-R.json` (`cargo xtask trace DIR/nccl` summarises them); best effort.
+    fn write_trace(&self) {
+        if let Some((dir, world)) = &self.trace {
+            let dir = dir.join("nccl");
+            match self.flight.write_json(&dir, self.me, *world) {
+                Ok(path) => {
+                    tracing::info!(rank = self.me, path = %path.display(), "NCCL flight record written")
+                }
+                Err(e) => {
+                    tracing::warn!(rank = self.me, dir = %dir.display(), error = %e, "NCCL flight record not written")
+                }
+            }
+        }
     }
 
     /// Aborts because rank `peer` failed.

@@ -330,6 +330,13 @@ impl TcpBackend {
     pub fn abort_notices(&self) -> Vec<AbortNotice> {
         self.shared.aborts.notices()
     }
+
+    /// Where this backend writes its flight record on a failure (`DIST_TRACE_DIR` or
+    /// [`TcpConfig::trace_dir`]), if anywhere; layers above it (the NCCL side of
+    /// `dist-hybrid`) write theirs beside it.
+    pub fn trace_dir(&self) -> Option<&std::path::Path> {
+        self.shared.trace_dir.as_deref()
+    }
 }
 
 impl Transport for TcpBackend {

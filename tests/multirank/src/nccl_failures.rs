@@ -17,6 +17,11 @@ use half::f16;
 const NCCL_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn hybrid() -> Result<HybridBackend, String> {
+    hybrid_tracing_to(None)
+}
+
+/// [`hybrid`], writing flight records to `trace` on a failure (as `DIST_TRACE_DIR` does).
+fn hybrid_tracing_to(trace: Option<&std::path::Path>) -> Result<HybridBackend, String> {
     let devices = dist_nccl::cuda_device_count();
     let world: usize = std::env::var("WORLD_SIZE")
         .ok()
@@ -33,7 +38,13 @@ fn hybrid() -> Result<HybridBackend, String> {
         name: Some("t2".into()),
         ..CommConfig::default()
     };
-    HybridBackend::from_env_with(GpuChoice::Auto, cfg)
+    let mut tcp_cfg = dist_tcp::TcpConfig::from_env().map_err(|e| e.to_string())?;
+    if let Some(dir) = trace {
+        tcp_cfg = tcp_cfg.trace_dir(dir);
+    }
+    let local = tcp_cfg.local_rank().unwrap_or(tcp_cfg.rank());
+    let tcp = dist_tcp::TcpBackend::with_config(tcp_cfg).map_err(|e| e.to_string())?;
+    HybridBackend::with_nccl(tcp, local, GpuChoice::Auto, None, cfg)
         .map_err(|e| e.to_string())
         .inspect(|h| assert!(h.nccl().is_some(), "a GPU per rank, so NCCL was formed"))
 }
@@ -76,7 +87,9 @@ enum Kind {
 /// and names both ranks and both calls. Without the check (main before this branch) the count
 /// case ran silently: no error at all.
 fn mismatch(kind: Kind) -> Result<(), String> {
-    let h = hybrid()?;
+    // Each rank's own folder for its NCCL flight record, written on the first failure.
+    let trace = std::env::temp_dir().join(format!("dist-t2-trace-{}", std::process::id()));
+    let h = hybrid_tracing_to(Some(&trace))?;
     let (me, n) = (h.rank(), h.world_size());
     let odd = me == n - 1;
     let mut x = dev(&h, &[1.0f32; 1024]);
@@ -126,6 +139,12 @@ fn mismatch(kind: Kind) -> Result<(), String> {
         waited < Duration::from_secs(1),
         "rank {me}: {waited:?} to the error"
     );
+    // The record of the NCCL calls, written on the failure: the mismatched call is in it.
+    let file = trace.join("nccl").join(format!("rank-{me}.json"));
+    let json = std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("rank {me}: no flight record at {}: {e}", file.display()));
+    assert!(json.contains("\"seq\":2"), "rank {me}: {json}");
+    let _ = std::fs::remove_dir_all(&trace);
     // The TCP side still works, and the error stays.
     h.barrier().unwrap();
     assert!(h.all_reduce(&mut x, ReduceOp::Sum).is_err());
