@@ -1,6 +1,7 @@
 //! Core types of `dist`: the [`Backend`] trait every transport implements, the [`DistError`]
 //! they all return, message [`Tag`]s, and the element types and reduce operations that the
-//! collectives are defined over. This crate does no I/O.
+//! collectives are defined over. This crate does no network I/O (the [`flight`] recorder writes
+//! its record to a file when asked).
 //!
 //! ```
 //! use dist_core::{Backend, DistError, Tag};

@@ -1,7 +1,9 @@
 //! Safe NCCL on cudarc device buffers: communicators with deadlines, every collective and
 //! point-to-point call with its arguments checked before NCCL sees them, and a watchdog that
-//! aborts a communicator whose work stops making progress, so a dead peer never hangs the
-//! process.
+//! aborts a communicator whose work stops making progress (once no thread is inside an NCCL
+//! call on it: a call that NCCL itself blocks in on the blocking communicator, such as the
+//! first connect to a peer that never calls, is reported, not ended; see
+//! `CommConfig::nonblocking_calls`).
 //!
 //! ```no_run
 //! use std::sync::Arc;
