@@ -154,10 +154,12 @@ impl Watch {
                 full
             })
             .clone();
-        self.abort.abort_with(kept.clone());
+        // The record first, then the abort: the abort can take NCCL a second or more on this
+        // thread, while a caller sees the decision at once and may look for the file.
         if first {
             self.write_trace();
         }
+        self.abort.abort_with(kept.clone());
         kept
     }
 
