@@ -1,0 +1,196 @@
+//! Unit tests of `collectives`.
+
+use super::*;
+use crate::Backend;
+
+#[test]
+fn descriptor_round_trips_and_explains_differences() {
+    let a = Desc {
+        kind: Kind::AllReduce as u8,
+        dtype: DType::F32 as u8,
+        op: ReduceOp::Sum.code(),
+        root: 0,
+        seq: 7,
+        count: 1 << 40,
+    };
+    assert_eq!(Desc::decode(&a.encode()), a);
+    assert_eq!(a.describe(), "all_reduce(f32 x 1099511627776, sum)");
+    let b = Desc {
+        count: 5,
+        dtype: DType::I32 as u8,
+        ..a
+    };
+    assert_eq!(
+        a.differences(&b),
+        "element type i32 vs f32 here, count 5 vs 1099511627776 here (all_reduce(i32 x 5, sum))"
+    );
+    let c = Desc {
+        kind: Kind::Broadcast as u8,
+        root: 2,
+        ..a
+    };
+    assert!(
+        a.differences(&c)
+            .starts_with("it called broadcast where this rank called all_reduce")
+    );
+    let d = Desc { seq: 8, ..a };
+    assert!(a.differences(&d).contains("skipped or added a collective"));
+}
+
+#[test]
+fn segments_cover_everything_once() {
+    for count in [0usize, 1, 5, 7, 100, 1001] {
+        for n in 1..10 {
+            let mut next = 0;
+            for i in 0..n {
+                let s = segment(count, n, i);
+                assert_eq!(s.start, next);
+                next = s.end;
+            }
+            assert_eq!(next, count);
+        }
+    }
+}
+
+#[test]
+fn binomial_tree_reaches_every_rank_once() {
+    for n in 1..20 {
+        let mut seen = vec![0; n];
+        seen[0] = 1;
+        for v in 0..n {
+            let (parent, children) = binomial(v, n);
+            assert_eq!(parent.is_none(), v == 0);
+            for ch in children {
+                assert_eq!(binomial(ch, n).0, Some(v));
+                seen[ch] += 1;
+            }
+        }
+        assert!(seen.iter().all(|s| *s == 1), "n={n}: {seen:?}");
+    }
+}
+
+#[test]
+fn split_pair_gives_disjoint_ranges_either_way() {
+    let mut x = [0, 1, 2, 3, 4, 5];
+    let (a, b) = split_pair(&mut x, 0..2, 3..6);
+    assert_eq!(a, &[0, 1]);
+    b[0] = 9;
+    let (a, b) = split_pair(&mut x, 4..6, 1..3);
+    assert_eq!(a, &[4, 5]);
+    assert_eq!(b, &[1, 2]);
+    assert_eq!(x[3], 9);
+}
+
+/// A transport of `n` ranks (this one rank 0) that moves nothing: every send or receive is
+/// an error. Enough for the checks that must fail before any message moves.
+struct NoWire {
+    n: usize,
+    timeout: std::time::Duration,
+}
+
+fn no_wire(rank: usize) -> DistError {
+    DistError::PeerGone {
+        rank: 0,
+        peer: rank,
+        op: "test".into(),
+        cause: "no wire".into(),
+    }
+}
+
+impl Backend for NoWire {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        self.n
+    }
+    fn default_timeout(&self) -> std::time::Duration {
+        self.timeout
+    }
+    fn send_tagged(&self, _: &[u8], dst: usize, _: Tag) -> Result<()> {
+        Err(no_wire(dst))
+    }
+    fn recv_tagged_timeout(
+        &self,
+        _: &mut [u8],
+        src: usize,
+        _: Tag,
+        _: std::time::Duration,
+    ) -> Result<()> {
+        Err(no_wire(src))
+    }
+    fn barrier_timeout(&self, _: std::time::Duration) -> Result<()> {
+        Err(no_wire(1))
+    }
+}
+
+impl Transport for NoWire {
+    fn send_meta(&self, _: &[u8], dst: usize, _: Tag, _: Meta) -> Result<()> {
+        Err(no_wire(dst))
+    }
+    fn recv_meta(&self, _: &mut [u8], src: usize, _: Tag, _: Instant) -> Result<Meta> {
+        Err(no_wire(src))
+    }
+    fn send_recv_meta_while(
+        &self,
+        (_, dst): (&[u8], usize),
+        _: (&mut [u8], usize),
+        _: Tag,
+        _: Meta,
+        _: Instant,
+        _: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Meta> {
+        Err(no_wire(dst))
+    }
+    fn peek_meta(&self, _: usize, _: Tag) -> Option<(usize, Meta)> {
+        None
+    }
+    fn broadcast_abort(&self, _: Tag, _: &str) {}
+    fn abort_notice(&self) -> Option<(usize, String)> {
+        None
+    }
+    fn next_collective(&self) -> u64 {
+        0
+    }
+}
+
+/// Counts whose sum overflows a usize are an error naming them, not a panic (on main the
+/// `iter().sum()` panicked with "attempt to add with overflow").
+#[test]
+fn all_to_all_v_counts_that_overflow_are_errors() {
+    let b = NoWire {
+        n: 2,
+        timeout: std::time::Duration::from_secs(1),
+    };
+    let e = b
+        .all_to_all_v(&[0u8; 2], &[usize::MAX, 2], &mut [0u8; 2], &[1, 1])
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, DistError::InvalidArgument { .. }), "{text}");
+    assert!(
+        text.contains("all_to_all_v")
+            && text.contains(&format!("send_counts [{}, 2]", usize::MAX))
+            && text.contains("more than a usize holds"),
+        "{text}"
+    );
+    let e = b
+        .all_to_all_v(&[0u8; 2], &[1, 1], &mut [0u8; 2], &[2, usize::MAX - 1])
+        .unwrap_err();
+    assert!(e.to_string().contains("recv_counts"), "{e}");
+}
+
+/// A default timeout too long for the clock is an error naming the call and the timeout,
+/// not a panic in `Instant + Duration` (on main: "overflow when adding duration to instant").
+#[test]
+fn huge_default_timeouts_are_errors() {
+    for timeout in [std::time::Duration::MAX, crate::MAX_TIMEOUT * 2] {
+        let b = NoWire { n: 2, timeout };
+        let e = b.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, DistError::InvalidArgument { .. }), "{text}");
+        assert!(
+            text.contains("all_reduce(f32 x 4, sum)") && text.contains(&format!("{timeout:?}")),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,555 @@
+//! The handshake of one connection (both sides) and the listener that runs it: admission, the
+//! hello, the proofs of a shared secret, and connecting with backoff.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use dist_core::{DistError, Result};
+
+use crate::wire::{
+    self, HELLO_LEN, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Refusal, Reply, Side,
+};
+
+/// How often the accept loop checks whether init is over.
+pub(super) const ACCEPT_POLL: Duration = Duration::from_millis(50);
+
+/// The most handshakes one listener runs at once. A connection that arrives while this many are
+/// in progress is closed at once, unread: a flood of idle or garbage connections costs at most
+/// this many threads and sockets, each for at most the handshake timeout. A rank turned away
+/// this way (closed before any reply) connects again until the init deadline.
+pub(crate) const MAX_HANDSHAKES: usize = 64;
+
+pub(super) fn io_err(
+    rank: usize,
+    context: impl Into<String>,
+) -> impl FnOnce(std::io::Error) -> DistError {
+    let context = context.into();
+    move |source| DistError::Io {
+        rank,
+        context,
+        source,
+    }
+}
+
+pub(super) fn nonce(rank: usize) -> Result<[u8; NONCE_LEN]> {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::fill(&mut n).map_err(|e| DistError::Io {
+        rank,
+        context: "draw a random nonce".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(n)
+}
+
+/// Reads exactly `buf.len()` bytes by `deadline`, however slowly the peer trickles them.
+pub(super) fn read_exact_by(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let mut n = 0;
+    while n < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("deadline passed after {n} of {} bytes", buf.len()),
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[n..]) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("connection closed after {n} of {} bytes", buf.len()),
+                ));
+            }
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("deadline passed after {n} of {} bytes", buf.len()),
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn write_by(
+    stream: &mut TcpStream,
+    data: &[u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_write_timeout(Some(left))?;
+    stream.write_all(data)
+}
+
+/// What the accepting side enforces on new connections.
+pub(super) struct Rules {
+    pub(super) me: usize,
+    pub(super) world: usize,
+    pub(super) purpose: Purpose,
+    pub(super) ranks: Range<usize>,
+    pub(super) job_id: u64,
+    pub(super) secret: Option<Vec<u8>>,
+    pub(super) handshake_timeout: Duration,
+    /// Ranks that have completed the handshake.
+    pub(super) claimed: Mutex<Vec<bool>>,
+}
+
+/// A connection that passed the handshake.
+pub(super) struct Joined {
+    pub(super) rank: usize,
+    pub(super) stream: TcpStream,
+    pub(super) hello: Hello,
+    pub(super) from: SocketAddr,
+}
+
+/// Accepts connections until stopped; each gets a thread that runs the handshake within the
+/// handshake deadline and passes the connection on only if it passes.
+pub(super) struct Acceptor {
+    pub(super) stop: Arc<AtomicBool>,
+    pub(super) thread: Option<JoinHandle<()>>,
+    pub(super) rx: Receiver<Joined>,
+}
+
+impl Acceptor {
+    pub(super) fn start(listener: TcpListener, rules: Rules) -> Result<Acceptor> {
+        let me = rules.me;
+        let sock = socket2::Socket::from(listener);
+        sock.set_read_timeout(Some(ACCEPT_POLL))
+            .map_err(io_err(me, "set accept timeout"))?;
+        let listener: TcpListener = sock.into();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let stop = Arc::new(AtomicBool::new(false));
+        let rules = Arc::new(rules);
+        let thread = std::thread::Builder::new()
+            .name(format!("dist-accept-{me}"))
+            .spawn({
+                let stop = stop.clone();
+                move || accept_loop(listener, rules, tx, stop)
+            })
+            .map_err(io_err(me, "spawn the accept thread"))?;
+        Ok(Acceptor {
+            stop,
+            thread: Some(thread),
+            rx,
+        })
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+pub(super) fn accept_loop(
+    listener: TcpListener,
+    rules: Arc<Rules>,
+    tx: Sender<Joined>,
+    stop: Arc<AtomicBool>,
+) {
+    let active = Arc::new(AtomicUsize::new(0));
+    while !stop.load(Ordering::Relaxed) {
+        let (stream, from) = match listener.accept() {
+            Ok(c) => c,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(rank = rules.me, error = %e, "accept failed");
+                continue;
+            }
+        };
+        let me = rules.me;
+        // Only this thread adds, so the count cannot pass the cap between the check and the add.
+        if active.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+            tracing::debug!(rank = me, %from, "{MAX_HANDSHAKES} handshakes in progress; closed at once");
+            drop(stream);
+            continue;
+        }
+        active.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(active.clone());
+        let rules = rules.clone();
+        let tx = tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("dist-handshake-{}", rules.me))
+            .spawn(move || match serve_handshake(stream, from, &rules, slot) {
+                Ok(j) => {
+                    tracing::debug!(rank = rules.me, peer = j.rank, %from, "peer joined");
+                    let _ = tx.send(j);
+                }
+                Err(why) => {
+                    tracing::warn!(rank = rules.me, %from, reason = %why, "refused a connection");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(rank = me, error = %e, "cannot spawn a handshake thread; connection dropped");
+        }
+    }
+}
+
+/// One of a listener's [`MAX_HANDSHAKES`] places, given back when dropped (however the
+/// handshake thread ends; if the thread cannot be spawned, the closure that owns it is dropped).
+pub(super) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The accepting side of the handshake, holding `_slot` until it ends. Returns the refusal
+/// reason on failure, after telling the other side when it is worth telling.
+///
+/// With a shared secret, the connecting side proves first: the challenge carries no proof, and
+/// this side sends its own proof, in the verdict, only after checking the other's. A stranger
+/// that does not know the secret never gets a proof (which would let it test guesses offline).
+pub(super) fn serve_handshake(
+    mut stream: TcpStream,
+    from: SocketAddr,
+    r: &Rules,
+    _slot: Slot,
+) -> std::result::Result<Joined, String> {
+    let deadline = dist_core::deadline_after(Instant::now(), r.handshake_timeout, r.me, || {
+        "handshake".into()
+    })
+    .map_err(|e| e.to_string())?;
+    let mut buf = [0u8; HELLO_LEN];
+    read_exact_by(&mut stream, &mut buf, deadline).map_err(|e| format!("no hello: {e}"))?;
+    let refuse = |stream: &mut TcpStream, why: Refusal, reason: String| {
+        let _ = write_by(
+            stream,
+            &Reply::refuse(why, reason.clone()).encode(),
+            deadline,
+        );
+        reason
+    };
+    let hello = match Hello::decode(&buf) {
+        Ok(h) => h,
+        Err(e @ wire::DecodeError::BadMagic(_)) => {
+            return Err(refuse(&mut stream, Refusal::BadMagic, e.to_string()));
+        }
+        Err(e) => return Err(refuse(&mut stream, Refusal::Protocol, e.to_string())),
+    };
+    let rank = hello.rank as usize;
+    let checks: [(bool, Refusal, &dyn Fn() -> String); 6] = [
+        (hello.version != PROTOCOL_VERSION, Refusal::Version, &|| {
+            format!(
+                "protocol version {} is not this rank's {PROTOCOL_VERSION}",
+                hello.version
+            )
+        }),
+        (hello.purpose != r.purpose, Refusal::Protocol, &|| {
+            format!(
+                "rank {} accepts {:?} connections, not {:?}",
+                r.me, r.purpose, hello.purpose
+            )
+        }),
+        (
+            hello.world_size as usize != r.world,
+            Refusal::WorldSize,
+            &|| {
+                format!(
+                    "world size {} does not match rank {}'s {}",
+                    hello.world_size, r.me, r.world
+                )
+            },
+        ),
+        (!r.ranks.contains(&rank), Refusal::RankOutOfRange, &|| {
+            if rank == r.me {
+                format!("duplicate rank {rank}: that is rank {}'s own rank", r.me)
+            } else {
+                format!(
+                    "rank {rank} may not connect here (rank {} accepts ranks {:?})",
+                    r.me, r.ranks
+                )
+            }
+        }),
+        (
+            r.purpose == Purpose::Mesh && hello.job_id != r.job_id,
+            Refusal::WrongJob,
+            &|| format!("job id {:#x} is not this job's", hello.job_id),
+        ),
+        (
+            hello.has_secret != r.secret.is_some(),
+            Refusal::SecretConfig,
+            &|| {
+                if r.secret.is_some() {
+                    format!(
+                        "rank {} requires a shared secret and rank {rank} has none",
+                        r.me
+                    )
+                } else {
+                    format!("rank {rank} has a shared secret but rank {} has none", r.me)
+                }
+            },
+        ),
+    ];
+    if let Some((_, why, text)) = checks.iter().find(|c| c.0) {
+        return Err(refuse(&mut stream, *why, format!("{} ({from})", text())));
+    }
+    let taken = |r: &Rules| r.claimed.lock().map(|c| c[rank]).unwrap_or(true);
+    if taken(r) {
+        return Err(refuse(
+            &mut stream,
+            Refusal::DuplicateRank,
+            format!(
+                "duplicate rank {rank}: it has already joined rank {} ({from})",
+                r.me
+            ),
+        ));
+    }
+    let server_nonce = nonce(r.me).map_err(|e| e.to_string())?;
+    // The challenge: this side's nonce, and no proof yet.
+    write_by(
+        &mut stream,
+        &Reply::accept(server_nonce, [0; NONCE_LEN]).encode(),
+        deadline,
+    )
+    .map_err(|e| format!("sending the challenge: {e}"))?;
+    let mut client_proof = [0u8; NONCE_LEN];
+    read_exact_by(&mut stream, &mut client_proof, deadline)
+        .map_err(|e| format!("no proof: {e}"))?;
+    let me = r.me as u32;
+    if let Some(s) = &r.secret
+        && !wire::verify_proof(s, Side::Client, &hello, me, &server_nonce, &client_proof)
+    {
+        return Err(refuse(
+            &mut stream,
+            Refusal::WrongSecret,
+            format!("wrong shared secret from rank {rank} ({from})"),
+        ));
+    }
+    {
+        let mut claimed = r
+            .claimed
+            .lock()
+            .map_err(|_| "rank table poisoned".to_string())?;
+        if claimed[rank] {
+            drop(claimed);
+            return Err(refuse(
+                &mut stream,
+                Refusal::DuplicateRank,
+                format!(
+                    "duplicate rank {rank}: it has already joined rank {} ({from})",
+                    r.me
+                ),
+            ));
+        }
+        claimed[rank] = true;
+    }
+    // The other side proved the secret (or there is none): now, and only now, this side proves.
+    let server_proof = match &r.secret {
+        Some(s) => wire::proof(s, Side::Server, &hello, me, &server_nonce),
+        None => [0; NONCE_LEN],
+    };
+    write_by(
+        &mut stream,
+        &Reply::accept([0; NONCE_LEN], server_proof).encode(),
+        deadline,
+    )
+    .map_err(|e| format!("sending the verdict: {e}"))?;
+    Ok(Joined {
+        rank,
+        stream,
+        hello,
+        from,
+    })
+}
+
+/// How a connecting handshake failed.
+#[derive(Debug)]
+pub(super) enum Failed {
+    /// The listener closed the connection before any reply: it was busy with
+    /// [`MAX_HANDSHAKES`] others (or restarting). Worth connecting again.
+    TurnedAway(DistError),
+    /// Refused, or broken after the reply: final.
+    Final(DistError),
+}
+
+/// The connecting side of the handshake with the listener of rank `server_rank`. With a shared
+/// secret, this side proves first, and checks the listener's proof in its verdict.
+pub(super) fn client_handshake(
+    stream: &mut TcpStream,
+    hello: &Hello,
+    secret: Option<&[u8]>,
+    server_rank: u32,
+    deadline: Instant,
+    me: usize,
+    peer: &str,
+) -> std::result::Result<(), Failed> {
+    let io = |what: &str| io_err(me, format!("handshake with {peer}: {what}"));
+    let closed = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+        )
+    };
+    if let Err(e) = write_by(stream, &hello.encode(), deadline) {
+        let away = closed(&e);
+        let e = io("send hello")(e);
+        return Err(if away {
+            Failed::TurnedAway(e)
+        } else {
+            Failed::Final(e)
+        });
+    }
+    let refused = |reason: String| {
+        Failed::Final(DistError::HandshakeRefused {
+            rank: me,
+            peer: peer.to_string(),
+            reason,
+        })
+    };
+    let mut buf = [0u8; REPLY_LEN];
+    if let Err(e) = read_exact_by(stream, &mut buf, deadline) {
+        let away = closed(&e);
+        let e = io("read the challenge")(e);
+        return Err(if away {
+            Failed::TurnedAway(e)
+        } else {
+            Failed::Final(e)
+        });
+    }
+    let challenge = Reply::decode(&buf).map_err(|e| refused(format!("malformed reply: {e}")))?;
+    if challenge.refusal.is_some() {
+        return Err(refused(challenge.reason));
+    }
+    let proof = match secret {
+        Some(s) => wire::proof(s, Side::Client, hello, server_rank, &challenge.nonce),
+        None => [0; NONCE_LEN],
+    };
+    write_by(stream, &proof, deadline).map_err(|e| Failed::Final(io("send proof")(e)))?;
+    let verdict = read_exact_by(stream, &mut buf, deadline)
+        .map_err(|e| e.to_string())
+        .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
+    match verdict {
+        Ok(v) if v.refusal.is_some() => Err(refused(v.reason)),
+        Ok(v) => match secret {
+            Some(s)
+                if !wire::verify_proof(
+                    s,
+                    Side::Server,
+                    hello,
+                    server_rank,
+                    &challenge.nonce,
+                    &v.proof,
+                ) =>
+            {
+                Err(refused(
+                    "the other side failed to prove the shared secret: the ranks have different \
+                     secrets, or it is not a rank of this job"
+                        .into(),
+                ))
+            }
+            _ => Ok(()),
+        },
+        Err(e) => Err(refused(format!("no verdict: {e}"))),
+    }
+}
+
+/// Connects to the listener of rank `server_rank` at `addr` (the first time over `first`, when
+/// given) and runs the handshake with a hello from `hello` (a fresh nonce each time),
+/// connecting again with backoff while the listener turns the connection away unread, until
+/// `deadline`.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the connection; a struct would only rename them.
+pub(super) fn join_listener(
+    first: Option<TcpStream>,
+    addr: SocketAddr,
+    hello: &mut dyn FnMut() -> Result<Hello>,
+    secret: Option<&[u8]>,
+    server_rank: u32,
+    deadline: Instant,
+    me: usize,
+    who: &str,
+    on_connect_failure: &dyn Fn(String) -> DistError,
+) -> Result<TcpStream> {
+    let peer = format!("{who} at {addr}");
+    let mut backoff = Duration::from_millis(5);
+    let mut first = first;
+    loop {
+        let mut s = match first.take() {
+            Some(s) => s,
+            None => connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?,
+        };
+        match client_handshake(&mut s, &hello()?, secret, server_rank, deadline, me, &peer) {
+            Ok(()) => return Ok(s),
+            Err(Failed::Final(e)) => return Err(e),
+            Err(Failed::TurnedAway(e)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(e);
+                }
+                tracing::debug!(rank = me, %addr, error = %e, "turned away; connecting again");
+                // Back off: the listener is busy with other handshakes, each of which ends
+                // within its handshake timeout.
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+/// Connects to `addr`, retrying with backoff until `deadline`.
+pub(super) fn connect_retry(
+    addr: SocketAddr,
+    deadline: Instant,
+    me: usize,
+    who: &str,
+) -> std::result::Result<TcpStream, String> {
+    let mut backoff = Duration::from_millis(5);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let last = match TcpStream::connect_timeout(
+            &addr,
+            left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+        ) {
+            Ok(s) => {
+                if attempts > 1 {
+                    tracing::debug!(rank = me, %addr, attempts, "connected to {who}");
+                }
+                return Ok(s);
+            }
+            Err(e) => e,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "cannot connect to {who} at {addr} after {attempts} attempts: {last}"
+            ));
+        }
+        tracing::trace!(rank = me, %addr, error = %last, "connect failed; retrying");
+        // Back off between attempts: the peer may simply not have started yet.
+        std::thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}

@@ -1,0 +1,285 @@
+//! Unit tests of `init`.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use super::*;
+use crate::wire::{HELLO_LEN, REPLY_LEN, Refusal, Reply, Side};
+
+const KEY: &[u8] = b"a shared secret of 16+ bytes";
+
+/// A mesh listener of rank 1 in a job of 4 (job id 7), accepting ranks 2 and 3.
+fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Acceptor, SocketAddr) {
+    let l = bind_listener("127.0.0.1:0".parse().unwrap(), 1).unwrap();
+    let addr = l.local_addr().unwrap();
+    let a = Acceptor::start(
+        l,
+        Rules {
+            me: 1,
+            world: 4,
+            purpose: Purpose::Mesh,
+            ranks: 2..4,
+            job_id: 7,
+            secret: secret.map(<[u8]>::to_vec),
+            handshake_timeout,
+            claimed: Mutex::new(vec![false; 4]),
+        },
+    )
+    .unwrap();
+    (a, addr)
+}
+
+fn mesh_hello(rank: u32, has_secret: bool) -> Hello {
+    Hello {
+        version: PROTOCOL_VERSION,
+        purpose: Purpose::Mesh,
+        has_secret,
+        world_size: 4,
+        rank,
+        listen_port: 0,
+        job_id: 7,
+        nonce: [rank as u8; NONCE_LEN],
+    }
+}
+
+fn raw(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn read_all(s: &mut TcpStream) -> Vec<u8> {
+    let mut all = Vec::new();
+    let _ = s.read_to_end(&mut all);
+    all
+}
+
+/// The listener sends its proof only after checking the connecting side's: a client that
+/// sends a wrong proof, or none, gets no proof at all (on main the challenge carried the
+/// listener's proof, so any stranger got an HMAC of the secret to test guesses against).
+#[test]
+fn the_listener_proves_only_after_the_client_has() {
+    let (acceptor, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
+    let hello = mesh_hello(3, true);
+
+    // A wrong proof: refused, and nothing it received is the listener's proof.
+    let mut s = raw(addr);
+    s.write_all(&hello.encode()).unwrap();
+    s.write_all(&[0x55; NONCE_LEN]).unwrap();
+    let got = read_all(&mut s);
+    assert_eq!(got.len(), 2 * REPLY_LEN, "challenge then verdict");
+    let challenge = Reply::decode(&got[..REPLY_LEN]).unwrap();
+    let verdict = Reply::decode(&got[REPLY_LEN..]).unwrap();
+    assert_eq!(challenge.refusal, None);
+    assert_eq!(
+        challenge.proof, [0; NONCE_LEN],
+        "the challenge carries a proof"
+    );
+    assert_eq!(
+        verdict.refusal,
+        Some(Refusal::WrongSecret),
+        "{}",
+        verdict.reason
+    );
+    assert_eq!(verdict.proof, [0; NONCE_LEN], "a refusal carries a proof");
+    let server_proof = wire::proof(KEY, Side::Server, &hello, 1, &challenge.nonce);
+    assert!(!got.windows(NONCE_LEN).any(|w| w == server_proof));
+
+    // No proof at all: after the challenge the listener waits out the handshake deadline
+    // and closes, having sent nothing more.
+    let mut s = raw(addr);
+    s.write_all(&hello.encode()).unwrap();
+    let got = read_all(&mut s);
+    assert_eq!(got.len(), REPLY_LEN, "sent more than the challenge");
+    assert_eq!(Reply::decode(&got).unwrap().proof, [0; NONCE_LEN]);
+
+    // A wrong secret through the real client: refused, saying why.
+    let mut s = raw(addr);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let wrong = b"another secret of 16+ bytes";
+    match client_handshake(&mut s, &hello, Some(wrong), 1, deadline, 3, "rank 1") {
+        Err(Failed::Final(e)) => {
+            assert!(
+                e.to_string().contains("wrong shared secret from rank 3"),
+                "{e}"
+            )
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // A right secret, but a proof meant for another listener (rank 2): refused too.
+    let mut s = raw(addr);
+    assert!(matches!(
+        client_handshake(&mut s, &hello, Some(KEY), 2, deadline, 3, "rank 1"),
+        Err(Failed::Final(_))
+    ));
+    // The right secret for this listener: both proofs check, and rank 3 has joined.
+    let mut s = raw(addr);
+    client_handshake(&mut s, &hello, Some(KEY), 1, deadline, 3, "rank 1").unwrap();
+    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    assert_eq!(j.rank, 3);
+    assert!(acceptor.rx.try_recv().is_err(), "a refused client joined");
+}
+
+/// The client checks the listener's proof: a listener that accepts any proof but cannot
+/// prove the secret itself is refused by the client.
+#[test]
+fn the_client_refuses_a_listener_that_cannot_prove() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; HELLO_LEN + NONCE_LEN];
+        s.read_exact(&mut b[..HELLO_LEN]).unwrap();
+        s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+            .unwrap();
+        s.read_exact(&mut b[HELLO_LEN..]).unwrap();
+        s.write_all(&Reply::accept([0; NONCE_LEN], [2; NONCE_LEN]).encode())
+            .unwrap();
+    });
+    let mut s = raw(addr);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    match client_handshake(&mut s, &mesh_hello(3, true), Some(KEY), 1, deadline, 3, "x") {
+        Err(Failed::Final(e)) => assert!(
+            e.to_string().contains("failed to prove the shared secret"),
+            "{e}"
+        ),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    fake.join().unwrap();
+}
+
+/// Open connections a listener holds: `false` for one it has closed.
+fn still_open(s: &TcpStream) -> bool {
+    s.set_nonblocking(true).unwrap();
+    let open =
+        matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    s.set_nonblocking(false).unwrap();
+    open
+}
+
+/// A flood of idle and garbage connections holds at most [`MAX_HANDSHAKES`] of them open
+/// (the rest are closed at once, long before the handshake deadline), and a real rank still
+/// gets through. On main every connection got a thread and was held until its deadline.
+#[test]
+fn admission_is_capped_and_a_rank_gets_through_a_flood() {
+    let timeout = Duration::from_secs(3);
+    let (acceptor, addr) = mesh_acceptor(None, timeout);
+    let t = Instant::now();
+    const IDLE: usize = 500;
+    const {
+        assert!(
+            MAX_HANDSHAKES < IDLE / 2,
+            "the flood must be well over the cap"
+        )
+    };
+    let idle: Vec<TcpStream> = (0..IDLE).map(|_| raw(addr)).collect();
+    let mut garbage: Vec<TcpStream> = (0..50)
+        .map(|i| {
+            let mut s = raw(addr);
+            let _ = s.write_all(&[i as u8; HELLO_LEN]);
+            s
+        })
+        .collect();
+    let held = loop {
+        let held = idle.iter().filter(|s| still_open(s)).count();
+        if held <= MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
+            break held;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        held <= MAX_HANDSHAKES,
+        "{held} of {IDLE} idle connections held open after {:?}",
+        t.elapsed()
+    );
+    for s in &mut garbage {
+        // Refused as not a dist peer, or closed at once: never left hanging.
+        let got = read_all(s);
+        if !got.is_empty() {
+            let r = Reply::decode(&got).unwrap();
+            assert_eq!(r.refusal, Some(Refusal::BadMagic), "{}", r.reason);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let s = join_listener(
+        None,
+        addr,
+        &mut || Ok(mesh_hello(2, false)),
+        None,
+        1,
+        deadline,
+        2,
+        "rank 1",
+        &|detail| panic!("{detail}"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    assert_eq!(j.rank, 2);
+    drop((s, idle));
+}
+
+/// Runs `form` as rank 1 of 2 against a fake rank 0 that plays `script` on the connection.
+fn against_fake_root(script: fn(&mut TcpStream)) -> DistError {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        script(&mut s);
+        // Hold the connection until the rank gives up on it.
+        let _ = s.read_to_end(&mut Vec::new());
+    });
+    let cfg = TcpConfig::new(1, 2, addr.to_string()).init_timeout(Duration::from_secs(10));
+    let tuning = Tuning {
+        ring_piece_kb: 256,
+        lanes: 1,
+    };
+    let e = form(&cfg, tuning).unwrap_err();
+    fake.join().unwrap();
+    e
+}
+
+fn accept_hello(s: &mut TcpStream) {
+    let mut b = [0u8; HELLO_LEN];
+    s.read_exact(&mut b).unwrap();
+    s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+        .unwrap();
+    let mut proof = [0u8; NONCE_LEN];
+    s.read_exact(&mut proof).unwrap();
+    s.write_all(&Reply::accept([0; NONCE_LEN], [0; NONCE_LEN]).encode())
+        .unwrap();
+}
+
+/// What the connecting side reads as lengths (a reply's reason length, the table's count of
+/// ranks) is checked before use: a fake rank 0 that claims 65,535 bytes of reason or a
+/// table of 2^32 - 1 ranks gets an error saying so, and nothing is allocated by it.
+#[test]
+fn lengths_from_a_fake_rank0_are_checked() {
+    let e = against_fake_root(|s| {
+        let mut b = [0u8; HELLO_LEN];
+        s.read_exact(&mut b).unwrap();
+        let mut r = Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode();
+        r[76..78].copy_from_slice(&u16::MAX.to_le_bytes());
+        s.write_all(&r).unwrap();
+    });
+    assert!(
+        e.to_string()
+            .contains("malformed reply: invalid reason length 65535"),
+        "{e}"
+    );
+    let e = against_fake_root(|s| {
+        accept_hello(s);
+        let tuning = Tuning {
+            ring_piece_kb: 256,
+            lanes: 1,
+        };
+        let mut table = wire::encode_table(5, tuning, &[]);
+        table[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        s.write_all(&table).unwrap();
+    });
+    assert!(
+        e.to_string()
+            .contains(&format!("table has {} ranks, expected 2", u32::MAX)),
+        "{e}"
+    );
+}

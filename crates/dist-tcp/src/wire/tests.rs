@@ -1,0 +1,376 @@
+//! Unit tests of `wire`.
+
+use super::*;
+
+fn hello() -> Hello {
+    Hello {
+        version: PROTOCOL_VERSION,
+        purpose: Purpose::Mesh,
+        has_secret: true,
+        world_size: 5,
+        rank: 3,
+        listen_port: 29_501,
+        job_id: 0xdead_beef,
+        nonce: [7; NONCE_LEN],
+    }
+}
+
+#[test]
+fn hello_round_trips_and_rejects_truncation_and_garbage() {
+    let h = hello();
+    let b = h.encode();
+    assert_eq!(Hello::decode(&b), Ok(h));
+    for n in 0..HELLO_LEN {
+        assert!(Hello::decode(&b[..n]).is_err(), "decoded {n} bytes");
+    }
+    // A longer buffer decodes the first HELLO_LEN bytes only.
+    let mut long = b.to_vec();
+    long.extend_from_slice(&[0xff; 1000]);
+    assert_eq!(Hello::decode(&long), Ok(h));
+    let http = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0";
+    assert!(matches!(Hello::decode(http), Err(DecodeError::BadMagic(_))));
+    let mut bad = b;
+    bad[10] = 9;
+    assert_eq!(
+        Hello::decode(&bad),
+        Err(DecodeError::BadField("purpose", 9))
+    );
+    bad = b;
+    bad[11] = 2;
+    assert_eq!(Hello::decode(&bad), Err(DecodeError::BadField("flags", 2)));
+}
+
+#[test]
+fn reply_and_status_round_trip_and_cut_long_reasons() {
+    let r = Reply::refuse(Refusal::DuplicateRank, "rank 3 already joined");
+    assert_eq!(Reply::decode(&r.encode()), Ok(r.clone()));
+    let a = Reply::accept([1; NONCE_LEN], [2; NONCE_LEN]);
+    assert_eq!(Reply::decode(&a.encode()), Ok(a));
+    let long = "é".repeat(200);
+    let d = Reply::decode(&Reply::refuse(Refusal::Protocol, long).encode()).unwrap();
+    assert!(d.reason.len() <= REASON_LEN && d.reason.chars().all(|c| c == 'é'));
+    let mut bad = r.encode();
+    bad[8] = 99;
+    assert!(Reply::decode(&bad).is_err());
+    bad = r.encode();
+    bad[76] = 0xff; // reason length 255 > REASON_LEN
+    assert!(Reply::decode(&bad).is_err());
+    for s in [
+        Status::Ready,
+        Status::Go,
+        Status::Failed("rank 2: refused".into()),
+    ] {
+        assert_eq!(Status::decode(&s.encode(4)), Ok((4, s)));
+    }
+    assert!(Status::decode(&[0u8; STATUS_LEN]).is_err());
+    assert!(Status::decode(&[1u8; 3]).is_err());
+}
+
+#[test]
+fn table_round_trips_v4_and_v6() {
+    let addrs: Vec<std::net::SocketAddr> = vec![
+        "127.0.0.1:29500".parse().unwrap(),
+        "[::1]:40000".parse().unwrap(),
+        "10.1.2.3:1".parse().unwrap(),
+    ];
+    let tuning = Tuning {
+        ring_piece_kb: 1024,
+        lanes: 2,
+    };
+    let b = encode_table(42, tuning, &addrs);
+    assert_eq!(decode_table_head(&b).unwrap(), (42, 3, tuning));
+    for bad in [
+        Tuning {
+            ring_piece_kb: 0,
+            lanes: 1,
+        },
+        Tuning {
+            ring_piece_kb: Tuning::MAX_PIECE_KB + 1,
+            lanes: 1,
+        },
+        Tuning {
+            ring_piece_kb: 256,
+            lanes: 3,
+        },
+    ] {
+        assert!(decode_table_head(&encode_table(42, bad, &addrs)).is_err());
+    }
+    assert_eq!(
+        decode_table_entries(&b[TABLE_HEAD_LEN..], 3).unwrap(),
+        addrs
+    );
+    assert!(decode_table_entries(&b[TABLE_HEAD_LEN..b.len() - 1], 3).is_err());
+    assert!(decode_table_head(&b[..10]).is_err());
+}
+
+#[test]
+fn frame_header_round_trips_and_rejects_unknown_kinds() {
+    let h = FrameHeader {
+        kind: FrameKind::Data,
+        tag: u64::MAX,
+        len: 1 << 40,
+        meta: [3; 16],
+    };
+    assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+    let mut b = h.encode();
+    b[0] = 77;
+    assert_eq!(FrameHeader::decode(&b), Err(FrameError::Kind(77)));
+    b = h.encode();
+    b[5] = 1;
+    assert_eq!(FrameHeader::decode(&b), Err(FrameError::Flags(0x100)));
+}
+
+#[test]
+fn proofs_bind_secret_side_claim_and_listener() {
+    let h = hello();
+    let sn = [9; NONCE_LEN];
+    let key = b"0123456789abcdef";
+    let p = proof(key, Side::Client, &h, 2, &sn);
+    assert!(verify_proof(key, Side::Client, &h, 2, &sn, &p));
+    assert!(!verify_proof(
+        b"0123456789abcdeX",
+        Side::Client,
+        &h,
+        2,
+        &sn,
+        &p
+    ));
+    assert!(!verify_proof(key, Side::Server, &h, 2, &sn, &p));
+    assert!(!verify_proof(key, Side::Client, &h, 1, &sn, &p));
+    assert!(!verify_proof(key, Side::Client, &h, 2, &[8; NONCE_LEN], &p));
+    // Every field of the hello is inside the MAC, the listen port and version included.
+    let changed: [fn(&mut Hello); 8] = [
+        |h| h.version += 1,
+        |h| h.purpose = Purpose::Rendezvous,
+        |h| h.has_secret = false,
+        |h| h.world_size += 1,
+        |h| h.rank += 1,
+        |h| h.listen_port += 1,
+        |h| h.job_id += 1,
+        |h| h.nonce[31] ^= 1,
+    ];
+    for (i, change) in changed.iter().enumerate() {
+        let mut h2 = h;
+        change(&mut h2);
+        assert!(
+            !verify_proof(key, Side::Client, &h2, 2, &sn, &p),
+            "field {i} is not covered by the proof"
+        );
+    }
+}
+
+#[test]
+fn table_entries_with_a_count_that_overflows_are_an_error() {
+    assert_eq!(
+        decode_table_entries(&[], usize::MAX),
+        Err(DecodeError::BadField("table entries", u64::MAX))
+    );
+}
+
+mod props {
+    use super::super::*;
+    use proptest::prelude::*;
+
+    fn any_hello() -> impl Strategy<Value = Hello> {
+        (
+            any::<u16>(),
+            prop_oneof![Just(Purpose::Rendezvous), Just(Purpose::Mesh)],
+            any::<bool>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u16>(),
+            any::<u64>(),
+            any::<[u8; NONCE_LEN]>(),
+        )
+            .prop_map(
+                |(version, purpose, has_secret, world_size, rank, listen_port, job_id, nonce)| {
+                    Hello {
+                        version,
+                        purpose,
+                        has_secret,
+                        world_size,
+                        rank,
+                        listen_port,
+                        job_id,
+                        nonce,
+                    }
+                },
+            )
+    }
+
+    fn any_refusal() -> impl Strategy<Value = Option<Refusal>> {
+        prop_oneof![
+            Just(None),
+            (1u32..=10).prop_map(|c| Some(Refusal::from_code(c).expect("codes 1 to 10")))
+        ]
+    }
+
+    fn any_reply() -> impl Strategy<Value = Reply> {
+        (
+            any_refusal(),
+            any::<[u8; NONCE_LEN]>(),
+            any::<[u8; NONCE_LEN]>(),
+            "\\PC{0,40}",
+        )
+            .prop_map(|(refusal, nonce, proof, reason)| Reply {
+                refusal,
+                nonce,
+                proof,
+                reason,
+            })
+    }
+
+    fn any_status() -> impl Strategy<Value = Status> {
+        prop_oneof![
+            Just(Status::Ready),
+            Just(Status::Go),
+            "\\PC{0,40}".prop_map(Status::Failed)
+        ]
+    }
+
+    fn any_addr() -> impl Strategy<Value = std::net::SocketAddr> {
+        prop_oneof![
+            (any::<[u8; 4]>(), any::<u16>())
+                .prop_map(|(ip, port)| std::net::SocketAddr::from((ip, port))),
+            (any::<[u8; 16]>(), any::<u16>()).prop_map(|(ip, port)| {
+                std::net::SocketAddr::from((std::net::Ipv6Addr::from(ip), port))
+            }),
+        ]
+    }
+
+    fn any_tuning() -> impl Strategy<Value = Tuning> {
+        (1..=Tuning::MAX_PIECE_KB, 1..=Tuning::MAX_LANES).prop_map(|(ring_piece_kb, lanes)| {
+            Tuning {
+                ring_piece_kb,
+                lanes,
+            }
+        })
+    }
+
+    /// Bytes that start like a real message often enough to reach the later checks.
+    fn noisy(valid: Vec<u8>) -> impl Strategy<Value = Vec<u8>> {
+        let len = valid.len();
+        (
+            proptest::collection::vec((0..len.max(1), any::<u8>()), 0..4),
+            0..=len + 8,
+        )
+            .prop_map(move |(flips, cut)| {
+                let mut b = valid.clone();
+                for (at, x) in flips {
+                    if at < b.len() {
+                        b[at] = x;
+                    }
+                }
+                b.resize(cut, 0xee);
+                b
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..300), n in 0usize..64) {
+            let _ = Hello::decode(&b);
+            let _ = Reply::decode(&b);
+            let _ = Status::decode(&b);
+            let _ = decode_table_head(&b);
+            let _ = decode_table_entries(&b, n);
+        }
+
+        #[test]
+        fn hello_round_trips_and_cut_hellos_are_errors(h in any_hello(), cut in 0..HELLO_LEN) {
+            let b = h.encode();
+            prop_assert_eq!(Hello::decode(&b), Ok(h));
+            prop_assert!(
+                matches!(Hello::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                "{} bytes decoded", cut
+            );
+        }
+
+        #[test]
+        fn damaged_hellos_never_panic(b in any_hello().prop_flat_map(|h| noisy(h.encode().to_vec()))) {
+            if let Ok(h) = Hello::decode(&b) {
+                // Whatever decodes re-encodes to the bytes it came from.
+                prop_assert_eq!(&h.encode()[..], &b[..HELLO_LEN]);
+            }
+        }
+
+        #[test]
+        fn reply_round_trips_and_cut_replies_are_errors(r in any_reply(), cut in 0..REPLY_LEN) {
+            let b = r.encode();
+            let d = Reply::decode(&b).expect("decodes");
+            // Reasons are cut at REASON_LEN bytes, on a character boundary.
+            prop_assert!(r.reason.starts_with(&d.reason));
+            prop_assert!(d.reason.len() <= REASON_LEN);
+            prop_assert!(d.reason.len() + 3 >= r.reason.len().min(REASON_LEN));
+            prop_assert_eq!((d.refusal, d.nonce, d.proof), (r.refusal, r.nonce, r.proof));
+            prop_assert!(
+                matches!(Reply::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                "{} bytes decoded", cut
+            );
+        }
+
+        #[test]
+        fn damaged_replies_never_panic(b in any_reply().prop_flat_map(|r| noisy(r.encode().to_vec()))) {
+            let _ = Reply::decode(&b);
+        }
+
+        #[test]
+        fn status_round_trips_and_cut_statuses_are_errors(s in any_status(), rank in any::<u32>(), cut in 0..STATUS_LEN) {
+            let b = s.encode(rank);
+            let (r, d) = Status::decode(&b).expect("decodes");
+            prop_assert_eq!(r, rank);
+            match (&s, &d) {
+                (Status::Failed(a), Status::Failed(b)) => prop_assert!(a.starts_with(b.as_str())),
+                _ => prop_assert_eq!(&s, &d),
+            }
+            prop_assert!(
+                matches!(Status::decode(&b[..cut]), Err(DecodeError::Truncated { .. })),
+                "{} bytes decoded", cut
+            );
+        }
+
+        #[test]
+        fn damaged_statuses_never_panic(b in any_status().prop_flat_map(|s| noisy(s.encode(1).to_vec()))) {
+            let _ = Status::decode(&b);
+        }
+
+        #[test]
+        fn table_round_trips_and_cut_tables_are_errors(
+            job in any::<u64>(),
+            tuning in any_tuning(),
+            addrs in proptest::collection::vec(any_addr(), 1..20),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let b = encode_table(job, tuning, &addrs);
+            let n = addrs.len();
+            prop_assert_eq!(decode_table_head(&b), Ok((job, n as u32, tuning)));
+            let entries = &b[TABLE_HEAD_LEN..];
+            let got = decode_table_entries(entries, n).expect("decodes");
+            prop_assert_eq!(got, addrs);
+            let head_cut = cut.index(TABLE_HEAD_LEN);
+            prop_assert!(
+                matches!(decode_table_head(&b[..head_cut]), Err(DecodeError::Truncated { .. })),
+                "{} bytes of head decoded", head_cut
+            );
+            let entries_cut = cut.index(entries.len());
+            prop_assert!(
+                matches!(decode_table_entries(&entries[..entries_cut], n), Err(DecodeError::Truncated { .. })),
+                "{} bytes of entries decoded", entries_cut
+            );
+        }
+
+        #[test]
+        fn damaged_tables_never_panic(
+            b in (any_tuning(), proptest::collection::vec(any_addr(), 1..6))
+                .prop_flat_map(|(t, a)| noisy(encode_table(7, t, &a))),
+            n in 0usize..8,
+        ) {
+            if let Ok((_, _, t)) = decode_table_head(&b) {
+                prop_assert!(t.validate().is_ok());
+            }
+            if b.len() >= TABLE_HEAD_LEN {
+                let _ = decode_table_entries(&b[TABLE_HEAD_LEN..], n);
+            }
+        }
+    }
+}
