@@ -79,6 +79,10 @@ pub fn unexpected() -> Result<(), String> {
             "peak RSS grew by {grown} bytes with a budget of {DEFAULT_UNEXPECTED_LIMIT}"
         );
         drop(buf);
+        // The scenario's second half: the message larger than the whole budget arrives before
+        // its receive is posted (rank 0 sends it right after the 2 GiB), so the reader must hold
+        // it in the socket and then read it straight into the buffer posted late. Posting at
+        // once would test only the ordinary path.
         std::thread::sleep(Duration::from_secs(1));
         let mut big = vec![0u8; BIG];
         b.recv_tagged(&mut big, 0, tag)

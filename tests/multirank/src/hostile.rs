@@ -127,7 +127,8 @@ pub fn peer() -> Result<(), String> {
     }
     let b = join();
     let start = peak_rss();
-    // The scenario: flooded while receiving nothing.
+    // The scenario: flooded while receiving nothing (for longer than the hostile rank takes to
+    // send its flood, so that what arrives must be bounded by the budget, not by our reading).
     std::thread::sleep(Duration::from_secs(2));
     let mut msg = vec![0u8; FLOOD_MSG];
     for k in 0..FLOOD_COUNT {
