@@ -40,13 +40,13 @@ pub mod testing;
 pub mod wire;
 
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
+use dist_core::{Backend, DistError, Group, Link, Meta, Result, Tag, Transport, Tuning};
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
@@ -55,8 +55,9 @@ pub use config::{
 pub use launch::{LaunchEnv, Launcher};
 pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
+pub use peer::TcpRecv;
 use peer::{Aborts, Limits, Peer};
-use wire::{FrameKind, Tuning};
+use wire::FrameKind;
 
 /// Default largest message a peer may send ([`TcpConfig::max_message`]).
 pub const DEFAULT_MAX_MESSAGE: u64 = 16 << 30;
@@ -96,15 +97,8 @@ struct Shared {
     linger: Duration,
     peers: Vec<Arc<Peer>>,
     aborts: Arc<Aborts>,
-    collectives: AtomicU64,
-    abort_sent: AtomicBool,
-    /// Whether large sends and receives run on separate threads (see `send_recv_meta`).
+    /// Whether large sends and receives run on separate threads (see [`TcpLink::send`]).
     parallel: bool,
-    /// The job's tuning, as rank 0 chose it (see [`local_tuning`]).
-    tuning: Tuning,
-    /// The thread that runs a second lane, started on first use (`None` inside if it could
-    /// not be): starting one per call costs more than a 1 MiB all_reduce saves.
-    lane: OnceLock<Option<rayon::ThreadPool>>,
     /// How long a peer may be silent before it is declared unresponsive.
     peer_timeout: Duration,
     /// The backend is being dropped: connections ending now are no faults.
@@ -131,7 +125,7 @@ fn parallel_for(cfg: &TcpConfig) -> bool {
         .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
 }
 
-/// This rank's choice of the job's [`Tuning`] (rank 0's is the job's): what `cfg` says, else
+/// This rank's choice of the group's [`Tuning`] (rank 0's is the group's): what `cfg` says, else
 /// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, or 1 MiB when
 ///   a send and its receive run on separate cores;
 /// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
@@ -140,7 +134,7 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
     let piece_default = if parallel {
         1 << 10
     } else {
-        (dist_core::collectives::RING_PIECE >> 10) as u32
+        Tuning::default().ring_piece_kb
     };
     Tuning {
         ring_piece_kb: cfg
@@ -155,10 +149,39 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 }
 
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
+///
+/// It owns the job's collective [`Group`] over its [`TcpLink`]: the collectives
+/// ([`dist_core::Collectives`]) are methods on it.
 pub struct TcpBackend {
+    shared: Arc<Shared>,
+    /// Declared before `threads`, so dropped first: the lane thread ends before the
+    /// connections close.
+    group: Group<TcpLink>,
+    /// Held for its `Drop`, which closes the connections in order.
+    _threads: Threads,
+}
+
+/// The backend's threads (a reader per peer, the liveness thread); dropping this closes the
+/// connections in order (see its `Drop`).
+struct Threads {
     shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
     liveness: Option<JoinHandle<()>>,
+}
+
+/// The TCP transport's [`Link`]: frames over the mesh of connections, a posted receive filled
+/// straight from the socket, abort notices as frames. A [`TcpBackend`]'s collective group runs
+/// over it.
+#[derive(Clone)]
+pub struct TcpLink(Arc<Shared>);
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("rank", &self.0.rank)
+            .field("world_size", &self.0.world)
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -191,7 +214,7 @@ impl TcpBackend {
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
         let parallel = parallel_for(&cfg);
-        let (streams, tuning) = init::form(&cfg, local_tuning(&cfg, parallel))?;
+        let streams = init::form(&cfg)?;
         let me = cfg.rank;
         let aborts = Arc::new(Aborts::default());
         let limits = Limits {
@@ -213,11 +236,7 @@ impl TcpBackend {
             linger: cfg.linger,
             peers,
             aborts,
-            collectives: AtomicU64::new(0),
-            abort_sent: AtomicBool::new(false),
             parallel,
-            tuning,
-            lane: OnceLock::new(),
             peer_timeout: cfg.peer_timeout,
             closing: AtomicBool::new(false),
             faults: Default::default(),
@@ -226,7 +245,11 @@ impl TcpBackend {
             trace_dir: cfg.trace_dir.clone(),
             trace_lock: std::sync::Mutex::new(()),
         });
-        let mut readers = Vec::new();
+        let mut threads = Threads {
+            shared: shared.clone(),
+            readers: Vec::new(),
+            liveness: None,
+        };
         for p in shared.peers.iter() {
             let Some(stream) = p.reader_stream() else {
                 continue;
@@ -275,7 +298,7 @@ impl TcpBackend {
                     context: "spawn a reader thread".into(),
                     source,
                 })?;
-            readers.push(handle);
+            threads.readers.push(handle);
         }
         let weak = Arc::downgrade(&shared);
         let (world, interval) = (
@@ -290,10 +313,15 @@ impl TcpBackend {
                 context: "spawn the liveness thread".into(),
                 source,
             })?;
+        threads.liveness = Some(liveness);
+        // The group forms over the mesh: rank 0's tuning goes to every rank. Should it fail,
+        // `threads` closes the connections on its way out.
+        let link = TcpLink(shared.clone());
+        let group = Group::form(link, local_tuning(&cfg, parallel), cfg.timeout)?;
         Ok(TcpBackend {
             shared,
-            readers,
-            liveness: Some(liveness),
+            group,
+            _threads: threads,
         })
     }
 
@@ -313,19 +341,6 @@ impl TcpBackend {
         self.shared.add_hook(Arc::new(hook));
     }
 
-    fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
-        self.shared
-            .peers
-            .get(r)
-            .map(|p| &**p)
-            .ok_or_else(|| DistError::InvalidRank {
-                rank: self.shared.rank,
-                op: op(),
-                given: r,
-                world_size: self.shared.world,
-            })
-    }
-
     /// The abort notices received so far.
     pub fn abort_notices(&self) -> Vec<AbortNotice> {
         self.shared.aborts.notices()
@@ -339,90 +354,94 @@ impl TcpBackend {
     }
 }
 
-impl Transport for TcpBackend {
-    /// Sends `data` to `dst` on `tag` with sixteen bytes of `meta` for the receiver (the
-    /// collectives use it for their call descriptor).
-    fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
-        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
-        let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
-        self.peer(dst, &op)?
-            .send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
+impl TcpLink {
+    fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
+        self.0
+            .peers
+            .get(r)
+            .map(|p| &**p)
+            .ok_or_else(|| DistError::InvalidRank {
+                rank: self.0.rank,
+                op: op(),
+                given: r,
+                world_size: self.0.world,
+            })
+    }
+}
+
+impl Link for TcpLink {
+    type Recv<'a> = TcpRecv<'a>;
+
+    fn rank(&self) -> usize {
+        self.0.rank
     }
 
-    /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
-    fn recv_meta(&self, buf: &mut [u8], src: usize, tag: Tag, deadline: Instant) -> Result<Meta> {
-        let len = buf.len();
-        let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
-        self.peer(src, &op)?.recv(buf, tag.to_wire(), deadline, &op)
+    fn world_size(&self) -> usize {
+        self.0.world
     }
 
-    /// Sends `send` to `dst` while receiving `recv` from `src`, both on `tag`: the receive is
-    /// posted first, so the payload lands in `recv` as it arrives, with no copy, while this
-    /// thread writes; then runs `meanwhile` while the receive may still be arriving. Returns the
-    /// received message's meta.
-    fn send_recv_meta_while(
+    /// Writes one frame to `dst`. Beside a posted receive, one thread keeps both directions
+    /// going: the frame is written without blocking and, whenever the socket is full, the
+    /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`]) a large send
+    /// instead blocks on this thread while the peer's reader thread takes the receive: the two
+    /// copies run on two cores.
+    fn send(
         &self,
-        (send, dst): (&[u8], usize),
-        (recv, src): (&mut [u8], usize),
+        data: &[u8],
+        dst: usize,
         tag: Tag,
         meta: Meta,
         deadline: Instant,
-        meanwhile: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Meta> {
-        let rlen = recv.len();
-        let rop = || format!("recv from {src} (tag {tag}, {rlen} bytes)");
-        let src_peer = self.peer(src, &rop)?;
-        let sop = || format!("send to {dst} (tag {tag}, {} bytes)", send.len());
-        let dst_peer = self.peer(dst, &sop)?;
-        // With cores to spare, a large send and its receive run on two threads at once (this
-        // one writes, the peer's reader thread reads); otherwise one thread moves both without
-        // blocking, which avoids the thread switches a crowded machine pays for.
-        let parallel = send.len() >= PARALLEL_MIN && self.shared.parallel;
-        src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, parallel, |posted| {
-            match posted {
-                Some(id) if !parallel => dst_peer.send_while_receiving(
-                    tag.to_wire(),
-                    send,
-                    meta,
-                    &sop,
-                    src_peer,
-                    id,
-                    deadline,
-                ),
-                _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop, deadline),
-            }?;
-            meanwhile()
-        })
+        beside: Option<&TcpRecv<'_>>,
+    ) -> Result<()> {
+        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+        let dst_peer = self.peer(dst, &op)?;
+        let long = self.0.parallel && data.len() >= PARALLEL_MIN;
+        match beside.and_then(|r| r.id().map(|id| (r.peer(), id))) {
+            Some((src, id)) if !long => {
+                dst_peer.send_while_receiving(tag.to_wire(), data, meta, &op, src, id, deadline)
+            }
+            Some((src, _)) => {
+                src.wake_reader_now();
+                dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
+            }
+            None => dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline),
+        }
+    }
+
+    /// Posts the receive in `src`'s table: the payload lands in `buf` as it arrives, with no
+    /// copy, whichever thread reads the socket.
+    unsafe fn post<'a>(
+        &'a self,
+        buf: &'a mut [u8],
+        src: usize,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<TcpRecv<'a>> {
+        let len = buf.len();
+        let peer = self.peer(src, &|| format!("recv from {src} (tag {tag}, {len} bytes)"))?;
+        // SAFETY: the caller does not leak the handle (this function's own contract).
+        Ok(unsafe { peer.post(buf, tag.to_wire(), deadline, None) })
     }
 
     /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
     /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
     /// fit).
-    fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
-        self.shared.peers.get(src)?.peek(tag.to_wire())
+    fn peek(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
+        self.0.peers.get(src)?.peek(tag.to_wire())
     }
 
-    /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
-    /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early. Only the
-    /// first call sends anything: a rank reports its first failure (its own, or one it heard of
-    /// and passes on, so that ranks that have not heard yet do before they see this one leave).
-    fn broadcast_abort(&self, tag: Tag, reason: &str) {
-        self.broadcast_abort_naming(tag, reason, None);
-    }
-
-    /// [`Transport::broadcast_abort`] naming the rank at fault: the notice carries it (abort
-    /// frame meta bytes 0..8, rank + 1), and the other ranks' errors name it as the origin.
-    /// Notices go out from threads of their own; this waits for them 500 ms at most, so a
-    /// peer that does not read (stopped, or its buffers full) holds nobody up.
-    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
-        if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // Remember it here too: this rank's later collectives (and other threads' waits on
-        // system tags) fail at once with it, as they do on the ranks that hear of it.
-        if self.shared.aborts.notices().is_empty() {
-            self.shared.note_abort(AbortNotice {
-                from: self.shared.rank,
+    /// Remembers the abort here (this rank's later collectives, and other threads' waits on
+    /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
+    /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
+    /// flight record (`DIST_TRACE_DIR`). Notices go out from threads of their own; this waits
+    /// for them 500 ms at most, so a peer that does not read (stopped, or its buffers full)
+    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`].
+    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let shared = &self.0;
+        if shared.aborts.notices().is_empty() {
+            shared.note_abort(AbortNotice {
+                from: shared.rank,
                 culprit,
                 tag,
                 reason: reason.to_string(),
@@ -433,25 +452,16 @@ impl Transport for TcpBackend {
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        self.shared.send_abort_notices(tag, &reason[..cut], culprit);
-        self.shared.write_trace();
-    }
-
-    fn flight(&self) -> Option<&FlightRecorder> {
-        Some(&self.shared.flight)
-    }
-
-    /// This rank's position from its own record, every peer's from its last heartbeat.
-    fn positions(&self) -> Option<String> {
-        Some(self.shared.positions_text())
+        shared.send_abort_notices(tag, &reason[..cut], culprit);
+        shared.write_trace();
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
         // Every collective asks: the common answer costs one atomic load.
-        if !self.shared.aborts.raised() {
+        if !self.0.aborts.raised() {
             return None;
         }
-        self.shared
+        self.0
             .aborts
             .notices()
             .into_iter()
@@ -459,41 +469,21 @@ impl Transport for TcpBackend {
             .map(|n| (n.origin(), n.reason))
     }
 
-    fn next_collective(&self) -> u64 {
-        self.shared.collectives.fetch_add(1, Ordering::Relaxed)
+    fn flight(&self) -> Option<&FlightRecorder> {
+        Some(&self.0.flight)
     }
 
-    fn ring_piece(&self) -> usize {
-        (self.shared.tuning.ring_piece_kb as usize) << 10
+    /// This rank's position from its own record, every peer's from its last heartbeat.
+    fn positions(&self) -> Option<String> {
+        Some(self.0.positions_text())
     }
+}
 
-    fn lanes(&self) -> usize {
-        self.shared.tuning.lanes as usize
-    }
+impl Transport for TcpBackend {
+    type Link = TcpLink;
 
-    fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
-        // A caller that is itself a worker of some rayon pool would, waiting for the lane, run
-        // other jobs of its own pool in the meantime (rayon's scopes wait by working), which
-        // could be another collective on this thread: there the lane gets a thread of its own.
-        if rayon::current_thread_index().is_some() {
-            return dist_core::run_beside_scoped(first, second);
-        }
-        let me = self.shared.rank;
-        let pool = self.shared.lane.get_or_init(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .thread_name(move |_| format!("dist-lane-{me}"))
-                .build()
-                .map_err(|e| tracing::debug!(rank = me, error = %e, "no lane thread"))
-                .ok()
-        });
-        match pool {
-            Some(pool) => pool.in_place_scope(|s| {
-                s.spawn(|_| second());
-                first();
-            }),
-            None => dist_core::run_beside_scoped(first, second),
-        }
+    fn group(&self) -> &Group<TcpLink> {
+        &self.group
     }
 }
 
@@ -522,7 +512,11 @@ impl Backend for TcpBackend {
 
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
         self.recorded("send", data.len(), dst, || {
-            self.send_meta(data, dst, tag, [0; 16])
+            let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+            let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
+            self.group
+                .link()
+                .send(data, dst, tag, [0; 16], deadline, None)
         })
     }
 
@@ -538,7 +532,12 @@ impl Backend for TcpBackend {
             format!("recv from {src} (tag {tag}, {len} bytes)")
         })?;
         self.recorded("recv", len, src, || {
-            self.recv_meta(buf, src, tag, deadline).map(|_| ())
+            let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
+            self.group
+                .link()
+                .peer(src, &op)?
+                .recv(buf, tag.to_wire(), deadline, &op)
+                .map(|_| ())
         })
     }
 
@@ -560,7 +559,7 @@ fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -
         })
 }
 
-impl Drop for TcpBackend {
+impl Drop for Threads {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);

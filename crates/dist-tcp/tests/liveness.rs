@@ -228,18 +228,22 @@ fn an_abort_notice_is_not_held_up_by_a_peer_that_does_not_read() {
     );
     let mut s2 = raw[2].take().unwrap();
     s2.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    // Heartbeats may come first; the abort notice follows within the read timeout.
+    // Rank 0's tuning (the group forming) and heartbeats may come first; the abort notice
+    // follows within the read timeout.
     loop {
         let mut h = [0u8; FRAME_HEADER_LEN];
         s2.read_exact(&mut h).unwrap();
         let h = FrameHeader::decode(&h).unwrap();
-        if h.kind == FrameKind::Abort {
-            let mut text = vec![0u8; h.len as usize];
-            s2.read_exact(&mut text).unwrap();
-            assert_eq!(text, b"gave up");
-            break;
+        let mut payload = vec![0u8; h.len as usize];
+        s2.read_exact(&mut payload).unwrap();
+        match h.kind {
+            FrameKind::Abort => {
+                assert_eq!(payload, b"gave up");
+                break;
+            }
+            FrameKind::Data => assert_eq!(h.tag, dist_core::collectives::GROUP_TAG.to_wire()),
+            kind => assert_eq!(kind, FrameKind::Heartbeat),
         }
-        assert_eq!(h.kind, FrameKind::Heartbeat);
     }
     drop(raw);
     assert!(big.join().unwrap().is_err());
