@@ -1,6 +1,7 @@
 //! A [`Link`] in memory, for tests: `n` ranks in one process (a thread each), their messages
-//! moved through per-rank inboxes, with faults to inject. A rank can die ([`MemLink::kill`]),
-//! and a message can be delivered late or never ([`MemLink::set_faults`]): late messages on
+//! moved through per-rank inboxes, with faults to inject. A rank can die ([`MemLink::kill`], or
+//! as it sends a chosen message), and a message can be delivered late or never
+//! ([`MemLink::set_faults`]): late messages on
 //! one tag still arrive in order, so delaying one tag reorders it against the others, and a
 //! message never delivered is a sender that stalled before it left. No socket, no timer
 //! thread: waits sleep on a condition variable until their message, its delivery time or their
@@ -56,6 +57,9 @@ pub enum Delivery {
     After(Duration),
     /// It never arrives: its sender stalled before it left (the send itself succeeds).
     Never,
+    /// Its sender dies as it sends it ([`MemLink::kill`]): the message is lost and the send
+    /// fails.
+    Die,
 }
 
 type FaultHook = dyn Fn(&Envelope) -> Delivery + Send + Sync;
@@ -326,6 +330,10 @@ impl Link for MemLink {
             Delivery::Now => Instant::now(),
             Delivery::After(d) => Instant::now() + d,
             Delivery::Never => return Ok(()),
+            Delivery::Die => {
+                self.kill();
+                return Err(self.gone(dst, op()));
+            }
         };
         let mut inbox = self.mesh.lock(dst);
         inbox
@@ -366,7 +374,11 @@ impl Link for MemLink {
         Some((m.data.len(), m.meta))
     }
 
+    /// A dead rank's notice reaches nobody (a process that died sends nothing).
     fn abort(&self, _tag: Tag, reason: &str, culprit: Option<usize>) {
+        if self.dead(self.me) {
+            return;
+        }
         let origin = culprit.unwrap_or(self.me);
         for (r, rank) in self.mesh.ranks.iter().enumerate() {
             let mut inbox = self.mesh.lock(r);
