@@ -374,13 +374,17 @@ impl Link for MemLink {
         Some((m.data.len(), m.meta))
     }
 
-    /// A dead rank's notice reaches nobody (a process that died sends nothing).
+    /// A dead rank's notice reaches nobody, and no notice reaches a dead rank (a process that
+    /// died sends and hears nothing).
     fn abort(&self, _tag: Tag, reason: &str, culprit: Option<usize>) {
         if self.dead(self.me) {
             return;
         }
         let origin = culprit.unwrap_or(self.me);
         for (r, rank) in self.mesh.ranks.iter().enumerate() {
+            if self.dead(r) {
+                continue;
+            }
             let mut inbox = self.mesh.lock(r);
             inbox.aborts.push((origin, reason.to_string()));
             rank.cond.notify_all();

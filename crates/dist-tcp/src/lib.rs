@@ -31,6 +31,7 @@
 mod config;
 mod init;
 pub mod launch;
+mod link;
 mod liveness;
 mod peer;
 mod record;
@@ -46,18 +47,18 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{Backend, DistError, Group, Link, Meta, Result, Tag, Transport, Tuning};
+use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning};
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
     TcpConfig,
 };
 pub use launch::{LaunchEnv, Launcher};
+pub use link::TcpLink;
 pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
 pub use peer::TcpRecv;
 use peer::{Aborts, Limits, Peer};
-use wire::FrameKind;
 
 /// Default largest message a peer may send ([`TcpConfig::max_message`]).
 pub const DEFAULT_MAX_MESSAGE: u64 = 16 << 30;
@@ -167,21 +168,6 @@ struct Threads {
     shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
     liveness: Option<JoinHandle<()>>,
-}
-
-/// The TCP transport's [`Link`]: frames over the mesh of connections, a posted receive filled
-/// straight from the socket, abort notices as frames. A [`TcpBackend`]'s collective group runs
-/// over it.
-#[derive(Clone)]
-pub struct TcpLink(Arc<Shared>);
-
-impl std::fmt::Debug for TcpLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpLink")
-            .field("rank", &self.0.rank)
-            .field("world_size", &self.0.world)
-            .finish()
-    }
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -351,131 +337,6 @@ impl TcpBackend {
     /// `dist-hybrid`) write theirs beside it.
     pub fn trace_dir(&self) -> Option<&std::path::Path> {
         self.shared.trace_dir.as_deref()
-    }
-}
-
-impl TcpLink {
-    fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
-        self.0
-            .peers
-            .get(r)
-            .map(|p| &**p)
-            .ok_or_else(|| DistError::InvalidRank {
-                rank: self.0.rank,
-                op: op(),
-                given: r,
-                world_size: self.0.world,
-            })
-    }
-}
-
-impl Link for TcpLink {
-    type Recv<'a> = TcpRecv<'a>;
-
-    fn rank(&self) -> usize {
-        self.0.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.0.world
-    }
-
-    /// Writes one frame to `dst`. Beside a posted receive, one thread keeps both directions
-    /// going: the frame is written without blocking and, whenever the socket is full, the
-    /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`]) a large send
-    /// instead blocks on this thread while the peer's reader thread takes the receive: the two
-    /// copies run on two cores.
-    fn send(
-        &self,
-        data: &[u8],
-        dst: usize,
-        tag: Tag,
-        meta: Meta,
-        deadline: Instant,
-        beside: Option<&TcpRecv<'_>>,
-    ) -> Result<()> {
-        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
-        let dst_peer = self.peer(dst, &op)?;
-        let long = self.0.parallel && data.len() >= PARALLEL_MIN;
-        match beside.and_then(|r| r.id().map(|id| (r.peer(), id))) {
-            Some((src, id)) if !long => {
-                dst_peer.send_while_receiving(tag.to_wire(), data, meta, &op, src, id, deadline)
-            }
-            Some((src, _)) => {
-                src.wake_reader_now();
-                dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
-            }
-            None => dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline),
-        }
-    }
-
-    /// Posts the receive in `src`'s table: the payload lands in `buf` as it arrives, with no
-    /// copy, whichever thread reads the socket.
-    unsafe fn post<'a>(
-        &'a self,
-        buf: &'a mut [u8],
-        src: usize,
-        tag: Tag,
-        deadline: Instant,
-    ) -> Result<TcpRecv<'a>> {
-        let len = buf.len();
-        let peer = self.peer(src, &|| format!("recv from {src} (tag {tag}, {len} bytes)"))?;
-        // SAFETY: the caller does not leak the handle (this function's own contract).
-        Ok(unsafe { peer.post(buf, tag.to_wire(), deadline, None) })
-    }
-
-    /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
-    /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
-    /// fit).
-    fn peek(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
-        self.0.peers.get(src)?.peek(tag.to_wire())
-    }
-
-    /// Remembers the abort here (this rank's later collectives, and other threads' waits on
-    /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
-    /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
-    /// flight record (`DIST_TRACE_DIR`). Notices go out from threads of their own; this waits
-    /// for them 500 ms at most, so a peer that does not read (stopped, or its buffers full)
-    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`].
-    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
-        let shared = &self.0;
-        if shared.aborts.notices().is_empty() {
-            shared.note_abort(AbortNotice {
-                from: shared.rank,
-                culprit,
-                tag,
-                reason: reason.to_string(),
-            });
-        }
-        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
-        let mut cut = reason.len().min(peer::ABORT_MAX);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        shared.send_abort_notices(tag, &reason[..cut], culprit);
-        shared.write_trace();
-    }
-
-    fn abort_notice(&self) -> Option<(usize, String)> {
-        // Every collective asks: the common answer costs one atomic load.
-        if !self.0.aborts.raised() {
-            return None;
-        }
-        self.0
-            .aborts
-            .notices()
-            .into_iter()
-            .next()
-            .map(|n| (n.origin(), n.reason))
-    }
-
-    fn flight(&self) -> Option<&FlightRecorder> {
-        Some(&self.0.flight)
-    }
-
-    /// This rank's position from its own record, every peer's from its last heartbeat.
-    fn positions(&self) -> Option<String> {
-        Some(self.0.positions_text())
     }
 }
 

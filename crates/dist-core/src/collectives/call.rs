@@ -12,7 +12,7 @@ use crate::group::Group;
 use crate::link::{Link, PostedRecv};
 use crate::types::{Element, ReduceOp};
 
-use super::COLLECTIVE_TAG;
+use super::consts::COLLECTIVE_TAG;
 use super::desc::{Desc, Kind};
 
 /// One collective call in progress: the group, this rank, the descriptor and the deadline.

@@ -5,8 +5,8 @@ use crate::error::Result;
 use crate::link::Link;
 use crate::types::Element;
 
-use super::CHAIN_CHUNK;
 use super::call::Call;
+use super::consts::CHAIN_CHUNK;
 use super::ring::Ring;
 use super::scratch::{bytes, bytes_mut, split_pair};
 

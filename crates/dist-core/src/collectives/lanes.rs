@@ -9,8 +9,9 @@ use super::call::{Call, abort_all};
 /// Whether a collective moving `bytes` in all runs two rings (or chains) at once: the group
 /// has two lanes, there are three ranks or more (with two, both rings would share the one
 /// connection), and `bytes` reaches the collective's threshold `min`
-/// ([`TWO_RINGS_MIN`](super::TWO_RINGS_MIN), [`ALL_GATHER_TWO_RINGS_MIN`](super::ALL_GATHER_TWO_RINGS_MIN),
-/// [`BROADCAST_TWO_CHAINS_MIN`](super::BROADCAST_TWO_CHAINS_MIN)).
+/// ([`TWO_RINGS_MIN`](super::consts::TWO_RINGS_MIN),
+/// [`ALL_GATHER_TWO_RINGS_MIN`](super::consts::ALL_GATHER_TWO_RINGS_MIN),
+/// [`BROADCAST_TWO_CHAINS_MIN`](super::consts::BROADCAST_TWO_CHAINS_MIN)).
 pub(super) fn two_rings<L: Link>(c: &Call<'_, L>, bytes: usize, min: usize) -> bool {
     c.g.tuning().lanes >= 2 && c.n >= 3 && bytes >= min
 }

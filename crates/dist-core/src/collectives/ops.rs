@@ -10,6 +10,10 @@ use crate::types::{Element, ReduceOp};
 
 use super::call::{Call, What, finish, premul, run};
 use super::chain::broadcast_chain;
+use super::consts::{
+    ALL_GATHER_TWO_RINGS_MIN, ALL_REDUCE_RING_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN,
+    REDUCE_RING_MIN, TWO_RINGS_MIN,
+};
 use super::desc::Kind;
 use super::lanes::{two_lanes, two_rings};
 use super::pairwise::exchange;
@@ -18,10 +22,6 @@ use super::ring::{
 };
 use super::scratch::{segments, with_scratch};
 use super::tree::{all_reduce_doubling, broadcast_tree, reduce_tree};
-use super::{
-    ALL_GATHER_TWO_RINGS_MIN, ALL_REDUCE_RING_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN,
-    REDUCE_RING_MIN, TWO_RINGS_MIN,
-};
 
 fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
     What {

@@ -11,9 +11,9 @@ use crate::link::Link;
 use crate::types::{Element, ReduceOp};
 
 use super::call::{Call, finish, premul};
+use super::consts::{COLLECTIVE_TAG, SECOND_RING_TAG, TWO_RINGS_MIN};
 use super::lanes::{two_lanes, two_rings};
 use super::scratch::{bytes, bytes_mut, seg_pair, segments, split_pair, with_scratch};
-use super::{COLLECTIVE_TAG, SECOND_RING_TAG, TWO_RINGS_MIN};
 
 /// One ring through all ranks: this rank's position on it, its neighbours and the tag its
 /// messages travel on. Segment `i` of a ring's data belongs to position `i`.
