@@ -14,7 +14,7 @@ use crate::wire::FrameKind;
 use crate::{PARALLEL_MIN, Shared};
 
 /// The TCP transport's [`Link`]: frames over the mesh of connections, a posted receive filled
-/// straight from the socket, abort notices as frames. A [`TcpBackend`]'s collective group runs
+/// straight from the socket, abort notices as frames. A [`TcpBackend`](crate::TcpBackend)'s collective group runs
 /// over it.
 #[derive(Clone)]
 pub struct TcpLink(pub(crate) Arc<Shared>);
@@ -56,7 +56,7 @@ impl Link for TcpLink {
 
     /// Writes one frame to `dst`. Beside a posted receive, one thread keeps both directions
     /// going: the frame is written without blocking and, whenever the socket is full, the
-    /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`]) a large send
+    /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`](crate::TcpConfig::parallel)) a large send
     /// instead blocks on this thread while the peer's reader thread takes the receive: the two
     /// copies run on two cores.
     fn send(
@@ -110,7 +110,7 @@ impl Link for TcpLink {
     /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
     /// flight record (`DIST_TRACE_DIR`). Notices go out from threads of their own; this waits
     /// for them 500 ms at most, so a peer that does not read (stopped, or its buffers full)
-    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`].
+    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
     fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
         let shared = &self.0;
         if shared.aborts.notices().is_empty() {
