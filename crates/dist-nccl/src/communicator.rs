@@ -17,6 +17,18 @@ use crate::shared::{Abort, Shared, cuda, nccl_error};
 use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
 
+/// The stream a communicator's calls go on (see [`CommConfig::own_stream`]).
+pub(crate) fn comm_stream(
+    ctx: &Arc<CudaContext>,
+    cfg: &CommConfig,
+) -> std::result::Result<Arc<CudaStream>, cudarc::driver::DriverError> {
+    if cfg.own_stream {
+        ctx.new_stream()
+    } else {
+        Ok(ctx.default_stream())
+    }
+}
+
 /// How to create a communicator.
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -35,6 +47,13 @@ pub struct CommConfig {
     /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
     /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
     pub nonblocking_calls: bool,
+    /// Give the communicator a stream of its own (created with it) instead of the context's
+    /// default stream. Calls then overlap with work on the default stream, but the context has
+    /// two streams, which puts cudarc in multi-stream mode: from then on every use of a buffer
+    /// (every call's, and every kernel's on it) waits on and records cudarc events (stream
+    /// commands; `docs/benchmarks.md` measures them). Off by default: the calls go on the
+    /// context's default stream, where a program using that one stream pays none of this.
+    pub own_stream: bool,
 }
 
 impl Default for CommConfig {
@@ -46,11 +65,12 @@ impl Default for CommConfig {
             max_ctas: None,
             name: None,
             nonblocking_calls: false,
+            own_stream: false,
         }
     }
 }
 
-/// A member of an NCCL communicator, bound to one GPU, with its own stream and watchdog.
+/// A member of an NCCL communicator, bound to one GPU, with its stream and watchdog.
 ///
 /// `Communicator` is `Sync`: threads may share one, and every NCCL call on it runs under its
 /// lock, one at a time, as NCCL requires. Calls from several threads are enqueued in the order
@@ -187,7 +207,7 @@ impl Communicator {
         let n = devices.len();
         let mut out = Vec::with_capacity(n);
         for (i, (comm, ctx)) in comms.into_iter().zip(ctxs).enumerate() {
-            let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
+            let stream = comm_stream(&ctx, &cfg).map_err(cuda(&who, "create a stream"))?;
             let name = format!("nccl comm rank {i}/{n} on cuda:{} (init_all)", devices[i]);
             out.push(Self::finish(
                 nccl.clone(),
@@ -282,7 +302,8 @@ impl Communicator {
         &self.ctx
     }
 
-    /// The communicator's own stream, on which [`Communicator`]'s calls run.
+    /// The stream [`Communicator`]'s calls run on: the context's default stream, or one of its
+    /// own with [`CommConfig::own_stream`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.shared.stream
     }

@@ -118,7 +118,7 @@ impl Communicator {
             return Err(fail(e, std::ptr::null_mut()));
         }
         let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
-        let stream = match ctx.new_stream() {
+        let stream = match crate::communicator::comm_stream(&ctx, cfg) {
             Ok(s) => s,
             Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
         };

@@ -703,6 +703,7 @@ const CASES: &[Case] = &[
     ("hybrid_sigkill", nccl_failures::sigkill),
     ("hybrid_sigstop", nccl_failures::sigstop),
     ("hybrid_check_cost", nccl_failures::check_cost),
+    ("hybrid_timeout_positions", nccl_failures::timeout_positions),
 ];
 
 fn main() -> ExitCode {
