@@ -54,6 +54,13 @@ pub struct CommConfig {
     /// commands; `docs/benchmarks.md` measures them). Off by default: the calls go on the
     /// context's default stream, where a program using that one stream pays none of this.
     pub own_stream: bool,
+    /// Connect every pair of ranks while the communicator forms (within `init_timeout`), so
+    /// that no later call connects: NCCL otherwise connects two ranks inside the first call
+    /// between them, and a blocking call waiting there for a peer that never calls cannot be
+    /// ended (see `connect.rs`). On by default; a large job that does not want a connection per
+    /// pair of ranks turns it off. Collectives' rings and trees are connected at init by NCCL
+    /// itself when `NCCL_RUNTIME_CONNECT=0` is set (see the guide).
+    pub connect_peers: bool,
 }
 
 impl Default for CommConfig {
@@ -66,6 +73,7 @@ impl Default for CommConfig {
             name: None,
             nonblocking_calls: false,
             own_stream: false,
+            connect_peers: true,
         }
     }
 }
@@ -215,6 +223,7 @@ impl Communicator {
                 stream,
                 comm,
                 None,
+                std::ptr::null_mut(),
                 i,
                 n,
                 name,
@@ -232,6 +241,7 @@ impl Communicator {
         stream: Arc<CudaStream>,
         comm: ncclComm_t,
         nb: Option<ncclComm_t>,
+        sharing: ncclComm_t,
         rank: usize,
         size: usize,
         who: String,
@@ -242,6 +252,7 @@ impl Communicator {
         {
             let mut st = shared.lock();
             st.nb = nb.unwrap_or(std::ptr::null_mut());
+            st.sharing = sharing;
             if let Err(e) = shared.wait_ready(&mut st, "init", cfg.init_timeout) {
                 shared.abort_locked(&mut st, Abort::Error(e.to_string()));
                 return Err(e);
@@ -609,8 +620,10 @@ impl Drop for Communicator {
             let _ = unsafe { f(st.comm) };
             st.aborted = Some(Abort::Error("destroyed".into()));
         }
-        // The nonblocking communicator kept for splits never had work enqueued: aborting it
-        // (under the lock, never used again) only frees it.
+        // The nonblocking communicators kept (the one whose resources `comm` shared, and the
+        // one for splits) have no work left: aborting them (under the lock, never used again)
+        // only frees them.
+        split::abort_handle(&nccl, std::mem::replace(&mut st.sharing, std::ptr::null_mut()));
         split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
     }
 }
