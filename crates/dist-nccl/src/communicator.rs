@@ -623,7 +623,10 @@ impl Drop for Communicator {
         // The nonblocking communicators kept (the one whose resources `comm` shared, and the
         // one for splits) have no work left: aborting them (under the lock, never used again)
         // only frees them.
-        split::abort_handle(&nccl, std::mem::replace(&mut st.sharing, std::ptr::null_mut()));
+        split::abort_handle(
+            &nccl,
+            std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
+        );
         split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
     }
 }

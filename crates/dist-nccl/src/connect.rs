@@ -103,12 +103,13 @@ pub(crate) fn connect_peers(
         std::thread::yield_now();
     }
     // Then the transfers themselves, which need every peer's part.
-    let done = ctx
-        .new_event(None)
-        .map_err(cuda(who, "create an event"))?;
+    let done = ctx.new_event(None).map_err(cuda(who, "create an event"))?;
     done.record(&stream).map_err(cuda(who, "record an event"))?;
     loop {
-        if done.try_is_complete().map_err(cuda(who, "query an event"))? {
+        if done
+            .try_is_complete()
+            .map_err(cuda(who, "query an event"))?
+        {
             break;
         }
         if started.elapsed() > limit {

@@ -126,7 +126,9 @@ impl Communicator {
         let (rank, size) = (r as usize, n as usize);
         if cfg.nonblocking_calls {
             let none = std::ptr::null_mut();
-            return Self::finish(nccl, ctx, stream, nb, None, none, rank, size, who, name, cfg);
+            return Self::finish(
+                nccl, ctx, stream, nb, None, none, rank, size, who, name, cfg,
+            );
         }
         // With `connect_peers`, every pair of ranks connects now, on a nonblocking split of
         // `nb` whose children share its connections (`connect.rs`).

@@ -91,12 +91,14 @@ pub(crate) fn split_absent() -> Result<(), String> {
 
 /// The first point-to-point call between two ranks, and the first collective of a
 /// communicator, while the last rank never calls NCCL again. With `connect_peers` (the
-/// default) every pair of ranks connected while the communicator formed, so rank 0's send to
-/// the idle rank only enqueues, and the synchronize after it fails at the 3 s timeout (the
-/// watchdog aborts: no thread is inside NCCL). The first all_reduce on a split communicator is
+/// default) every pair of ranks connected while the communicator formed, so rank 0's receive
+/// from the idle rank only enqueues, and the synchronize after it fails at the 3 s timeout (the
+/// watchdog aborts: no thread is inside NCCL). (A small send would complete: NCCL buffers it in
+/// the connection, receive posted or not.) The first all_reduce on a split communicator is
 /// bounded the same way when NCCL connects rings and trees at init (`NCCL_RUNTIME_CONNECT=0`,
 /// which the launcher sets). Before `connect_peers`, NCCL connected the pair inside the send's
-/// `ncclGroupEnd`, which waited for the idle rank for ever: rank 0 stayed inside NCCL.
+/// `ncclGroupEnd`, which waited for the idle rank for ever: rank 0 stayed inside NCCL (2 x H200: still there
+/// after 40 s, `docs/results/2026-11-30-2xH200/s2-b-connect-absent-without.txt`).
 pub(crate) fn connect_absent() -> Result<(), String> {
     use std::sync::mpsc;
     let timeout = Duration::from_secs(3);
@@ -124,7 +126,7 @@ pub(crate) fn connect_absent() -> Result<(), String> {
             .unwrap_or_else(|e| panic!("{e}"));
         return Ok(());
     }
-    let x = up(r.comm.stream(), &[1.0f32; 256]);
+    let mut x = up(r.comm.stream(), &[1.0f32; 256]);
     let mut y = up(sub.stream(), &[1.0f32; 256]);
     let (tx, rx) = mpsc::channel();
     std::thread::scope(|s| {
@@ -132,6 +134,7 @@ pub(crate) fn connect_absent() -> Result<(), String> {
             // The collective first, on `sub`: its abort leaves `r.comm` alone (no shared
             // resources between them), while `r.comm`'s would take down its splits' parent.
             let mut lines = Vec::new();
+            println!("rank {me}: first all_reduce on the split, the idle rank absent");
             let t = Instant::now();
             let reduced = sub.all_reduce_in_place(&mut y, ReduceOp::Sum);
             let enq = t.elapsed();
@@ -144,15 +147,16 @@ pub(crate) fn connect_absent() -> Result<(), String> {
                 synced.err(),
             ));
             if me == 0 {
+                println!("rank {me}: first recv from the idle rank {idle}");
                 let t = Instant::now();
-                let sent = r.comm.send(&x, idle);
+                let got = r.comm.recv(&mut x, idle);
                 let enq = t.elapsed();
                 let synced = r.comm.synchronize();
                 lines.push((
-                    "send",
+                    "recv",
                     enq,
                     t.elapsed(),
-                    sent.err().map(|e| e.to_string()),
+                    got.err().map(|e| e.to_string()),
                     synced.err(),
                 ));
             }
