@@ -17,6 +17,22 @@ use crate::shared::{Abort, Shared, cuda, nccl_error};
 use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
 
+/// Says once per process, at info level, when NCCL will connect collectives inside their first
+/// call (`NCCL_RUNTIME_CONNECT` not `0`): such a call waits inside NCCL for every peer, and a
+/// peer that never makes it cannot be aborted under it (see `connect.rs`).
+fn runtime_connect_note() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var("NCCL_RUNTIME_CONNECT").map_or(true, |v| v.trim() != "0") {
+            tracing::info!(
+                "NCCL_RUNTIME_CONNECT is not 0: NCCL connects each collective algorithm inside \
+                 its first call, where a peer that never makes that call holds the caller; set \
+                 NCCL_RUNTIME_CONNECT=0 to connect while communicators form"
+            );
+        }
+    });
+}
+
 /// The stream a communicator's calls go on (see [`CommConfig::own_stream`]).
 pub(crate) fn comm_stream(
     ctx: &Arc<CudaContext>,
@@ -159,6 +175,7 @@ impl Communicator {
             });
         }
         let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
+        runtime_connect_note();
         ctx.bind_to_thread()
             .map_err(cuda(&who, "bind the CUDA context"))?;
         let name = split::c_name(cfg.name.as_ref());
