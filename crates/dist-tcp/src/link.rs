@@ -147,7 +147,8 @@ impl Link for TcpLink {
         Some(&self.0.flight)
     }
 
-    /// This rank's position from its own record, every peer's from its last heartbeat.
+    /// This rank's position from its own record, every live peer's from a heartbeat it sends
+    /// when asked (within `record::ASK_WAIT`; else from its last one).
     fn positions(&self) -> Option<String> {
         Some(self.0.positions_text())
     }

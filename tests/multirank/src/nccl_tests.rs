@@ -28,6 +28,12 @@ struct Rig {
 
 /// Forms the TCP job, shares a unique id from rank 0, and creates the communicator on the GPU
 /// of this rank's local rank.
+/// `CommConfig::connect_peers` for these cases: on, unless `DIST_TEST_CONNECT_PEERS=0` (to show
+/// what `nccl_connect_absent` does without it).
+fn connect_peers() -> bool {
+    std::env::var("DIST_TEST_CONNECT_PEERS").map_or(true, |v| v != "0")
+}
+
 fn rig(timeout: Duration) -> Result<Rig, String> {
     let devices = dist_nccl::cuda_device_count();
     let cfg = dist_multirank::config();
@@ -64,6 +70,7 @@ fn rig(timeout: Duration) -> Result<Rig, String> {
         CommConfig {
             timeout,
             name: Some("test".into()),
+            connect_peers: connect_peers(),
             ..CommConfig::default()
         },
     )
@@ -696,6 +703,7 @@ const CASES: &[Case] = &[
     ("nccl_group_paths", group_paths),
     ("nccl_drop_bounded", nccl_bounded::drop_bounded),
     ("nccl_split_absent", nccl_bounded::split_absent),
+    ("nccl_connect_absent", nccl_bounded::connect_absent),
     ("hybrid_mismatch_count", nccl_failures::mismatch_count),
     ("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
     ("hybrid_mismatch_op", nccl_failures::mismatch_op),
@@ -703,6 +711,7 @@ const CASES: &[Case] = &[
     ("hybrid_sigkill", nccl_failures::sigkill),
     ("hybrid_sigstop", nccl_failures::sigstop),
     ("hybrid_check_cost", nccl_failures::check_cost),
+    ("hybrid_timeout_positions", nccl_failures::timeout_positions),
 ];
 
 fn main() -> ExitCode {
