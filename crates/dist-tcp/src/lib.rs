@@ -41,8 +41,8 @@ pub mod testing;
 pub mod wire;
 
 use std::net::Shutdown;
-use std::sync::{Arc, OnceLock};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
