@@ -320,6 +320,14 @@ impl Shared {
             return;
         }
         tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");
+        // The communicator whose resources `comm` shares (its connections) is aborted first.
+        // With `comm` first, on 2 x H200, a buffer of a pending receive freed by another thread
+        // during these aborts hung that thread for good (`nccl_connect_absent`, runs s2-c and
+        // s2-e in docs/results/2026-11-30-2xH200); that case checks this order.
+        crate::split::abort_handle(
+            &self.nccl,
+            std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
+        );
         if let Ok(f) = self
             .nccl
             .get("ncclCommAbort", &self.nccl.raw().ncclCommAbort)
@@ -330,9 +338,10 @@ impl Shared {
             // the same lock, and every use checks it first.
             let _ = unsafe { f(st.comm) };
         }
-        for kept in [&mut st.sharing, &mut st.nb] {
-            crate::split::abort_handle(&self.nccl, std::mem::replace(kept, std::ptr::null_mut()));
-        }
+        crate::split::abort_handle(
+            &self.nccl,
+            std::mem::replace(&mut st.nb, std::ptr::null_mut()),
+        );
         st.aborted = Some(why);
     }
 }

@@ -186,5 +186,15 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     if me == 0 {
         r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
     }
+    // The buffers go first, while the watchdog may still be aborting the communicator of the
+    // pending receive (on 2 x H200 that once hung the freeing thread for good: runs s2-c, s2-e).
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        println!("rank {me}: drops still running after 60 s");
+        std::process::exit(2);
+    });
+    println!("rank {me}: dropping the buffers first");
+    drop((x, y));
+    println!("rank {me}: buffers dropped");
     Ok(())
 }
