@@ -354,3 +354,42 @@ fn a_bad_argument_on_one_rank_aborts_the_others() {
         );
     }
 }
+
+/// An abort heard before rank 0's tuning (a peer that gave up at once): the group forms, and
+/// its first collective fails with that abort; with no abort, a late tuning is waited for.
+#[test]
+fn an_abort_before_the_tuning_fails_the_first_collective() {
+    for abort in [true, false] {
+        let links = MemLink::mesh(3);
+        // Rank 0's tuning arrives late.
+        links[0].set_faults(|m| {
+            if m.tag == crate::collectives::GROUP_TAG {
+                Delivery::After(Duration::from_millis(50))
+            } else {
+                Delivery::Now
+            }
+        });
+        let results = run_links(links, |l| {
+            use crate::Link;
+            if abort && l.rank() == 2 {
+                l.abort(crate::Tag::system(2), "rank 2 gave up", None);
+            }
+            let g = Group::form(l, Tuning::default(), Duration::from_secs(10))?;
+            g.all_reduce(&mut [1u32; 4], ReduceOp::Sum)
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            match (abort, res) {
+                (
+                    true,
+                    Err(DistError::Aborted {
+                        origin: 2, reason, ..
+                    }),
+                ) => {
+                    assert_eq!(reason, "rank 2 gave up", "rank {r}")
+                }
+                (false, Ok(())) => {}
+                (_, other) => panic!("abort {abort}, rank {r}: {other:?}"),
+            }
+        }
+    }
+}
