@@ -63,12 +63,15 @@ pub struct CommConfig {
     /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
     /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
     pub nonblocking_calls: bool,
-    /// Give the communicator a stream of its own (created with it) instead of the context's
-    /// default stream. Calls then overlap with work on the default stream, but the context has
-    /// two streams, which puts cudarc in multi-stream mode: from then on every use of a buffer
-    /// (every call's, and every kernel's on it) waits on and records cudarc events (stream
-    /// commands; `docs/benchmarks.md` measures them). Off by default: the calls go on the
-    /// context's default stream, where a program using that one stream pays none of this.
+    /// Give the communicator a stream of its own (created with it; the default). Calls then
+    /// overlap with work on the context's default stream, and the watchdog watches only this
+    /// communicator's work; but the context has two streams, which puts cudarc in multi-stream
+    /// mode: every use of a buffer (every call's, and every kernel's on it) then waits on and
+    /// records cudarc events (stream commands; `docs/benchmarks.md` measures them). `false`:
+    /// the calls go on the context's default stream, where a program that uses that one stream
+    /// pays none of this; the watchdog then watches that stream as a whole, so a kernel of
+    /// yours (or another communicator's work) queued there within a few milliseconds after a
+    /// call counts toward this communicator's timeout.
     pub own_stream: bool,
     /// Connect every pair of ranks while the communicator forms (within `init_timeout`), so
     /// that no later call connects: NCCL otherwise connects two ranks inside the first call
@@ -88,7 +91,7 @@ impl Default for CommConfig {
             max_ctas: None,
             name: None,
             nonblocking_calls: false,
-            own_stream: false,
+            own_stream: true,
             connect_peers: true,
         }
     }
@@ -330,8 +333,8 @@ impl Communicator {
         &self.ctx
     }
 
-    /// The stream [`Communicator`]'s calls run on: the context's default stream, or one of its
-    /// own with [`CommConfig::own_stream`].
+    /// The stream [`Communicator`]'s calls run on: one of its own, or the context's default
+    /// stream without [`CommConfig::own_stream`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.shared.stream
     }
