@@ -130,33 +130,48 @@ impl<L: Link> Group<L> {
             reason,
         };
         let tuning = if me == 0 {
+            // A failure here is told to every rank, which would otherwise wait for the tuning
+            // until its deadline.
+            let fail = |e: DistError| {
+                link.abort(crate::collectives::COLLECTIVE_TAG, &e.to_string(), None);
+                e
+            };
             if let Some(p) = local.problem() {
-                return Err(invalid(p));
+                return Err(fail(invalid(p)));
             }
             for r in 1..n {
-                link.send(&local.encode(), r, GROUP_TAG, FORMING, deadline, None)?;
+                link.send(&local.encode(), r, GROUP_TAG, FORMING, deadline, None)
+                    .map_err(|e| fail(e.with_op(&op())))?;
             }
             local
         } else {
             let mut b = [0u8; 8];
-            // SAFETY: the handle is waited on in this statement; it is never leaked.
-            let meta = match unsafe { link.post(&mut b, 0, GROUP_TAG, deadline)? }.wait() {
+            // SAFETY: the handle is waited on (or dropped, on an error) in the next statement;
+            // it is never leaked.
+            let posted = unsafe { link.post(&mut b, 0, GROUP_TAG, deadline) };
+            let meta = match posted.and_then(|h| h.wait()) {
                 Ok(meta) => meta,
                 // An abort came first (a peer failed, or sent one for its own reasons): every
                 // collective of this group fails at once with it, so no tuning is ever used.
                 Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => {
                     return Ok(Group::assemble(link, local, timeout));
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.with_op("form the group (rank 0's tuning)")),
             };
             let t = Tuning::decode(&b);
+            let refused = |detail: String| DistError::CollectiveMismatch {
+                rank: me,
+                op: op(),
+                peer: 0,
+                detail,
+            };
             if meta != FORMING {
-                return Err(invalid(format!(
-                    "rank 0's forming message has meta {meta:?}: not a dist group"
+                return Err(refused(format!(
+                    "its forming message has meta {meta:?}: not a dist group"
                 )));
             }
             if let Some(p) = t.problem() {
-                return Err(invalid(format!("rank 0's tuning: {p}")));
+                return Err(refused(format!("its tuning: {p}")));
             }
             t
         };

@@ -159,7 +159,8 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 /// ([`dist_core::Collectives`]) are methods on it.
 pub struct TcpBackend {
     shared: Arc<Shared>,
-    /// Declared before `threads`, so dropped first: the lane thread ends before the
+    /// Declared before `threads`, so dropped first: its lane thread is told to stop (rayon does
+    /// not wait for it; it is idle by then, no collective being in flight) before the
     /// connections close.
     group: Group<TcpLink>,
     /// Held for its `Drop`, which closes the connections in order.
@@ -253,8 +254,13 @@ impl TcpBackend {
             })?;
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
-            let sink: peer::AbortSink = Arc::new(move |notice: AbortNotice| {
+            let sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
                 if let Some(s) = weak.upgrade() {
+                    // A peer may name any number as the rank at fault: one that is no rank of
+                    // the job is no culprit (the failure is then the sender's).
+                    if notice.culprit.is_some_and(|c| c >= s.world) {
+                        notice.culprit = None;
+                    }
                     s.post(PeerFault {
                         rank: s.rank,
                         peer: notice.from,

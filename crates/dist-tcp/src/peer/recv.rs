@@ -165,13 +165,14 @@ impl Peer {
         // peer::tests::a_receive_whose_*_unwinds_is_withdrawn). The caller does not leak the
         // handle (this function's contract).
         let id = unsafe { st.post(tag, buf.as_mut_ptr(), len) };
+        // The handle knows of the entry at once, so that its drop withdraws it whatever
+        // happens from here on.
+        posted.state = PostState::Posted(id);
         // The reader may be holding a large message back for a receive like this one.
         if st.reader_holding {
             self.wake_reader(&st);
         }
         drop(st);
-        // Nothing between the post and here can panic (a notify, a mutex guard's drop).
-        posted.state = PostState::Posted(id);
         posted
     }
 

@@ -393,3 +393,38 @@ fn an_abort_before_the_tuning_fails_the_first_collective() {
         }
     }
 }
+
+/// Rank 0 cannot form the group (its own tuning is out of range): it says so to every rank,
+/// which then fails its first collective with rank 0's reason at once. Before, rank 0 returned
+/// its error alone and every other rank waited for the tuning until its deadline (10 s here).
+#[test]
+fn rank_0_failing_to_form_tells_every_rank() {
+    let t = std::time::Instant::now();
+    let results = crate::testing::run_group(
+        3,
+        |r| Tuning {
+            ring_piece_kb: if r == 0 { 0 } else { 256 },
+            lanes: 1,
+        },
+        Duration::from_secs(10),
+        |g| g.all_reduce(&mut [1u32; 4], ReduceOp::Sum),
+    );
+    let took = t.elapsed();
+    for (r, res) in results.into_iter().enumerate() {
+        match (r, res) {
+            (0, Err(DistError::InvalidArgument { reason, .. })) => {
+                assert!(reason.contains("ring piece"), "{reason}")
+            }
+            (
+                _,
+                Err(DistError::Aborted {
+                    origin: 0, reason, ..
+                }),
+            ) => {
+                assert!(reason.contains("ring piece"), "rank {r}: {reason}")
+            }
+            (_, other) => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+}
