@@ -275,3 +275,36 @@ fn an_abort_naming_no_rank_of_the_job_is_the_senders() {
         other => panic!("expected Aborted, got {other}"),
     }
 }
+
+/// A message that is landing when a short receive's deadline passes (its sender paused between
+/// the header and the rest) is received whole, not taken for a stalled peer: before, the
+/// receive cut the connection at once (seen in the NCCL call check's 50 ms receives under load:
+/// a live rank reported as gone, "the peer stalled mid-message past a receiver's deadline").
+#[test]
+fn a_message_landing_at_a_receives_deadline_is_received() {
+    use std::io::Write;
+    let (b, mut raw) = real_and_raw(2, Duration::from_secs(60));
+    let payload: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+    let h = FrameHeader {
+        kind: FrameKind::Data,
+        tag: Tag::user(7).to_wire(),
+        len: payload.len() as u64,
+        meta: [0u8; 16],
+    };
+    let mut s = raw[1].take().unwrap();
+    // The receive is posted first (its deadline 100 ms away); the message starts landing in its
+    // buffer 20 ms in, and its last bytes come 200 ms later, past the deadline.
+    let writer = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(20));
+        s.write_all(&h.encode()).unwrap();
+        s.write_all(&payload[..100]).unwrap();
+        thread::sleep(Duration::from_millis(200));
+        s.write_all(&payload[100..]).unwrap();
+        s
+    });
+    let mut buf = vec![0u8; 512];
+    let got = b.recv_tagged_timeout(&mut buf, 1, Tag::user(7), Duration::from_millis(100));
+    let _s = writer.join().unwrap();
+    got.unwrap_or_else(|e| panic!("{e}"));
+    assert!(buf.iter().enumerate().all(|(i, x)| *x == i as u8));
+}

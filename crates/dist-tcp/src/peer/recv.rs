@@ -4,6 +4,11 @@
 
 use super::*;
 
+/// How long past its deadline a receive waits for a message that has started landing in its
+/// buffer to finish, before it cuts the connection (it may not return while the buffer can
+/// still be written).
+const FILL_GRACE: Duration = Duration::from_millis(500);
+
 /// Counts a spinner in [`Peer::spinners`] while it lives, so that a panic cannot leave it counted
 /// (the reader thread would then stand back for good).
 pub(super) struct Spinning<'a>(&'a AtomicUsize);
@@ -264,6 +269,15 @@ impl Peer {
                 if open {
                     st.posted.remove(i);
                     return Err(self.timeout(op(), started));
+                }
+                // A message is landing in our buffer: a healthy peer finishes it within
+                // microseconds (a receive polling with a short deadline meets such a message
+                // now and then, e.g. when the sender was descheduled between a header and its
+                // payload), so it gets FILL_GRACE before the connection is given up.
+                let grace_end = deadline.checked_add(FILL_GRACE).unwrap_or(deadline);
+                if now < grace_end {
+                    st = self.sleep(st, Some(grace_end.saturating_duration_since(now)));
+                    continue;
                 }
                 timed_out = true;
                 // The peer stalled in the middle of a payload that is landing in our buffer.
