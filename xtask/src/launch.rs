@@ -86,7 +86,8 @@ pub fn run(job: &Job) -> Result<Outcome> {
             .env("LOCAL_WORLD_SIZE", job.world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
-            // NVLink SHARP stays off in every process we start (see DESIGN.md).
+            // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
+            // docs/benchmarks.md records.
             .env("NCCL_NVLS_ENABLE", "0")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -8,6 +8,8 @@ mod bindgen;
 mod bundle;
 mod launch;
 mod multirank;
+#[cfg(test)]
+mod tidy;
 mod trace;
 
 use std::path::{Path, PathBuf};
