@@ -213,10 +213,10 @@ fn run_example(example: &str, ranks: usize) -> Result<()> {
     launch_ranks(program, ranks, Vec::new())
 }
 
-/// Builds a release binary of the multi-rank package (unless in a bundle) and runs `ranks`
-/// ranks of it, rank 0's output unprefixed.
+/// Builds a release binary of dist-tools (unless in a bundle) and runs `ranks` ranks of it,
+/// rank 0's output unprefixed.
 fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
-    let program = bundled_or_built(bin, &["-p", "dist-multirank", "--bin", bin], || {
+    let program = bundled_or_built(bin, &["-p", "dist-tools", "--bin", bin], || {
         release_dir().join(bin)
     })?;
     launch_ranks(program, ranks, args)
