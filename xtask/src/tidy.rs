@@ -152,7 +152,7 @@ fn words(text: &str) -> impl Iterator<Item = &str> {
 /// Whether `word` names a file or folder of the repository (see
 /// [`every_path_a_doc_names_exists`]), or `None` when it is not read as a repository path.
 fn names_existing_path(word: &str, files: &[String], top: &BTreeSet<&str>) -> Option<bool> {
-    if word.starts_with('.') && !word.starts_with(".ci/") && !word.starts_with(".cargo/") {
+    if word.starts_with("./") || word.starts_with("../") {
         return None; // ../shared/…, ./run: outside the repository, or relative to a folder
     }
     let first = word.split('/').next().unwrap_or_default();
@@ -335,6 +335,7 @@ fn the_scanners_read_what_the_docs_write() {
     assert_eq!(exists("docs/results/r2/"), Some(false));
     assert_eq!(exists("target/release/x"), None);
     assert_eq!(exists("../shared/anchors/README.md"), None);
+    assert_eq!(exists("./run"), None);
     let w: Vec<&str> = words("see `crates/a.rs`, then (docs/x.md).").collect();
     assert_eq!(w, ["see", "crates/a.rs", "then", "docs/x.md"]);
     // Paths are relative to the root.
