@@ -87,6 +87,10 @@ fn main() -> ExitCode {
         // is synchronized before the other runs or the buffers are read back.
         unsafe { ctx.disable_event_tracking() };
     }
+    // `DIST_PERF_OWN_STREAM=1`: the communicator gets a stream of its own
+    // (`CommConfig::own_stream`), so the program has two and cudarc orders every buffer use
+    // with events: what a program that overlaps communication with compute pays.
+    let own_stream = std::env::var_os("DIST_PERF_OWN_STREAM").is_some_and(|v| v == "1");
     let comm = Communicator::init_rank(
         nccl.clone(),
         &ctx,
@@ -95,6 +99,7 @@ fn main() -> ExitCode {
         &UniqueId::from_bytes(&id[..128]).unwrap(),
         CommConfig {
             timeout: Duration::from_secs(120),
+            own_stream,
             ..CommConfig::default()
         },
     )
@@ -109,10 +114,10 @@ fn main() -> ExitCode {
             o.op,
             dist_nccl_sys::version_string(nccl.version()),
             nccl.path(),
-            if untracked {
-                ", buffers without cudarc event tracking"
-            } else {
-                ""
+            match (own_stream, untracked) {
+                (false, _) => ", on the context's default stream",
+                (true, false) => ", on a stream of its own (cudarc orders buffers with events)",
+                (true, true) => ", on a stream of its own, buffers without cudarc event tracking",
             }
         ));
     }
@@ -282,7 +287,10 @@ impl Bare {
         // SAFETY: valid pointers; every rank passes the same id.
         let r = unsafe { init(&mut comm, n as i32, uid, me as i32) };
         assert_eq!(r, ncclResult_t::ncclSuccess, "bare ncclCommInitRank");
-        let stream = ctx.new_stream().unwrap();
+        // The context's default stream, as dist-nccl's default: a stream of its own would put
+        // the whole program in cudarc's multi-stream mode, and so add event waits and records
+        // to dist's loop that a program with one stream does not have.
+        let stream = ctx.default_stream();
         // Room for the largest size times the ranks (all_gather's output, reduce_scatter's
         // input).
         let elems = perf_count(op, max, 4, n) * n.max(1);

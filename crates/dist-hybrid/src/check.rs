@@ -243,6 +243,12 @@ impl Matcher {
             .map(|(theirs, mine)| Mismatch { mine, theirs })
     }
 
+    /// The other side's descriptors waiting for this rank's (tests watch them arrive).
+    #[cfg(test)]
+    pub(crate) fn theirs_pending(&self) -> usize {
+        self.theirs.len()
+    }
+
     /// Matches `d` against the other side's oldest unmatched descriptors; returns (d, other)
     /// when they disagree.
     fn pair(
@@ -463,15 +469,17 @@ impl Ctx {
         self.tcp.send_tagged(&f.encode(), self.right, CHECK_TAG)
     }
 
-    /// Aborts here and sends the reason on round the ring (not back to its origin).
+    /// Sends the reason on round the ring (not back to its origin), then aborts here: the
+    /// abort can take NCCL a second or more on this thread, and the next rank must not wait
+    /// for it.
     fn poison(&self, origin: usize, reason: String) {
-        (self.fail)(reason.clone());
         if self.right != origin {
             let _ = self.send(&Frame::Poison {
                 origin: origin as u64,
-                reason,
+                reason: reason.clone(),
             });
         }
+        (self.fail)(reason);
     }
 
     /// The next descriptors queued, up to a frame's worth: at once if some are queued; while
@@ -506,17 +514,17 @@ impl Ctx {
     fn send_loop(&self, rx: Receiver<Desc>) {
         let mut last = Instant::now();
         while let Some(batch) = Self::next_batch(&rx, &mut last) {
-            for &d in &batch {
-                let found = self
-                    .matcher
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .mine(d);
-                if let Some(m) = found {
-                    self.poison(self.me, mismatch_text(self.me, self.left, &m));
-                }
+            let found = {
+                let mut m = self.matcher.lock().unwrap_or_else(|p| p.into_inner());
+                batch.iter().find_map(|d| m.mine(*d))
+            };
+            // The calls go on to the next rank first, so that it finds the mismatch itself
+            // at once, whatever this rank's abort (in `poison`) then takes.
+            let sent = self.send(&Frame::Descs(batch));
+            if let Some(m) = found {
+                self.poison(self.me, mismatch_text(self.me, self.left, &m));
             }
-            match self.send(&Frame::Descs(batch)) {
+            match sent {
                 Ok(()) => {}
                 Err(e @ DistError::PeerGone { .. }) => {
                     (self.peer_gone)(self.right, e.to_string());

@@ -308,3 +308,51 @@ fn note_cost() {
         println!("note: {per:?} per call, {dropped} dropped");
     }
 }
+
+/// A rank whose own call is the second of a mismatched pair finds the mismatch in its sender
+/// thread, and aborting its communicator there can take NCCL a second or more (seen on
+/// 2 x H200: 1.04 s). The next rank must hear of it at once, not after that abort: before,
+/// the sender aborted first and only then sent its calls and the poison, so the other rank's
+/// report came after the abort (here, the sink's 1.5 s).
+#[test]
+fn a_slow_abort_does_not_hold_up_the_next_rank() {
+    let tcps = job(2);
+    let (tx, rx) = mpsc::channel();
+    let cs: Vec<Checker> = tcps
+        .iter()
+        .map(|t| {
+            let me = t.rank();
+            let (a, b) = (tx.clone(), tx.clone());
+            let fail: Sink = Arc::new(move |why: String| {
+                let _ = a.send((me, why));
+                // What ncclCommAbort can take on this thread.
+                std::thread::sleep(Duration::from_millis(1500));
+            });
+            let peer: PeerSink = Arc::new(move |p: usize, cause: String| {
+                let why = format!("rank {p} failed ({cause})");
+                let _ = b.send((me, why.clone()));
+                why
+            });
+            Checker::start(t.clone(), fail, peer)
+        })
+        .collect();
+    // Rank 1's call goes out first; rank 0's own, differing, comes after it has arrived, so
+    // rank 0 finds the mismatch in its sender thread.
+    cs[1].note(ar(1, 16));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while cs[0].matcher.lock().unwrap().theirs_pending() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "rank 1's call never reached rank 0"
+        );
+        std::thread::yield_now();
+    }
+    let t = Instant::now();
+    cs[0].note(ar(1, 8));
+    let got = first_reports(&rx, 2, Duration::from_secs(1));
+    println!("{:?} {got:#?}", t.elapsed());
+    for why in &got {
+        assert!(why.contains("mismatch"), "{why}");
+    }
+    drop(cs);
+}

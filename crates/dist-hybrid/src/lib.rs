@@ -57,6 +57,19 @@ pub enum HybridError {
         /// Why there is none.
         why: String,
     },
+    /// An NCCL call or synchronize timed out (no rank was seen to fail and no mismatch was
+    /// found): where every rank's NCCL calls were then, asked over the TCP mesh. The ranks
+    /// furthest behind come first, e.g. "rank 1 finished #41 all_reduce; rank 0 waits in #42
+    /// all_reduce".
+    #[error("{source}; where the ranks' NCCL calls are: {positions}")]
+    NcclTimeout {
+        /// The rank reporting.
+        rank: usize,
+        /// NCCL's timeout.
+        source: Box<NcclError>,
+        /// Every rank's latest NCCL call and its state.
+        positions: String,
+    },
     /// NCCL was asked for (a unique id given, or [`GpuChoice::Device`] on some rank) but not
     /// every rank can have a GPU of its own; every rank gets this error.
     #[error(
@@ -287,6 +300,12 @@ impl HybridBackend {
         let tcp = Arc::new(tcp);
         let trace = tcp.trace_dir().map(|d| (d.to_path_buf(), n));
         let watch = Arc::new(watch::Watch::new(me, comm.abort_handle(), trace));
+        {
+            // The heartbeats of the TCP mesh say where this rank's NCCL calls are, so that a
+            // rank whose NCCL call times out can say where every rank's are.
+            let w = watch.clone();
+            tcp.report_beside(move || w.flight.position());
+        }
         let (fail, peer) = watch::sinks(&watch);
         let peer = watch::watch_peer_faults(&tcp, peer);
         let checker = check::Checker::start(tcp.clone(), fail, peer);
@@ -336,7 +355,23 @@ impl HybridBackend {
             Ok(()) => w.synced(Ok(())),
             Err(e) => w.synced(Err(e)),
         }
-        Ok(r?)
+        r.map_err(|e| self.explain_nccl(e))
+    }
+
+    /// The hybrid's error for an NCCL error: a timeout says where every rank's NCCL calls are
+    /// (asked of the peers over TCP, within 200 ms).
+    fn explain_nccl(&self, e: NcclError) -> HybridError {
+        if !matches!(e, NcclError::Timeout { .. }) {
+            return e.into();
+        }
+        let positions = self
+            .tcp
+            .positions_beside(std::time::Duration::from_millis(200));
+        HybridError::NcclTimeout {
+            rank: self.tcp.rank(),
+            source: Box::new(e),
+            positions: dist_core::flight::describe_positions(&positions),
+        }
     }
 
     /// Aborts the NCCL communicator at once because rank `peer` failed (`cause` says how):
@@ -403,7 +438,7 @@ impl HybridBackend {
         }
         f(c).map_err(|e| {
             w.failed_call(&e);
-            e.into()
+            self.explain_nccl(e)
         })
     }
 

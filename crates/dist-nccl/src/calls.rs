@@ -1,6 +1,6 @@
 //! The public calls, each written once in `ops.rs` and exposed four ways by one macro: on
 //! [`Ops`] (launched at once), on [`GroupOps`] and [`Group`] (recorded, launched at the group's
-//! end, their buffers borrowed until then), and on [`Communicator`] (its own stream).
+//! end, their buffers borrowed until then), and on [`Communicator`] (its stream).
 
 use cudarc::driver::CudaSlice;
 use dist_core::ReduceOp;
@@ -40,7 +40,7 @@ macro_rules! calls {
             $(
                 $(#[$m])*
                 ///
-                /// On the group's first communicator and its own stream; recorded and launched
+                /// On the group's first communicator and its stream; recorded and launched
                 /// at the group's end, the buffers borrowed until then.
                 pub fn $name<'x: 'buf, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
                     self.first().$name($($arg),*)
@@ -52,7 +52,7 @@ macro_rules! calls {
             $(
                 $(#[$m])*
                 ///
-                /// On the communicator's own stream.
+                /// On the communicator's stream ([`Communicator::stream`]).
                 pub fn $name<'x, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
                     self.ops().$name($($arg),*)
                 }

@@ -17,6 +17,34 @@ use crate::shared::{Abort, Shared, cuda, nccl_error};
 use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
 
+/// Says once per process, at info level, when NCCL will connect collectives inside their first
+/// call (`NCCL_RUNTIME_CONNECT` not `0`): such a call waits inside NCCL for every peer, and a
+/// peer that never makes it cannot be aborted under it (see `connect.rs`).
+fn runtime_connect_note() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var("NCCL_RUNTIME_CONNECT").map_or(true, |v| v.trim() != "0") {
+            tracing::info!(
+                "NCCL_RUNTIME_CONNECT is not 0: NCCL connects each collective algorithm inside \
+                 its first call, where a peer that never makes that call holds the caller; set \
+                 NCCL_RUNTIME_CONNECT=0 to connect while communicators form"
+            );
+        }
+    });
+}
+
+/// The stream a communicator's calls go on (see [`CommConfig::own_stream`]).
+pub(crate) fn comm_stream(
+    ctx: &Arc<CudaContext>,
+    cfg: &CommConfig,
+) -> std::result::Result<Arc<CudaStream>, cudarc::driver::DriverError> {
+    if cfg.own_stream {
+        ctx.new_stream()
+    } else {
+        Ok(ctx.default_stream())
+    }
+}
+
 /// How to create a communicator.
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -35,6 +63,20 @@ pub struct CommConfig {
     /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
     /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
     pub nonblocking_calls: bool,
+    /// Give the communicator a stream of its own (created with it) instead of the context's
+    /// default stream. Calls then overlap with work on the default stream, but the context has
+    /// two streams, which puts cudarc in multi-stream mode: from then on every use of a buffer
+    /// (every call's, and every kernel's on it) waits on and records cudarc events (stream
+    /// commands; `docs/benchmarks.md` measures them). Off by default: the calls go on the
+    /// context's default stream, where a program using that one stream pays none of this.
+    pub own_stream: bool,
+    /// Connect every pair of ranks while the communicator forms (within `init_timeout`), so
+    /// that no later call connects: NCCL otherwise connects two ranks inside the first call
+    /// between them, and a blocking call waiting there for a peer that never calls cannot be
+    /// ended (see `connect.rs`). On by default; a large job that does not want a connection per
+    /// pair of ranks turns it off. Collectives' rings and trees are connected at init by NCCL
+    /// itself when `NCCL_RUNTIME_CONNECT=0` is set (see the guide).
+    pub connect_peers: bool,
 }
 
 impl Default for CommConfig {
@@ -46,11 +88,13 @@ impl Default for CommConfig {
             max_ctas: None,
             name: None,
             nonblocking_calls: false,
+            own_stream: false,
+            connect_peers: true,
         }
     }
 }
 
-/// A member of an NCCL communicator, bound to one GPU, with its own stream and watchdog.
+/// A member of an NCCL communicator, bound to one GPU, with its stream and watchdog.
 ///
 /// `Communicator` is `Sync`: threads may share one, and every NCCL call on it runs under its
 /// lock, one at a time, as NCCL requires. Calls from several threads are enqueued in the order
@@ -131,6 +175,7 @@ impl Communicator {
             });
         }
         let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
+        runtime_connect_note();
         ctx.bind_to_thread()
             .map_err(cuda(&who, "bind the CUDA context"))?;
         let name = split::c_name(cfg.name.as_ref());
@@ -187,7 +232,7 @@ impl Communicator {
         let n = devices.len();
         let mut out = Vec::with_capacity(n);
         for (i, (comm, ctx)) in comms.into_iter().zip(ctxs).enumerate() {
-            let stream = ctx.new_stream().map_err(cuda(&who, "create a stream"))?;
+            let stream = comm_stream(&ctx, &cfg).map_err(cuda(&who, "create a stream"))?;
             let name = format!("nccl comm rank {i}/{n} on cuda:{} (init_all)", devices[i]);
             out.push(Self::finish(
                 nccl.clone(),
@@ -195,6 +240,7 @@ impl Communicator {
                 stream,
                 comm,
                 None,
+                std::ptr::null_mut(),
                 i,
                 n,
                 name,
@@ -212,6 +258,7 @@ impl Communicator {
         stream: Arc<CudaStream>,
         comm: ncclComm_t,
         nb: Option<ncclComm_t>,
+        sharing: ncclComm_t,
         rank: usize,
         size: usize,
         who: String,
@@ -222,6 +269,7 @@ impl Communicator {
         {
             let mut st = shared.lock();
             st.nb = nb.unwrap_or(std::ptr::null_mut());
+            st.sharing = sharing;
             if let Err(e) = shared.wait_ready(&mut st, "init", cfg.init_timeout) {
                 shared.abort_locked(&mut st, Abort::Error(e.to_string()));
                 return Err(e);
@@ -282,7 +330,8 @@ impl Communicator {
         &self.ctx
     }
 
-    /// The communicator's own stream, on which [`Communicator`]'s calls run.
+    /// The stream [`Communicator`]'s calls run on: the context's default stream, or one of its
+    /// own with [`CommConfig::own_stream`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.shared.stream
     }
@@ -588,8 +637,13 @@ impl Drop for Communicator {
             let _ = unsafe { f(st.comm) };
             st.aborted = Some(Abort::Error("destroyed".into()));
         }
-        // The nonblocking communicator kept for splits never had work enqueued: aborting it
-        // (under the lock, never used again) only frees it.
+        // The nonblocking communicators kept (the one whose resources `comm` shared, and the
+        // one for splits) have no work left: aborting them (under the lock, never used again)
+        // only frees them.
+        split::abort_handle(
+            &nccl,
+            std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
+        );
         split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
     }
 }

@@ -220,7 +220,7 @@ pub fn group<'buf, R>(
 }
 
 impl<'buf> Group<'buf> {
-    /// Calls on `comm` (one of the group's) on its own stream.
+    /// Calls on `comm` (one of the group's) on its stream.
     pub fn with(&self, comm: &'buf Communicator) -> Result<GroupOps<'_, 'buf>> {
         if self.index_of(comm).is_none() {
             return Err(comm.invalid(

@@ -50,6 +50,7 @@
 mod args;
 mod calls;
 mod communicator;
+mod connect;
 mod error;
 mod group;
 mod id;

@@ -61,6 +61,10 @@ pub(crate) struct State {
     /// The nonblocking communicator `comm` was split from (null if none): only splits run on
     /// it (`split.rs`), under this same lock; aborted and destroyed with `comm`.
     pub(crate) nb: ncclComm_t,
+    /// The nonblocking communicator whose resources `comm` shares (it connected every pair of
+    /// ranks when the communicator formed, see `connect.rs`; null if none); never used after
+    /// that, and aborted after `comm`.
+    pub(crate) sharing: ncclComm_t,
     pub(crate) aborted: Option<Abort>,
     /// The thread whose open group holds the communicator: other threads' calls wait for the
     /// group to end, and an abort meanwhile is deferred into `deferred`.
@@ -114,6 +118,7 @@ impl Shared {
             state: Mutex::new(State {
                 comm,
                 nb: std::ptr::null_mut(),
+                sharing: std::ptr::null_mut(),
                 aborted: None,
                 owner: None,
                 deferred: None,
@@ -325,10 +330,9 @@ impl Shared {
             // the same lock, and every use checks it first.
             let _ = unsafe { f(st.comm) };
         }
-        crate::split::abort_handle(
-            &self.nccl,
-            std::mem::replace(&mut st.nb, std::ptr::null_mut()),
-        );
+        for kept in [&mut st.sharing, &mut st.nb] {
+            crate::split::abort_handle(&self.nccl, std::mem::replace(kept, std::ptr::null_mut()));
+        }
         st.aborted = Some(why);
     }
 }

@@ -26,6 +26,7 @@ use cudarc::driver::CudaContext;
 use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t};
 
 use crate::communicator::{CommConfig, Communicator, config};
+use crate::connect::connect_peers;
 use crate::error::{NcclError, Result};
 use crate::shared::{Abort, cuda, nccl_error};
 
@@ -118,29 +119,51 @@ impl Communicator {
             return Err(fail(e, std::ptr::null_mut()));
         }
         let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
-        let stream = match ctx.new_stream() {
+        let stream = match crate::communicator::comm_stream(&ctx, cfg) {
             Ok(s) => s,
             Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
         };
+        let (rank, size) = (r as usize, n as usize);
         if cfg.nonblocking_calls {
-            let (rank, size) = (r as usize, n as usize);
-            return Self::finish(nccl, ctx, stream, nb, None, rank, size, who, name, cfg);
+            let none = std::ptr::null_mut();
+            return Self::finish(
+                nccl, ctx, stream, nb, None, none, rank, size, who, name, cfg,
+            );
         }
+        // With `connect_peers`, every pair of ranks connects now, on a nonblocking split of
+        // `nb` whose children share its connections (`connect.rs`).
+        let started = Instant::now();
+        let sharing = if cfg.connect_peers && size > 1 {
+            let mut conf = config(&nccl, cfg, name.as_ref(), false);
+            conf.splitShare = 1;
+            let s = match split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
+                Ok(c) => c,
+                Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
+            };
+            let limit = cfg.init_timeout;
+            if let Err(e) = connect_peers(&nccl, s, &ctx, &who, (rank, size), started, limit) {
+                return Err(fail(e, s));
+            }
+            s
+        } else {
+            std::ptr::null_mut()
+        };
         // Calls on a nonblocking communicator each go through an NCCL thread (tens of µs); a
         // blocking child with the same ranks makes them as cheap as plain NCCL's. Every rank
         // has joined `nb` by now.
+        let parent = if sharing.is_null() { nb } else { sharing };
         let mut conf = config(&nccl, cfg, name.as_ref(), true);
-        let comm = match split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
+        let comm = match split_handle(&nccl, parent, &who, 0, r, &mut conf, cfg.init_timeout) {
             Ok(c) => c,
-            Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
+            Err((e, _)) => return Err(fail(e, sharing)),
         };
-        let (rank, size) = (r as usize, n as usize);
         Self::finish(
             nccl,
             ctx,
             stream,
             comm,
             Some(nb),
+            sharing,
             rank,
             size,
             who,

@@ -119,6 +119,10 @@ struct Shared {
     trace_dir: Option<std::path::PathBuf>,
     /// Held while the record is written (by a failing call, or the liveness thread).
     trace_lock: std::sync::Mutex<()>,
+    /// Where the calls made beside this backend are (see [`TcpBackend::report_beside`]).
+    beside: OnceLock<record::BesideSource>,
+    /// Woken when a heartbeat arrives while some thread gathers positions (see `record.rs`).
+    beats: record::BeatWait,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -225,6 +229,8 @@ impl TcpBackend {
             flight: FlightRecorder::default(),
             trace_dir: cfg.trace_dir.clone(),
             trace_lock: std::sync::Mutex::new(()),
+            beside: OnceLock::new(),
+            beats: record::BeatWait::default(),
         });
         let mut readers = Vec::new();
         for p in shared.peers.iter() {
@@ -254,6 +260,12 @@ impl TcpBackend {
                 }
             });
             peer.set_abort_sink(sink);
+            let weak = Arc::downgrade(&shared);
+            peer.set_beat_sink(Arc::new(move |from, asked| {
+                if let Some(s) = weak.upgrade() {
+                    s.heard_beat(from, asked);
+                }
+            }));
             let weak = Arc::downgrade(&shared);
             peer.set_close_sink(Arc::new(move |from, cause| {
                 if let Some(s) = weak.upgrade()
@@ -441,7 +453,8 @@ impl Transport for TcpBackend {
         Some(&self.shared.flight)
     }
 
-    /// This rank's position from its own record, every peer's from its last heartbeat.
+    /// This rank's position from its own record, every live peer's from a heartbeat it sends
+    /// when asked (within [`record::ASK_WAIT`]; else from its last one).
     fn positions(&self) -> Option<String> {
         Some(self.shared.positions_text())
     }
@@ -564,9 +577,9 @@ impl Drop for TcpBackend {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);
-        let position = self.shared.flight.position();
+        let at = self.shared.whereabouts();
         for p in &self.shared.peers {
-            p.goodbye(position);
+            p.goodbye(at);
         }
         // Close our sending side, then wait (up to the linger time) for each peer to close
         // theirs, so that nothing they sent us is cut off by a reset, and nothing we sent them is

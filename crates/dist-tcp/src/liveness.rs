@@ -68,6 +68,8 @@ pub(crate) enum Event {
     Fault(PeerFault),
     /// Write the flight record to the trace folder (an abort notice arrived).
     WriteTrace,
+    /// This peer asked for a heartbeat back: send it one now.
+    Answer(usize),
     /// The backend is going away.
     Stop,
 }
@@ -107,6 +109,14 @@ pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, i
                 }
                 continue;
             }
+            Ok(Event::Answer(peer)) => {
+                if let Some(s) = shared.upgrade()
+                    && let Some(p) = s.peers.get(peer)
+                {
+                    p.heartbeat(s.whereabouts());
+                }
+                continue;
+            }
             Err(RecvTimeoutError::Timeout) => {}
         }
         let Some(s) = shared.upgrade() else { return };
@@ -125,12 +135,12 @@ pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, i
 impl Shared {
     /// One heartbeat round, and the silent peers declared.
     fn tick(&self, last: &mut [Instant], now: Instant) {
-        let position = self.flight.position();
+        let at = self.whereabouts();
         for p in self.peers.iter().filter(|p| p.rank != self.rank) {
             if p.heard.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 last[p.rank] = now;
             }
-            p.heartbeat(position);
+            p.heartbeat(at);
             let silent = now.saturating_duration_since(last[p.rank]);
             if silent <= self.peer_timeout
                 || self.closing()

@@ -18,6 +18,7 @@ use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
 mod live;
+pub(crate) use live::{Beat, Whereabouts};
 #[cfg(test)]
 mod props;
 mod reader;
@@ -133,12 +134,24 @@ pub(crate) struct Peer {
     /// The peer's latest collective, as its last heartbeat said, packed (see `live.rs`;
     /// `u64::MAX`: none yet).
     position: AtomicU64,
+    /// Where the peer's calls beside its backend are (a hybrid's NCCL calls), as its last
+    /// heartbeat said: the low 24 bits of the sequence number, the state and the kind, packed
+    /// as `position` (`u64::MAX`: none yet).
+    beside: AtomicU64,
+    /// Heartbeats heard from the peer so far.
+    pub(crate) beats: AtomicU64,
+    /// Hears, from the reader thread, each heartbeat (and whether it asked for one back).
+    on_beat: OnceLock<BeatSink>,
     /// The peer said it is closing its backend normally.
     leaving: AtomicBool,
 }
 
 /// A hook the owning backend passes to each peer to hear that its connection ended.
 pub(crate) type CloseSink = Arc<dyn Fn(usize, String) + Send + Sync>;
+
+/// A hook the owning backend passes to each peer to hear of its heartbeats: the peer's rank and
+/// whether it asked for a heartbeat back.
+pub(crate) type BeatSink = Arc<dyn Fn(usize, bool) + Send + Sync>;
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -196,6 +209,9 @@ impl Peer {
             heard: AtomicBool::new(false),
             silent_ms: AtomicU64::new(0),
             position: AtomicU64::new(u64::MAX),
+            beside: AtomicU64::new(u64::MAX),
+            beats: AtomicU64::new(0),
+            on_beat: OnceLock::new(),
             leaving: AtomicBool::new(false),
             stream: Some(stream),
             state: Mutex::new(State::new()),
@@ -219,6 +235,9 @@ impl Peer {
             heard: AtomicBool::new(false),
             silent_ms: AtomicU64::new(0),
             position: AtomicU64::new(u64::MAX),
+            beside: AtomicU64::new(u64::MAX),
+            beats: AtomicU64::new(0),
+            on_beat: OnceLock::new(),
             leaving: AtomicBool::new(false),
             stream: None,
             state: Mutex::new(State::new()),

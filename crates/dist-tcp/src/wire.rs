@@ -454,14 +454,20 @@ pub enum FrameKind {
     Abort = 2,
     /// The sender is alive: no payload; the meta says where it is: bytes 0..8 (little-endian)
     /// its latest collective's sequence number (0: none yet), byte 8 flags
-    /// ([`HEARTBEAT_CLOSING`]), byte 9 that collective's state (1 queued, 2 started, 3 done,
-    /// 4 failed), byte 10 its kind ([`dist_core::collectives::Kind`]).
+    /// ([`HEARTBEAT_CLOSING`], [`HEARTBEAT_ASK`]), byte 9 that collective's state (1 queued,
+    /// 2 started, 3 done, 4 failed), byte 10 its kind ([`dist_core::collectives::Kind`]); bytes
+    /// 11..16 the same for the calls made beside the backend (a `HybridBackend`'s NCCL calls):
+    /// the low 24 bits of the sequence number (little-endian), the state, the kind.
     Heartbeat = 3,
 }
 
 /// A heartbeat flag: the sender is closing its backend normally; its connection ending next is
 /// no fault.
 pub const HEARTBEAT_CLOSING: u8 = 1;
+
+/// A heartbeat flag: the sender asks for a heartbeat back at once (it is gathering where every
+/// rank is, for an error).
+pub const HEARTBEAT_ASK: u8 = 2;
 
 /// The header in front of every message after the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

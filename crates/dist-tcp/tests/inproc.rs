@@ -317,3 +317,47 @@ fn two_lanes_inside_a_rayon_pool_take_no_other_job() {
         h.join().unwrap();
     }
 }
+
+/// Rank 0 gathers where every rank's calls beside its backend are (what a `HybridBackend`
+/// reports for its NCCL calls) right after the ranks moved: the answer must be each rank's new
+/// position, asked for by heartbeat, not the one its last periodic heartbeat carried (those go
+/// out once a second here, and said "none"). The positions are past 2^24, so the 24 bits a
+/// heartbeat carries are completed from rank 0's own. Fails without the ask: rank 0 then sees
+/// `None` for ranks 1 and 2.
+#[test]
+fn positions_beside_are_asked_for_fresh() {
+    use dist_core::flight::{OpState, Position};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let at = |seq: u64| Position {
+        seq,
+        op: "all_reduce",
+        state: OpState::Done,
+    };
+    let port = free_port();
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            thread::spawn(move || {
+                let cfg = cfg(r, 3, port).peer_timeout(Duration::from_secs(60));
+                let b = TcpBackend::with_config(cfg).unwrap();
+                let seq = Arc::new(AtomicU64::new(0));
+                let source = seq.clone();
+                b.report_beside(move || {
+                    let s = source.load(Ordering::SeqCst);
+                    (s > 0).then(|| at(s))
+                });
+                b.barrier().unwrap();
+                seq.store((1 << 24) + 5 + r as u64, Ordering::SeqCst);
+                b.barrier().unwrap();
+                let got = (r == 0).then(|| b.positions_beside(Duration::from_secs(10)));
+                b.barrier().unwrap();
+                got
+            })
+        })
+        .collect();
+    let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let want: Vec<_> = (0..3)
+        .map(|r| (r, Some(at((1 << 24) + 5 + r as u64))))
+        .collect();
+    assert_eq!(got[0].as_ref().unwrap(), &want);
+}

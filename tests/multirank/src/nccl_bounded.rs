@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use dist_core::{Backend, ReduceOp};
 use dist_nccl::CommConfig;
 
-use super::{Rig, rig, up};
+use super::{Rig, connect_peers, rig, up};
 
 /// Dropping a communicator whose work on another stream (`on(&side)`) can never complete (the
 /// peer is gone) returns within its timeout. Before, drop waited only for its own stream, the
@@ -86,5 +86,105 @@ pub(crate) fn split_absent() -> Result<(), String> {
     // The parent's bootstrap may hold the half-done split's messages: end it by abort.
     r.comm.abort();
     r.tcp.barrier().unwrap();
+    Ok(())
+}
+
+/// The first point-to-point call between two ranks, and the first collective of a
+/// communicator, while the last rank never calls NCCL again. With `connect_peers` (the
+/// default) every pair of ranks connected while the communicator formed, so rank 0's receive
+/// from the idle rank only enqueues, and the synchronize after it fails at the 3 s timeout (the
+/// watchdog aborts: no thread is inside NCCL). (A small send would complete: NCCL buffers it in
+/// the connection, receive posted or not.) The first all_reduce on a split communicator is
+/// bounded the same way when NCCL connects rings and trees at init (`NCCL_RUNTIME_CONNECT=0`,
+/// which the launcher sets). Before `connect_peers`, NCCL connected the pair inside the send's
+/// `ncclGroupEnd`, which waited for the idle rank for ever: rank 0 stayed inside NCCL (2 x H200: still there
+/// after 40 s, `docs/results/2026-11-30-2xH200/s2-b-connect-absent-without.txt`).
+pub(crate) fn connect_absent() -> Result<(), String> {
+    use std::sync::mpsc;
+    let timeout = Duration::from_secs(3);
+    let r = rig(timeout)?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let idle = n - 1;
+    let sub = r
+        .comm
+        .split(
+            0,
+            me as i32,
+            CommConfig {
+                timeout,
+                connect_peers: connect_peers(),
+                ..CommConfig::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    r.tcp.barrier().unwrap();
+    if me == idle {
+        println!("rank {me}: calling NCCL no more");
+        let mut done = [0u8; 1];
+        r.tcp
+            .recv_timeout(&mut done, 0, Duration::from_secs(90))
+            .unwrap_or_else(|e| panic!("{e}"));
+        return Ok(());
+    }
+    let mut x = up(r.comm.stream(), &[1.0f32; 256]);
+    let mut y = up(sub.stream(), &[1.0f32; 256]);
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // The collective first, on `sub`: its abort leaves `r.comm` alone (no shared
+            // resources between them), while `r.comm`'s would take down its splits' parent.
+            let mut lines = Vec::new();
+            println!("rank {me}: first all_reduce on the split, the idle rank absent");
+            let t = Instant::now();
+            let reduced = sub.all_reduce_in_place(&mut y, ReduceOp::Sum);
+            let enq = t.elapsed();
+            let synced = sub.synchronize();
+            lines.push((
+                "all_reduce",
+                enq,
+                t.elapsed(),
+                reduced.err().map(|e| e.to_string()),
+                synced.err(),
+            ));
+            if me == 0 {
+                println!("rank {me}: first recv from the idle rank {idle}");
+                let t = Instant::now();
+                let got = r.comm.recv(&mut x, idle);
+                let enq = t.elapsed();
+                let synced = r.comm.synchronize();
+                lines.push((
+                    "recv",
+                    enq,
+                    t.elapsed(),
+                    got.err().map(|e| e.to_string()),
+                    synced.err(),
+                ));
+            }
+            let _ = tx.send(lines);
+        });
+        let Ok(lines) = rx.recv_timeout(Duration::from_secs(40)) else {
+            println!("rank {me}: still inside NCCL 40 s after the first call to an idle rank");
+            std::process::exit(1);
+        };
+        for (what, enq, took, call_err, sync_err) in lines {
+            println!(
+                "rank {me}: first {what} to/with idle rank {idle}: call returned after {enq:.1?} \
+                 ({call_err:?}); synchronize failed after {took:.1?}: {sync_err:?}"
+            );
+            assert!(call_err.is_none(), "rank {me}: the {what} itself failed");
+            let e = sync_err.unwrap_or_else(|| panic!("rank {me}: the {what} completed"));
+            assert!(
+                matches!(e, dist_nccl::NcclError::Timeout { .. }),
+                "rank {me}: want a timeout for the {what}, got: {e}"
+            );
+            assert!(
+                enq < Duration::from_secs(1) && took < timeout + Duration::from_secs(5),
+                "rank {me}: the {what} took {enq:?} to enqueue and {took:?} to fail"
+            );
+        }
+    });
+    if me == 0 {
+        r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
+    }
     Ok(())
 }

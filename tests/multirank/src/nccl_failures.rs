@@ -22,6 +22,14 @@ fn hybrid() -> Result<HybridBackend, String> {
 
 /// [`hybrid`], writing flight records to `trace` on a failure (as `DIST_TRACE_DIR` does).
 fn hybrid_tracing_to(trace: Option<&std::path::Path>) -> Result<HybridBackend, String> {
+    hybrid_with(trace, NCCL_TIMEOUT)
+}
+
+/// [`hybrid_tracing_to`] with an NCCL timeout of `timeout`.
+fn hybrid_with(
+    trace: Option<&std::path::Path>,
+    timeout: Duration,
+) -> Result<HybridBackend, String> {
     let devices = dist_nccl::cuda_device_count();
     let world: usize = std::env::var("WORLD_SIZE")
         .ok()
@@ -34,7 +42,7 @@ fn hybrid_tracing_to(trace: Option<&std::path::Path>) -> Result<HybridBackend, S
         return Err(format!("skipped: {world} ranks but {devices} CUDA devices"));
     }
     let cfg = CommConfig {
-        timeout: NCCL_TIMEOUT,
+        timeout,
         name: Some("t2".into()),
         ..CommConfig::default()
     };
@@ -327,5 +335,60 @@ pub fn check_cost() -> Result<(), String> {
         on - off,
         h.unchecked_calls()
     );
+    Ok(())
+}
+
+/// A rank that stops calling NCCL (it waits on TCP instead) while the others make their
+/// fourth all_reduce: no rank fails and no call mismatches, so the others' NCCL calls time out
+/// (the NCCL timeout here is 3 s); their errors say where every rank's NCCL calls are, asked
+/// of the peers over the TCP mesh: the stopped rank "finished #3 all_reduce", the others are in
+/// #4. Fails on the code before `HybridError::NcclTimeout` (the error named no other rank).
+pub fn timeout_positions() -> Result<(), String> {
+    const TIMEOUT: Duration = Duration::from_secs(3);
+    let h = hybrid_with(None, TIMEOUT)?;
+    let (me, n) = (h.rank(), h.world_size());
+    let idle = n - 1;
+    let mut x = dev(&h, &[1.0f32; 1024]);
+    for _ in 0..3 {
+        h.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    }
+    h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
+    h.barrier().unwrap();
+    if me == idle {
+        // Wait for rank 0 to have its error, on TCP only.
+        let mut done = [0u8; 1];
+        h.tcp()
+            .recv_timeout(&mut done, 0, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"));
+        println!("rank {me}: made no fourth NCCL call");
+        return Ok(());
+    }
+    let t = Instant::now();
+    h.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    let e = h
+        .synchronize_nccl()
+        .expect_err("the fourth all_reduce cannot complete without the idle rank");
+    let took = t.elapsed();
+    let text = e.to_string();
+    println!("rank {me}: error after {took:.2?}: {text}");
+    let want = format!("rank {idle} finished #3 all_reduce");
+    if !matches!(e, dist_hybrid::HybridError::NcclTimeout { .. }) || !text.contains(&want) {
+        return Err(format!(
+            "rank {me}: expected an NCCL timeout saying \"{want}\", got: {text}"
+        ));
+    }
+    if !text.contains("#4 all_reduce") {
+        return Err(format!(
+            "rank {me}: the error does not say where the others are: {text}"
+        ));
+    }
+    if took > TIMEOUT + Duration::from_secs(3) {
+        return Err(format!(
+            "rank {me}: the error took {took:.2?} (timeout {TIMEOUT:?})"
+        ));
+    }
+    if me == 0 {
+        h.tcp().send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
+    }
     Ok(())
 }

@@ -28,6 +28,12 @@ struct Rig {
 
 /// Forms the TCP job, shares a unique id from rank 0, and creates the communicator on the GPU
 /// of this rank's local rank.
+/// `CommConfig::connect_peers` for these cases: on, unless `DIST_TEST_CONNECT_PEERS=0` (to show
+/// what `nccl_connect_absent` does without it).
+fn connect_peers() -> bool {
+    std::env::var("DIST_TEST_CONNECT_PEERS").map_or(true, |v| v != "0")
+}
+
 fn rig(timeout: Duration) -> Result<Rig, String> {
     let devices = dist_nccl::cuda_device_count();
     let cfg = dist_multirank::config();
@@ -64,6 +70,7 @@ fn rig(timeout: Duration) -> Result<Rig, String> {
         CommConfig {
             timeout,
             name: Some("test".into()),
+            connect_peers: connect_peers(),
             ..CommConfig::default()
         },
     )
@@ -697,6 +704,7 @@ const CASES: &[Case] = &[
     gpu("nccl_group_paths", group_paths),
     gpu("nccl_drop_bounded", nccl_bounded::drop_bounded),
     gpu("nccl_split_absent", nccl_bounded::split_absent),
+    gpu("nccl_connect_absent", nccl_bounded::connect_absent),
     gpu("hybrid_mismatch_count", nccl_failures::mismatch_count),
     gpu("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
     gpu("hybrid_mismatch_op", nccl_failures::mismatch_op),
@@ -704,6 +712,7 @@ const CASES: &[Case] = &[
     gpu("hybrid_sigkill", nccl_failures::sigkill),
     gpu("hybrid_sigstop", nccl_failures::sigstop),
     gpu("hybrid_check_cost", nccl_failures::check_cost),
+    gpu("hybrid_timeout_positions", nccl_failures::timeout_positions),
 ];
 
 /// A GPU case: at 2 ranks unless asked for more, needing a CUDA device per rank (skipped, saying

@@ -110,6 +110,12 @@ pub fn run(job: &Job) -> Result<Outcome, String> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // NCCL connects collectives' rings and trees while a communicator forms, within its
+        // init deadline, not inside the first call that needs them (see dist-nccl's
+        // `connect.rs`), unless the caller's environment says otherwise.
+        if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+            cmd.env("NCCL_RUNTIME_CONNECT", "0");
+        }
         for (k, v) in &job.env {
             cmd.env(k, v);
         }

@@ -2,7 +2,7 @@
 //! of itself, and declaring it unresponsive once it has been silent past the peer timeout.
 
 use super::*;
-use crate::wire::HEARTBEAT_CLOSING;
+use crate::wire::{HEARTBEAT_ASK, HEARTBEAT_CLOSING};
 use dist_core::collectives::{position_from_wire, position_to_wire};
 use dist_core::flight::{Position, describe_positions};
 
@@ -11,6 +11,32 @@ const GOODBYE_WAIT: Duration = Duration::from_millis(100);
 
 /// The bits of a packed position that hold the sequence number.
 const SEQ_MASK: u64 = (1 << 48) - 1;
+
+/// The bits of the sequence number a heartbeat carries for the calls beside the backend.
+const BESIDE_BITS: u32 = 24;
+const BESIDE_MASK: u64 = (1 << BESIDE_BITS) - 1;
+
+/// Where this rank is, as its heartbeats say: its latest collective, and its latest call made
+/// beside the backend (a hybrid's NCCL calls).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Whereabouts {
+    pub(crate) collective: Option<Position>,
+    pub(crate) beside: Option<Position>,
+}
+
+/// The full sequence number whose low [`BESIDE_BITS`] bits are `low`, nearest to `near` (the
+/// asking rank's own: ranks of one job are never 2^23 calls apart).
+pub(crate) fn unwrap_beside(low: u64, near: u64) -> u64 {
+    let span = 1u64 << BESIDE_BITS;
+    let base = near & !BESIDE_MASK;
+    let candidates = [base.wrapping_sub(span), base, base.wrapping_add(span)];
+    candidates
+        .into_iter()
+        .map(|b| b.wrapping_add(low & BESIDE_MASK))
+        .filter(|c| *c != 0 && *c < (1 << 63))
+        .min_by_key(|c| c.abs_diff(near))
+        .unwrap_or(low & BESIDE_MASK)
+}
 
 /// What one heartbeat attempt found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +53,17 @@ impl Peer {
     /// Writes a heartbeat carrying `position` (this rank's latest collective), without
     /// blocking: when a send holds the writer, or the socket is full, it is left at that. What
     /// this proves is nothing about the peer; only what we receive from it does.
-    pub(crate) fn heartbeat(&self, position: Option<Position>) -> Beat {
+    pub(crate) fn heartbeat(&self, at: Whereabouts) -> Beat {
+        self.heartbeat_flagged(at, 0)
+    }
+
+    /// A heartbeat that asks the peer for one back at once (see [`HEARTBEAT_ASK`]); like
+    /// [`Peer::heartbeat`], it never blocks.
+    pub(crate) fn ask(&self, at: Whereabouts) -> Beat {
+        self.heartbeat_flagged(at, HEARTBEAT_ASK)
+    }
+
+    fn heartbeat_flagged(&self, at: Whereabouts, flags: u8) -> Beat {
         let Some(writer) = &self.writer else {
             return Beat::Off;
         };
@@ -35,13 +71,19 @@ impl Peer {
         let Some(mut w) = writer.lock_by(Instant::now()) else {
             return Beat::Busy;
         };
-        self.beat(&mut w, position, 0)
+        if flags != 0 && w.hb_left > 0 {
+            // A heartbeat is half written: finish it first, so the flag is not lost.
+            if w.push_heartbeat().is_err() || w.hb_left > 0 {
+                return Beat::Busy;
+            }
+        }
+        self.beat(&mut w, at, flags)
     }
 
     /// Tells the peer that this rank is closing its backend normally (so that the connection
     /// ending next is no fault), by a heartbeat with [`HEARTBEAT_CLOSING`] set; best effort,
     /// without blocking on the socket.
-    pub(crate) fn goodbye(&self, position: Option<Position>) {
+    pub(crate) fn goodbye(&self, at: Whereabouts) {
         if let Some(writer) = &self.writer {
             let Some(mut w) = writer.lock_by(Instant::now() + GOODBYE_WAIT) else {
                 return;
@@ -50,22 +92,26 @@ impl Peer {
                 let _ = w.push_heartbeat();
             }
             if w.hb_left == 0 {
-                self.beat(&mut w, position, HEARTBEAT_CLOSING);
+                self.beat(&mut w, at, HEARTBEAT_CLOSING);
             }
         }
     }
 
-    fn beat(&self, w: &mut Writer, position: Option<Position>, flags: u8) -> Beat {
+    fn beat(&self, w: &mut Writer, at: Whereabouts, flags: u8) -> Beat {
         if w.broken.is_some() {
             return Beat::Off;
         }
         if w.hb_left == 0 {
-            let (seq, state, kind) = position_to_wire(position);
+            let (seq, state, kind) = position_to_wire(at.collective);
             let mut meta = [0u8; 16];
             meta[..8].copy_from_slice(&seq.to_le_bytes());
             meta[8] = flags;
             meta[9] = state;
             meta[10] = kind;
+            let (seq, state, kind) = position_to_wire(at.beside);
+            meta[11..14].copy_from_slice(&(seq & BESIDE_MASK).to_le_bytes()[..3]);
+            meta[14] = state;
+            meta[15] = kind;
             w.hb = FrameHeader {
                 kind: FrameKind::Heartbeat,
                 tag: 0,
@@ -138,9 +184,39 @@ impl Peer {
         // Packed into one word: 48 bits of sequence number, the state, the kind.
         let packed = (seq & SEQ_MASK) | (u64::from(meta[9]) << 48) | (u64::from(meta[10]) << 56);
         self.position.store(packed, Ordering::Relaxed);
+        let mut low = [0u8; 8];
+        low[..3].copy_from_slice(&meta[11..14]);
+        let beside =
+            u64::from_le_bytes(low) | (u64::from(meta[14]) << 48) | (u64::from(meta[15]) << 56);
+        self.beside.store(beside, Ordering::Relaxed);
         if meta[8] & HEARTBEAT_CLOSING != 0 {
             self.leaving.store(true, Ordering::Release);
         }
+        // Counted after the positions are stored: a rank that sees the count move reads them.
+        self.beats.fetch_add(1, Ordering::SeqCst);
+        if let Some(sink) = self.on_beat.get() {
+            sink(self.rank, meta[8] & HEARTBEAT_ASK != 0);
+        }
+    }
+
+    /// Where the peer's calls beside its backend are, as its last heartbeat said; the sequence
+    /// number is completed from its low bits nearest to `near` (this rank's own).
+    pub(crate) fn remote_beside(&self, near: u64) -> Option<Position> {
+        let packed = self.beside.load(Ordering::Relaxed);
+        let low = packed & BESIDE_MASK;
+        if low == 0 && (packed >> 48) as u8 == 0 {
+            return None;
+        }
+        position_from_wire(
+            unwrap_beside(low, near),
+            (packed >> 48) as u8,
+            (packed >> 56) as u8,
+        )
+    }
+
+    /// Sets the hook that hears of heartbeats.
+    pub(crate) fn set_beat_sink(&self, sink: BeatSink) {
+        let _ = self.on_beat.set(sink);
     }
 
     /// The peer's latest collective, as its last heartbeat said.
@@ -156,5 +232,22 @@ impl Peer {
     /// Sets the hook that hears that the connection ended.
     pub(crate) fn set_close_sink(&self, sink: CloseSink) {
         let _ = self.on_close.set(sink);
+    }
+}
+
+#[cfg(test)]
+mod beside_tests {
+    use super::unwrap_beside;
+
+    #[test]
+    fn a_sequence_number_is_completed_from_its_low_bits_nearest_to_ours() {
+        let span = 1u64 << 24;
+        // Same block, the block before and the block after ours.
+        assert_eq!(unwrap_beside(7, 5), 7);
+        assert_eq!(unwrap_beside(7, span + 3), span + 7);
+        assert_eq!(unwrap_beside(span - 2, span + 3), span - 2);
+        assert_eq!(unwrap_beside(2, 2 * span - 3), 2 * span + 2);
+        // Before our first call: as carried.
+        assert_eq!(unwrap_beside(9, 0), 9);
     }
 }
