@@ -87,10 +87,10 @@ fn main() -> ExitCode {
         // is synchronized before the other runs or the buffers are read back.
         unsafe { ctx.disable_event_tracking() };
     }
-    // `DIST_PERF_OWN_STREAM=1`: the communicator gets a stream of its own
-    // (`CommConfig::own_stream`), so the program has two and cudarc orders every buffer use
-    // with events: what a program that overlaps communication with compute pays.
-    let own_stream = std::env::var_os("DIST_PERF_OWN_STREAM").is_some_and(|v| v == "1");
+    // The communicator's own stream (`CommConfig::own_stream`, the default): the program has two
+    // streams and cudarc orders every buffer use with events. `DIST_PERF_DEFAULT_STREAM=1`: the
+    // calls go on the context's default stream, the program's only one.
+    let own_stream = std::env::var_os("DIST_PERF_DEFAULT_STREAM").is_none_or(|v| v != "1");
     let comm = Communicator::init_rank(
         nccl.clone(),
         &ctx,
@@ -287,9 +287,8 @@ impl Bare {
         // SAFETY: valid pointers; every rank passes the same id.
         let r = unsafe { init(&mut comm, n as i32, uid, me as i32) };
         assert_eq!(r, ncclResult_t::ncclSuccess, "bare ncclCommInitRank");
-        // The context's default stream, as dist-nccl's default: a stream of its own would put
-        // the whole program in cudarc's multi-stream mode, and so add event waits and records
-        // to dist's loop that a program with one stream does not have.
+        // The context's default stream: a stream of its own would put the whole program in
+        // cudarc's multi-stream mode even where dist's loop runs on the default stream too.
         let stream = ctx.default_stream();
         // Room for the largest size times the ranks (all_gather's output, reduce_scatter's
         // input).

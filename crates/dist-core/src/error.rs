@@ -181,6 +181,24 @@ pub enum DistError {
 }
 
 impl DistError {
+    /// The same error, its operation said as `context: op` (for an error that names one), so a
+    /// low-level wait's error says what it was part of, e.g. "form the group: recv from 0".
+    #[must_use]
+    pub fn with_op(mut self, context: &str) -> DistError {
+        match &mut self {
+            DistError::Timeout { op, .. }
+            | DistError::PeerGone { op, .. }
+            | DistError::PeerUnresponsive { op, .. }
+            | DistError::SizeMismatch { op, .. }
+            | DistError::InvalidRank { op, .. }
+            | DistError::InvalidArgument { op, .. }
+            | DistError::CollectiveMismatch { op, .. }
+            | DistError::Aborted { op, .. } => *op = format!("{context}: {op}"),
+            _ => {}
+        }
+        self
+    }
+
     /// The peer this error is about, if it names one.
     pub fn peer(&self) -> Option<usize> {
         match self {

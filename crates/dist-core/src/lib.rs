@@ -1,7 +1,9 @@
 //! Core types of `dist`: the [`Backend`] trait every transport implements, the [`DistError`]
-//! they all return, message [`Tag`]s, and the element types and reduce operations that the
-//! collectives are defined over. This crate does no network I/O (the [`flight`] recorder writes
-//! its record to a file when asked).
+//! they all return, message [`Tag`]s, the element types and reduce operations, and the
+//! collectives, written once: a [`Group`] runs them over any [`Link`] (a transport's byte
+//! mover), and [`Collectives`] offers them on every [`Transport`]. [`testing`] has a link in
+//! memory, with faults to inject. This crate does no network I/O (the [`flight`] recorder
+//! writes its record to a file when asked).
 //!
 //! ```
 //! use dist_core::{Backend, DistError, Tag};
@@ -23,12 +25,17 @@ pub mod collectives;
 mod deadline;
 mod error;
 pub mod flight;
+mod group;
+mod link;
+pub mod testing;
 mod types;
 mod within;
 
-pub use backend::{Backend, Meta, Tag, Transport, run_beside_scoped};
-pub use collectives::Collectives;
+pub use backend::{Backend, Meta, Tag};
+pub use collectives::{Collectives, Transport};
 pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};
 pub use error::{DistError, Result};
+pub use group::{Group, Tuning, run_beside_scoped};
+pub use link::{Link, PostedRecv};
 pub use types::{DType, Element, ReduceOp};
 pub use within::{Timed, Within};

@@ -12,10 +12,12 @@
 //! }
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::backend::{Backend, Meta, Tag, Transport};
+use crate::backend::{Backend, Tag};
+use crate::collectives::Transport;
 use crate::error::Result;
+use crate::group::Group;
 
 /// A backend seen with another default timeout; see [`Within::within`].
 #[derive(Debug)]
@@ -28,7 +30,7 @@ pub struct Timed<'a, B: ?Sized> {
 pub trait Within: Transport {
     /// A view of this backend whose operations without a timeout argument (the collectives,
     /// `barrier`, `recv`) wait at most `timeout`. It shares everything else with the backend:
-    /// the connections, the collectives' sequence, their aborts.
+    /// the connections, the group (the collectives' sequence, their aborts).
     fn within(&self, timeout: Duration) -> Timed<'_, Self> {
         Timed { b: self, timeout }
     }
@@ -69,75 +71,9 @@ impl<B: Transport + ?Sized> Backend for Timed<'_, B> {
 }
 
 impl<B: Transport + ?Sized> Transport for Timed<'_, B> {
-    fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
-        self.b.send_meta(data, dst, tag, meta)
-    }
+    type Link = B::Link;
 
-    fn recv_meta(&self, buf: &mut [u8], src: usize, tag: Tag, deadline: Instant) -> Result<Meta> {
-        self.b.recv_meta(buf, src, tag, deadline)
-    }
-
-    fn send_recv_meta(
-        &self,
-        send: (&[u8], usize),
-        recv: (&mut [u8], usize),
-        tag: Tag,
-        meta: Meta,
-        deadline: Instant,
-    ) -> Result<Meta> {
-        self.b.send_recv_meta(send, recv, tag, meta, deadline)
-    }
-
-    fn send_recv_meta_while(
-        &self,
-        send: (&[u8], usize),
-        recv: (&mut [u8], usize),
-        tag: Tag,
-        meta: Meta,
-        deadline: Instant,
-        meanwhile: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Meta> {
-        self.b
-            .send_recv_meta_while(send, recv, tag, meta, deadline, meanwhile)
-    }
-
-    fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
-        self.b.peek_meta(src, tag)
-    }
-
-    fn broadcast_abort(&self, tag: Tag, reason: &str) {
-        self.b.broadcast_abort(tag, reason)
-    }
-
-    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
-        self.b.broadcast_abort_naming(tag, reason, culprit)
-    }
-
-    fn flight(&self) -> Option<&crate::flight::FlightRecorder> {
-        self.b.flight()
-    }
-
-    fn positions(&self) -> Option<String> {
-        self.b.positions()
-    }
-
-    fn abort_notice(&self) -> Option<(usize, String)> {
-        self.b.abort_notice()
-    }
-
-    fn next_collective(&self) -> u64 {
-        self.b.next_collective()
-    }
-
-    fn ring_piece(&self) -> usize {
-        self.b.ring_piece()
-    }
-
-    fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
-        self.b.run_beside(first, second)
-    }
-
-    fn lanes(&self) -> usize {
-        self.b.lanes()
+    fn group(&self) -> &Group<B::Link> {
+        self.b.group()
     }
 }

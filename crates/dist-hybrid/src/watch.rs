@@ -146,19 +146,19 @@ impl Watch {
             self.me,
             self.in_flight()
         );
-        let mut first = false;
+        // The record first, then the abort: the abort can take NCCL a second or more on this
+        // thread, while a caller sees the decision at once and may look for the file. Written
+        // inside the once-cell's initialiser, so that a second thread failing meanwhile (the
+        // check's sender and receiver can both find a mismatch) waits for the file before it
+        // aborts (2 x H200, run s2-f: the second thread's abort came first, and the caller
+        // found no record).
         let kept = self
             .failed
             .get_or_init(|| {
-                first = true;
+                self.write_trace();
                 full
             })
             .clone();
-        // The record first, then the abort: the abort can take NCCL a second or more on this
-        // thread, while a caller sees the decision at once and may look for the file.
-        if first {
-            self.write_trace();
-        }
         self.abort.abort_with(kept.clone());
         kept
     }

@@ -7,8 +7,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t, version_code};
+use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
 
+use crate::config::{CommConfig, comm_stream, config, runtime_connect_note};
 use crate::error::{NcclError, Result};
 use crate::group::Group;
 use crate::id::UniqueId;
@@ -16,83 +17,6 @@ use crate::ops::Ops;
 use crate::shared::{Abort, Shared, cuda, nccl_error};
 use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
-
-/// Says once per process, at info level, when NCCL will connect collectives inside their first
-/// call (`NCCL_RUNTIME_CONNECT` not `0`): such a call waits inside NCCL for every peer, and a
-/// peer that never makes it cannot be aborted under it (see `connect.rs`).
-fn runtime_connect_note() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if std::env::var("NCCL_RUNTIME_CONNECT").map_or(true, |v| v.trim() != "0") {
-            tracing::info!(
-                "NCCL_RUNTIME_CONNECT is not 0: NCCL connects each collective algorithm inside \
-                 its first call, where a peer that never makes that call holds the caller; set \
-                 NCCL_RUNTIME_CONNECT=0 to connect while communicators form"
-            );
-        }
-    });
-}
-
-/// The stream a communicator's calls go on (see [`CommConfig::own_stream`]).
-pub(crate) fn comm_stream(
-    ctx: &Arc<CudaContext>,
-    cfg: &CommConfig,
-) -> std::result::Result<Arc<CudaStream>, cudarc::driver::DriverError> {
-    if cfg.own_stream {
-        ctx.new_stream()
-    } else {
-        Ok(ctx.default_stream())
-    }
-}
-
-/// How to create a communicator.
-#[derive(Clone, Debug)]
-pub struct CommConfig {
-    /// Deadline for the communicator to form (default 120 s).
-    pub init_timeout: Duration,
-    /// Deadline for enqueued work to complete, and for each call (default 300 s). Work that
-    /// makes no progress for this long makes the watchdog abort the communicator.
-    pub timeout: Duration,
-    /// NCCL's minimum number of CTAs, if set.
-    pub min_ctas: Option<i32>,
-    /// NCCL's maximum number of CTAs, if set.
-    pub max_ctas: Option<i32>,
-    /// A name for logs and errors.
-    pub name: Option<String>,
-    /// Keep NCCL's nonblocking mode for every call (each call then goes through an NCCL
-    /// thread, tens of µs). By default the communicator forms in nonblocking mode (so init has
-    /// a deadline) and is then split into a blocking one, whose calls cost what plain NCCL's do.
-    pub nonblocking_calls: bool,
-    /// Give the communicator a stream of its own (created with it) instead of the context's
-    /// default stream. Calls then overlap with work on the default stream, but the context has
-    /// two streams, which puts cudarc in multi-stream mode: from then on every use of a buffer
-    /// (every call's, and every kernel's on it) waits on and records cudarc events (stream
-    /// commands; `docs/benchmarks.md` measures them). Off by default: the calls go on the
-    /// context's default stream, where a program using that one stream pays none of this.
-    pub own_stream: bool,
-    /// Connect every pair of ranks while the communicator forms (within `init_timeout`), so
-    /// that no later call connects: NCCL otherwise connects two ranks inside the first call
-    /// between them, and a blocking call waiting there for a peer that never calls cannot be
-    /// ended (see `connect.rs`). On by default; a large job that does not want a connection per
-    /// pair of ranks turns it off. Collectives' rings and trees are connected at init by NCCL
-    /// itself when `NCCL_RUNTIME_CONNECT=0` is set (see the guide).
-    pub connect_peers: bool,
-}
-
-impl Default for CommConfig {
-    fn default() -> CommConfig {
-        CommConfig {
-            init_timeout: Duration::from_secs(120),
-            timeout: Duration::from_secs(300),
-            min_ctas: None,
-            max_ctas: None,
-            name: None,
-            nonblocking_calls: false,
-            own_stream: false,
-            connect_peers: true,
-        }
-    }
-}
 
 /// A member of an NCCL communicator, bound to one GPU, with its stream and watchdog.
 ///
@@ -115,36 +39,6 @@ pub struct Communicator {
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.shared.who)
-    }
-}
-
-pub(crate) fn config(
-    nccl: &Nccl,
-    cfg: &CommConfig,
-    name: Option<&CString>,
-    blocking: bool,
-) -> ncclConfig_t {
-    const UNDEF: i32 = i32::MIN;
-    ncclConfig_t {
-        size: std::mem::size_of::<ncclConfig_t>(),
-        magic: 0xcafe_beef,
-        // The struct's version is the older of the header's and the library's, so that an
-        // older NCCL reads only the fields it knows.
-        version: nccl.version().min(version_code(2, 28, 9)) as u32,
-        blocking: i32::from(blocking),
-        cgaClusterSize: UNDEF,
-        minCTAs: cfg.min_ctas.unwrap_or(UNDEF),
-        maxCTAs: cfg.max_ctas.unwrap_or(UNDEF),
-        netName: std::ptr::null(),
-        splitShare: UNDEF,
-        trafficClass: UNDEF,
-        commName: name.map_or(std::ptr::null(), |n| n.as_ptr()),
-        collnetEnable: UNDEF,
-        CTAPolicy: UNDEF,
-        shrinkShare: UNDEF,
-        nvlsCTAs: UNDEF,
-        nChannelsPerNetPeer: UNDEF,
-        nvlinkCentricSched: UNDEF,
     }
 }
 
@@ -330,8 +224,8 @@ impl Communicator {
         &self.ctx
     }
 
-    /// The stream [`Communicator`]'s calls run on: the context's default stream, or one of its
-    /// own with [`CommConfig::own_stream`].
+    /// The stream [`Communicator`]'s calls run on: one of its own, or the context's default
+    /// stream without [`CommConfig::own_stream`].
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.shared.stream
     }

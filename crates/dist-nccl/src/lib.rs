@@ -50,6 +50,7 @@
 mod args;
 mod calls;
 mod communicator;
+mod config;
 mod connect;
 mod error;
 mod group;
@@ -60,7 +61,8 @@ mod split;
 mod types;
 mod watchdog;
 
-pub use communicator::{AbortHandle, CommConfig, Communicator};
+pub use communicator::{AbortHandle, Communicator};
+pub use config::CommConfig;
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclError, Result};
 pub use group::{Group, GroupOps, group};

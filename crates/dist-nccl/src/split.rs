@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaContext;
 use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t};
 
-use crate::communicator::{CommConfig, Communicator, config};
+use crate::communicator::Communicator;
+use crate::config::{CommConfig, config};
 use crate::connect::connect_peers;
 use crate::error::{NcclError, Result};
 use crate::shared::{Abort, cuda, nccl_error};
@@ -119,7 +120,7 @@ impl Communicator {
             return Err(fail(e, std::ptr::null_mut()));
         }
         let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
-        let stream = match crate::communicator::comm_stream(&ctx, cfg) {
+        let stream = match crate::config::comm_stream(&ctx, cfg) {
             Ok(s) => s,
             Err(e) => return Err(fail(cuda(&who, "create a stream")(e), std::ptr::null_mut())),
         };

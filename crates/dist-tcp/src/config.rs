@@ -3,10 +3,10 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use dist_core::{DistError, Result};
+use dist_core::{DistError, Result, Tuning};
 
 use crate::launch::LaunchEnv;
-use crate::wire::{MIN_SECRET_LEN, Tuning};
+use crate::wire::MIN_SECRET_LEN;
 
 /// The shortest operation, init or handshake timeout: socket timeouts under 1 µs mean "block
 /// forever" to the OS, and nothing useful completes in less than a millisecond.

@@ -18,28 +18,26 @@ use dist_core::{DistError, Result};
 use crate::config::TcpConfig;
 use crate::wire::{
     self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status, TABLE_ENTRY_LEN,
-    TABLE_HEAD_LEN, Tuning,
+    TABLE_HEAD_LEN,
 };
 
 mod handshake;
 
 use handshake::*;
 
-/// Forms the job and returns one handshaken stream per peer (`None` at this rank's index), and
-/// the job's tuning: rank 0's `tuning`, which it sends to every rank.
-pub(crate) fn form(cfg: &TcpConfig, tuning: Tuning) -> Result<(Vec<Option<TcpStream>>, Tuning)> {
+/// Forms the job and returns one handshaken stream per peer (`None` at this rank's index).
+pub(crate) fn form(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
     cfg.validate()?;
     let started = Instant::now();
     let (me, world) = (cfg.rank, cfg.world_size);
     let deadline = dist_core::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     if world == 1 {
-        return Ok((streams, tuning));
+        return Ok(streams);
     }
     let master = cfg.master_addr()?;
-    let mut tuning = tuning;
     if me == 0 {
-        form_as_root(cfg, tuning, master, started, deadline, &mut streams)?;
+        form_as_root(cfg, master, started, deadline, &mut streams)?;
     } else {
         let mut to_root = match connect_retry(master, deadline, me, "rank 0") {
             Ok(s) => s,
@@ -54,22 +52,19 @@ pub(crate) fn form(cfg: &TcpConfig, tuning: Tuning) -> Result<(Vec<Option<TcpStr
                 });
             }
         };
-        match form_as_member(cfg, master, &mut to_root, started, deadline, &mut streams) {
-            Ok(t) => tuning = t,
-            Err(e) => {
-                // Tell rank 0, so that every rank fails now rather than at the deadline.
-                let _ = write_by(
-                    &mut to_root,
-                    &Status::Failed(e.to_string()).encode(me as u32),
-                    deadline,
-                );
-                return Err(e);
-            }
+        if let Err(e) = form_as_member(cfg, master, &mut to_root, started, deadline, &mut streams) {
+            // Tell rank 0, so that every rank fails now rather than at the deadline.
+            let _ = write_by(
+                &mut to_root,
+                &Status::Failed(e.to_string()).encode(me as u32),
+                deadline,
+            );
+            return Err(e);
         }
         streams[0] = Some(to_root);
     }
-    tracing::debug!(rank = me, world, elapsed = ?started.elapsed(), ?tuning, "job formed");
-    Ok((streams, tuning))
+    tracing::debug!(rank = me, world, elapsed = ?started.elapsed(), "job formed");
+    Ok(streams)
 }
 
 fn bind_listener(addr: SocketAddr, me: usize) -> Result<TcpListener> {
@@ -90,7 +85,6 @@ fn bind_listener(addr: SocketAddr, me: usize) -> Result<TcpListener> {
 
 fn form_as_root(
     cfg: &TcpConfig,
-    tuning: Tuning,
     master: SocketAddr,
     started: Instant,
     deadline: Instant,
@@ -141,7 +135,7 @@ fn form_as_root(
         addrs[r] = SocketAddr::new(j.from.ip(), j.hello.listen_port);
     }
     let job_id = u64::from_le_bytes(nonce(0)?[..8].try_into().expect("8 bytes"));
-    let table = wire::encode_table(job_id, tuning, &addrs);
+    let table = wire::encode_table(job_id, &addrs);
     let mut conns: Vec<TcpStream> = Vec::with_capacity(world - 1);
     for (r, j) in joined.into_iter().enumerate().skip(1) {
         let mut s = j.expect("every rank joined").stream;
@@ -221,7 +215,7 @@ fn form_as_member(
     started: Instant,
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
-) -> Result<Tuning> {
+) -> Result<()> {
     let (me, world) = (cfg.rank, cfg.world_size);
     // Listen on the interface that reaches rank 0, unless told otherwise.
     let local_ip: IpAddr = match cfg.bind {
@@ -292,7 +286,7 @@ fn form_as_member(
         peer: root_desc.clone(),
         reason: what,
     };
-    let (job_id, n, tuning) =
+    let (job_id, n) =
         wire::decode_table_head(&head).map_err(|e| protocol(format!("bad table: {e}")))?;
     if n as usize != world {
         return Err(protocol(format!("table has {n} ranks, expected {world}")));
@@ -371,7 +365,7 @@ fn form_as_member(
     let mut b = [0u8; STATUS_LEN];
     read_exact_by(to_root, &mut b, deadline).map_err(io_err(me, "wait for the go from rank 0"))?;
     match Status::decode(&b) {
-        Ok((_, Status::Go)) => Ok(tuning),
+        Ok((_, Status::Go)) => Ok(()),
         Ok((_, Status::Failed(reason))) => Err(DistError::Aborted {
             rank: me,
             op: "init".into(),

@@ -31,6 +31,7 @@
 mod config;
 mod init;
 pub mod launch;
+mod link;
 mod liveness;
 mod peer;
 mod record;
@@ -40,23 +41,24 @@ pub mod testing;
 pub mod wire;
 
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{Backend, DistError, Meta, Result, Tag, Transport};
+use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning};
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
     TcpConfig,
 };
 pub use launch::{LaunchEnv, Launcher};
+pub use link::TcpLink;
 pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
+pub use peer::TcpRecv;
 use peer::{Aborts, Limits, Peer};
-use wire::{FrameKind, Tuning};
 
 /// Default largest message a peer may send ([`TcpConfig::max_message`]).
 pub const DEFAULT_MAX_MESSAGE: u64 = 16 << 30;
@@ -96,15 +98,8 @@ struct Shared {
     linger: Duration,
     peers: Vec<Arc<Peer>>,
     aborts: Arc<Aborts>,
-    collectives: AtomicU64,
-    abort_sent: AtomicBool,
-    /// Whether large sends and receives run on separate threads (see `send_recv_meta`).
+    /// Whether large sends and receives run on separate threads (see [`TcpLink::send`]).
     parallel: bool,
-    /// The job's tuning, as rank 0 chose it (see [`local_tuning`]).
-    tuning: Tuning,
-    /// The thread that runs a second lane, started on first use (`None` inside if it could
-    /// not be): starting one per call costs more than a 1 MiB all_reduce saves.
-    lane: OnceLock<Option<rayon::ThreadPool>>,
     /// How long a peer may be silent before it is declared unresponsive.
     peer_timeout: Duration,
     /// The backend is being dropped: connections ending now are no faults.
@@ -135,7 +130,7 @@ fn parallel_for(cfg: &TcpConfig) -> bool {
         .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
 }
 
-/// This rank's choice of the job's [`Tuning`] (rank 0's is the job's): what `cfg` says, else
+/// This rank's choice of the group's [`Tuning`] (rank 0's is the group's): what `cfg` says, else
 /// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, or 1 MiB when
 ///   a send and its receive run on separate cores;
 /// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
@@ -144,7 +139,7 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
     let piece_default = if parallel {
         1 << 10
     } else {
-        (dist_core::collectives::RING_PIECE >> 10) as u32
+        Tuning::default().ring_piece_kb
     };
     Tuning {
         ring_piece_kb: cfg
@@ -159,7 +154,22 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 }
 
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
+///
+/// It owns the job's collective [`Group`] over its [`TcpLink`]: the collectives
+/// ([`dist_core::Collectives`]) are methods on it.
 pub struct TcpBackend {
+    shared: Arc<Shared>,
+    /// Declared before `threads`, so dropped first: its lane thread is told to stop (rayon does
+    /// not wait for it; it is idle by then, no collective being in flight) before the
+    /// connections close.
+    group: Group<TcpLink>,
+    /// Held for its `Drop`, which closes the connections in order.
+    _threads: Threads,
+}
+
+/// The backend's threads (a reader per peer, the liveness thread); dropping this closes the
+/// connections in order (see its `Drop`).
+struct Threads {
     shared: Arc<Shared>,
     readers: Vec<JoinHandle<()>>,
     liveness: Option<JoinHandle<()>>,
@@ -195,7 +205,7 @@ impl TcpBackend {
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
         let parallel = parallel_for(&cfg);
-        let (streams, tuning) = init::form(&cfg, local_tuning(&cfg, parallel))?;
+        let streams = init::form(&cfg)?;
         let me = cfg.rank;
         let aborts = Arc::new(Aborts::default());
         let limits = Limits {
@@ -217,11 +227,7 @@ impl TcpBackend {
             linger: cfg.linger,
             peers,
             aborts,
-            collectives: AtomicU64::new(0),
-            abort_sent: AtomicBool::new(false),
             parallel,
-            tuning,
-            lane: OnceLock::new(),
             peer_timeout: cfg.peer_timeout,
             closing: AtomicBool::new(false),
             faults: Default::default(),
@@ -232,7 +238,11 @@ impl TcpBackend {
             beside: OnceLock::new(),
             beats: record::BeatWait::default(),
         });
-        let mut readers = Vec::new();
+        let mut threads = Threads {
+            shared: shared.clone(),
+            readers: Vec::new(),
+            liveness: None,
+        };
         for p in shared.peers.iter() {
             let Some(stream) = p.reader_stream() else {
                 continue;
@@ -244,8 +254,13 @@ impl TcpBackend {
             })?;
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
-            let sink: peer::AbortSink = Arc::new(move |notice: AbortNotice| {
+            let sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
                 if let Some(s) = weak.upgrade() {
+                    // A peer may name any number as the rank at fault: one that is no rank of
+                    // the job is no culprit (the failure is then the sender's).
+                    if notice.culprit.is_some_and(|c| c >= s.world) {
+                        notice.culprit = None;
+                    }
                     s.post(PeerFault {
                         rank: s.rank,
                         peer: notice.from,
@@ -287,7 +302,7 @@ impl TcpBackend {
                     context: "spawn a reader thread".into(),
                     source,
                 })?;
-            readers.push(handle);
+            threads.readers.push(handle);
         }
         let weak = Arc::downgrade(&shared);
         let (world, interval) = (
@@ -302,10 +317,15 @@ impl TcpBackend {
                 context: "spawn the liveness thread".into(),
                 source,
             })?;
+        threads.liveness = Some(liveness);
+        // The group forms over the mesh: rank 0's tuning goes to every rank. Should it fail,
+        // `threads` closes the connections on its way out.
+        let link = TcpLink(shared.clone());
+        let group = Group::form(link, local_tuning(&cfg, parallel), cfg.timeout)?;
         Ok(TcpBackend {
             shared,
-            readers,
-            liveness: Some(liveness),
+            group,
+            _threads: threads,
         })
     }
 
@@ -325,19 +345,6 @@ impl TcpBackend {
         self.shared.add_hook(Arc::new(hook));
     }
 
-    fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
-        self.shared
-            .peers
-            .get(r)
-            .map(|p| &**p)
-            .ok_or_else(|| DistError::InvalidRank {
-                rank: self.shared.rank,
-                op: op(),
-                given: r,
-                world_size: self.shared.world,
-            })
-    }
-
     /// The abort notices received so far.
     pub fn abort_notices(&self) -> Vec<AbortNotice> {
         self.shared.aborts.notices()
@@ -352,161 +359,10 @@ impl TcpBackend {
 }
 
 impl Transport for TcpBackend {
-    /// Sends `data` to `dst` on `tag` with sixteen bytes of `meta` for the receiver (the
-    /// collectives use it for their call descriptor).
-    fn send_meta(&self, data: &[u8], dst: usize, tag: Tag, meta: Meta) -> Result<()> {
-        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
-        let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
-        self.peer(dst, &op)?
-            .send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
-    }
+    type Link = TcpLink;
 
-    /// Receives from `src` on `tag` into `buf` by `deadline`; returns the sender's meta.
-    fn recv_meta(&self, buf: &mut [u8], src: usize, tag: Tag, deadline: Instant) -> Result<Meta> {
-        let len = buf.len();
-        let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
-        self.peer(src, &op)?.recv(buf, tag.to_wire(), deadline, &op)
-    }
-
-    /// Sends `send` to `dst` while receiving `recv` from `src`, both on `tag`: the receive is
-    /// posted first, so the payload lands in `recv` as it arrives, with no copy, while this
-    /// thread writes; then runs `meanwhile` while the receive may still be arriving. Returns the
-    /// received message's meta.
-    fn send_recv_meta_while(
-        &self,
-        (send, dst): (&[u8], usize),
-        (recv, src): (&mut [u8], usize),
-        tag: Tag,
-        meta: Meta,
-        deadline: Instant,
-        meanwhile: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Meta> {
-        let rlen = recv.len();
-        let rop = || format!("recv from {src} (tag {tag}, {rlen} bytes)");
-        let src_peer = self.peer(src, &rop)?;
-        let sop = || format!("send to {dst} (tag {tag}, {} bytes)", send.len());
-        let dst_peer = self.peer(dst, &sop)?;
-        // With cores to spare, a large send and its receive run on two threads at once (this
-        // one writes, the peer's reader thread reads); otherwise one thread moves both without
-        // blocking, which avoids the thread switches a crowded machine pays for.
-        let parallel = send.len() >= PARALLEL_MIN && self.shared.parallel;
-        src_peer.recv_overlapped(recv, tag.to_wire(), deadline, &rop, parallel, |posted| {
-            match posted {
-                Some(id) if !parallel => dst_peer.send_while_receiving(
-                    tag.to_wire(),
-                    send,
-                    meta,
-                    &sop,
-                    src_peer,
-                    id,
-                    deadline,
-                ),
-                _ => dst_peer.send(FrameKind::Data, tag.to_wire(), send, meta, &sop, deadline),
-            }?;
-            meanwhile()
-        })
-    }
-
-    /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
-    /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
-    /// fit).
-    fn peek_meta(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
-        self.shared.peers.get(src)?.peek(tag.to_wire())
-    }
-
-    /// Tells every other rank that this rank's operation on `tag` failed with `reason`; they see
-    /// it in [`TcpBackend::abort_notices`] and their waits on system tags end early. Only the
-    /// first call sends anything: a rank reports its first failure (its own, or one it heard of
-    /// and passes on, so that ranks that have not heard yet do before they see this one leave).
-    fn broadcast_abort(&self, tag: Tag, reason: &str) {
-        self.broadcast_abort_naming(tag, reason, None);
-    }
-
-    /// [`Transport::broadcast_abort`] naming the rank at fault: the notice carries it (abort
-    /// frame meta bytes 0..8, rank + 1), and the other ranks' errors name it as the origin.
-    /// Notices go out from threads of their own; this waits for them 500 ms at most, so a
-    /// peer that does not read (stopped, or its buffers full) holds nobody up.
-    fn broadcast_abort_naming(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
-        if self.shared.abort_sent.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // Remember it here too: this rank's later collectives (and other threads' waits on
-        // system tags) fail at once with it, as they do on the ranks that hear of it.
-        if self.shared.aborts.notices().is_empty() {
-            self.shared.note_abort(AbortNotice {
-                from: self.shared.rank,
-                culprit,
-                tag,
-                reason: reason.to_string(),
-            });
-        }
-        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
-        let mut cut = reason.len().min(peer::ABORT_MAX);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        self.shared.send_abort_notices(tag, &reason[..cut], culprit);
-        self.shared.write_trace();
-    }
-
-    fn flight(&self) -> Option<&FlightRecorder> {
-        Some(&self.shared.flight)
-    }
-
-    /// This rank's position from its own record, every live peer's from a heartbeat it sends
-    /// when asked (within [`record::ASK_WAIT`]; else from its last one).
-    fn positions(&self) -> Option<String> {
-        Some(self.shared.positions_text())
-    }
-
-    fn abort_notice(&self) -> Option<(usize, String)> {
-        // Every collective asks: the common answer costs one atomic load.
-        if !self.shared.aborts.raised() {
-            return None;
-        }
-        self.shared
-            .aborts
-            .notices()
-            .into_iter()
-            .next()
-            .map(|n| (n.origin(), n.reason))
-    }
-
-    fn next_collective(&self) -> u64 {
-        self.shared.collectives.fetch_add(1, Ordering::Relaxed)
-    }
-
-    fn ring_piece(&self) -> usize {
-        (self.shared.tuning.ring_piece_kb as usize) << 10
-    }
-
-    fn lanes(&self) -> usize {
-        self.shared.tuning.lanes as usize
-    }
-
-    fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
-        // A caller that is itself a worker of some rayon pool would, waiting for the lane, run
-        // other jobs of its own pool in the meantime (rayon's scopes wait by working), which
-        // could be another collective on this thread: there the lane gets a thread of its own.
-        if rayon::current_thread_index().is_some() {
-            return dist_core::run_beside_scoped(first, second);
-        }
-        let me = self.shared.rank;
-        let pool = self.shared.lane.get_or_init(|| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .thread_name(move |_| format!("dist-lane-{me}"))
-                .build()
-                .map_err(|e| tracing::debug!(rank = me, error = %e, "no lane thread"))
-                .ok()
-        });
-        match pool {
-            Some(pool) => pool.in_place_scope(|s| {
-                s.spawn(|_| second());
-                first();
-            }),
-            None => dist_core::run_beside_scoped(first, second),
-        }
+    fn group(&self) -> &Group<TcpLink> {
+        &self.group
     }
 }
 
@@ -535,7 +391,11 @@ impl Backend for TcpBackend {
 
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
         self.recorded("send", data.len(), dst, || {
-            self.send_meta(data, dst, tag, [0; 16])
+            let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+            let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
+            self.group
+                .link()
+                .send(data, dst, tag, [0; 16], deadline, None)
         })
     }
 
@@ -551,7 +411,12 @@ impl Backend for TcpBackend {
             format!("recv from {src} (tag {tag}, {len} bytes)")
         })?;
         self.recorded("recv", len, src, || {
-            self.recv_meta(buf, src, tag, deadline).map(|_| ())
+            let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
+            self.group
+                .link()
+                .peer(src, &op)?
+                .recv(buf, tag.to_wire(), deadline, &op)
+                .map(|_| ())
         })
     }
 
@@ -573,7 +438,7 @@ fn deadline_after(rank: usize, timeout: Duration, op: impl FnOnce() -> String) -
         })
 }
 
-impl Drop for TcpBackend {
+impl Drop for Threads {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);

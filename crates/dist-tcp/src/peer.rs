@@ -22,6 +22,7 @@ pub(crate) use live::{Beat, Whereabouts};
 #[cfg(test)]
 mod props;
 mod reader;
+mod recv;
 mod rx;
 mod slots;
 #[cfg(test)]
@@ -30,6 +31,8 @@ mod writer;
 
 pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
+pub use recv::TcpRecv;
+use recv::{Spinning, spin_time};
 use rx::*;
 use slots::*;
 use writer::*;
@@ -71,39 +74,6 @@ const IDLE_DRAIN: Duration = Duration::from_millis(20);
 const SPIN: Duration = Duration::from_micros(50);
 /// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
 pub(crate) const SPIN_MAX_US: u32 = 10_000;
-
-/// Counts a spinner in [`Peer::spinners`] while it lives, so that a panic cannot leave it counted
-/// (the reader thread would then stand back for good).
-struct Spinning<'a>(&'a AtomicUsize);
-
-impl<'a> Spinning<'a> {
-    fn new(n: &'a AtomicUsize) -> Spinning<'a> {
-        n.fetch_add(1, Ordering::AcqRel);
-        Spinning(n)
-    }
-}
-
-impl Drop for Spinning<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Withdraws a posted receive when dropped while armed.
-struct PostGuard<'a> {
-    peer: &'a Peer,
-    id: u64,
-    deadline: Instant,
-    armed: bool,
-}
-
-impl Drop for PostGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.peer.withdraw(self.id, self.deadline);
-        }
-    }
-}
 
 /// One peer: its socket halves, and the messages and receives waiting on it.
 pub(crate) struct Peer {
@@ -385,183 +355,6 @@ impl Peer {
         self.notify(&st);
     }
 
-    /// Receives the next message on `tag` into `buf` by `deadline`; returns its meta.
-    pub(crate) fn recv(
-        &self,
-        buf: &mut [u8],
-        tag: u64,
-        deadline: Instant,
-        op: &dyn Fn() -> String,
-    ) -> Result<Meta> {
-        self.recv_overlapped(buf, tag, deadline, op, false, |_| Ok(()))
-    }
-
-    /// Posts a receive of `buf`, runs `during` (a send, typically), then waits for the receive.
-    /// The payload can land in `buf` while `during` runs; when `during` may block for a while
-    /// (`long`: a large send), the reader thread is woken to take it meanwhile. If `during`
-    /// fails, its error is returned once the receive has been withdrawn.
-    pub(crate) fn recv_overlapped(
-        &self,
-        buf: &mut [u8],
-        tag: u64,
-        deadline: Instant,
-        op: &dyn Fn() -> String,
-        long: bool,
-        during: impl FnOnce(Option<u64>) -> Result<()>,
-    ) -> Result<Meta> {
-        let started = Instant::now();
-        let len = buf.len();
-        let mut st = self.lock();
-        if let Some(r) = st.take_queued(tag, buf) {
-            // There may be room in the budget: a reader holding a frame back for it may go on.
-            self.wake_reader_if_holding(&st);
-            drop(st);
-            during(None)?;
-            return r.map_err(|got| self.mismatch(op(), len, got));
-        }
-        if let Some(cause) = &st.closed {
-            let e = self.gone(op(), cause.clone());
-            drop(st);
-            during(None)?;
-            return Err(e);
-        }
-        // SAFETY: `buf` is borrowed mutably for this whole call. The entry leaves `posted`
-        // before it returns: `wait` removes it on every return (waiting out or cutting a fill),
-        // and `guard` withdraws it on every other way out, a failing or panicking `during` or a
-        // panic in `wait` included (tests: peer::tests::a_receive_whose_*_unwinds_is_withdrawn).
-        let id = unsafe { st.post(tag, buf.as_mut_ptr(), len) };
-        // The reader may be holding a large message back for a receive like this one; or we are
-        // about to be busy sending, and it must take the message as it comes.
-        if st.reader_holding || long {
-            self.wake_reader(&st);
-        }
-        drop(st);
-        // From here the reader may write into `buf`: the guard withdraws the receive (waiting out
-        // a fill in progress) on every way out, unwinding included, before `buf` is released.
-        // Nothing between the post and here can panic (a notify, a mutex guard's drop).
-        let mut guard = PostGuard {
-            peer: self,
-            id,
-            deadline,
-            armed: true,
-        };
-        during(Some(id))?;
-        let r = self.wait(id, tag, len, started, deadline, op);
-        // `wait` returned, and it removes the entry on every return: the reader can no longer
-        // reach `buf`. Had it unwound instead, the armed guard withdraws the receive.
-        guard.armed = false;
-        r
-    }
-
-    fn wait(
-        &self,
-        id: u64,
-        tag: u64,
-        len: usize,
-        started: Instant,
-        deadline: Instant,
-        op: &dyn Fn() -> String,
-    ) -> Result<Meta> {
-        #[cfg(test)]
-        if tests::PANIC_IN_WAIT.with(|p| p.replace(false)) {
-            panic!("injected: a panic inside a receive's wait");
-        }
-        let mut st = self.lock();
-        let mut timed_out = false;
-        let mut spun = false;
-        loop {
-            let i = st
-                .posted
-                .iter()
-                .position(|p| p.id == id)
-                .expect("an entry stays until its owner removes it");
-            if matches!(st.posted[i].slot, Slot::Done(_)) {
-                let Some(Posted {
-                    slot: Slot::Done(outcome),
-                    ..
-                }) = st.posted.remove(i)
-                else {
-                    unreachable!("checked above")
-                };
-                if timed_out {
-                    return Err(self.timeout(op(), started));
-                }
-                return match outcome {
-                    Outcome::Delivered(meta) => Ok(meta),
-                    Outcome::Mismatch(got) => Err(self.mismatch(op(), len, got)),
-                    Outcome::Gone(cause) => Err(self.gone(op(), cause)),
-                };
-            }
-            let open = matches!(st.posted[i].slot, Slot::Open);
-            if open && Tag::from_wire(tag).is_system() && self.aborts.raised() {
-                st.posted.remove(i);
-                return Err(self.aborts.error(self.me, op()));
-            }
-            if !spun && self.rx.is_some() {
-                // Spin briefly before sleeping, reading the socket ourselves: a message that
-                // comes within microseconds then lands with no thread switch at all.
-                spun = true;
-                drop(st);
-                let until = Instant::now()
-                    .checked_add(spin_time())
-                    .map_or(deadline, |t| deadline.min(t));
-                self.spin(id, until);
-                st = self.lock();
-                let done = st
-                    .posted
-                    .iter()
-                    .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
-                if !done {
-                    // About to sleep: the reader thread must now watch the socket for us.
-                    self.wake_reader(&st);
-                }
-                continue;
-            }
-            let now = Instant::now();
-            if !timed_out && now >= deadline {
-                if open {
-                    st.posted.remove(i);
-                    return Err(self.timeout(op(), started));
-                }
-                timed_out = true;
-                // The peer stalled in the middle of a payload that is landing in our buffer.
-                // We may not return while it can still be written: cut the connection, which
-                // ends the fill, under the read-side lock, before we go on.
-                drop(st);
-                self.cut("the peer stalled mid-message past a receiver's deadline");
-                st = self.lock();
-                continue;
-            }
-            st = self.sleep(
-                st,
-                (!timed_out).then(|| deadline.saturating_duration_since(now)),
-            );
-        }
-    }
-
-    /// Reads the socket from this thread until receive `id` is done or `until` passes, as long
-    /// as nobody else is reading it at that moment.
-    fn spin(&self, id: u64, until: Instant) {
-        let Some(rx) = &self.rx else { return };
-        let _spinning = Spinning::new(&self.spinners);
-        loop {
-            if let Ok(mut r) = rx.try_lock()
-                && let Step::Closed(cause) = self.progress(&mut r)
-            {
-                self.shut(&mut r, cause);
-            }
-            let done = self
-                .lock()
-                .posted
-                .iter()
-                .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
-            if done || Instant::now() >= until {
-                break;
-            }
-            std::thread::yield_now();
-        }
-    }
-
     /// Ends the connection: no more bytes are read, every waiting receive fails with `cause`.
     /// Called with the read side locked, so that no fill is in progress once it returns.
     fn shut(&self, rx: &mut Rx, cause: String) {
@@ -588,31 +381,6 @@ impl Peer {
         if let Some(rx) = &self.rx {
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             self.shut(&mut r, cause.to_string());
-        }
-    }
-
-    /// Withdraws a posted receive; if its buffer is being filled, waits for the fill to end
-    /// (cutting the connection if that takes past `deadline`).
-    fn withdraw(&self, id: u64, deadline: Instant) {
-        let mut st = self.lock();
-        let mut cut = false;
-        loop {
-            let Some(i) = st.posted.iter().position(|p| p.id == id) else {
-                return;
-            };
-            if !matches!(st.posted[i].slot, Slot::Filling) {
-                st.posted.remove(i);
-                return;
-            }
-            let now = Instant::now();
-            if !cut && now >= deadline {
-                cut = true;
-                drop(st);
-                self.cut("a receive was withdrawn while its message was arriving too slowly");
-                st = self.lock();
-                continue;
-            }
-            st = self.sleep(st, (!cut).then(|| deadline.saturating_duration_since(now)));
         }
     }
 
@@ -697,15 +465,4 @@ impl Peer {
     pub(crate) fn set_abort_sink(&self, sink: AbortSink) {
         let _ = self.on_abort.set(sink);
     }
-}
-
-fn spin_time() -> Duration {
-    static S: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *S.get_or_init(|| {
-        std::env::var("DIST_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
-            .unwrap_or(SPIN)
-    })
 }

@@ -5,11 +5,10 @@ use std::net::TcpStream;
 
 use dist_core::Result;
 
-use crate::{TcpConfig, init, local_tuning, parallel_for};
+use crate::{TcpConfig, init};
 
 /// Joins the job `cfg` describes through the real rendezvous and handshake, and returns the
 /// connection to every other rank (`None` at this rank's own index), with no reader on them.
 pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
-    let tuning = local_tuning(cfg, parallel_for(cfg));
-    init::form(cfg, tuning).map(|(streams, _)| streams)
+    init::form(cfg)
 }

@@ -15,7 +15,7 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -34,7 +34,7 @@ pub const FRAME_HEADER_LEN: usize = 40;
 /// Length of one rank's entry in the rendezvous table.
 pub const TABLE_ENTRY_LEN: usize = 19;
 /// Length of the rendezvous table's fixed part.
-pub const TABLE_HEAD_LEN: usize = 8 + 8 + 4 + 4 + 4;
+pub const TABLE_HEAD_LEN: usize = 8 + 8 + 4;
 
 /// Why a connection sends its [`Hello`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -352,47 +352,12 @@ impl Status {
     }
 }
 
-/// How the collectives cut their messages, decided once for the whole job by rank 0 and sent
-/// to every rank in the table: every rank must cut the same way, or their message sizes (and
-/// tags) would not match.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tuning {
-    /// The ring collectives' piece size, in KiB (1 to [`Tuning::MAX_PIECE_KB`]).
-    pub ring_piece_kb: u32,
-    /// How many rings a large all_reduce runs at once (1 or 2).
-    pub lanes: u32,
-}
-
-impl Tuning {
-    /// The largest ring piece a table may ask for: 64 MiB.
-    pub const MAX_PIECE_KB: u32 = 64 << 10;
-    /// The most rings a table may ask for.
-    pub const MAX_LANES: u32 = 2;
-
-    /// Checks the ranges; a table from a peer that breaks them is refused.
-    pub fn validate(&self) -> Result<(), DecodeError> {
-        if !(1..=Self::MAX_PIECE_KB).contains(&self.ring_piece_kb) {
-            return Err(DecodeError::BadField(
-                "ring piece KiB",
-                self.ring_piece_kb.into(),
-            ));
-        }
-        if !(1..=Self::MAX_LANES).contains(&self.lanes) {
-            return Err(DecodeError::BadField("lanes", self.lanes.into()));
-        }
-        Ok(())
-    }
-}
-
-/// Encodes the rendezvous table rank 0 sends each rank: the job id, the job's tuning and every
-/// rank's listener.
-pub fn encode_table(job_id: u64, tuning: Tuning, addrs: &[std::net::SocketAddr]) -> Vec<u8> {
+/// Encodes the rendezvous table rank 0 sends each rank: the job id and every rank's listener.
+pub fn encode_table(job_id: u64, addrs: &[std::net::SocketAddr]) -> Vec<u8> {
     let mut b = Vec::with_capacity(TABLE_HEAD_LEN + addrs.len() * TABLE_ENTRY_LEN);
     b.extend_from_slice(&MAGIC);
     b.extend_from_slice(&job_id.to_le_bytes());
     b.extend_from_slice(&(addrs.len() as u32).to_le_bytes());
-    b.extend_from_slice(&tuning.ring_piece_kb.to_le_bytes());
-    b.extend_from_slice(&tuning.lanes.to_le_bytes());
     for a in addrs {
         let (family, ip) = match a.ip() {
             std::net::IpAddr::V4(v4) => (4u8, v4.to_ipv6_mapped().octets()),
@@ -405,17 +370,11 @@ pub fn encode_table(job_id: u64, tuning: Tuning, addrs: &[std::net::SocketAddr])
     b
 }
 
-/// Decodes the table's fixed part: the job id, the number of entries that follow and the
-/// job's tuning (checked).
-pub fn decode_table_head(buf: &[u8]) -> Result<(u64, u32, Tuning), DecodeError> {
+/// Decodes the table's fixed part: the job id and the number of entries that follow.
+pub fn decode_table_head(buf: &[u8]) -> Result<(u64, u32), DecodeError> {
     check_magic(buf)?;
     need(buf, TABLE_HEAD_LEN)?;
-    let tuning = Tuning {
-        ring_piece_kb: u32_at(buf, 20),
-        lanes: u32_at(buf, 24),
-    };
-    tuning.validate()?;
-    Ok((u64_at(buf, 8), u32_at(buf, 16), tuning))
+    Ok((u64_at(buf, 8), u32_at(buf, 16)))
 }
 
 /// Decodes the table's entries.

@@ -228,19 +228,50 @@ fn an_abort_notice_is_not_held_up_by_a_peer_that_does_not_read() {
     );
     let mut s2 = raw[2].take().unwrap();
     s2.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    // Heartbeats may come first; the abort notice follows within the read timeout.
+    // Rank 0's tuning (the group forming) and heartbeats may come first; the abort notice
+    // follows within the read timeout.
     loop {
         let mut h = [0u8; FRAME_HEADER_LEN];
         s2.read_exact(&mut h).unwrap();
         let h = FrameHeader::decode(&h).unwrap();
-        if h.kind == FrameKind::Abort {
-            let mut text = vec![0u8; h.len as usize];
-            s2.read_exact(&mut text).unwrap();
-            assert_eq!(text, b"gave up");
-            break;
+        let mut payload = vec![0u8; h.len as usize];
+        s2.read_exact(&mut payload).unwrap();
+        match h.kind {
+            FrameKind::Abort => {
+                assert_eq!(payload, b"gave up");
+                break;
+            }
+            FrameKind::Data => assert_eq!(h.tag, dist_core::collectives::GROUP_TAG.to_wire()),
+            kind => assert_eq!(kind, FrameKind::Heartbeat),
         }
-        assert_eq!(h.kind, FrameKind::Heartbeat);
     }
     drop(raw);
     assert!(big.join().unwrap().is_err());
+}
+
+/// A peer's abort notice that names a "rank at fault" outside the job (1000 of 2) is taken as
+/// the sender's own failure: the error names rank 1, the sender, as its origin. Before, the
+/// number went into `DistError::Aborted { origin: 1000 }` unchecked.
+#[test]
+fn an_abort_naming_no_rank_of_the_job_is_the_senders() {
+    use std::io::Write;
+    let (b, mut raw) = real_and_raw(2, Duration::from_secs(60));
+    let text = b"bogus";
+    let mut meta = [0u8; 16];
+    meta[..8].copy_from_slice(&1001u64.to_le_bytes());
+    let h = FrameHeader {
+        kind: FrameKind::Abort,
+        tag: dist_core::collectives::COLLECTIVE_TAG.to_wire(),
+        len: text.len() as u64,
+        meta,
+    };
+    let s = raw[1].as_mut().unwrap();
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(text).unwrap();
+    let e = b.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).unwrap_err();
+    eprintln!("{e}");
+    match e {
+        DistError::Aborted { origin, .. } => assert_eq!(origin, 1, "{e}"),
+        other => panic!("expected Aborted, got {other}"),
+    }
 }

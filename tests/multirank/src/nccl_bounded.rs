@@ -186,5 +186,26 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     if me == 0 {
         r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
     }
+    // The communicators go before the buffers: each drop waits for its watchdog, and so for
+    // an abort still running. Freeing the buffer of the pending receive while the abort ran
+    // hung the freeing thread for good on 2 x H200 (runs s2-c, s2-e, s2-f: inside the buffers'
+    // drop, where cudarc frees them in stream order; with either stream and either abort
+    // order; see docs/architecture.md, "What is not bounded"). `DIST_TEST_FREE_FIRST=1` frees
+    // first, to look at it again.
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        println!("rank {me}: drops still running after 60 s");
+        std::process::exit(2);
+    });
+    if std::env::var_os("DIST_TEST_FREE_FIRST").is_some() {
+        println!("rank {me}: freeing the buffers first");
+        drop((x, y));
+    }
+    let t = Instant::now();
+    drop(sub);
+    let Rig { tcp, comm } = r;
+    drop(comm);
+    println!("rank {me}: communicators dropped after {:.1?}", t.elapsed());
+    drop(tcp);
     Ok(())
 }

@@ -230,11 +230,7 @@ fn against_fake_root(script: fn(&mut TcpStream)) -> DistError {
         let _ = s.read_to_end(&mut Vec::new());
     });
     let cfg = TcpConfig::new(1, 2, addr.to_string()).init_timeout(Duration::from_secs(10));
-    let tuning = Tuning {
-        ring_piece_kb: 256,
-        lanes: 1,
-    };
-    let e = form(&cfg, tuning).unwrap_err();
+    let e = form(&cfg).unwrap_err();
     fake.join().unwrap();
     e
 }
@@ -269,11 +265,7 @@ fn lengths_from_a_fake_rank0_are_checked() {
     );
     let e = against_fake_root(|s| {
         accept_hello(s);
-        let tuning = Tuning {
-            ring_piece_kb: 256,
-            lanes: 1,
-        };
-        let mut table = wire::encode_table(5, tuning, &[]);
+        let mut table = wire::encode_table(5, &[]);
         table[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
         s.write_all(&table).unwrap();
     });

@@ -67,3 +67,45 @@ impl Aborts {
 
 /// A hook the owning backend passes to each peer to hear of abort frames.
 pub(crate) type AbortSink = Arc<dyn Fn(AbortNotice) + Send + Sync>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn notice(from: usize, culprit: Option<usize>, reason: &str) -> AbortNotice {
+        AbortNotice {
+            from,
+            culprit,
+            tag: Tag::system(2),
+            reason: reason.into(),
+        }
+    }
+
+    /// The first notice is the one every wait reports, naming its culprit (else its sender);
+    /// a flood keeps only the first [`ABORTS_KEPT`].
+    #[test]
+    fn the_first_notice_decides_and_a_flood_is_bounded() {
+        let a = Aborts::default();
+        assert!(!a.raised());
+        a.raise(notice(3, Some(1), "peer 1 gone"));
+        a.raise(notice(2, None, "mine"));
+        assert!(a.raised());
+        match a.error(0, "all_reduce(f32 x 4, sum)".into()) {
+            DistError::Aborted {
+                rank: 0,
+                op,
+                origin: 1,
+                reason,
+            } => assert_eq!(
+                (op.as_str(), reason.as_str()),
+                ("all_reduce(f32 x 4, sum)", "peer 1 gone")
+            ),
+            other => panic!("{other}"),
+        }
+        for i in 0..3 * ABORTS_KEPT {
+            a.raise(notice(i, None, "flood"));
+        }
+        assert_eq!(a.notices().len(), ABORTS_KEPT);
+        assert_eq!(notice(4, None, "x").origin(), 4);
+    }
+}

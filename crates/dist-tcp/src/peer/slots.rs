@@ -157,3 +157,75 @@ impl Payload<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(st: &mut State, tag: u64, data: &[u8], counted: bool) {
+        if counted {
+            st.queued_bytes += data.len() + QUEUED_OVERHEAD;
+        }
+        st.queued.entry(tag).or_default().push_back(Queued {
+            data: data.to_vec(),
+            meta: [data.len() as u8; 16],
+            counted,
+        });
+    }
+
+    /// Queued messages are taken in order per tag, never across tags; the budget is given back
+    /// and an emptied tag leaves no entry.
+    #[test]
+    fn queued_messages_are_taken_in_order_per_tag() {
+        let mut st = State::new();
+        queue(&mut st, 1, &[1, 1], true);
+        queue(&mut st, 2, &[2, 2, 2], true);
+        queue(&mut st, 1, &[3, 3], false);
+        let mut b = [0u8; 2];
+        assert_eq!(st.take_queued(1, &mut b), Some(Ok([2; 16])));
+        assert_eq!(b, [1, 1]);
+        assert_eq!(st.queued_bytes, 3 + QUEUED_OVERHEAD);
+        assert_eq!(st.take_queued(1, &mut b), Some(Ok([2; 16])));
+        assert_eq!(b, [3, 3]);
+        assert!(st.take_queued(1, &mut b).is_none());
+        assert!(!st.queued.contains_key(&1));
+        assert_eq!(st.queued.len(), 1);
+    }
+
+    /// A receive of the wrong size is told the message's size and takes nothing: the message
+    /// stays for a receive of the right size.
+    #[test]
+    fn a_wrong_size_takes_nothing() {
+        let mut st = State::new();
+        queue(&mut st, 7, &[9; 5], true);
+        let mut small = [0u8; 4];
+        assert_eq!(st.take_queued(7, &mut small), Some(Err(5)));
+        assert_eq!(small, [0; 4]);
+        let mut right = [0u8; 5];
+        assert_eq!(st.take_queued(7, &mut right), Some(Ok([5; 16])));
+        assert_eq!((right, st.queued_bytes), ([9; 5], 0));
+    }
+
+    /// Posted receives get increasing ids and are open until something completes them; only a
+    /// done one can be taken.
+    #[test]
+    fn posted_receives_are_open_until_done() {
+        let mut st = State::new();
+        let mut a = [0u8; 3];
+        let mut b = [0u8; 3];
+        // SAFETY: both buffers outlive the entries, which are removed before the test ends.
+        let (ia, ib) = unsafe {
+            (
+                st.post(4, a.as_mut_ptr(), a.len()),
+                st.post(4, b.as_mut_ptr(), b.len()),
+            )
+        };
+        assert_eq!(ib, ia + 1);
+        assert!(st.take_done(ia).is_none());
+        st.posted[0].slot = Slot::Done(Outcome::Delivered([1; 16]));
+        assert!(matches!(st.take_done(ia), Some(Outcome::Delivered(m)) if m == [1; 16]));
+        st.posted[0].slot = Slot::Done(Outcome::Mismatch(8));
+        assert!(matches!(st.take_done(ib), Some(Outcome::Mismatch(8))));
+        assert!(st.posted.is_empty());
+    }
+}

@@ -111,17 +111,21 @@ fn a_receive_whose_wait_unwinds_is_withdrawn() {
     assert_eq!(again, [9; 8]);
 }
 
-/// A receive's `during` that panics also withdraws it (this held before the fix too).
+/// A posted receive whose holder panics (in the send beside it) is withdrawn by the handle's
+/// drop as the panic unwinds.
 #[test]
 fn a_receive_whose_send_unwinds_is_withdrawn() {
     let mut pair = Pair::new(limits(1 << 30, 1 << 20));
     let mut buf = vec![0u8; 8];
     let deadline = Instant::now() + Duration::from_secs(10);
     let r = catch_unwind(AssertUnwindSafe(|| {
-        pair.peer
-            .recv_overlapped(&mut buf, 7, deadline, &|| "op".into(), false, |_| {
-                panic!("injected: a panic in the send beside a receive")
-            })
+        // SAFETY: the handle is dropped by the unwinding below; it is never leaked.
+        let posted = unsafe { pair.peer.post(&mut buf, 7, deadline, None) };
+        assert!(
+            posted.id().is_some(),
+            "nothing was queued: the receive is posted"
+        );
+        panic!("injected: a panic in the send beside a receive")
     }));
     assert!(r.is_err());
     pair.frame(1, 7, 8, &[9; 8]);
@@ -457,19 +461,19 @@ fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
     let s = Instant::now();
     let d = s + Duration::from_secs(1);
     let peer = pair.peer.clone();
-    let r = pair
-        .peer
-        .recv_overlapped(&mut buf, 5, d, &|| "recv".into(), false, |posted| {
-            peer.send_while_receiving(
-                5,
-                &data,
-                [0; 16],
-                &|| "send".into(),
-                &peer,
-                posted.unwrap(),
-                d,
-            )
-        });
+    // SAFETY: the handle is waited on or dropped below; it is never leaked.
+    let posted = unsafe { pair.peer.post(&mut buf, 5, d, None) };
+    let r = peer
+        .send_while_receiving(
+            5,
+            &data,
+            [0; 16],
+            &|| "send".into(),
+            &peer,
+            posted.id().unwrap(),
+            d,
+        )
+        .and_then(|()| posted.wait());
     let took = s.elapsed();
     stop.store(true, Ordering::Relaxed);
     assert!(matches!(r, Err(DistError::Timeout { .. })), "{r:?}");

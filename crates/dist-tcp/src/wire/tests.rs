@@ -73,28 +73,8 @@ fn table_round_trips_v4_and_v6() {
         "[::1]:40000".parse().unwrap(),
         "10.1.2.3:1".parse().unwrap(),
     ];
-    let tuning = Tuning {
-        ring_piece_kb: 1024,
-        lanes: 2,
-    };
-    let b = encode_table(42, tuning, &addrs);
-    assert_eq!(decode_table_head(&b).unwrap(), (42, 3, tuning));
-    for bad in [
-        Tuning {
-            ring_piece_kb: 0,
-            lanes: 1,
-        },
-        Tuning {
-            ring_piece_kb: Tuning::MAX_PIECE_KB + 1,
-            lanes: 1,
-        },
-        Tuning {
-            ring_piece_kb: 256,
-            lanes: 3,
-        },
-    ] {
-        assert!(decode_table_head(&encode_table(42, bad, &addrs)).is_err());
-    }
+    let b = encode_table(42, &addrs);
+    assert_eq!(decode_table_head(&b).unwrap(), (42, 3));
     assert_eq!(
         decode_table_entries(&b[TABLE_HEAD_LEN..], 3).unwrap(),
         addrs
@@ -238,15 +218,6 @@ mod props {
         ]
     }
 
-    fn any_tuning() -> impl Strategy<Value = Tuning> {
-        (1..=Tuning::MAX_PIECE_KB, 1..=Tuning::MAX_LANES).prop_map(|(ring_piece_kb, lanes)| {
-            Tuning {
-                ring_piece_kb,
-                lanes,
-            }
-        })
-    }
-
     /// Bytes that start like a real message often enough to reach the later checks.
     fn noisy(valid: Vec<u8>) -> impl Strategy<Value = Vec<u8>> {
         let len = valid.len();
@@ -337,13 +308,12 @@ mod props {
         #[test]
         fn table_round_trips_and_cut_tables_are_errors(
             job in any::<u64>(),
-            tuning in any_tuning(),
             addrs in proptest::collection::vec(any_addr(), 1..20),
             cut in any::<prop::sample::Index>(),
         ) {
-            let b = encode_table(job, tuning, &addrs);
+            let b = encode_table(job, &addrs);
             let n = addrs.len();
-            prop_assert_eq!(decode_table_head(&b), Ok((job, n as u32, tuning)));
+            prop_assert_eq!(decode_table_head(&b), Ok((job, n as u32)));
             let entries = &b[TABLE_HEAD_LEN..];
             let got = decode_table_entries(entries, n).expect("decodes");
             prop_assert_eq!(got, addrs);
@@ -361,13 +331,11 @@ mod props {
 
         #[test]
         fn damaged_tables_never_panic(
-            b in (any_tuning(), proptest::collection::vec(any_addr(), 1..6))
-                .prop_flat_map(|(t, a)| noisy(encode_table(7, t, &a))),
+            b in proptest::collection::vec(any_addr(), 1..6)
+                .prop_flat_map(|a| noisy(encode_table(7, &a))),
             n in 0usize..8,
         ) {
-            if let Ok((_, _, t)) = decode_table_head(&b) {
-                prop_assert!(t.validate().is_ok());
-            }
+            let _ = decode_table_head(&b);
             if b.len() >= TABLE_HEAD_LEN {
                 let _ = decode_table_entries(&b[TABLE_HEAD_LEN..], n);
             }

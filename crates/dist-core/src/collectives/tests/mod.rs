@@ -1,7 +1,15 @@
-//! Unit tests of `collectives`.
+//! Unit tests of `collectives`: the pure parts here, every algorithm over an in-memory link in
+//! `matrix`, mismatches and failures in `faults`.
 
+use super::desc::{Desc, Kind};
+use super::scratch::{segment, split_pair};
+use super::tree::binomial;
 use super::*;
-use crate::Backend;
+use crate::testing::MemLink;
+use crate::{DType, DistError, Tuning, Within};
+
+mod faults;
+mod matrix;
 
 #[test]
 fn descriptor_round_trips_and_explains_differences() {
@@ -81,87 +89,18 @@ fn split_pair_gives_disjoint_ranges_either_way() {
     assert_eq!(x[3], 9);
 }
 
-/// A transport of `n` ranks (this one rank 0) that moves nothing: every send or receive is
-/// an error. Enough for the checks that must fail before any message moves.
-struct NoWire {
-    n: usize,
-    timeout: std::time::Duration,
-}
-
-fn no_wire(rank: usize) -> DistError {
-    DistError::PeerGone {
-        rank: 0,
-        peer: rank,
-        op: "test".into(),
-        cause: "no wire".into(),
-    }
-}
-
-impl Backend for NoWire {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        self.n
-    }
-    fn default_timeout(&self) -> std::time::Duration {
-        self.timeout
-    }
-    fn send_tagged(&self, _: &[u8], dst: usize, _: Tag) -> Result<()> {
-        Err(no_wire(dst))
-    }
-    fn recv_tagged_timeout(
-        &self,
-        _: &mut [u8],
-        src: usize,
-        _: Tag,
-        _: std::time::Duration,
-    ) -> Result<()> {
-        Err(no_wire(src))
-    }
-    fn barrier_timeout(&self, _: std::time::Duration) -> Result<()> {
-        Err(no_wire(1))
-    }
-}
-
-impl Transport for NoWire {
-    fn send_meta(&self, _: &[u8], dst: usize, _: Tag, _: Meta) -> Result<()> {
-        Err(no_wire(dst))
-    }
-    fn recv_meta(&self, _: &mut [u8], src: usize, _: Tag, _: Instant) -> Result<Meta> {
-        Err(no_wire(src))
-    }
-    fn send_recv_meta_while(
-        &self,
-        (_, dst): (&[u8], usize),
-        _: (&mut [u8], usize),
-        _: Tag,
-        _: Meta,
-        _: Instant,
-        _: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Meta> {
-        Err(no_wire(dst))
-    }
-    fn peek_meta(&self, _: usize, _: Tag) -> Option<(usize, Meta)> {
-        None
-    }
-    fn broadcast_abort(&self, _: Tag, _: &str) {}
-    fn abort_notice(&self) -> Option<(usize, String)> {
-        None
-    }
-    fn next_collective(&self) -> u64 {
-        0
-    }
+/// Rank 0 of a group of `n` in memory whose other ranks never call: enough for the checks
+/// that must fail before any message moves.
+fn lone(n: usize) -> Group<MemLink> {
+    let link = MemLink::mesh(n).swap_remove(0);
+    Group::form(link, Tuning::default(), std::time::Duration::from_secs(1)).unwrap()
 }
 
 /// Counts whose sum overflows a usize are an error naming them, not a panic (on main the
 /// `iter().sum()` panicked with "attempt to add with overflow").
 #[test]
 fn all_to_all_v_counts_that_overflow_are_errors() {
-    let b = NoWire {
-        n: 2,
-        timeout: std::time::Duration::from_secs(1),
-    };
+    let b = lone(2);
     let e = b
         .all_to_all_v(&[0u8; 2], &[usize::MAX, 2], &mut [0u8; 2], &[1, 1])
         .unwrap_err();
@@ -173,7 +112,8 @@ fn all_to_all_v_counts_that_overflow_are_errors() {
             && text.contains("more than a usize holds"),
         "{text}"
     );
-    let e = b
+    // A failed call aborts the group: a second one needs a group of its own.
+    let e = lone(2)
         .all_to_all_v(&[0u8; 2], &[1, 1], &mut [0u8; 2], &[2, usize::MAX - 1])
         .unwrap_err();
     assert!(e.to_string().contains("recv_counts"), "{e}");
@@ -184,8 +124,11 @@ fn all_to_all_v_counts_that_overflow_are_errors() {
 #[test]
 fn huge_default_timeouts_are_errors() {
     for timeout in [std::time::Duration::MAX, crate::MAX_TIMEOUT * 2] {
-        let b = NoWire { n: 2, timeout };
-        let e = b.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum).unwrap_err();
+        let b = lone(2);
+        let e = b
+            .within(timeout)
+            .all_reduce(&mut [1.0f32; 4], ReduceOp::Sum)
+            .unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, DistError::InvalidArgument { .. }), "{text}");
         assert!(

@@ -1,0 +1,437 @@
+//! One collective call: its descriptor, deadline and flight-record entry; the messages it sends
+//! and receives, each checked against the descriptor; and the explanation of its errors (a
+//! mismatch names the rank that differs and how, a failure caused by another rank's abort is
+//! reported as that abort). A call that fails tells every other rank.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::{Meta, Tag};
+use crate::error::{DistError, Result};
+use crate::flight::{OpInfo, OpState};
+use crate::group::Group;
+use crate::link::{Link, PostedRecv};
+use crate::types::{Element, ReduceOp};
+
+use super::consts::COLLECTIVE_TAG;
+use super::desc::{Desc, Kind};
+
+/// One collective call in progress: the group, this rank, the descriptor and the deadline.
+pub(super) struct Call<'a, L: Link> {
+    pub(super) g: &'a Group<L>,
+    pub(super) me: usize,
+    pub(super) n: usize,
+    desc: Desc,
+    meta: Meta,
+    deadline: Instant,
+}
+
+/// A receive posted by a call: the link's handle, and what the call's checks need.
+pub(super) struct Pending<'b, L: Link + 'b> {
+    recv: L::Recv<'b>,
+    src: usize,
+    tag: Tag,
+    len: usize,
+}
+
+impl<L: Link> Call<'_, L> {
+    pub(super) fn op_text(&self) -> String {
+        self.desc.describe()
+    }
+
+    fn link(&self) -> &L {
+        self.g.link()
+    }
+
+    /// Sends `data` to `dst` on the collectives' tag.
+    pub(super) fn send(&self, data: &[u8], dst: usize) -> Result<()> {
+        self.send_on(COLLECTIVE_TAG, data, dst)
+    }
+
+    pub(super) fn send_on(&self, tag: Tag, data: &[u8], dst: usize) -> Result<()> {
+        self.link()
+            .send(data, dst, tag, self.meta, self.deadline, None)
+    }
+
+    /// Receives from `src` on the collectives' tag into `buf`.
+    pub(super) fn recv(&self, buf: &mut [u8], src: usize) -> Result<()> {
+        self.recv_on(COLLECTIVE_TAG, buf, src)
+    }
+
+    pub(super) fn recv_on(&self, tag: Tag, buf: &mut [u8], src: usize) -> Result<()> {
+        let p = self.post(tag, buf, src)?;
+        self.wait(p)
+    }
+
+    /// Posts the receive of the next message from `src` on `tag` into `buf`: it may land there
+    /// from now on, until [`Call::wait`] (or the handle's drop, which withdraws it).
+    ///
+    /// The algorithms of this module wait on or drop every handle this returns, on every path
+    /// (`?` drops it); none is ever leaked, which is what [`Link::post`] asks.
+    pub(super) fn post<'b>(
+        &'b self,
+        tag: Tag,
+        buf: &'b mut [u8],
+        src: usize,
+    ) -> Result<Pending<'b, L>> {
+        let len = buf.len();
+        // SAFETY: the handle goes into a `Pending`, which this module's algorithms wait on or
+        // drop on every path and never leak (see above).
+        let recv = unsafe { self.link().post(buf, src, tag, self.deadline) }
+            .map_err(|e| self.explain(e, src, tag, len))?;
+        Ok(Pending {
+            recv,
+            src,
+            tag,
+            len,
+        })
+    }
+
+    /// Sends `data` to `dst` on `p`'s tag while `p` may be arriving: a link can move `p`'s
+    /// bytes whenever the send waits for room. An error is explained as `p`'s would be.
+    pub(super) fn send_beside(&self, data: &[u8], dst: usize, p: &Pending<'_, L>) -> Result<()> {
+        self.link()
+            .send(data, dst, p.tag, self.meta, self.deadline, Some(&p.recv))
+            .map_err(|e| self.explain(e, p.src, p.tag, p.len))
+    }
+
+    /// Waits for a posted receive and checks its descriptor against this call's.
+    pub(super) fn wait(&self, p: Pending<'_, L>) -> Result<()> {
+        let (src, tag, len) = (p.src, p.tag, p.len);
+        match p.recv.wait() {
+            Ok(m) => self.check(&m, src),
+            Err(e) => Err(self.explain(e, src, tag, len)),
+        }
+    }
+
+    /// One exchange: receive from `src` into `recv` while sending `send` to `dst`, on `tag`.
+    pub(super) fn send_recv_on(
+        &self,
+        tag: Tag,
+        send: &[u8],
+        dst: usize,
+        recv: &mut [u8],
+        src: usize,
+    ) -> Result<()> {
+        let p = self.post(tag, recv, src)?;
+        self.send_beside(send, dst, &p)?;
+        self.wait(p)
+    }
+
+    /// [`Call::send_recv_on`] on the collectives' tag.
+    pub(super) fn send_recv(
+        &self,
+        send: &[u8],
+        dst: usize,
+        recv: &mut [u8],
+        src: usize,
+    ) -> Result<()> {
+        self.send_recv_on(COLLECTIVE_TAG, send, dst, recv, src)
+    }
+
+    fn check(&self, got: &Meta, src: usize) -> Result<()> {
+        if *got == self.meta {
+            return Ok(());
+        }
+        Err(DistError::CollectiveMismatch {
+            rank: self.me,
+            op: self.op_text(),
+            peer: src,
+            detail: self.desc.differences(&Desc::decode(got)),
+        })
+    }
+
+    /// The collective's error for a link error on a receive from `src` on `tag` of `expected`
+    /// bytes. A size mismatch is a disagreement between the calls: say how they differ. A peer
+    /// that left or went quiet after another rank aborted the call is reported as that abort,
+    /// the cause.
+    fn explain(&self, e: DistError, src: usize, tag: Tag, expected: usize) -> DistError {
+        if matches!(e, DistError::PeerGone { .. } | DistError::Timeout { .. })
+            && let Some((origin, reason)) = self.link().abort_notice()
+        {
+            return DistError::Aborted {
+                rank: self.me,
+                op: self.op_text(),
+                origin,
+                reason,
+            };
+        }
+        match e {
+            DistError::SizeMismatch { got, .. } => {
+                let detail = match self.link().peek(src, tag) {
+                    Some((_, m)) if m != self.meta => self.desc.differences(&Desc::decode(&m)),
+                    _ => format!(
+                        "it sends {got} bytes where this rank expects {expected} (counts disagree)"
+                    ),
+                };
+                DistError::CollectiveMismatch {
+                    rank: self.me,
+                    op: self.op_text(),
+                    peer: src,
+                    detail,
+                }
+            }
+            DistError::Timeout {
+                rank, peer, waited, ..
+            } => DistError::Timeout {
+                rank,
+                op: self.op_text(),
+                peer,
+                waited,
+            },
+            DistError::PeerGone {
+                rank, peer, cause, ..
+            } => DistError::PeerGone {
+                rank,
+                peer,
+                op: self.op_text(),
+                cause,
+            },
+            DistError::Aborted {
+                rank,
+                origin,
+                reason,
+                ..
+            } => DistError::Aborted {
+                rank,
+                op: self.op_text(),
+                origin,
+                reason,
+            },
+            DistError::PeerUnresponsive {
+                rank,
+                peer,
+                silent,
+                position,
+                ..
+            } => DistError::PeerUnresponsive {
+                rank,
+                peer,
+                op: self.op_text(),
+                silent,
+                position,
+            },
+            other => other,
+        }
+    }
+
+    pub(super) fn invalid(&self, reason: String) -> DistError {
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: self.op_text(),
+            reason,
+        }
+    }
+
+    pub(super) fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.n {
+            return Err(DistError::InvalidRank {
+                rank: self.me,
+                op: self.op_text(),
+                given: root,
+                world_size: self.n,
+            });
+        }
+        Ok(())
+    }
+
+    /// `k * world_size`, the length of a buffer of one block per rank; an error naming the
+    /// buffer when that does not fit in a `usize`.
+    pub(super) fn blocks(&self, what: &str, k: usize) -> Result<usize> {
+        k.checked_mul(self.n).ok_or_else(|| {
+            self.invalid(format!(
+                "{what} would need {k} x {} elements, more than a usize holds",
+                self.n
+            ))
+        })
+    }
+
+    /// The sum of `counts`; an error naming them when it overflows a `usize`.
+    pub(super) fn total(&self, what: &str, counts: &[usize]) -> Result<usize> {
+        counts
+            .iter()
+            .try_fold(0usize, |a, x| a.checked_add(*x))
+            .ok_or_else(|| {
+                self.invalid(format!(
+                    "{what} {counts:?} add up to more than a usize holds"
+                ))
+            })
+    }
+
+    pub(super) fn check_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(self.invalid(format!("{what} has {got} elements, expected {want}")));
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_op<T: Element>(&self, op: ReduceOp) -> Result<()> {
+        op.check(T::DTYPE).map_err(|r| self.invalid(r))
+    }
+
+    /// `acc = acc op other`, elementwise.
+    pub(super) fn reduce<T: Element>(
+        &self,
+        acc: &mut [T],
+        other: &[T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        T::reduce_into(op, acc, other).map_err(|e| self.invalid(e))
+    }
+
+    /// The ring's piece, in elements, for one step's message.
+    pub(super) fn ring_piece<T: Element>(&self) -> usize {
+        (self.g.tuning().ring_piece() / std::mem::size_of::<T>()).max(1)
+    }
+}
+
+/// Applies the scaling that `Avg` needs after a sum.
+pub(super) fn finish<T: Element>(x: &mut [T], op: ReduceOp, n: usize) {
+    if matches!(op, ReduceOp::Avg) {
+        T::scale(x, None, n);
+    }
+}
+
+/// Scales a rank's input for `PreMulSum`, before the sum.
+pub(super) fn premul<T: Element>(x: &mut [T], op: ReduceOp) {
+    if let ReduceOp::PreMulSum(s) = op {
+        T::scale(x, Some(s), 1);
+    }
+}
+
+/// What a collective is: its kind, the count its descriptor carries, its reduce op and root.
+#[derive(Clone, Copy)]
+pub(super) struct What {
+    pub(super) kind: Kind,
+    pub(super) count: usize,
+    pub(super) op: Option<ReduceOp>,
+    pub(super) root: usize,
+}
+
+/// Runs one collective of elements `T` on `g` with a deadline `timeout` from now: refuses at
+/// once if an earlier one aborted; records it in the link's flight recorder; on failure, tells
+/// every other rank, so that none of them waits for this one until its deadline.
+pub(super) fn run<L: Link, T: Element, R>(
+    g: &Group<L>,
+    timeout: Duration,
+    what: What,
+    f: impl FnOnce(&Call<'_, L>) -> Result<R>,
+) -> Result<R> {
+    let What {
+        kind,
+        count,
+        op,
+        root,
+    } = what;
+    let seq = g.next_seq();
+    let desc = Desc {
+        kind: kind as u8,
+        dtype: T::DTYPE as u8,
+        op: op.map_or(0, ReduceOp::code),
+        root: (root as u32) & 0x00ff_ffff,
+        seq: seq as u16,
+        count: count as u64,
+    };
+    // Numbered from 1 in the record (0 marks point-to-point operations there).
+    let entry = g.link().flight().map(|f| {
+        let info = OpInfo {
+            seq: seq + 1,
+            op: kind.name(),
+            dtype: if kind == Kind::Barrier {
+                ""
+            } else {
+                T::DTYPE.name()
+            },
+            count,
+            peer: kind.has_root().then_some(root),
+        };
+        (f, f.begin(info, OpState::Started))
+    });
+    let r = run_call(g, desc, seq + 1, timeout, f);
+    if let Some((f, e)) = entry {
+        f.finish(
+            e,
+            r.as_ref()
+                .map(|_| ())
+                .map_err(|e| e as &dyn std::fmt::Display),
+        );
+    }
+    if let Err(e) = &r {
+        // Pass every failure on, heard-of ones included: a rank that has not heard yet must
+        // hear it from this one before it sees this one leave.
+        abort_all(g, e);
+    }
+    r
+}
+
+/// The body of [`run`]: the call's deadline, its run, and its error.
+fn run_call<L: Link, R>(
+    g: &Group<L>,
+    desc: Desc,
+    number: u64,
+    timeout: Duration,
+    f: impl FnOnce(&Call<'_, L>) -> Result<R>,
+) -> Result<R> {
+    let link = g.link();
+    let deadline = crate::deadline_after(Instant::now(), timeout, link.rank(), || desc.describe())?;
+    let call = Call {
+        g,
+        me: link.rank(),
+        n: link.world_size(),
+        desc,
+        meta: desc.encode(),
+        deadline,
+    };
+    if let Some((origin, reason)) = link.abort_notice() {
+        return Err(DistError::Aborted {
+            rank: call.me,
+            op: call.op_text(),
+            origin,
+            reason,
+        });
+    }
+    let mut r = f(&call);
+    if r.is_ok()
+        && let Some((origin, reason)) = link.abort_notice()
+    {
+        // Another rank failed this call (or an earlier one) after this rank's part was done.
+        r = Err(DistError::Aborted {
+            rank: call.me,
+            op: call.op_text(),
+            origin,
+            reason,
+        });
+    }
+    if let Err(DistError::Timeout {
+        rank,
+        op,
+        peer,
+        waited,
+    }) = r
+    {
+        // Who is behind: where the ranks are, as the link knows it.
+        let op = match link.positions() {
+            Some(p) => format!("{op} #{number} [{p}]"),
+            None => op,
+        };
+        r = Err(DistError::Timeout {
+            rank,
+            op,
+            peer,
+            waited,
+        });
+    }
+    r
+}
+
+/// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
+/// one (a peer gone or unresponsive, or the origin of an abort passed on).
+/// An abort heard of is passed on as it came (its origin and the first error), not wrapped.
+pub(super) fn abort_all<L: Link>(g: &Group<L>, e: &DistError) {
+    match e {
+        DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
+            g.abort(COLLECTIVE_TAG, &e.to_string(), Some(*peer))
+        }
+        DistError::Aborted { origin, reason, .. } => g.abort(COLLECTIVE_TAG, reason, Some(*origin)),
+        _ => g.abort(COLLECTIVE_TAG, &e.to_string(), None),
+    }
+}

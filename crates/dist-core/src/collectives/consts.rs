@@ -1,0 +1,30 @@
+//! The collectives' tags, and the sizes where they change algorithm.
+
+use crate::backend::Tag;
+
+/// The tag every collective message travels on. Collectives are called in the same order on
+/// every rank, and messages between two ranks on one tag keep their order, so one tag suffices.
+pub const COLLECTIVE_TAG: Tag = Tag::system(2);
+/// The tag of the second ring of a two-lane collective (see [`Tuning::lanes`](crate::Tuning::lanes)), so that its
+/// messages can never be taken for the first ring's, even where both rings join the same ranks.
+pub const SECOND_RING_TAG: Tag = Tag::system(3);
+
+/// all_reduce messages up to this size use recursive doubling; larger ones the ring.
+pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
+/// broadcast messages up to this size use the binomial tree; larger ones the pipelined chain.
+pub const BROADCAST_CHAIN_MIN: usize = 256 << 10;
+/// reduce messages up to this size use the binomial tree; larger ones the ring.
+pub const REDUCE_RING_MIN: usize = 256 << 10;
+/// all_reduce, reduce_scatter and all_gather moving this many bytes in all (the buffer, the
+/// input, the output) run as two rings at once where the transport has two lanes; below it,
+/// handing half the work to the other thread costs more than it saves (all_reduce on 32
+/// cores: 1 MiB 0.51 ms with one ring, 0.57 ms with two; 2 MiB 1.04 and 0.88).
+pub const TWO_RINGS_MIN: usize = 2 << 20;
+/// all_gather, which reduces nothing, gains from a second ring only later (on 32 cores, 4 MiB:
+/// 4.2 GB/s busbw with one ring, 3.9 with two; 16 MiB: 3.5 and 4.1).
+pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
+/// broadcast runs two chains only from here (on 32 cores, 8 MiB: 4.7 GB/s with one chain, 4.1
+/// with two; 16 MiB: even; 32 and 64 MiB: 3.9 and 3.6 with one, 4.4 and 4.3 with two).
+pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
+/// The chunk of the pipelined broadcast.
+pub const CHAIN_CHUNK: usize = 1 << 20;

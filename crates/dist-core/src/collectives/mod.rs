@@ -1,0 +1,275 @@
+//! Collectives on host buffers, written once against [`Link`] so that every transport that
+//! moves bytes gets them: a [`Group`] owns a link and the collectives' state, and every
+//! [`Transport`] (a group, or a backend that owns one) gets [`Collectives`].
+//!
+//! The files: `desc` (the call descriptor every message carries), `call` (one call: its
+//! messages, checks, errors and abort), `ops` (each collective's arguments and choice of
+//! algorithm), `ring`, `tree`, `chain`, `pairwise` (the algorithms), `lanes` (two rings at
+//! once) and `scratch` (memory).
+//!
+//! Algorithms, for any world size (not only powers of two):
+//!
+//! | collective | small messages | large messages |
+//! | --- | --- | --- |
+//! | all_reduce | recursive doubling (non-powers of two fold the extra ranks in and out) | ring reduce-scatter + ring all-gather |
+//! | broadcast | binomial tree | pipelined chain in 1 MiB chunks |
+//! | reduce | binomial tree | ring reduce-scatter, then each segment to the root |
+//! | all_gather | ring | ring |
+//! | reduce_scatter | ring | ring |
+//! | all_to_all(v) | pairwise exchange | pairwise exchange |
+//! | gather, scatter | direct to / from the root | direct |
+//!
+//! Within a step the receive is posted before the send starts, so both directions move at
+//! once and the payload lands in place. Every message carries a 16-byte descriptor of the call
+//! (collective, element type, count, reduce op, root, sequence number) in its header: a rank
+//! whose call differs is found by the first rank that hears from it, with no extra round trip,
+//! and that rank tells every other, so every rank returns an error instead of hanging or
+//! computing garbage. After such an error (or a dead peer, or a timeout) the backend's
+//! collectives stay aborted: create a new backend to go on.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, Meta, Tag};
+use crate::error::Result;
+use crate::group::Group;
+use crate::link::{Link, PostedRecv};
+use crate::types::{Element, ReduceOp};
+
+mod call;
+mod chain;
+mod consts;
+mod desc;
+mod lanes;
+mod ops;
+mod pairwise;
+mod ring;
+mod scratch;
+mod tree;
+
+pub use crate::group::{GROUP_TAG, RING_PIECE};
+pub use consts::*;
+pub use desc::{Kind, position_from_wire, position_to_wire};
+
+/// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the
+/// group, each with the backend's default timeout ([`Backend::default_timeout`]).
+pub trait Transport: Backend {
+    /// The link the group moves its bytes over.
+    type Link: Link;
+
+    /// The group the collectives run on.
+    fn group(&self) -> &Group<Self::Link>;
+
+    /// The largest piece, in bytes, a ring step moves in one message (the group's tuning).
+    fn ring_piece(&self) -> usize {
+        self.group().tuning().ring_piece()
+    }
+
+    /// How many rings (or chains) a large collective runs at once (the group's tuning).
+    fn lanes(&self) -> usize {
+        self.group().tuning().lanes as usize
+    }
+
+    /// Sends `send.0` to rank `send.1` while receiving into `recv.0` from rank `recv.1`, both
+    /// on `tag`, over the group's link: the receive is posted first, so both move at once.
+    /// Returns the received message's meta.
+    fn send_recv_meta(
+        &self,
+        (send, dst): (&[u8], usize),
+        (recv, src): (&mut [u8], usize),
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+    ) -> Result<Meta> {
+        let link = self.group().link();
+        // SAFETY: the handle is waited on, or dropped by the `?` of a failed send, in this
+        // function; it is never leaked.
+        let r = unsafe { link.post(recv, src, tag, deadline)? };
+        link.send(send, dst, tag, meta, deadline, Some(&r))?;
+        r.wait()
+    }
+
+    /// Tells every other rank that this rank's operation on `tag` failed with `reason`: their
+    /// waits on system tags (every collective's) fail with
+    /// [`DistError::Aborted`](crate::DistError::Aborted), and so do this rank's later
+    /// collectives. Only the group's first abort is sent.
+    fn broadcast_abort(&self, tag: Tag, reason: &str) {
+        self.group().abort(tag, reason, None);
+    }
+}
+
+/// The collectives, for every [`Transport`].
+///
+/// All ranks must call the same collectives in the same order with matching arguments; a rank
+/// that does not is reported on every rank as
+/// [`DistError::CollectiveMismatch`](crate::DistError::CollectiveMismatch) (on the ranks that
+/// noticed) or [`DistError::Aborted`](crate::DistError::Aborted) (on the others). Each call
+/// waits at most the backend's default timeout.
+pub trait Collectives: Transport {
+    /// Reduces `data` over all ranks with `op`, in place: every rank ends with the result.
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        ops::all_reduce(self.group(), self.default_timeout(), data, op)
+    }
+
+    /// [`Collectives::all_reduce`] out of place: `output` gets the reduction of every rank's
+    /// `input`; `input` is not modified.
+    fn all_reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        ops::all_reduce_into(self.group(), self.default_timeout(), input, output, op)
+    }
+
+    /// Copies `data` on `root` to every other rank's `data`.
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<()> {
+        ops::broadcast(self.group(), self.default_timeout(), data, root)
+    }
+
+    /// Reduces `data` over all ranks with `op` into `data` on `root`. On the other ranks `data`
+    /// serves as scratch space and its contents afterwards are unspecified; see
+    /// [`Collectives::reduce_into`] to keep the input.
+    fn reduce<T: Element>(&self, data: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        ops::reduce(self.group(), self.default_timeout(), data, op, root)
+    }
+
+    /// [`Collectives::reduce`] out of place: `input` is kept; `output` (same length) receives the
+    /// result on `root` and is scratch elsewhere.
+    fn reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        ops::reduce_into(
+            self.group(),
+            self.default_timeout(),
+            input,
+            output,
+            op,
+            root,
+        )
+    }
+
+    /// Every rank's `input` (all of one length `k`) concatenated in rank order into every rank's
+    /// `output` (`k * world_size` elements).
+    fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        ops::all_gather(self.group(), self.default_timeout(), input, output)
+    }
+
+    /// Every rank's `input` (length `k`) concatenated in rank order into `output` on `root`
+    /// (`k * world_size` elements; pass `None` elsewhere).
+    fn gather<T: Element>(&self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<()> {
+        ops::gather(self.group(), self.default_timeout(), input, output, root)
+    }
+
+    /// Block `r` of `input` on `root` (`k * world_size` elements; `None` elsewhere) into rank
+    /// `r`'s `output` (`k` elements).
+    fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        ops::scatter(self.group(), self.default_timeout(), input, output, root)
+    }
+
+    /// Reduces every rank's `input` (`k * world_size` elements) with `op` and leaves block `r` of
+    /// the result in rank `r`'s `output` (`k` elements).
+    fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        ops::reduce_scatter(self.group(), self.default_timeout(), input, output, op)
+    }
+
+    /// Block `j` of this rank's `input` (`k * world_size` elements) goes to rank `j`, landing
+    /// in block `r` (this rank's) of its `output`.
+    fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        ops::all_to_all(self.group(), self.default_timeout(), input, output)
+    }
+
+    /// [`Collectives::all_to_all`] with uneven blocks: `send_counts[j]` elements of `input` (in
+    /// rank order) go to rank `j`; `recv_counts[j]` elements arrive from rank `j`. The counts
+    /// must agree pairwise across ranks; a disagreement is reported as a mismatch.
+    fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (g, t) = (self.group(), self.default_timeout());
+        ops::all_to_all_v(g, t, input, send_counts, output, recv_counts)
+    }
+}
+
+impl<B: Transport + ?Sized> Collectives for B {}
+
+/// A barrier that is a collective: every rank waits until every other has entered it, within
+/// `timeout`, and its messages carry the call's descriptor like every collective's, so a barrier
+/// that meets another collective on another rank is a
+/// [`DistError::CollectiveMismatch`](crate::DistError::CollectiveMismatch) on every rank at once
+/// (not a wait until the deadline). Dissemination: in round k each rank signals rank + 2^k and
+/// waits for rank - 2^k; after ceil(log2 n) rounds each has heard from all.
+pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: Duration) -> Result<()> {
+    ops::barrier(b.group(), timeout)
+}
+
+/// A group is a backend: point-to-point messages over its link (with no meta), its barrier a
+/// collective.
+impl<L: Link> Backend for Group<L> {
+    fn rank(&self) -> usize {
+        self.link().rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.link().world_size()
+    }
+
+    fn default_timeout(&self) -> Duration {
+        self.timeout()
+    }
+
+    fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
+        let deadline = crate::deadline_after(Instant::now(), self.timeout(), self.rank(), || {
+            format!("send to {dst} (tag {tag}, {} bytes)", data.len())
+        })?;
+        self.link().send(data, dst, tag, [0; 16], deadline, None)
+    }
+
+    fn recv_tagged_timeout(
+        &self,
+        buf: &mut [u8],
+        src: usize,
+        tag: Tag,
+        timeout: Duration,
+    ) -> Result<()> {
+        let len = buf.len();
+        let deadline = crate::deadline_after(Instant::now(), timeout, self.rank(), || {
+            format!("recv from {src} (tag {tag}, {len} bytes)")
+        })?;
+        // SAFETY: the handle is waited on in this statement; it is never leaked.
+        unsafe { self.link().post(buf, src, tag, deadline)? }
+            .wait()
+            .map(|_| ())
+    }
+
+    fn barrier_timeout(&self, timeout: Duration) -> Result<()> {
+        ops::barrier(self, timeout)
+    }
+}
+
+impl<L: Link> Transport for Group<L> {
+    type Link = L;
+
+    fn group(&self) -> &Group<L> {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,304 @@
+//! Each collective from its arguments to its algorithm: the checks of its arguments, and the
+//! choice by size, world size and lanes (the table in the [module docs](super)).
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::group::Group;
+use crate::link::Link;
+use crate::types::{Element, ReduceOp};
+
+use super::call::{Call, What, finish, premul, run};
+use super::chain::broadcast_chain;
+use super::consts::{
+    ALL_GATHER_TWO_RINGS_MIN, ALL_REDUCE_RING_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN,
+    REDUCE_RING_MIN, TWO_RINGS_MIN,
+};
+use super::desc::Kind;
+use super::lanes::{two_lanes, two_rings};
+use super::pairwise::exchange;
+use super::ring::{
+    Ring, all_reduce_ring, halves, reduce_ring, ring_all_gather, ring_reduce_scatter_out,
+};
+use super::scratch::{segments, with_scratch};
+use super::tree::{all_reduce_doubling, broadcast_tree, reduce_tree};
+
+fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
+    What {
+        kind,
+        count,
+        op,
+        root,
+    }
+}
+
+/// all_reduce in place, by size: recursive doubling for small buffers, the ring for large.
+fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
+    c.check_op::<T>(op)?;
+    premul(data, op);
+    if c.n == 1 {
+        return Ok(());
+    }
+    if std::mem::size_of_val(data) <= ALL_REDUCE_RING_MIN || data.len() < c.n {
+        all_reduce_doubling(c, data, op)
+    } else {
+        all_reduce_ring(c, data, op)
+    }
+}
+
+/// reduce in place, by size: binomial tree for small buffers, ring then gather for large.
+fn reduce_on<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    c.check_root(root)?;
+    c.check_op::<T>(op)?;
+    premul(data, op);
+    if c.n == 1 {
+        return Ok(());
+    }
+    if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
+        reduce_tree(c, data, op, root)
+    } else {
+        reduce_ring(c, data, op, root)
+    }
+}
+
+pub(super) fn all_reduce<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let w = what(Kind::AllReduce, data.len(), Some(op), 0);
+    run::<_, T, _>(g, t, w, |c| all_reduce_on(c, data, op))
+}
+
+pub(super) fn all_reduce_into<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let w = what(Kind::AllReduce, input.len(), Some(op), 0);
+    run::<_, T, _>(g, t, w, |c| {
+        c.check_len("output", output.len(), input.len())?;
+        output.copy_from_slice(input);
+        all_reduce_on(c, output, op)
+    })
+}
+
+pub(super) fn broadcast<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    data: &mut [T],
+    root: usize,
+) -> Result<()> {
+    let w = what(Kind::Broadcast, data.len(), None, root);
+    run::<_, T, _>(g, t, w, |c| {
+        c.check_root(root)?;
+        if c.n == 1 {
+            return Ok(());
+        }
+        let size = std::mem::size_of_val(data);
+        let fwd = Ring::forward(c.me, c.n);
+        if size <= BROADCAST_CHAIN_MIN {
+            broadcast_tree(c, data, root)
+        } else if two_rings(c, size, BROADCAST_TWO_CHAINS_MIN) {
+            // Two chains at once in opposite directions, half the data each: every connection
+            // carries data both ways.
+            let bwd = Ring::backward(c.me, c.n);
+            let (a, b) = data.split_at_mut(data.len() / 2);
+            two_lanes(
+                c,
+                |c| broadcast_chain(c, fwd, a, root),
+                |c| broadcast_chain(c, bwd, b, root),
+            )
+        } else {
+            broadcast_chain(c, fwd, data, root)
+        }
+    })
+}
+
+pub(super) fn reduce<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let w = what(Kind::Reduce, data.len(), Some(op), root);
+    run::<_, T, _>(g, t, w, |c| reduce_on(c, data, op, root))
+}
+
+pub(super) fn reduce_into<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
+    let w = what(Kind::Reduce, input.len(), Some(op), root);
+    run::<_, T, _>(g, t, w, |c| {
+        c.check_len("output", output.len(), input.len())?;
+        output.copy_from_slice(input);
+        reduce_on(c, output, op, root)
+    })
+}
+
+pub(super) fn all_gather<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: &mut [T],
+) -> Result<()> {
+    let w = what(Kind::AllGather, input.len(), None, 0);
+    run::<_, T, _>(g, t, w, |c| {
+        let k = input.len();
+        c.check_len("output", output.len(), c.blocks("output", k)?)?;
+        output[c.me * k..(c.me + 1) * k].copy_from_slice(input);
+        if c.n == 1 {
+            return Ok(());
+        }
+        // Blocks of exactly k: `segment` of n*k over n is block i. With two rings, the first
+        // half of every block goes around one, the second half around the other, in the
+        // opposite direction.
+        let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
+        if two_rings(c, std::mem::size_of_val(output), ALL_GATHER_TWO_RINGS_MIN) {
+            let (mut a, mut b) = halves(output, c.n, k);
+            return two_lanes(
+                c,
+                |c| ring_all_gather(c, fwd, &mut a, 0),
+                |c| ring_all_gather(c, bwd, &mut b, 0),
+            );
+        }
+        ring_all_gather(c, fwd, &mut segments(output, c.n), 0)
+    })
+}
+
+pub(super) fn gather<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: Option<&mut [T]>,
+    root: usize,
+) -> Result<()> {
+    let w = what(Kind::Gather, input.len(), None, root);
+    run::<_, T, _>(g, t, w, |c| super::pairwise::gather(c, input, output, root))
+}
+
+pub(super) fn scatter<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: Option<&[T]>,
+    output: &mut [T],
+    root: usize,
+) -> Result<()> {
+    let w = what(Kind::Scatter, output.len(), None, root);
+    run::<_, T, _>(g, t, w, |c| {
+        super::pairwise::scatter(c, input, output, root)
+    })
+}
+
+pub(super) fn reduce_scatter<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let w = what(Kind::ReduceScatter, output.len(), Some(op), 0);
+    run::<_, T, _>(g, t, w, |c| {
+        c.check_op::<T>(op)?;
+        let k = output.len();
+        c.check_len("input", input.len(), c.blocks("input", k)?)?;
+        if c.n == 1 {
+            output.copy_from_slice(input);
+            premul(output, op);
+            return Ok(());
+        }
+        // Out of place: `input` is only read; `output` carries the partial sums between steps
+        // and ends with block `me`. With two lanes, the first half of every block goes around
+        // a forward ring and the second half around a backward one (see `halves`).
+        let (fwd, bwd) = (Ring::forward(c.me, c.n), Ring::backward(c.me, c.n));
+        let scratch = 2 * c.ring_piece::<T>().min(k);
+        let blocks: Vec<&[T]> = (0..c.n).map(|i| &input[i * k..(i + 1) * k]).collect();
+        if two_rings(c, std::mem::size_of_val(input), TWO_RINGS_MIN) {
+            let h = k / 2;
+            let first: Vec<&[T]> = blocks.iter().map(|b| &b[..h]).collect();
+            let second: Vec<&[T]> = (0..c.n).map(|p| &blocks[(c.n - p) % c.n][h..]).collect();
+            let (out_a, out_b) = output.split_at_mut(h);
+            with_scratch::<T, _>(2 * scratch, |tmp| {
+                let (tmp_a, tmp_b) = tmp.split_at_mut(scratch);
+                two_lanes(
+                    c,
+                    |c| ring_reduce_scatter_out(c, fwd, &first, out_a, op, tmp_a),
+                    |c| ring_reduce_scatter_out(c, bwd, &second, out_b, op, tmp_b),
+                )
+            })?;
+        } else {
+            with_scratch::<T, _>(scratch, |tmp| {
+                ring_reduce_scatter_out(c, fwd, &blocks, output, op, tmp)
+            })?;
+        }
+        finish(output, op, c.n);
+        Ok(())
+    })
+}
+
+pub(super) fn all_to_all<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    output: &mut [T],
+) -> Result<()> {
+    let w = what(Kind::AllToAll, input.len(), None, 0);
+    run::<_, T, _>(g, t, w, |c| {
+        let n = c.n;
+        if !input.len().is_multiple_of(n) {
+            return Err(c.invalid(format!(
+                "input has {} elements, not a multiple of the world size {n}",
+                input.len()
+            )));
+        }
+        c.check_len("output", output.len(), input.len())?;
+        let k = input.len() / n;
+        let counts = vec![k; n];
+        exchange(c, input, &counts, output, &counts)
+    })
+}
+
+pub(super) fn all_to_all_v<T: Element, L: Link>(
+    g: &Group<L>,
+    t: Duration,
+    input: &[T],
+    send_counts: &[usize],
+    output: &mut [T],
+    recv_counts: &[usize],
+) -> Result<()> {
+    run::<_, T, _>(g, t, what(Kind::AllToAllV, 0, None, 0), |c| {
+        let n = c.n;
+        c.check_len("send_counts", send_counts.len(), n)?;
+        c.check_len("recv_counts", recv_counts.len(), n)?;
+        c.check_len("input", input.len(), c.total("send_counts", send_counts)?)?;
+        c.check_len("output", output.len(), c.total("recv_counts", recv_counts)?)?;
+        exchange(c, input, send_counts, output, recv_counts)
+    })
+}
+
+/// The dissemination barrier: in round k each rank signals rank + 2^k and waits for rank - 2^k;
+/// after ceil(log2 n) rounds each has heard from all.
+pub(super) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
+    run::<_, u8, ()>(g, t, what(Kind::Barrier, 0, None, 0), |c| {
+        let mut d = 1;
+        while d < c.n {
+            c.send_recv(&[], (c.me + d) % c.n, &mut [], (c.me + c.n - d) % c.n)?;
+            d *= 2;
+        }
+        Ok(())
+    })
+}

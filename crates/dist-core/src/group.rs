@@ -1,0 +1,327 @@
+//! A group of ranks over one [`Link`]: the state the collectives keep between calls. Their
+//! sequence numbers, whether one has failed (and the abort sent for it), how they cut large
+//! messages ([`Tuning`], rank 0's, agreed when the group forms) and the thread a second lane
+//! runs on. The algorithms themselves are in [`crate::collectives`].
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Meta, Tag};
+use crate::error::{DistError, Result};
+use crate::link::{Link, PostedRecv};
+
+/// The ring collectives' default piece: small enough to stay in cache between its arrival and
+/// its reduction.
+pub const RING_PIECE: usize = 256 << 10;
+
+/// The tag of the message that forms a group (rank 0's tuning to every rank).
+pub const GROUP_TAG: Tag = Tag::system(4);
+
+/// The meta that marks a group's forming message.
+const FORMING: Meta = *b"dist-group-tune\0";
+
+/// How the collectives cut their messages. Every rank of a group must cut the same way, or
+/// their message sizes (and tags) would not match: [`Group::form`] makes rank 0's the group's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// The ring collectives' piece size, in KiB (1 to [`Tuning::MAX_PIECE_KB`]).
+    pub ring_piece_kb: u32,
+    /// How many rings (or chains) a large all_reduce, reduce_scatter, all_gather or broadcast
+    /// runs at once, each on its own thread (1 or 2).
+    pub lanes: u32,
+}
+
+impl Default for Tuning {
+    /// Pieces of [`RING_PIECE`], one lane.
+    fn default() -> Tuning {
+        Tuning {
+            ring_piece_kb: (RING_PIECE >> 10) as u32,
+            lanes: 1,
+        }
+    }
+}
+
+impl Tuning {
+    /// The largest ring piece: 64 MiB.
+    pub const MAX_PIECE_KB: u32 = 64 << 10;
+    /// The most lanes.
+    pub const MAX_LANES: u32 = 2;
+
+    /// Why this tuning cannot be used, or `None` when it can.
+    pub fn problem(&self) -> Option<String> {
+        if !(1..=Self::MAX_PIECE_KB).contains(&self.ring_piece_kb) {
+            return Some(format!(
+                "a ring piece of {} KiB is outside 1..={} KiB",
+                self.ring_piece_kb,
+                Self::MAX_PIECE_KB
+            ));
+        }
+        if !(1..=Self::MAX_LANES).contains(&self.lanes) {
+            return Some(format!(
+                "{} lanes is outside 1..={}",
+                self.lanes,
+                Self::MAX_LANES
+            ));
+        }
+        None
+    }
+
+    /// The ring piece in bytes.
+    pub fn ring_piece(&self) -> usize {
+        (self.ring_piece_kb as usize) << 10
+    }
+
+    fn encode(&self) -> [u8; 8] {
+        let mut b = [0u8; 8];
+        b[..4].copy_from_slice(&self.ring_piece_kb.to_le_bytes());
+        b[4..].copy_from_slice(&self.lanes.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; 8]) -> Tuning {
+        let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        Tuning {
+            ring_piece_kb: word(0),
+            lanes: word(4),
+        }
+    }
+}
+
+/// The ranks of a [`Link`], as the collectives see them: what users call collectives on (through
+/// [`Collectives`](crate::Collectives), which every [`Transport`](crate::Transport) gets; a group
+/// is one, and so is a backend that owns one, such as `TcpBackend`).
+pub struct Group<L: Link> {
+    link: L,
+    timeout: Duration,
+    tuning: Tuning,
+    /// The number of the next collective this rank starts.
+    seq: AtomicU64,
+    /// This rank has sent its abort (one per group).
+    abort_sent: AtomicBool,
+    /// The thread that runs a second lane, started on first use (`None` inside if it could not
+    /// be): starting one per call costs more than a 1 MiB all_reduce saves.
+    lane: OnceLock<Option<rayon::ThreadPool>>,
+}
+
+impl<L: Link> std::fmt::Debug for Group<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("rank", &self.link.rank())
+            .field("world_size", &self.link.world_size())
+            .field("tuning", &self.tuning)
+            .finish()
+    }
+}
+
+impl<L: Link> Group<L> {
+    /// Forms the group of every rank of `link`: rank 0 sends its `local` tuning to every rank,
+    /// which makes it the group's (the others' own is ignored), within `timeout`; `timeout` is
+    /// also the collectives' default. Every rank must call it. A rank that hears of an abort
+    /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
+    /// that group fails at once with the abort.
+    pub fn form(link: L, local: Tuning, timeout: Duration) -> Result<Group<L>> {
+        let (me, n) = (link.rank(), link.world_size());
+        let op = || "form the group".to_string();
+        let deadline = crate::deadline_after(Instant::now(), timeout, me, op)?;
+        let invalid = |reason: String| DistError::InvalidArgument {
+            rank: me,
+            op: op(),
+            reason,
+        };
+        let tuning = if me == 0 {
+            // A failure here is told to every rank, which would otherwise wait for the tuning
+            // until its deadline.
+            let fail = |e: DistError| {
+                link.abort(crate::collectives::COLLECTIVE_TAG, &e.to_string(), None);
+                e
+            };
+            if let Some(p) = local.problem() {
+                return Err(fail(invalid(p)));
+            }
+            for r in 1..n {
+                link.send(&local.encode(), r, GROUP_TAG, FORMING, deadline, None)
+                    .map_err(|e| fail(e.with_op(&op())))?;
+            }
+            local
+        } else {
+            let mut b = [0u8; 8];
+            // SAFETY: the handle is waited on (or dropped, on an error) in the next statement;
+            // it is never leaked.
+            let posted = unsafe { link.post(&mut b, 0, GROUP_TAG, deadline) };
+            let meta = match posted.and_then(|h| h.wait()) {
+                Ok(meta) => meta,
+                // An abort came first (a peer failed, or sent one for its own reasons): every
+                // collective of this group fails at once with it, so no tuning is ever used.
+                Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => {
+                    return Ok(Group::assemble(link, local, timeout));
+                }
+                Err(e) => return Err(e.with_op("form the group (rank 0's tuning)")),
+            };
+            let t = Tuning::decode(&b);
+            let refused = |detail: String| DistError::CollectiveMismatch {
+                rank: me,
+                op: op(),
+                peer: 0,
+                detail,
+            };
+            if meta != FORMING {
+                return Err(refused(format!(
+                    "its forming message has meta {meta:?}: not a dist group"
+                )));
+            }
+            if let Some(p) = t.problem() {
+                return Err(refused(format!("its tuning: {p}")));
+            }
+            t
+        };
+        Ok(Group::assemble(link, tuning, timeout))
+    }
+
+    fn assemble(link: L, tuning: Tuning, timeout: Duration) -> Group<L> {
+        Group {
+            link,
+            timeout,
+            tuning,
+            seq: AtomicU64::new(0),
+            abort_sent: AtomicBool::new(false),
+            lane: OnceLock::new(),
+        }
+    }
+
+    /// The link the group moves its bytes over.
+    pub fn link(&self) -> &L {
+        &self.link
+    }
+
+    /// How the group's collectives cut their messages (rank 0's tuning).
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
+    }
+
+    /// The collectives' default timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The number of the collective this rank starts now (0 for the first).
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Tells every rank that this rank's operation on `tag` failed with `reason` (caused by
+    /// `culprit`, where known); see [`Link::abort`]. Only the first call sends anything: a rank
+    /// reports its first failure (its own, or one it heard of and passes on, so that ranks that
+    /// have not heard yet do before they see this one leave).
+    pub fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        if !self.abort_sent.swap(true, Ordering::AcqRel) {
+            self.link.abort(tag, reason, culprit);
+        }
+    }
+
+    /// Runs `first` on this thread and `second` on the group's lane thread at once, and
+    /// returns once both have run. The lane thread is a one-thread rayon pool, started on first
+    /// use; where it cannot start, or the caller is itself a rayon worker, a thread started for
+    /// the call runs `second` instead (a worker of some pool, waiting for the lane, would run
+    /// other jobs of its own pool meanwhile, which could be another collective on this thread).
+    pub(crate) fn run_beside(&self, first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+        if rayon::current_thread_index().is_some() {
+            return run_beside_scoped(first, second);
+        }
+        let me = self.link.rank();
+        let pool = self.lane.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(move |_| format!("dist-lane-{me}"))
+                .build()
+                .ok()
+        });
+        match pool {
+            Some(pool) => pool.in_place_scope(|s| {
+                s.spawn(|_| second());
+                first();
+            }),
+            None => run_beside_scoped(first, second),
+        }
+    }
+}
+
+/// Runs `first` on this thread and `second` on a thread started for the call, at once (and, if
+/// none can be started, the two one after the other).
+pub fn run_beside_scoped(first: &mut dyn FnMut(), second: &mut (dyn FnMut() + Send)) {
+    // `second` waits in a slot, so that it is still here if its thread cannot start.
+    let slot = std::sync::Mutex::new(Some(second));
+    let take = || slot.lock().ok().and_then(|mut s| s.take());
+    std::thread::scope(|s| {
+        let spawned = std::thread::Builder::new()
+            .name("dist-beside".into())
+            .spawn_scoped(s, || {
+                if let Some(f) = take() {
+                    f();
+                }
+            });
+        first();
+        if let Ok(h) = spawned
+            && let Err(panic) = h.join()
+        {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    if let Some(f) = take() {
+        f();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn run_beside_runs_both_at_once() {
+        // Each side waits for the other to have started: only concurrent runs finish.
+        let (a, b) = (AtomicBool::new(false), AtomicBool::new(false));
+        let wait_for = |x: &AtomicBool| {
+            let t = Instant::now();
+            while !x.load(Ordering::Acquire) {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the other side never ran"
+                );
+                std::hint::spin_loop();
+            }
+        };
+        run_beside_scoped(
+            &mut || {
+                a.store(true, Ordering::Release);
+                wait_for(&b);
+            },
+            &mut || {
+                b.store(true, Ordering::Release);
+                wait_for(&a);
+            },
+        );
+    }
+
+    #[test]
+    fn tunings_out_of_range_are_named() {
+        assert_eq!(Tuning::default().problem(), None);
+        assert_eq!(Tuning::default().ring_piece(), RING_PIECE);
+        let t = Tuning {
+            ring_piece_kb: 0,
+            lanes: 1,
+        };
+        assert!(t.problem().unwrap().contains("0 KiB"));
+        let t = Tuning {
+            ring_piece_kb: Tuning::MAX_PIECE_KB + 1,
+            lanes: 1,
+        };
+        assert!(t.problem().is_some());
+        let t = Tuning {
+            ring_piece_kb: 4,
+            lanes: 3,
+        };
+        assert!(t.problem().unwrap().contains("3 lanes"));
+        assert_eq!(Tuning::decode(&t.encode()), t);
+    }
+}

@@ -1,0 +1,155 @@
+//! The TCP transport's [`Link`]: what a [`TcpBackend`](crate::TcpBackend)'s collective group
+//! moves its bytes with. A send writes one frame (beside a posted receive, reading that
+//! receive's socket whenever this one is full); a posted receive is filled straight from the
+//! socket; an abort is a frame to every peer.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use dist_core::flight::FlightRecorder;
+use dist_core::{DistError, Link, Meta, Result, Tag};
+
+use crate::peer::{self, AbortNotice, Peer, TcpRecv};
+use crate::wire::FrameKind;
+use crate::{PARALLEL_MIN, Shared};
+
+/// The TCP transport's [`Link`]: frames over the mesh of connections, a posted receive filled
+/// straight from the socket, abort notices as frames. A [`TcpBackend`](crate::TcpBackend)'s collective group runs
+/// over it.
+#[derive(Clone)]
+pub struct TcpLink(pub(crate) Arc<Shared>);
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpLink")
+            .field("rank", &self.0.rank)
+            .field("world_size", &self.0.world)
+            .finish()
+    }
+}
+
+impl TcpLink {
+    pub(crate) fn peer(&self, r: usize, op: &dyn Fn() -> String) -> Result<&Peer> {
+        self.0
+            .peers
+            .get(r)
+            .map(|p| &**p)
+            .ok_or_else(|| DistError::InvalidRank {
+                rank: self.0.rank,
+                op: op(),
+                given: r,
+                world_size: self.0.world,
+            })
+    }
+}
+
+impl Link for TcpLink {
+    type Recv<'a> = TcpRecv<'a>;
+
+    fn rank(&self) -> usize {
+        self.0.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.0.world
+    }
+
+    /// Writes one frame to `dst`. Beside a posted receive, one thread keeps both directions
+    /// going: the frame is written without blocking and, whenever the socket is full, the
+    /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`](crate::TcpConfig::parallel)) a large send
+    /// instead blocks on this thread while the peer's reader thread takes the receive: the two
+    /// copies run on two cores.
+    fn send(
+        &self,
+        data: &[u8],
+        dst: usize,
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+        beside: Option<&TcpRecv<'_>>,
+    ) -> Result<()> {
+        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+        let dst_peer = self.peer(dst, &op)?;
+        let long = self.0.parallel && data.len() >= PARALLEL_MIN;
+        match beside.and_then(|r| r.id().map(|id| (r.peer(), id))) {
+            Some((src, id)) if !long => {
+                dst_peer.send_while_receiving(tag.to_wire(), data, meta, &op, src, id, deadline)
+            }
+            Some((src, _)) => {
+                src.wake_reader_now();
+                dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline)
+            }
+            None => dst_peer.send(FrameKind::Data, tag.to_wire(), data, meta, &op, deadline),
+        }
+    }
+
+    /// Posts the receive in `src`'s table: the payload lands in `buf` as it arrives, with no
+    /// copy, whichever thread reads the socket.
+    unsafe fn post<'a>(
+        &'a self,
+        buf: &'a mut [u8],
+        src: usize,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<TcpRecv<'a>> {
+        let len = buf.len();
+        let peer = self.peer(src, &|| format!("recv from {src} (tag {tag}, {len} bytes)"))?;
+        // SAFETY: the caller does not leak the handle (this function's own contract).
+        Ok(unsafe { peer.post(buf, tag.to_wire(), deadline, None) })
+    }
+
+    /// The length and meta of the next message queued from `src` on `tag`, if one has arrived
+    /// that no receive has taken (after a [`DistError::SizeMismatch`], the message that did not
+    /// fit).
+    fn peek(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
+        self.0.peers.get(src)?.peek(tag.to_wire())
+    }
+
+    /// Remembers the abort here (this rank's later collectives, and other threads' waits on
+    /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
+    /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
+    /// flight record (`DIST_TRACE_DIR`). Notices go out from threads of their own; this waits
+    /// for them 500 ms at most, so a peer that does not read (stopped, or its buffers full)
+    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
+    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let shared = &self.0;
+        if shared.aborts.notices().is_empty() {
+            shared.note_abort(AbortNotice {
+                from: shared.rank,
+                culprit,
+                tag,
+                reason: reason.to_string(),
+            });
+        }
+        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
+        let mut cut = reason.len().min(peer::ABORT_MAX);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        shared.send_abort_notices(tag, &reason[..cut], culprit);
+        shared.write_trace();
+    }
+
+    fn abort_notice(&self) -> Option<(usize, String)> {
+        // Every collective asks: the common answer costs one atomic load.
+        if !self.0.aborts.raised() {
+            return None;
+        }
+        self.0
+            .aborts
+            .notices()
+            .into_iter()
+            .next()
+            .map(|n| (n.origin(), n.reason))
+    }
+
+    fn flight(&self) -> Option<&FlightRecorder> {
+        Some(&self.0.flight)
+    }
+
+    /// This rank's position from its own record, every live peer's from a heartbeat it sends
+    /// when asked (within `record::ASK_WAIT`; else from its last one).
+    fn positions(&self) -> Option<String> {
+        Some(self.0.positions_text())
+    }
+}
