@@ -14,7 +14,7 @@ if [ $# -gt 0 ]; then
     perf=("$bundle/run" perf) torch_script="$bundle/torch_allreduce.py"
 else
     cd "$here/../.."
-    cargo build --release --quiet -p dist-multirank --bin dist-perf
+    cargo build --release --quiet -p dist-tools --bin dist-perf
     perf=(cargo xtask perf) torch_script="$here/torch_allreduce.py"
 fi
 out="$(mktemp -d)"

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 rounds="${ROUNDS:-3}"
 ranks="${RANKS:-4}"
 out="$(mktemp -d)"
-cargo build --release --quiet -p dist-multirank --bin dist-perf
+cargo build --release --quiet -p dist-tools --bin dist-perf
 for i in $(seq "$rounds"); do
     cargo xtask perf --op all_reduce -n "$ranks" -b 8 -e 64M -f 2 --check >"$out/dist.$i" 2>&1
     benches/peers/run-openmpi.sh -n "$ranks" -b 8 -e 64M -f 2 >"$out/mpi.$i" 2>&1

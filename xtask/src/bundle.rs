@@ -21,7 +21,15 @@ const BINS: &[&str] = &[
 
 pub fn run(out: Option<PathBuf>) -> Result<()> {
     let out = out.unwrap_or_else(|| crate::root().join("bundle"));
-    crate::cargo(&["build", "--release", "-p", "dist-multirank", "--bins"])?;
+    crate::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "dist-multirank",
+        "-p",
+        "dist-tools",
+        "--bins",
+    ])?;
     crate::cargo(&["build", "--release", "-p", "xtask"])?;
     crate::cargo(&[
         "build",

@@ -32,38 +32,200 @@ pub fn join() -> TcpBackend {
     TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"))
 }
 
-/// One test case: `Err` means "skipped", with the reason; a failure panics.
-pub type Case = (&'static str, fn() -> Result<(), String>);
+/// One multi-rank test case and what it declares beside it: the world sizes it runs at, the
+/// variants it runs in, what it needs. `Err` from `run` means "skipped", with the reason; a
+/// failure panics. The test program lists these (`--list`); the `multirank` test target and
+/// `cargo xtask test-multirank` make one trial of each case × world size.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    /// The name the program takes.
+    pub name: &'static str,
+    /// The case, run on every rank.
+    pub run: fn() -> Result<(), String>,
+    /// The world sizes it runs at.
+    pub sizes: &'static [usize],
+    /// Whether it works only at [`Case::sizes`]; otherwise at any world size (`cargo xtask
+    /// test-multirank -n N` runs it at others).
+    pub fixed: bool,
+    /// The same case again with more environment, at sizes of their own.
+    pub variants: &'static [Variant],
+    /// It needs a CUDA device for every rank on this host.
+    pub gpu_per_rank: bool,
+    /// It needs to run as root.
+    pub root: bool,
+}
+
+/// A case run again with more environment for every rank.
+#[derive(Clone, Copy, Debug)]
+pub struct Variant {
+    /// The variant's part of the trial's name (`CASE::VARIANT::nN`).
+    pub name: &'static str,
+    /// The world sizes it runs at.
+    pub sizes: &'static [usize],
+    /// The environment it adds.
+    pub env: &'static [(&'static str, &'static str)],
+}
+
+/// The world sizes most cases run at.
+pub const SIZES: &[usize] = &[2, 3, 4, 5, 8];
+
+/// The collectives as a machine with cores to spare runs them: sends and receives on separate
+/// threads, and large all_reduces as two rings at once (the defaults from 8 cores).
+pub const TWO_LANES: Variant = Variant {
+    name: "lanes2",
+    sizes: &[3, 4, 5],
+    env: &[("DIST_TCP_PARALLEL", "1"), ("DIST_TCP_LANES", "2")],
+};
+
+impl Case {
+    /// `run`, at [`SIZES`], needing nothing more.
+    pub const fn new(name: &'static str, run: fn() -> Result<(), String>) -> Case {
+        Case {
+            name,
+            run,
+            sizes: SIZES,
+            fixed: false,
+            variants: &[],
+            gpu_per_rank: false,
+            root: false,
+        }
+    }
+
+    /// Runs at `sizes` instead (and at any other a user asks for).
+    pub const fn sizes(mut self, sizes: &'static [usize]) -> Case {
+        self.sizes = sizes;
+        self
+    }
+
+    /// Runs at `sizes` only: the case does not work at others.
+    pub const fn only_at(mut self, sizes: &'static [usize]) -> Case {
+        self.sizes = sizes;
+        self.fixed = true;
+        self
+    }
+
+    /// Runs in `variants` too.
+    pub const fn variants(mut self, variants: &'static [Variant]) -> Case {
+        self.variants = variants;
+        self
+    }
+
+    /// Needs a CUDA device for every rank on the host.
+    pub const fn gpu_per_rank(mut self) -> Case {
+        self.gpu_per_rank = true;
+        self
+    }
+
+    /// Needs root.
+    pub const fn root(mut self) -> Case {
+        self.root = true;
+        self
+    }
+
+    /// The `--list` lines of the case and its variants (`dist_launch::Listed` reads them).
+    pub fn listing(&self) -> Vec<String> {
+        let sizes = |s: &[usize]| s.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+        let mut needs = Vec::new();
+        if self.gpu_per_rank {
+            needs.push("gpu-per-rank");
+        }
+        if self.root {
+            needs.push("root");
+        }
+        let tail = format!(
+            "{}{}",
+            if needs.is_empty() {
+                String::new()
+            } else {
+                format!(" needs={}", needs.join(","))
+            },
+            if self.fixed { " fixed" } else { "" }
+        );
+        let mut lines = vec![format!("{} sizes={}{tail}", self.name, sizes(self.sizes))];
+        for v in self.variants {
+            let env: Vec<String> = v.env.iter().map(|(k, val)| format!("{k}={val}")).collect();
+            lines.push(format!(
+                "{} variant={} sizes={} env={}{tail}",
+                self.name,
+                v.name,
+                sizes(v.sizes),
+                env.join(",")
+            ));
+        }
+        lines
+    }
+
+    /// Why the case cannot run here, if it cannot: a world size it does not work at, too few
+    /// CUDA devices, not root.
+    pub fn unmet(&self) -> Option<String> {
+        let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        let world = var("WORLD_SIZE").unwrap_or(1);
+        if self.fixed && !self.sizes.contains(&world) {
+            return Some(format!(
+                "works only at world sizes {:?}, not {world}",
+                self.sizes
+            ));
+        }
+        if self.root && !is_root() {
+            return Some("needs root".into());
+        }
+        if self.gpu_per_rank {
+            let local = var("LOCAL_WORLD_SIZE").unwrap_or(world);
+            let devices = dist_nccl::cuda_device_count();
+            if devices < local {
+                return Some(format!(
+                    "needs a CUDA device per rank: {local} ranks on this host, {devices} devices"
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// Whether this process runs as root.
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
 
 /// The exit status with which a case says it was skipped (xtask counts it so).
 pub const SKIP_STATUS: u8 = 77;
 
 /// The `main` of a multi-rank test program: `--list` prints the cases, `CASE` runs one as the
-/// rank the environment describes.
+/// rank the environment describes (skipped, saying why, where its needs are not met).
 pub fn run_cases(program: &str, cases: &[Case]) -> std::process::ExitCode {
     use std::process::ExitCode;
     init_logging();
     let arg = std::env::args().nth(1).unwrap_or_default();
     if arg == "--list" {
-        for (name, _) in cases {
-            println!("{name}");
+        for case in cases {
+            for line in case.listing() {
+                println!("{line}");
+            }
         }
         return ExitCode::SUCCESS;
     }
-    match cases.iter().find(|(name, _)| *name == arg) {
-        Some((name, run)) => match run() {
-            Ok(()) => {
-                println!("{name}: ok");
-                ExitCode::SUCCESS
-            }
-            Err(skip) => {
-                println!("{name}: {skip}");
-                ExitCode::from(SKIP_STATUS)
-            }
-        },
-        None => {
-            eprintln!("usage: {program} --list | CASE (unknown case {arg:?})");
-            ExitCode::from(2)
+    let Some(case) = cases.iter().find(|c| c.name == arg) else {
+        eprintln!("usage: {program} --list | CASE (unknown case {arg:?})");
+        return ExitCode::from(2);
+    };
+    let outcome = match case.unmet() {
+        Some(why) => Err(format!("skipped: {why}")),
+        None => (case.run)(),
+    };
+    match outcome {
+        Ok(()) => {
+            println!("{}: ok", case.name);
+            ExitCode::SUCCESS
+        }
+        // Only an error that says it is a skip is one: any other is a failure.
+        Err(skip) if skip.starts_with("skipped: ") => {
+            println!("{}: {skip}", case.name);
+            ExitCode::from(SKIP_STATUS)
+        }
+        Err(e) => {
+            eprintln!("{}: FAILED: {e}", case.name);
+            ExitCode::FAILURE
         }
     }
 }

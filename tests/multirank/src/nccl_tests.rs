@@ -691,28 +691,35 @@ fn group_paths() -> Result<(), String> {
     Ok(())
 }
 
+/// Every case; `gpu` declares what each needs.
 const CASES: &[Case] = &[
-    ("nccl_collectives", collectives),
-    ("nccl_collectives_socket", collectives_socket),
-    ("nccl_split", split),
-    ("nccl_misuse", misuse),
-    ("nccl_peer_death", peer_death),
-    ("hybrid", hybrid),
-    ("nccl_init_all_fp8", init_all_fp8),
-    ("nccl_threads", threads),
-    ("nccl_group_paths", group_paths),
-    ("nccl_drop_bounded", nccl_bounded::drop_bounded),
-    ("nccl_split_absent", nccl_bounded::split_absent),
-    ("nccl_connect_absent", nccl_bounded::connect_absent),
-    ("hybrid_mismatch_count", nccl_failures::mismatch_count),
-    ("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
-    ("hybrid_mismatch_op", nccl_failures::mismatch_op),
-    ("hybrid_mismatch_root", nccl_failures::mismatch_root),
-    ("hybrid_sigkill", nccl_failures::sigkill),
-    ("hybrid_sigstop", nccl_failures::sigstop),
-    ("hybrid_check_cost", nccl_failures::check_cost),
-    ("hybrid_timeout_positions", nccl_failures::timeout_positions),
+    gpu("nccl_collectives", collectives),
+    gpu("nccl_collectives_socket", collectives_socket),
+    gpu("nccl_split", split),
+    gpu("nccl_misuse", misuse),
+    gpu("nccl_peer_death", peer_death),
+    gpu("hybrid", hybrid),
+    gpu("nccl_init_all_fp8", init_all_fp8),
+    gpu("nccl_threads", threads),
+    gpu("nccl_group_paths", group_paths),
+    gpu("nccl_drop_bounded", nccl_bounded::drop_bounded),
+    gpu("nccl_split_absent", nccl_bounded::split_absent),
+    gpu("nccl_connect_absent", nccl_bounded::connect_absent),
+    gpu("hybrid_mismatch_count", nccl_failures::mismatch_count),
+    gpu("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
+    gpu("hybrid_mismatch_op", nccl_failures::mismatch_op),
+    gpu("hybrid_mismatch_root", nccl_failures::mismatch_root),
+    gpu("hybrid_sigkill", nccl_failures::sigkill),
+    gpu("hybrid_sigstop", nccl_failures::sigstop),
+    gpu("hybrid_check_cost", nccl_failures::check_cost),
+    gpu("hybrid_timeout_positions", nccl_failures::timeout_positions),
 ];
+
+/// A GPU case: at 2 ranks unless asked for more, needing a CUDA device per rank (skipped, saying
+/// so, without).
+const fn gpu(name: &'static str, run: fn() -> Result<(), String>) -> Case {
+    Case::new(name, run).sizes(&[2]).gpu_per_rank()
+}
 
 fn main() -> ExitCode {
     dist_multirank::run_cases("dist-nccl-tests", CASES)

@@ -1,0 +1,463 @@
+//! Launching N local ranks of a program: a free port, the torchrun environment, each output
+//! line prefixed with its rank (or kept for the failure report), every rank killed on the first
+//! failure or on the deadline. And the multi-rank test plan: the cases a test program lists
+//! (`PROGRAM --list`), each with the world sizes, environment and needs it declares, as one
+//! trial per case × world size. `cargo xtask` and the `multirank` test target both use it.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// One launch of `world` ranks of a program.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// The program every rank runs.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// The number of ranks.
+    pub world: usize,
+    /// How long the ranks may run before every one is killed.
+    pub timeout: Duration,
+    /// Put in front of every output line, before the rank.
+    pub label: String,
+    /// Extra environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// Print rank 0's stdout without a prefix (for tables) and others' prefixed.
+    pub plain_rank0: bool,
+    /// Print every rank's output as it comes; when false it is only kept (the last
+    /// [`KEPT_LINES`] lines), for the failure report.
+    pub echo: bool,
+}
+
+/// How a launch ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every rank exited with 0.
+    Passed,
+    /// Some rank said it cannot run here (exit status 77), none failed; the reason is the
+    /// ranks' "skipped: …" lines.
+    Skipped(String),
+    /// A rank failed, or the deadline passed: why, then the last lines of output.
+    Failed(String),
+}
+
+/// The exit status with which a test program says "skipped" (automake's convention).
+pub const SKIP_STATUS: i32 = 77;
+
+/// The output lines a launch keeps for its report.
+pub const KEPT_LINES: usize = 200;
+
+/// A port that was free a moment ago.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn forward(
+    pipe: impl Read + Send + 'static,
+    prefix: String,
+    to: Option<Stream>,
+    log: Arc<Mutex<Vec<String>>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            let text = format!("{prefix}{line}");
+            match to {
+                Some(Stream::Out) => println!("{text}"),
+                Some(Stream::Err) => eprintln!("{text}"),
+                None => {}
+            }
+            if let Ok(mut l) = log.lock() {
+                l.push(text);
+                let n = l.len();
+                if n > KEPT_LINES {
+                    l.drain(..n - KEPT_LINES);
+                }
+            }
+        }
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Stream {
+    Out,
+    Err,
+}
+
+/// Runs the job to completion, failure or deadline.
+pub fn run(job: &Job) -> Result<Outcome, String> {
+    let port = free_port().map_err(|e| format!("bind an ephemeral port: {e}"))?;
+    let mut children: Vec<Option<Child>> = Vec::with_capacity(job.world);
+    let mut pipes = Vec::new();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    for rank in 0..job.world {
+        let mut cmd = Command::new(&job.program);
+        cmd.args(&job.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", job.world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", job.world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
+            // docs/benchmarks.md records.
+            .env("NCCL_NVLS_ENABLE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // NCCL connects collectives' rings and trees while a communicator forms, within its
+        // init deadline, not inside the first call that needs them (see dist-nccl's
+        // `connect.rs`), unless the caller's environment says otherwise.
+        if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+            cmd.env("NCCL_RUNTIME_CONNECT", "0");
+        }
+        for (k, v) in &job.env {
+            cmd.env(k, v);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(format!("start {}: {e}", job.program.display()));
+            }
+        };
+        let prefix = format!("[{}r{rank}] ", job.label);
+        let out_prefix = if job.plain_rank0 && rank == 0 {
+            String::new()
+        } else {
+            prefix.clone()
+        };
+        let echo = |s| job.echo.then_some(s);
+        pipes.push(forward(
+            child.stdout.take().expect("piped"),
+            out_prefix,
+            echo(Stream::Out),
+            log.clone(),
+        ));
+        pipes.push(forward(
+            child.stderr.take().expect("piped"),
+            prefix,
+            echo(Stream::Err),
+            log.clone(),
+        ));
+        children.push(Some(child));
+    }
+    let started = Instant::now();
+    let mut skipped = false;
+    let outcome = loop {
+        let mut running = Vec::new();
+        let mut failure = None;
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => *slot = None,
+                Ok(Some(status)) if status.code() == Some(SKIP_STATUS) => {
+                    skipped = true;
+                    *slot = None;
+                }
+                Ok(Some(status)) => {
+                    failure = Some(format!("rank {rank} failed ({status})"));
+                    *slot = None;
+                    break;
+                }
+                Ok(None) => running.push(rank),
+                Err(e) => {
+                    failure = Some(format!("rank {rank}: cannot wait: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(f) = failure {
+            break Outcome::Failed(f);
+        }
+        if running.is_empty() {
+            break if skipped {
+                Outcome::Skipped(String::new())
+            } else {
+                Outcome::Passed
+            };
+        }
+        if started.elapsed() > job.timeout {
+            break Outcome::Failed(format!(
+                "timed out after {:?}; ranks {running:?} still running",
+                job.timeout
+            ));
+        }
+        // A supervisor's poll: children are checked every few milliseconds.
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    kill_all(&mut children);
+    for p in pipes {
+        let _ = p.join();
+    }
+    let lines = std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(match outcome {
+        Outcome::Skipped(_) => Outcome::Skipped(skip_reasons(&lines)),
+        Outcome::Failed(why) if !job.echo => Outcome::Failed(format!(
+            "{why}; the last lines of output:\n{}",
+            lines.join("\n")
+        )),
+        other => other,
+    })
+}
+
+/// The ranks' "skipped: …" lines, each reason once, with `; ` between.
+fn skip_reasons(lines: &[String]) -> String {
+    let mut reasons: Vec<&str> = Vec::new();
+    for l in lines {
+        if let Some(i) = l.find("skipped: ") {
+            let r = &l[i + "skipped: ".len()..];
+            if !reasons.contains(&r) {
+                reasons.push(r);
+            }
+        }
+    }
+    if reasons.is_empty() {
+        "skipped (exit status 77, no reason printed)".into()
+    } else {
+        reasons.join("; ")
+    }
+}
+
+fn kill_all(children: &mut [Option<Child>]) {
+    for c in children.iter_mut().flatten() {
+        let _ = c.kill();
+    }
+    for c in children.iter_mut().flatten() {
+        let _ = c.wait();
+    }
+}
+
+/// One case as a test program lists it (`PROGRAM --list`, one line each:
+/// `NAME [variant=V] sizes=2,3,4 [env=K=V,K=V] [needs=gpu-per-rank,root] [fixed]`), or one of
+/// its variants (the same case again with more environment, at sizes of its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The case's name, as the program takes it.
+    pub case: String,
+    /// The variant's name, if this is one.
+    pub variant: Option<String>,
+    /// The world sizes it runs at.
+    pub sizes: Vec<usize>,
+    /// Environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// What it needs besides (for the listing: the program checks it and skips, saying why).
+    pub needs: Vec<String>,
+    /// Whether it works only at [`Listed::sizes`] (otherwise at any world size).
+    pub fixed: bool,
+}
+
+impl Listed {
+    /// Parses one line of `--list`.
+    pub fn parse(line: &str) -> Result<Listed, String> {
+        let mut words = line.split_whitespace();
+        let case = words.next().ok_or("an empty line")?.to_string();
+        let mut l = Listed {
+            case,
+            variant: None,
+            sizes: Vec::new(),
+            env: Vec::new(),
+            needs: Vec::new(),
+            fixed: false,
+        };
+        for w in words {
+            match w.split_once('=') {
+                Some(("variant", v)) => l.variant = Some(v.to_string()),
+                Some(("sizes", v)) => {
+                    l.sizes = items(v)
+                        .map(|s| s.parse().map_err(|_| format!("bad size {s:?} in {line:?}")))
+                        .collect::<Result<_, _>>()?;
+                }
+                Some(("env", v)) => {
+                    l.env = items(v)
+                        .map(|kv| {
+                            kv.split_once('=')
+                                .map(|(k, v)| (k.to_string(), v.to_string()))
+                                .ok_or_else(|| format!("bad env {kv:?} in {line:?}"))
+                        })
+                        .collect::<Result<_, _>>()?;
+                }
+                Some(("needs", v)) => l.needs = items(v).collect(),
+                None if w == "fixed" => l.fixed = true,
+                _ => return Err(format!("unknown field {w:?} in {line:?}")),
+            }
+        }
+        if l.sizes.is_empty() {
+            return Err(format!("no sizes in {line:?}"));
+        }
+        Ok(l)
+    }
+
+    /// The name of its trial at world size `n`: `CASE::nN` or `CASE::VARIANT::nN`.
+    pub fn trial_name(&self, n: usize) -> String {
+        match &self.variant {
+            Some(v) => format!("{}::{v}::n{n}", self.case),
+            None => format!("{}::n{n}", self.case),
+        }
+    }
+
+    /// The world sizes to run: its own, or `asked` where given (for a [`Listed::fixed`] case,
+    /// only those of `asked` it works at).
+    pub fn sizes_for(&self, asked: &[usize]) -> Vec<usize> {
+        match (asked.is_empty(), self.fixed) {
+            (true, _) => self.sizes.clone(),
+            (false, false) => asked.to_vec(),
+            (false, true) => asked
+                .iter()
+                .copied()
+                .filter(|n| self.sizes.contains(n))
+                .collect(),
+        }
+    }
+
+    /// The job that runs it at world size `n`, with the environment every test rank gets.
+    pub fn job(&self, program: &Path, n: usize, timeout: Duration, echo: bool) -> Job {
+        let mut env = test_env();
+        env.extend(self.env.iter().cloned());
+        Job {
+            program: program.to_path_buf(),
+            args: vec![self.case.clone()],
+            world: n,
+            timeout,
+            label: format!("{} ", self.trial_name(n)),
+            env,
+            plain_rank0: false,
+            echo,
+        }
+    }
+}
+
+/// The comma-separated items of `v`.
+fn items(v: &str) -> impl Iterator<Item = String> + '_ {
+    v.split(',').filter(|s| !s.is_empty()).map(str::to_owned)
+}
+
+/// The cases `program` lists.
+pub fn list(program: &Path) -> Result<Vec<Listed>, String> {
+    let out = Command::new(program)
+        .arg("--list")
+        .output()
+        .map_err(|e| format!("list the cases of {}: {e}", program.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} --list failed ({}): {}",
+            program.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(Listed::parse)
+        .collect()
+}
+
+/// The environment of every test rank: a fixed glibc mmap threshold. Some cases
+/// (`flow_unexpected`, `hostile_peer`) check their peak RSS against dist's unexpected-message
+/// budget; with glibc's default, the threshold rises after the first large block is freed, so
+/// later 1 MiB messages come from a heap that keeps freed memory, and the high-water mark then
+/// measures the allocator's retention (seen: 111 MiB at world size 8 for 64 MiB queued), not what
+/// dist holds. A fixed threshold returns every freed large block to the system.
+pub fn test_env() -> Vec<(String, String)> {
+    vec![(
+        "MALLOC_MMAP_THRESHOLD_".to_string(),
+        (128 << 10).to_string(),
+    )]
+}
+
+/// The last line of a run: a skipped case is counted apart, never as passed.
+pub fn summary(passed: usize, skipped: usize, failed: usize) -> String {
+    format!("{passed} passed, {skipped} skipped, {failed} failed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job of two ranks of `sh -c SCRIPT` (RANK tells them apart).
+    fn job(script: &str) -> Job {
+        Job {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            world: 2,
+            timeout: Duration::from_secs(20),
+            label: "t ".into(),
+            env: Vec::new(),
+            plain_rank0: false,
+            echo: false,
+        }
+    }
+
+    /// A rank that exits 77 makes the case skipped, never passed, with the ranks' reasons; a
+    /// failure still wins, and its report carries the output.
+    #[test]
+    fn exit_77_counts_as_skipped_never_passed() {
+        let outcome = |script: &str| run(&job(script)).unwrap();
+        assert!(matches!(outcome("exit 0"), Outcome::Passed));
+        assert!(
+            matches!(outcome("echo 'c: skipped: no GPU'; exit 77"), Outcome::Skipped(ref w) if w == "no GPU")
+        );
+        let one_skips = r#"[ "$RANK" = 0 ] && exit 77; exit 0"#;
+        assert!(matches!(outcome(one_skips), Outcome::Skipped(ref w) if w.contains("no reason")));
+        let skip_and_fail = r#"[ "$RANK" = 0 ] && exit 77; echo oops >&2; exit 3"#;
+        assert!(
+            matches!(outcome(skip_and_fail),
+                Outcome::Failed(ref w) if w.contains("rank 1") && w.contains("[t r1] oops")),
+            "a failure beside a skip must fail the case: {:?}",
+            outcome(skip_and_fail)
+        );
+    }
+
+    #[test]
+    fn the_summary_counts_skipped_cases_apart() {
+        assert_eq!(summary(3, 0, 0), "3 passed, 0 skipped, 0 failed");
+        assert_eq!(summary(5, 2, 1), "5 passed, 2 skipped, 1 failed");
+    }
+
+    #[test]
+    fn listed_cases_parse_into_trials() {
+        let l = Listed::parse(
+            "coll_x variant=lanes2 sizes=3,4 env=DIST_TCP_LANES=2,A=b=c needs=gpu-per-rank",
+        )
+        .unwrap();
+        assert_eq!(l.trial_name(3), "coll_x::lanes2::n3");
+        assert_eq!(
+            l.env,
+            [("DIST_TCP_LANES", "2"), ("A", "b=c")].map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        assert_eq!(l.needs, ["gpu-per-rank"]);
+        assert_eq!(l.sizes_for(&[]), [3, 4]);
+        assert_eq!(l.sizes_for(&[16]), [16]);
+        let fixed = Listed::parse("fail_x sizes=4 fixed").unwrap();
+        assert_eq!(fixed.trial_name(4), "fail_x::n4");
+        assert_eq!(fixed.sizes_for(&[2, 4]), [4]);
+        assert!(fixed.sizes_for(&[2]).is_empty());
+        for bad in [
+            "",
+            "x",
+            "x sizes=",
+            "x sizes=a",
+            "x what=1",
+            "x sizes=2 env=K",
+        ] {
+            assert!(Listed::parse(bad).is_err(), "{bad:?}");
+        }
+        let job = l.job(Path::new("/p"), 3, Duration::from_secs(1), false);
+        assert_eq!(
+            (job.world, job.args.as_slice()),
+            (3, ["coll_x".to_string()].as_slice())
+        );
+        assert!(job.env.iter().any(|(k, _)| k == "MALLOC_MMAP_THRESHOLD_"));
+        assert!(
+            job.env
+                .iter()
+                .any(|(k, v)| k == "DIST_TCP_LANES" && v == "2")
+        );
+    }
+}
