@@ -186,12 +186,11 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     if me == 0 {
         r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
     }
-    // The communicators go before the buffers: each drop waits for its watchdog, and so for
-    // an abort still running. Freeing the buffer of the pending receive while the abort ran
-    // hung the freeing thread for good on 2 x H200 (runs s2-c, s2-e, s2-f: inside the buffers'
-    // drop, where cudarc frees them in stream order; with either stream and either abort
-    // order; see docs/architecture.md, "What is not bounded"). `DIST_TEST_FREE_FIRST=1` frees
-    // first, to look at it again.
+    // The teardown after the abort: the communicators, then the buffers. On 2 x H200 this hung
+    // (an open defect, docs/architecture.md, "What is not bounded"): freeing the buffer of the
+    // pending receive first hung in runs s2-c, s2-e, s2-f; dropping the communicators first
+    // passed on the default stream (s2-d) and hung with the communicator's own stream (s2-h).
+    // `DIST_TEST_FREE_FIRST=1` frees the buffers first.
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(60));
         println!("rank {me}: drops still running after 60 s");
