@@ -463,7 +463,9 @@ impl Peer {
     }
 }
 
-/// [`Rx::pull`] on the fields of a borrowed `Rx` (so that the frame can be borrowed beside it).
+/// Reads into `dst` from the bytes buffered in a borrowed `Rx` (its fields passed apart, so
+/// that the frame can be borrowed beside them), refilling the buffer from the socket when empty
+/// (a read as large as half the buffer goes straight into `dst`).
 pub(super) fn rx_pull(
     sock: &mut Source,
     buf: &mut [u8],
