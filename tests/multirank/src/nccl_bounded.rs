@@ -191,11 +191,8 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     // pending receive first hung in runs s2-c, s2-e, s2-f; dropping the communicators first
     // passed on the default stream (s2-d) and hung with the communicator's own stream (s2-h).
     // `DIST_TEST_FREE_FIRST=1` frees the buffers first.
-    std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(60));
-        println!("rank {me}: drops still running after 60 s");
-        std::process::exit(2);
-    });
+    // No guard thread here: on s2-h even `process::exit` hung in that state, so the launcher's
+    // per-case timeout (which kills the ranks) is what bounds this case.
     if std::env::var_os("DIST_TEST_FREE_FIRST").is_some() {
         println!("rank {me}: freeing the buffers first");
         drop((x, y));
