@@ -476,9 +476,12 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         *self.shared.stop.lock().unwrap_or_else(|p| p.into_inner()) = true;
         self.shared.wake.notify_all();
+        let t0 = Instant::now();
+        tracing::debug!(comm = %self.shared.who, "drop: joining the watchdog");
         if let Some(w) = self.watchdog.take() {
             let _ = w.join();
         }
+        tracing::debug!(comm = %self.shared.who, took = ?t0.elapsed(), "drop: watchdog joined");
         if crate::group::in_group() {
             // This thread has a group open (over other communicators): finalize or abort now
             // would be recorded into that group. Leaking the communicator is the safe choice.
@@ -490,8 +493,10 @@ impl Drop for Communicator {
         }
         let limit = self.shared.timeout.min(Duration::from_secs(30));
         let drained = self.drain(Instant::now() + limit);
+        tracing::debug!(comm = %self.shared.who, drained, took = ?t0.elapsed(), "drop: drained");
         let mut st = self.shared.lock();
         if st.aborted.is_some() {
+            tracing::debug!(comm = %self.shared.who, "drop: was aborted; releasing the streams");
             return;
         }
         if !drained {

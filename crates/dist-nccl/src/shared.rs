@@ -320,6 +320,7 @@ impl Shared {
             return;
         }
         tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");
+        let t0 = Instant::now();
         // The communicator whose resources `comm` shares (its connections) first, then `comm`,
         // then the one kept for splits: each is aborted once, under the lock, and never used
         // again. (On 2 x H200 both orders ended within 1.1 s: run s2-d.)
@@ -337,10 +338,12 @@ impl Shared {
             // the same lock, and every use checks it first.
             let _ = unsafe { f(st.comm) };
         }
+        tracing::debug!(comm = %self.who, took = ?t0.elapsed(), "abort: sharing and comm aborted");
         crate::split::abort_handle(
             &self.nccl,
             std::mem::replace(&mut st.nb, std::ptr::null_mut()),
         );
+        tracing::debug!(comm = %self.who, took = ?t0.elapsed(), "abort: done");
         st.aborted = Some(why);
     }
 }

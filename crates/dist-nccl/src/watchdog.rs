@@ -97,42 +97,72 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
                 return;
             }
         }
-        // New streams, and the work enqueued on each.
-        for i in 0..st.streams.len() {
-            if i >= watched.len() {
-                match ctx.new_event(None) {
-                    Ok(marker) => watched.push(Watched {
-                        stream: st.streams[i].stream.clone(),
-                        marker,
-                        marked: 0,
-                        pending: None,
-                    }),
-                    Err(e) => {
-                        tracing::error!(comm = %shared.who, error = %e, "watchdog cannot create an event");
-                        break;
-                    }
-                }
-            }
-            let w = &mut watched[i];
-            match w.pending {
-                Some(_) if w.marker.is_complete() => w.pending = None,
-                Some(at) if at.elapsed() > shared.timeout => {
-                    let why = Abort::Timeout {
-                        op: st.last_op.to_string(),
-                        waited: at.elapsed(),
-                    };
-                    shared.abort_locked(&mut st, why);
-                    return;
-                }
-                _ => {}
-            }
-            let enqueued = st.streams[i].enqueued;
-            if w.pending.is_none() && enqueued > w.marked {
-                if w.marker.record(&w.stream).is_ok() {
-                    w.pending = Some(Instant::now());
-                }
-                w.marked = enqueued;
-            }
+        // The streams and the work enqueued on each, read under the lock; the CUDA calls below
+        // run after it is released. While `ncclCommAbort` of another communicator of this
+        // context frees host memory, the driver blocks every call on the context until the
+        // device is idle; if this communicator has a kernel that only its own abort can end
+        // (a receive from a peer that never sends), a CUDA call made under this lock would
+        // keep that abort out for ever (seen on 2 x H200, run s3-b: the watchdog in
+        // `cuEventRecord` under the lock, the other communicator's abort in `cuMemFreeHost`,
+        // this one's abort deferred behind the lock).
+        let streams: Vec<(Arc<CudaStream>, u64)> = st
+            .streams
+            .iter()
+            .map(|u| (u.stream.clone(), u.enqueued))
+            .collect();
+        let last_op = st.last_op;
+        drop(st);
+        if let Some(why) = check_streams(&mut watched, &streams, ctx, shared, last_op) {
+            // Aborts now if no call is inside NCCL, else when the lock is next taken (by this
+            // loop, the call's own thread or another caller).
+            shared.request_abort(why);
         }
     }
+}
+
+/// Marks the new work on each stream and looks at the marks: the timeout that expired, if any.
+/// Called without the communicator's lock (it makes CUDA calls, which can block).
+fn check_streams(
+    watched: &mut Vec<Watched>,
+    streams: &[(Arc<CudaStream>, u64)],
+    ctx: &Arc<CudaContext>,
+    shared: &Shared,
+    last_op: &str,
+) -> Option<Abort> {
+    for (i, (stream, enqueued)) in streams.iter().enumerate() {
+        if i >= watched.len() {
+            match ctx.new_event(None) {
+                Ok(marker) => watched.push(Watched {
+                    stream: stream.clone(),
+                    marker,
+                    marked: 0,
+                    pending: None,
+                }),
+                Err(e) => {
+                    tracing::error!(comm = %shared.who, error = %e, "watchdog cannot create an event");
+                    return None;
+                }
+            }
+        }
+        let w = &mut watched[i];
+        match w.pending {
+            Some(_) if w.marker.is_complete() => w.pending = None,
+            Some(at) if at.elapsed() > shared.timeout => {
+                return Some(Abort::Timeout {
+                    op: last_op.to_string(),
+                    waited: at.elapsed(),
+                });
+            }
+            _ => {}
+        }
+        // A mark recorded now follows at least the `enqueued` calls read under the lock (and
+        // any enqueued since, which it then waits for too).
+        if w.pending.is_none() && *enqueued > w.marked {
+            if w.marker.record(&w.stream).is_ok() {
+                w.pending = Some(Instant::now());
+            }
+            w.marked = *enqueued;
+        }
+    }
+    None
 }

@@ -183,25 +183,55 @@ pub(crate) fn connect_absent() -> Result<(), String> {
             );
         }
     });
+    // The aborts ended the kernels they left on the device: each stream drains.
+    for (what, stream) in [("communicator", r.comm.stream()), ("split", sub.stream())] {
+        let t = Instant::now();
+        let mark = stream
+            .context()
+            .new_event(None)
+            .map_err(|e| e.to_string())?;
+        mark.record(stream).map_err(|e| e.to_string())?;
+        while !mark.is_complete() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "rank {me}: the {what}'s stream still busy 5 s after its abort"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        println!(
+            "rank {me}: the {what}'s stream drained {:.1?} after the errors",
+            t.elapsed()
+        );
+    }
     if me == 0 {
         r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
     }
-    // The teardown after the abort: the communicators, then the buffers. On 2 x H200 this hung
-    // (an open defect, docs/architecture.md, "What is not bounded"): freeing the buffer of the
-    // pending receive first hung in runs s2-c, s2-e, s2-f; dropping the communicators first
-    // passed on the default stream (s2-d) and hung with the communicator's own stream (s2-h).
-    // `DIST_TEST_FREE_FIRST=1` frees the buffers first.
-    // No guard thread here: on s2-h even `process::exit` hung in that state, so the launcher's
-    // per-case timeout (which kills the ranks) is what bounds this case.
-    if std::env::var_os("DIST_TEST_FREE_FIRST").is_some() {
-        println!("rank {me}: freeing the buffers first");
-        drop((x, y));
-    }
+    // The teardown after the aborts, bounded. It used to hang (runs s2-c … s2-h and s3-b of
+    // docs/results/2026-11-30-2xH200/, 6 of 7 tries in s3-b): the split's `ncclCommAbort` waits
+    // in `cuMemFreeHost` for the device to go idle, which needs the main communicator's pending
+    // receive to end, which needs its abort; that abort was deferred behind the main
+    // communicator's lock, which its watchdog held while blocked in `cuEventRecord` behind the
+    // split's abort. The watchdog now makes no CUDA call under the lock (`watchdog.rs`).
+    // `DIST_TEST_FREE_FIRST=1` frees the buffers before the communicators.
+    let mut bufs = Some((x, y));
     let t = Instant::now();
+    if std::env::var_os("DIST_TEST_FREE_FIRST").is_some() {
+        drop(bufs.take());
+        println!("rank {me}: buffers freed first, after {:.1?}", t.elapsed());
+    }
     drop(sub);
     let Rig { tcp, comm } = r;
     drop(comm);
-    println!("rank {me}: communicators dropped after {:.1?}", t.elapsed());
+    drop(bufs);
     drop(tcp);
+    println!(
+        "rank {me}: communicators and buffers dropped after {:.1?}",
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "rank {me}: the teardown took {:.1?}",
+        t.elapsed()
+    );
     Ok(())
 }
