@@ -132,12 +132,76 @@ pub const INTRODUCED: &[(&str, i32)] = &[
     ("ncclScatter", version_code(2, 28, 0)),
 ];
 
-/// The version that introduced `symbol`, if this crate knows it.
-pub fn introduced(symbol: &str) -> Option<i32> {
-    INTRODUCED
-        .iter()
-        .find(|(s, _)| *s == symbol)
-        .map(|(_, v)| *v)
+/// The version that introduced `symbol`, if [`INTRODUCED`] lists it. A `const fn`, so that
+/// [`nccl_fn!`] looks each name up once, at compile time.
+pub const fn introduced(symbol: &str) -> Option<i32> {
+    let mut i = 0;
+    while i < INTRODUCED.len() {
+        if same(INTRODUCED[i].0, symbol) {
+            return Some(INTRODUCED[i].1);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// `a == b`, usable in a `const fn`.
+const fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// The version [`INTRODUCED`] gives `symbol`, for [`nccl_fn!`]: a name the table lacks stops
+/// the build (in a `const`), so every function called through the macro is listed there.
+#[doc(hidden)]
+pub const fn introduced_or_stop(symbol: &str) -> i32 {
+    match introduced(symbol) {
+        Some(v) => v,
+        None => panic!("a function that dist_nccl_sys::INTRODUCED does not list"),
+    }
+}
+
+/// The checked function `$name` of a [`Library`], named once:
+/// `nccl_fn!(lib, ncclAllReduce)` is `lib.get("ncclAllReduce", &lib.raw().ncclAllReduce)`,
+/// except that the version that introduced the function is looked up in [`INTRODUCED`] at
+/// compile time (a name the table lacks does not compile), so the check costs one comparison.
+/// `$lib` is evaluated once and may be anything that dereferences to a `Library`
+/// (`&Library`, `&Arc<Library>`).
+///
+/// ```no_run
+/// let nccl = dist_nccl_sys::Library::load()?;
+/// let get_version = dist_nccl_sys::nccl_fn!(&nccl, ncclGetVersion)?;
+/// let mut v = 0;
+/// // SAFETY: ncclGetVersion writes one int through the pointer, which is valid.
+/// let r = unsafe { get_version(&mut v) };
+/// assert_eq!(r, dist_nccl_sys::ncclResult_t::ncclSuccess);
+/// # Ok::<(), dist_nccl_sys::LoadError>(())
+/// ```
+///
+/// A function the table does not list does not compile:
+///
+/// ```compile_fail,E0080
+/// let nccl = dist_nccl_sys::Library::load()?;
+/// let f = dist_nccl_sys::nccl_fn!(&nccl, ncclMemFree)?;
+/// # Ok::<(), dist_nccl_sys::LoadError>(())
+/// ```
+#[macro_export]
+macro_rules! nccl_fn {
+    ($lib:expr, $name:ident) => {{
+        const NEED: i32 = $crate::introduced_or_stop(::core::stringify!($name));
+        let lib: &$crate::Library = $lib;
+        lib.get_needing(::core::stringify!($name), NEED, &lib.raw().$name)
+    }};
 }
 
 /// A loaded NCCL. It is never unloaded: NCCL starts threads and registers exit handlers that
@@ -227,13 +291,24 @@ impl Library {
     }
 
     /// Checks that the library is new enough for `symbol` and exports it; `field` is the entry
-    /// of [`Library::raw`] for it. Returns the function.
+    /// of [`Library::raw`] for it. Returns the function. [`nccl_fn!`] names each function once
+    /// and looks its version up at compile time.
     pub fn get<'a, F>(
         &'a self,
         symbol: &'static str,
         field: &'a Result<F, libloading::Error>,
     ) -> Result<&'a F, LoadError> {
-        let need = introduced(symbol).unwrap_or(0);
+        self.get_needing(symbol, introduced(symbol).unwrap_or(0), field)
+    }
+
+    /// [`Library::get`] with the version that introduced `symbol` given (`need`, a code as
+    /// [`version_code`] makes them), not looked up: what [`nccl_fn!`] expands to.
+    pub fn get_needing<'a, F>(
+        &'a self,
+        symbol: &'static str,
+        need: i32,
+        field: &'a Result<F, libloading::Error>,
+    ) -> Result<&'a F, LoadError> {
         if self.version < need {
             return Err(LoadError::TooOld {
                 symbol,
@@ -265,6 +340,75 @@ mod tests {
         assert_eq!(introduced("nope"), None);
     }
 
+    /// A `Library` over libc: every NCCL function is missing, so the checks of [`nccl_fn!`]
+    /// run without NCCL.
+    fn without_nccl(version: i32) -> Library {
+        // SAFETY: libc is already loaded into this process; loading it again runs no
+        // initialiser, and `from_library` only looks symbols up (none is called).
+        let raw = unsafe { NcclLib::from_library(libloading::Library::new("libc.so.6").unwrap()) }
+            .unwrap();
+        Library {
+            raw: std::mem::ManuallyDrop::new(raw),
+            path: "libc.so.6".into(),
+            version,
+        }
+    }
+
+    #[test]
+    fn nccl_fn_checks_the_version_then_the_symbol() {
+        let old = without_nccl(version_code(2, 18, 0));
+        let e = nccl_fn!(&old, ncclAlltoAll).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LoadError::TooOld {
+                    symbol: "ncclAlltoAll",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "ncclAlltoAll needs NCCL 2.28.0 or newer; libc.so.6 is NCCL 2.18.0"
+        );
+        let new = std::sync::Arc::new(without_nccl(version_code(2, 28, 9)));
+        // Through an `Arc` too, evaluated once.
+        let mut evaluated = 0;
+        let e = nccl_fn!(
+            {
+                evaluated += 1;
+                &new
+            },
+            ncclAllReduce
+        )
+        .unwrap_err();
+        assert_eq!(evaluated, 1);
+        assert_eq!(
+            e.to_string(),
+            "libc.so.6 (NCCL 2.28.9) has no ncclAllReduce, which needs NCCL 2.0.0 or newer"
+        );
+        // The macro and `get` agree.
+        let by_get = new
+            .get("ncclAlltoAll", &new.raw().ncclAlltoAll)
+            .unwrap_err();
+        let by_macro = nccl_fn!(&new, ncclAlltoAll).unwrap_err();
+        assert_eq!(by_get.to_string(), by_macro.to_string());
+    }
+
+    #[test]
+    fn introduced_is_a_const_lookup() {
+        const ALL_TO_ALL: Option<i32> = introduced("ncclAlltoAll");
+        assert_eq!(ALL_TO_ALL, Some(version_code(2, 28, 0)));
+        assert_eq!(introduced("ncclAlltoAl"), None);
+        assert_eq!(introduced("ncclAlltoAllv"), None);
+        assert_eq!(introduced_or_stop("ncclSend"), version_code(2, 7, 0));
+        // Every name is listed once.
+        for (i, (a, _)) in INTRODUCED.iter().enumerate() {
+            assert!(INTRODUCED[i + 1..].iter().all(|(b, _)| a != b), "{a} twice");
+        }
+    }
+
     #[test]
     fn a_missing_library_names_every_path_tried() {
         let e = Library::load_from("/nonexistent/libnccl.so.2").unwrap_err();
@@ -293,18 +437,14 @@ mod tests {
             .expect("DIST_NCCL_LIBRARY names the libnccl.so.2 to test against");
         let lib = Library::load_from(&path).unwrap_or_else(|e| panic!("{e}"));
         assert!(lib.version() >= version_code(2, 28, 0), "{lib:?}");
-        let err = lib
-            .get("ncclGetErrorString", &lib.raw().ncclGetErrorString)
-            .unwrap();
+        let err = nccl_fn!(&lib, ncclGetErrorString).unwrap();
         // SAFETY: ncclGetErrorString returns a static C string for any result code.
         let text = unsafe { std::ffi::CStr::from_ptr(err(ncclResult_t::ncclInvalidArgument)) };
         assert!(
             text.to_string_lossy().contains("invalid argument"),
             "{text:?}"
         );
-        let get_id = lib
-            .get("ncclGetUniqueId", &lib.raw().ncclGetUniqueId)
-            .unwrap();
+        let get_id = nccl_fn!(&lib, ncclGetUniqueId).unwrap();
         let mut id = ncclUniqueId::default();
         // SAFETY: the pointer is valid for one ncclUniqueId.
         let r = unsafe { get_id(&mut id) };
@@ -314,9 +454,7 @@ mod tests {
             version: version_code(2, 18, 0),
             ..lib
         };
-        let e = too_new
-            .get("ncclAlltoAll", &too_new.raw().ncclAlltoAll)
-            .unwrap_err();
+        let e = nccl_fn!(&too_new, ncclAlltoAll).unwrap_err();
         assert_eq!(
             e.to_string(),
             format!(

@@ -1,4 +1,5 @@
-//! The public calls, each written once in `ops.rs` and exposed four ways by one macro: on
+//! The public calls, each written once (`ops/collectives.rs`, `ops/p2p.rs`) and exposed four
+//! ways by one macro: on
 //! [`Ops`] (launched at once), on [`GroupOps`] and [`Group`] (recorded, launched at the group's
 //! end, their buffers borrowed until then), and on [`Communicator`] (its stream).
 

@@ -7,10 +7,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
+use dist_nccl_sys::{Library as Nccl, nccl_fn, ncclComm_t, ncclResult_t};
 
 use crate::config::{CommConfig, comm_stream, config, runtime_connect_note};
-use crate::error::{NcclError, Result};
+use crate::error::{NcclCode, NcclError, Result};
 use crate::group::Group;
 use crate::id::UniqueId;
 use crate::ops::Ops;
@@ -68,7 +68,7 @@ impl Communicator {
                 reason: format!("rank {rank} of size {size}: need 0 <= rank < size <= 2^31-1"),
             });
         }
-        let init = nccl.get("ncclCommInitRankConfig", &nccl.raw().ncclCommInitRankConfig)?;
+        let init = nccl_fn!(&nccl, ncclCommInitRankConfig)?;
         runtime_connect_note();
         ctx.bind_to_thread()
             .map_err(cuda(&who, "bind the CUDA context"))?;
@@ -79,9 +79,8 @@ impl Communicator {
         // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
         // it points to stays alive as long as the communicator (kept in `Communicator::_name`).
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
-        if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
-            return Err(nccl_error(&nccl, &who, "ncclCommInitRankConfig", r, None));
-        }
+        NcclCode::check_started(r)
+            .map_err(|code| nccl_error(&nccl, &who, "ncclCommInitRankConfig", code, None))?;
         // The communicator forms in nonblocking mode, so that init has a deadline and can be
         // aborted; it is kept for splits, which then have a deadline too.
         split::wait_handle(&nccl, comm, &who, "init", started, cfg.init_timeout)?;
@@ -103,7 +102,7 @@ impl Communicator {
         devices: &[usize],
         cfg: CommConfig,
     ) -> Result<Vec<Communicator>> {
-        let f = nccl.get("ncclCommInitAll", &nccl.raw().ncclCommInitAll)?;
+        let f = nccl_fn!(&nccl, ncclCommInitAll)?;
         let who = format!("nccl init_all on devices {devices:?}");
         if devices.is_empty() || devices.len() > i32::MAX as usize {
             return Err(NcclError::InvalidArgument {
@@ -120,9 +119,8 @@ impl Communicator {
         let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for one handle per device in `list`.
         let r = unsafe { f(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) };
-        if r != ncclResult_t::ncclSuccess {
-            return Err(nccl_error(&nccl, &who, "ncclCommInitAll", r, None));
-        }
+        NcclCode::check(r)
+            .map_err(|code| nccl_error(&nccl, &who, "ncclCommInitAll", code, None))?;
         let n = devices.len();
         let mut out = Vec::with_capacity(n);
         for (i, (comm, ctx)) in comms.into_iter().zip(ctxs).enumerate() {
@@ -270,10 +268,7 @@ impl Communicator {
             Ok(st) => st,
             Err(e) => return Some(e),
         };
-        let get = match self.shared.nccl.get(
-            "ncclCommGetAsyncError",
-            &self.shared.nccl.raw().ncclCommGetAsyncError,
-        ) {
+        let get = match nccl_fn!(&self.shared.nccl, ncclCommGetAsyncError) {
             Ok(g) => g,
             Err(e) => return Some(e.into()),
         };
@@ -281,18 +276,16 @@ impl Communicator {
         // SAFETY: the communicator is live (`lock_for_call` checked `aborted`) and we hold its
         // lock, so no other thread is inside NCCL on it; valid pointer.
         let r = unsafe { get(st.comm, &mut state) };
-        [r, state]
-            .into_iter()
-            .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
-            .map(|x| {
-                nccl_error(
-                    &self.shared.nccl,
-                    &self.shared.who,
-                    "async_error",
-                    x,
-                    Some(st.comm),
-                )
-            })
+        let code = NcclCode::check_started(r)
+            .and(NcclCode::check_started(state))
+            .err()?;
+        Some(nccl_error(
+            &self.shared.nccl,
+            &self.shared.who,
+            "async_error",
+            code,
+            Some(st.comm),
+        ))
     }
 
     /// Aborts the communicator (`ncclCommAbort`): work in flight is cancelled and every later
@@ -510,7 +503,7 @@ impl Drop for Communicator {
         }
         let nccl = self.shared.nccl.clone();
         // Graceful: finalize (flushes outstanding work), then destroy; abort if that fails.
-        let finalized = match nccl.get("ncclCommFinalize", &nccl.raw().ncclCommFinalize) {
+        let finalized = match nccl_fn!(&nccl, ncclCommFinalize) {
             Ok(f) => {
                 // SAFETY: live communicator (`aborted` is None) under its lock; no group can be
                 // open over it (a group borrows the communicator, which is being dropped).
@@ -530,7 +523,7 @@ impl Drop for Communicator {
         if st.aborted.is_some() {
             return;
         }
-        if let Ok(f) = nccl.get("ncclCommDestroy", &nccl.raw().ncclCommDestroy) {
+        if let Ok(f) = nccl_fn!(&nccl, ncclCommDestroy) {
             // SAFETY: finalized, live communicator under its lock, never used again (`aborted`
             // is set right after, under the same lock).
             let _ = unsafe { f(st.comm) };

@@ -26,10 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtrMut};
-use dist_nccl_sys::{Library as Nccl, cudaStream_t, ncclComm_t, ncclDataType_t, ncclResult_t};
+use dist_nccl_sys::{Library as Nccl, cudaStream_t, nccl_fn, ncclComm_t, ncclDataType_t};
 
-use crate::error::{NcclError, Result};
-use crate::shared::{cuda, nccl_error, sym};
+use crate::error::{NcclCode, NcclError, Result};
+use crate::shared::{cuda, nccl_error};
 use crate::split::ready;
 
 /// Sends one byte to and receives one from every other rank on `comm` (nonblocking, used by
@@ -48,11 +48,10 @@ pub(crate) fn connect_peers(
     if size < 2 {
         return Ok(());
     }
-    let raw = nccl.raw();
-    let start = sym(nccl, "ncclGroupStart", &raw.ncclGroupStart)?;
-    let end = sym(nccl, "ncclGroupEnd", &raw.ncclGroupEnd)?;
-    let send = sym(nccl, "ncclSend", &raw.ncclSend)?;
-    let recv = sym(nccl, "ncclRecv", &raw.ncclRecv)?;
+    let start = nccl_fn!(nccl, ncclGroupStart)?;
+    let end = nccl_fn!(nccl, ncclGroupEnd)?;
+    let send = nccl_fn!(nccl, ncclSend)?;
+    let recv = nccl_fn!(nccl, ncclRecv)?;
     let stream = ctx.default_stream();
     // Byte 0 is sent to every peer; byte 1 + p receives from peer p.
     let mut buf = stream
@@ -64,33 +63,30 @@ pub(crate) fn connect_peers(
     // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state;
     // the group is ended below on every path (no early return between the two).
     let opened = unsafe { start() };
-    if opened != ncclResult_t::ncclSuccess {
-        return Err(nccl_error(nccl, who, "ncclGroupStart", opened, Some(comm)));
-    }
+    NcclCode::check(opened)
+        .map_err(|code| nccl_error(nccl, who, "ncclGroupStart", code, Some(comm)))?;
     let mut first_err = None;
     for peer in (0..size).filter(|p| *p != rank) {
         // SAFETY: `comm` is live and used by this thread alone; `ptr` is a device buffer of
         // this context of size + 1 bytes, alive (and its guard held) until the transfers are
         // seen complete below; the send reads byte 0, the receive from `peer` writes byte
         // 1 + peer < size + 1; both on the default stream of this context; peer < size.
-        let r = unsafe {
+        let (s, r) = unsafe {
             let base = ptr as *mut u8;
             let s = send(base as *const c_void, 1, u8t, peer as i32, comm, cu);
             let r = recv(base.add(1 + peer).cast(), 1, u8t, peer as i32, comm, cu);
-            if s == ncclResult_t::ncclSuccess { r } else { s }
+            (s, r)
         };
-        if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
-            first_err.get_or_insert(r);
+        if let Err(code) = NcclCode::check_started(s).and(NcclCode::check_started(r)) {
+            first_err.get_or_insert(code);
         }
     }
     // SAFETY: this thread opened the group above; `comm` is live and used by it alone.
     let ended = unsafe { end() };
-    if let Some(r) = first_err {
-        return Err(nccl_error(nccl, who, OP, r, Some(comm)));
+    if let Some(code) = first_err {
+        return Err(nccl_error(nccl, who, OP, code, Some(comm)));
     }
-    if ended != ncclResult_t::ncclSuccess && ended != ncclResult_t::ncclInProgress {
-        return Err(nccl_error(nccl, who, OP, ended, Some(comm)));
-    }
+    NcclCode::check_started(ended).map_err(|code| nccl_error(nccl, who, OP, code, Some(comm)))?;
     // The group's connections are made on NCCL's thread: poll until it is done.
     while !ready(nccl, comm, who, OP)? {
         if started.elapsed() > limit {

@@ -68,12 +68,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, SyncOnDrop};
-use dist_nccl_sys::ncclResult_t;
+use dist_nccl_sys::nccl_fn;
 
 use crate::communicator::Communicator;
-use crate::error::{NcclError, Result};
+use crate::error::{NcclCode, NcclError, Result};
 use crate::ops::{Guards, Ops};
-use crate::shared::{nccl_error, sym};
+use crate::shared::nccl_error;
 
 thread_local! {
     /// Whether this thread has a group open (dist refuses to nest them, and refuses calls that
@@ -177,19 +177,11 @@ pub fn group<'buf, R>(
         }
     }
     let nccl = &first.shared.nccl;
-    let start = match sym(nccl, "ncclGroupStart", &nccl.raw().ncclGroupStart) {
+    let start = match nccl_fn!(nccl, ncclGroupStart) {
         // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state.
-        Ok(f) => match unsafe { f() } {
-            ncclResult_t::ncclSuccess => Ok(()),
-            r => Err(nccl_error(
-                &first.shared.nccl,
-                &first.shared.who,
-                "ncclGroupStart",
-                r,
-                None,
-            )),
-        },
-        Err(e) => Err(e),
+        Ok(f) => NcclCode::check(unsafe { f() })
+            .map_err(|code| nccl_error(nccl, &first.shared.who, "ncclGroupStart", code, None)),
+        Err(e) => Err(e.into()),
     };
     if let Err(e) = start {
         for c in &unique {
@@ -273,7 +265,7 @@ impl<'buf> Group<'buf> {
         IN_GROUP.with(|g| g.set(false));
         let first = &self.comms[0].shared;
         let mut states: Vec<_> = self.comms.iter().map(|c| c.shared.lock()).collect();
-        let r = match sym(&first.nccl, "ncclGroupEnd", &first.nccl.raw().ncclGroupEnd) {
+        let r = match nccl_fn!(&first.nccl, ncclGroupEnd) {
             // SAFETY: this thread opened the group (ncclGroupStart in `group`, and a Group never
             // leaves its thread); every communicator recorded in it is live: each was live when
             // the group took it, and an abort is deferred while the group owns it (`owner`);
@@ -283,21 +275,19 @@ impl<'buf> Group<'buf> {
                 for (c, st) in self.comms.iter().zip(states.iter_mut()) {
                     c.shared.release(st);
                 }
-                return Err(e);
+                return Err(e.into());
             }
         };
         let mut result = Ok(());
         for (c, st) in self.comms.iter().zip(states.iter_mut()) {
-            let settled = match r {
-                ncclResult_t::ncclSuccess => Ok(()),
-                ncclResult_t::ncclInProgress => {
-                    c.shared.wait_ready(st, "group end", c.shared.timeout)
-                }
-                other => Err(nccl_error(
+            let settled = match NcclCode::check(r) {
+                Ok(()) => Ok(()),
+                Err(NcclCode::InProgress) => c.shared.wait_ready(st, "group end", c.shared.timeout),
+                Err(code) => Err(nccl_error(
                     &c.shared.nccl,
                     &c.shared.who,
                     "ncclGroupEnd",
-                    other,
+                    code,
                     Some(st.comm),
                 )),
             };

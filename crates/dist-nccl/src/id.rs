@@ -1,8 +1,8 @@
 //! `UniqueId`: the 128 bytes that let the ranks of a communicator find each other.
 
-use dist_nccl_sys::{Library as Nccl, ncclResult_t, ncclUniqueId};
+use dist_nccl_sys::{Library as Nccl, ncclUniqueId};
 
-use crate::error::{NcclError, Result};
+use crate::error::{NcclCode, NcclError, Result};
 use crate::shared::nccl_error;
 
 /// The 128 opaque bytes that let ranks find each other. Rank 0 makes one and every rank passes
@@ -24,19 +24,12 @@ impl std::fmt::Debug for UniqueId {
 impl UniqueId {
     /// A fresh id from `ncclGetUniqueId` (works without a GPU).
     pub fn new(nccl: &Nccl) -> Result<UniqueId> {
-        let f = nccl.get("ncclGetUniqueId", &nccl.raw().ncclGetUniqueId)?;
+        const OP: &str = "ncclGetUniqueId";
+        let f = dist_nccl_sys::nccl_fn!(nccl, ncclGetUniqueId)?;
         let mut raw = ncclUniqueId::default();
         // SAFETY: the pointer is valid for one ncclUniqueId, which NCCL fills.
         let r = unsafe { f(&mut raw) };
-        if r != ncclResult_t::ncclSuccess {
-            return Err(nccl_error(
-                nccl,
-                "ncclGetUniqueId",
-                "ncclGetUniqueId",
-                r,
-                None,
-            ));
-        }
+        NcclCode::check(r).map_err(|code| nccl_error(nccl, OP, OP, code, None))?;
         Ok(UniqueId(bytemuck::cast(raw.internal)))
     }
 

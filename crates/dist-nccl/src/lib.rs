@@ -64,7 +64,7 @@ mod watchdog;
 pub use communicator::{AbortHandle, Communicator};
 pub use config::CommConfig;
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
-pub use error::{NcclError, Result};
+pub use error::{NcclCode, NcclError, Result};
 pub use group::{Group, GroupOps, group};
 pub use id::UniqueId;
 pub use ops::Ops;

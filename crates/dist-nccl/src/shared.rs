@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
 
-use crate::error::{NcclError, Result};
+use crate::error::{NcclCode, NcclError, Result};
 
 /// Why a communicator was aborted.
 #[derive(Clone, Debug)]
@@ -266,33 +266,31 @@ impl Shared {
     /// An NCCL call's result: success, an error naming the call, or (nonblocking) a wait for
     /// the communicator to leave `ncclInProgress`.
     pub(crate) fn settle(&self, st: &mut State, op: &str, r: ncclResult_t) -> Result<()> {
-        match r {
-            ncclResult_t::ncclSuccess => Ok(()),
-            ncclResult_t::ncclInProgress => self.wait_ready(st, op, self.timeout),
-            other => Err(nccl_error(&self.nccl, &self.who, op, other, Some(st.comm))),
+        match NcclCode::check(r) {
+            Ok(()) => Ok(()),
+            Err(NcclCode::InProgress) => self.wait_ready(st, op, self.timeout),
+            Err(code) => Err(nccl_error(&self.nccl, &self.who, op, code, Some(st.comm))),
         }
     }
 
     /// Polls `ncclCommGetAsyncError`, with the lock held (no other call may run meanwhile),
     /// until the communicator is no longer in progress; aborts it at `limit`.
     pub(crate) fn wait_ready(&self, st: &mut State, op: &str, limit: Duration) -> Result<()> {
-        let get = self.nccl.get(
-            "ncclCommGetAsyncError",
-            &self.nccl.raw().ncclCommGetAsyncError,
-        )?;
+        let get = dist_nccl_sys::nccl_fn!(&self.nccl, ncclCommGetAsyncError)?;
         let started = Instant::now();
         loop {
             let mut state = ncclResult_t::ncclInProgress;
             // SAFETY: the communicator is live (callers checked `aborted` under this lock, and
             // only `abort_locked`, under the lock, ends it); the pointer is valid for one result.
             let r = unsafe { get(st.comm, &mut state) };
-            if r != ncclResult_t::ncclSuccess {
-                return Err(nccl_error(&self.nccl, &self.who, op, r, Some(st.comm)));
+            let fail = |code| Err(nccl_error(&self.nccl, &self.who, op, code, Some(st.comm)));
+            if let Err(code) = NcclCode::check(r) {
+                return fail(code);
             }
-            match state {
-                ncclResult_t::ncclSuccess => return Ok(()),
-                ncclResult_t::ncclInProgress => {}
-                other => return Err(nccl_error(&self.nccl, &self.who, op, other, Some(st.comm))),
+            match NcclCode::check(state) {
+                Ok(()) => return Ok(()),
+                Err(NcclCode::InProgress) => {}
+                Err(code) => return fail(code),
             }
             if started.elapsed() > limit {
                 let why = Abort::Timeout {
@@ -328,10 +326,7 @@ impl Shared {
             &self.nccl,
             std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
         );
-        if let Ok(f) = self
-            .nccl
-            .get("ncclCommAbort", &self.nccl.raw().ncclCommAbort)
-        {
+        if let Ok(f) = dist_nccl_sys::nccl_fn!(&self.nccl, ncclCommAbort) {
             // SAFETY: the communicator is live (`aborted` is None); we hold its lock, so no other
             // thread is inside an NCCL call on it, and no group is open over it (`owner` is
             // None). After this the handle is never used again: `aborted` is set below, under
@@ -348,30 +343,19 @@ impl Shared {
     }
 }
 
-/// The function NCCL exports as `name`: a field of the table loaded once, so no lookup per
-/// call; a missing one is the loader's error naming it and the version it needs.
-pub(crate) fn sym<'n, F>(
-    nccl: &'n Nccl,
-    name: &'static str,
-    field: &'n std::result::Result<F, libloading::Error>,
-) -> Result<&'n F> {
-    field
-        .as_ref()
-        .or_else(|_| nccl.get(name, field).map_err(NcclError::from))
-}
-
-pub(crate) fn error_text(nccl: &Nccl, r: ncclResult_t) -> String {
-    match nccl.get("ncclGetErrorString", &nccl.raw().ncclGetErrorString) {
+/// `ncclGetErrorString` of `code` (its meaning where the library lacks the function).
+pub(crate) fn error_text(nccl: &Nccl, code: NcclCode) -> String {
+    match dist_nccl_sys::nccl_fn!(nccl, ncclGetErrorString) {
         // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any code.
-        Ok(f) => unsafe { CStr::from_ptr(f(r)) }
+        Ok(f) => unsafe { CStr::from_ptr(f(code.result())) }
             .to_string_lossy()
             .into_owned(),
-        Err(_) => format!("code {}", r.0),
+        Err(_) => code.meaning().into(),
     }
 }
 
 fn last_error(nccl: &Nccl, comm: Option<ncclComm_t>) -> String {
-    match nccl.get("ncclGetLastError", &nccl.raw().ncclGetLastError) {
+    match dist_nccl_sys::nccl_fn!(nccl, ncclGetLastError) {
         Ok(f) => {
             // SAFETY: ncclGetLastError takes a communicator or null and returns a C string
             // owned by NCCL (possibly empty), valid until the next NCCL call on this thread;
@@ -389,18 +373,19 @@ fn last_error(nccl: &Nccl, comm: Option<ncclComm_t>) -> String {
     }
 }
 
+/// The error for `code`, returned by `op` (on `comm`, where given, whose lock the caller holds).
 pub(crate) fn nccl_error(
     nccl: &Nccl,
     who: &str,
     op: &str,
-    r: ncclResult_t,
+    code: NcclCode,
     comm: Option<ncclComm_t>,
 ) -> NcclError {
     NcclError::Nccl {
         comm: who.to_string(),
         op: op.to_string(),
-        code: r.0,
-        text: error_text(nccl, r),
+        code,
+        text: error_text(nccl, code),
         last: last_error(nccl, comm),
     }
 }

@@ -23,12 +23,12 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
-use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclConfig_t, ncclResult_t};
+use dist_nccl_sys::{Library as Nccl, nccl_fn, ncclComm_t, ncclConfig_t, ncclResult_t};
 
 use crate::communicator::Communicator;
 use crate::config::{CommConfig, config};
 use crate::connect::connect_peers;
-use crate::error::{NcclError, Result};
+use crate::error::{NcclCode, NcclError, Result};
 use crate::shared::{Abort, cuda, nccl_error};
 
 impl Communicator {
@@ -104,8 +104,8 @@ impl Communicator {
             e
         };
         let (count, user_rank) = (
-            nccl.get("ncclCommCount", &nccl.raw().ncclCommCount),
-            nccl.get("ncclCommUserRank", &nccl.raw().ncclCommUserRank),
+            nccl_fn!(&nccl, ncclCommCount),
+            nccl_fn!(&nccl, ncclCommUserRank),
         );
         let (count, user_rank) = match (count, user_rank) {
             (Ok(a), Ok(b)) => (a, b),
@@ -115,8 +115,8 @@ impl Communicator {
         // SAFETY: `nb` is a ready communicator used by this thread alone; the pointers are
         // valid for one int each.
         let (a, b) = unsafe { (count(nb, &mut n), user_rank(nb, &mut r)) };
-        if let Some(bad) = [a, b].into_iter().find(|x| *x != ncclResult_t::ncclSuccess) {
-            let e = nccl_error(&nccl, &who, "query the communicator", bad, Some(nb));
+        if let Err(code) = NcclCode::check(a).and(NcclCode::check(b)) {
+            let e = nccl_error(&nccl, &who, "query the communicator", code, Some(nb));
             return Err(fail(e, std::ptr::null_mut()));
         }
         let who = format!("{} rank {r}/{n} on cuda:{}", who.trim_end(), ctx.ordinal());
@@ -176,16 +176,14 @@ impl Communicator {
 
 /// One poll of `ncclCommGetAsyncError`: `Ok(true)` ready, `Ok(false)` in progress.
 pub(crate) fn ready(nccl: &Nccl, comm: ncclComm_t, who: &str, op: &str) -> Result<bool> {
-    let get = nccl.get("ncclCommGetAsyncError", &nccl.raw().ncclCommGetAsyncError)?;
+    let get = nccl_fn!(nccl, ncclCommGetAsyncError)?;
     let mut state = ncclResult_t::ncclInProgress;
     // SAFETY: `comm` is a live handle the caller uses alone (module doc); valid pointer.
     let r = unsafe { get(comm, &mut state) };
-    match (r, state) {
-        (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess) => Ok(true),
-        (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => Ok(false),
-        (ncclResult_t::ncclSuccess, bad) | (bad, _) => {
-            Err(nccl_error(nccl, who, op, bad, Some(comm)))
-        }
+    match NcclCode::check(r).map(|()| NcclCode::check(state)) {
+        Ok(Ok(())) => Ok(true),
+        Ok(Err(NcclCode::InProgress)) => Ok(false),
+        Ok(Err(code)) | Err(code) => Err(nccl_error(nccl, who, op, code, Some(comm))),
     }
 }
 
@@ -194,7 +192,7 @@ pub(crate) fn abort_handle(nccl: &Nccl, comm: ncclComm_t) {
     if comm.is_null() {
         return;
     }
-    if let Ok(f) = nccl.get("ncclCommAbort", &nccl.raw().ncclCommAbort) {
+    if let Ok(f) = nccl_fn!(nccl, ncclCommAbort) {
         // SAFETY: live handle, used by this thread alone (no thread inside a call on it), and
         // never used again (the caller's contract).
         let _ = unsafe { f(comm) };
@@ -244,9 +242,7 @@ pub(crate) fn split_handle(
     limit: Duration,
 ) -> std::result::Result<ncclComm_t, (NcclError, bool)> {
     const OP: &str = "split";
-    let f = nccl
-        .get("ncclCommSplit", &nccl.raw().ncclCommSplit)
-        .map_err(|e| (e.into(), false))?;
+    let f = nccl_fn!(nccl, ncclCommSplit).map_err(|e| (e.into(), false))?;
     // NCCL writes the new handle into the slot, possibly from its own thread: the slot is an
     // atomic on the heap, read with acquire ordering, and leaked if we give up waiting, so
     // that a late write lands in memory that is still allocated.
@@ -257,8 +253,8 @@ pub(crate) fn split_handle(
     // config (and the name it points to, owned by the caller) is valid for the call, and NCCL
     // copies it.
     let r = unsafe { f(parent, color, key, slot.as_ptr(), conf) };
-    if r != ncclResult_t::ncclSuccess && r != ncclResult_t::ncclInProgress {
-        return Err((nccl_error(nccl, who, OP, r, Some(parent)), false));
+    if let Err(code) = NcclCode::check_started(r) {
+        return Err((nccl_error(nccl, who, OP, code, Some(parent)), false));
     }
     // The parent first (NCCL's thread uses it until its part of the split is done), then the
     // child's handle and its readiness.

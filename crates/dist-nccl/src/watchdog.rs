@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use dist_nccl_sys::ncclResult_t;
 
+use crate::error::NcclCode;
 use crate::shared::{Abort, Shared, nccl_error};
 
 /// How often the watchdog looks at a communicator.
@@ -74,23 +75,17 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
         if st.owner.is_some() {
             continue;
         }
-        if let Ok(get) = shared.nccl.get(
-            "ncclCommGetAsyncError",
-            &shared.nccl.raw().ncclCommGetAsyncError,
-        ) {
+        if let Ok(get) = dist_nccl_sys::nccl_fn!(&shared.nccl, ncclCommGetAsyncError) {
             let mut state = ncclResult_t::ncclSuccess;
             // SAFETY: the communicator is live (`aborted` is None) and we hold its lock, so no
             // other thread is inside NCCL on it and no group is open over it; valid pointer.
             let r = unsafe { get(st.comm, &mut state) };
-            if let Some(bad) = [r, state]
-                .into_iter()
-                .find(|x| *x != ncclResult_t::ncclSuccess && *x != ncclResult_t::ncclInProgress)
-            {
+            if let Err(code) = NcclCode::check_started(r).and(NcclCode::check_started(state)) {
                 let e = nccl_error(
                     &shared.nccl,
                     &shared.who,
                     "asynchronous error",
-                    bad,
+                    code,
                     Some(st.comm),
                 );
                 shared.abort_locked(&mut st, Abort::Error(e.to_string()));
