@@ -19,6 +19,10 @@ pub struct Args {
     /// Seconds the whole run may take before every rank is killed.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
+    /// Milliseconds every rank stays idle after forming, measuring the CPU time it uses
+    /// meanwhile (the barrier's time then includes this idle time).
+    #[arg(long, default_value_t = 0)]
+    pub idle_ms: u64,
 }
 
 /// How often the supervisor looks at its children (exits, thread counts).
@@ -33,6 +37,7 @@ struct RankResult {
     large: u128,
     hwm_kib: u64,
     threads: u64,
+    idle_cpu_ms: u64,
 }
 
 /// Parses the example's `scale-result k=v …` line.
@@ -48,6 +53,7 @@ fn parse_result(out: &str) -> Option<RankResult> {
             "large" => r.large = v.parse().ok()?,
             "hwm_kib" => r.hwm_kib = v.parse().ok()?,
             "threads" => r.threads = v.parse().ok()?,
+            "idle_cpu_ms" => r.idle_cpu_ms = v.parse().ok()?,
             _ => {}
         }
     }
@@ -215,6 +221,7 @@ pub fn run(args: &Args) -> Result<()> {
         let out = File::create(ranks.out(rank)).context("create a rank's output file")?;
         let err = File::create(ranks.err(rank)).context("create a rank's output file")?;
         let child = Command::new(&program)
+            .args(["--idle-ms", &args.idle_ms.to_string()])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -315,6 +322,19 @@ pub fn run(args: &Args) -> Result<()> {
         }
     }
     print_table(n, spawned, total, start_ns, &results, &seen_threads);
+    if args.idle_ms > 0 {
+        let mut cpu: Vec<u64> = results.iter().map(|r| r.idle_cpu_ms).collect();
+        let max = cpu.iter().copied().max().unwrap_or(0);
+        let per_s = |ms: u64| ms as f64 * 1000.0 / args.idle_ms as f64;
+        println!(
+            "CPU while idle for {} ms, ms per second per rank: max {:.1}, median {:.1}, all \
+             ranks {:.0}",
+            args.idle_ms,
+            per_s(max),
+            per_s(median(&mut cpu)),
+            per_s(cpu.iter().sum())
+        );
+    }
     Ok(())
 }
 
@@ -394,7 +414,7 @@ mod tests {
     fn parses_a_result_line() {
         let r = parse_result(
             "noise\nscale-result rank=3 formed=10 barrier=20 small=30 large=40 hwm_kib=5000 \
-             threads=9\n",
+             threads=9 idle_cpu_ms=7\n",
         );
         assert_eq!(
             r,
@@ -404,7 +424,8 @@ mod tests {
                 small: 30,
                 large: 40,
                 hwm_kib: 5000,
-                threads: 9
+                threads: 9,
+                idle_cpu_ms: 7,
             })
         );
         assert_eq!(parse_result("scale-result formed=x"), None);

@@ -2,7 +2,8 @@
 //! an 8 B all_reduce and a 1 MiB all_reduce (each result checked), and prints one line with the
 //! wall-clock time (ns since the Unix epoch) at which each phase ended on this rank, its peak
 //! resident memory and the most threads it was seen to have (and, as it goes, a `scale-phase`
-//! line as each phase ends). Exits 1 with the error otherwise.
+//! line as each phase ends). With `--idle-ms N` it stays idle for N ms after forming (before the
+//! barrier, so that phase then includes the idle time) and reports the CPU time it used meanwhile. Exits 1 with the error otherwise.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -33,11 +34,46 @@ fn ended(phase: &str) -> u128 {
     now_ns()
 }
 
+/// CPU time this process has used, all its threads, in ms (`/proc/self/stat`'s utime and stime,
+/// in Linux's fixed 100 ticks a second), or 0 where it cannot be read.
+fn cpu_ms() -> u64 {
+    let text = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command name (which may hold spaces) end with ')'.
+    let Some((_, rest)) = text.rsplit_once(')') else {
+        return 0;
+    };
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    f.iter().sum::<u64>() * 10
+}
+
+/// `--idle-ms N` on the command line: how long to stay idle after forming, 0 if not given.
+fn idle_ms() -> Result<u64, String> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == "--idle-ms") {
+        None => Ok(0),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| "--idle-ms takes a whole number of milliseconds".to_string()),
+    }
+}
+
 fn run() -> Result<String, String> {
+    let idle = idle_ms()?;
     let mut threads = status("Threads");
     let b = TcpBackend::from_env().map_err(|e| format!("formation: {e}"))?;
     let formed = ended("formation");
     threads = threads.max(status("Threads"));
+
+    // Idle: what the backend costs while the program does nothing (its threads' CPU time).
+    let before = cpu_ms();
+    std::thread::sleep(std::time::Duration::from_millis(idle));
+    let idle_cpu = cpu_ms().saturating_sub(before);
     let (me, n) = (b.rank(), b.world_size());
 
     b.barrier().map_err(|e| format!("barrier: {e}"))?;
@@ -73,7 +109,7 @@ fn run() -> Result<String, String> {
 
     Ok(format!(
         "scale-result rank={me} formed={formed} barrier={barrier} small={small_done} \
-         large={large_done} hwm_kib={} threads={threads}",
+         large={large_done} hwm_kib={} threads={threads} idle_cpu_ms={idle_cpu}",
         status("VmHWM")
     ))
 }
