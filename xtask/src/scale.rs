@@ -27,6 +27,8 @@ pub struct Args {
 
 /// How often the supervisor looks at its children (exits, thread counts).
 const POLL: Duration = Duration::from_millis(20);
+/// How long the other ranks may run on after a rank fails, before every one is killed.
+const FAIL_GRACE: Duration = Duration::from_secs(2);
 
 /// What one rank printed: the end of each phase (ns since the epoch) and its own figures.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -129,8 +131,8 @@ impl Ranks {
         parts.join("; ")
     }
 
-    /// The last lines of the error output of the first few of `ranks` that wrote any, for a
-    /// failure report, and which ones wrote none.
+    /// The last lines of the error output of the first few of `ranks` (in their order) that
+    /// wrote any, for a failure report, and which ones wrote none.
     fn report(&self, ranks: &[usize]) -> String {
         let mut s = String::new();
         let (mut shown, mut quiet) = (0, Vec::new());
@@ -144,6 +146,7 @@ impl Ranks {
             }
         }
         if !quiet.is_empty() {
+            quiet.sort_unstable();
             s.push_str(&format!(
                 "\n(nothing on stderr from ranks {})",
                 ranges(&quiet)
@@ -242,8 +245,9 @@ pub fn run(args: &Args) -> Result<()> {
     // Supervise: exits, and each rank's thread count while it runs.
     let mut seen_threads = vec![0u64; n];
     let mut last_exit = start;
+    let (mut failed, mut first_failure) = (Vec::new(), None);
     loop {
-        let (mut running, mut failed) = (Vec::new(), Vec::new());
+        let mut running = Vec::new();
         for (rank, (slot, seen)) in ranks
             .children
             .iter_mut()
@@ -261,6 +265,7 @@ pub fn run(args: &Args) -> Result<()> {
                 Ok(Some(status)) => {
                     *slot = None;
                     failed.push((rank, status));
+                    first_failure.get_or_insert_with(Instant::now);
                 }
                 Ok(None) => {
                     running.push(rank);
@@ -271,11 +276,18 @@ pub fn run(args: &Args) -> Result<()> {
                 Err(e) => bail!("rank {rank}: cannot wait for it: {e}; every rank killed"),
             }
         }
-        if !failed.is_empty() {
-            // Grouped by how they ended; those killed by a signal first (likely the cause).
-            failed.sort_by_key(|&(r, st)| (st.code().is_some(), r));
+        // After a failure the others get a moment to fail on their own, so that the report
+        // holds the rank whose error came first (a rank that fails tears its connections down
+        // before it exits, and its peers may exit before it).
+        if first_failure.is_some_and(|t| running.is_empty() || t.elapsed() > FAIL_GRACE) {
+            // Reported in the order they were seen to fail, those killed by a signal first
+            // (likely the cause); listed grouped by how they ended.
+            failed.sort_by_key(|&(_, st): &(usize, std::process::ExitStatus)| st.code().is_some());
+            let which: Vec<usize> = failed.iter().map(|&(r, _)| r).collect();
+            let mut by_rank = failed.clone();
+            by_rank.sort_by_key(|&(r, _)| r);
             let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-            for (r, st) in &failed {
+            for (r, st) in &by_rank {
                 let how = st.to_string();
                 match groups.iter_mut().find(|(g, _)| *g == how) {
                     Some((_, v)) => v.push(*r),
@@ -286,11 +298,11 @@ pub fn run(args: &Args) -> Result<()> {
                 .iter()
                 .map(|(g, v)| format!("{g}: ranks {}", ranges(v)))
                 .collect();
-            let which: Vec<usize> = failed.iter().map(|&(r, _)| r).collect();
             bail!(
-                "ranks failed after {:.1?} ({}); every rank killed{}",
+                "ranks failed after {:.1?} ({}); {} ranks still running killed{}",
                 start.elapsed(),
                 each.join("; "),
+                running.len(),
                 ranks.report(&which)
             );
         }
