@@ -7,6 +7,7 @@
 mod bindgen;
 mod bundle;
 mod multirank;
+mod scale;
 #[cfg(test)]
 mod tidy;
 mod trace;
@@ -52,6 +53,9 @@ enum Cmd {
     },
     /// Where each rank was when a job failed, from the flight records in DIST_TRACE_DIR.
     Trace(trace::Args),
+    /// Start N ranks on this host (form, barrier, 8 B and 1 MiB all_reduce) and print each
+    /// phase's wall time and the ranks' peak memory and threads.
+    Scale(scale::Args),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
@@ -173,6 +177,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
+        Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
