@@ -2,7 +2,7 @@
 //! deadline), splits, synchronizes, aborts and is dropped (within its timeout).
 
 use std::ffi::CString;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,9 @@ pub struct Communicator {
     pub(crate) size: usize,
     device: usize,
     pub(crate) ctx: Arc<CudaContext>,
-    sync_event: CudaEvent,
+    /// The event a `synchronize` waits on; a second concurrent one makes its own (an event
+    /// re-recorded by another thread would let a wait end early).
+    sync_event: Mutex<CudaEvent>,
     watchdog: Option<JoinHandle<()>>,
     /// The name NCCL was given (kept alive for as long as the communicator).
     _name: Option<CString>,
@@ -158,6 +160,7 @@ impl Communicator {
         cfg: &CommConfig,
     ) -> Result<Communicator> {
         let shared = Arc::new(Shared::new(nccl, comm, who.clone(), cfg.timeout, stream));
+        shared.deadline.register(&shared);
         {
             let mut st = shared.lock();
             st.nb = nb.unwrap_or(std::ptr::null_mut());
@@ -194,7 +197,7 @@ impl Communicator {
             size,
             device: ctx.ordinal(),
             ctx,
-            sync_event,
+            sync_event: Mutex::new(sync_event),
             watchdog: Some(watchdog),
             _name: name,
         })
@@ -343,7 +346,19 @@ impl Communicator {
         if let Some(why) = self.shared.doomed.get() {
             return Err(self.shared.aborted_error("synchronize", why));
         }
-        self.sync_event
+        let fresh;
+        let held = self.sync_event.try_lock().ok();
+        let event: &CudaEvent = match &held {
+            Some(own) => own,
+            None => {
+                fresh = self
+                    .ctx
+                    .new_event(None)
+                    .map_err(cuda(&self.shared.who, "create an event"))?;
+                &fresh
+            }
+        };
+        event
             .record(stream)
             .map_err(cuda(&self.shared.who, "record an event"))?;
         let started = Instant::now();
@@ -352,7 +367,10 @@ impl Communicator {
             if let Some(why) = self.shared.doomed.get() {
                 return Err(self.shared.aborted_error("synchronize", why));
             }
-            if self.sync_event.is_complete() {
+            if event
+                .try_is_complete()
+                .map_err(cuda(&self.shared.who, "query an event"))?
+            {
                 return Ok(());
             }
             // try_lock: a call another thread has inside NCCL must not hold this wait past its
@@ -416,12 +434,13 @@ impl Communicator {
             .iter()
             .map(|u| u.stream.clone())
             .collect();
+        let event = self.sync_event.lock().unwrap_or_else(|p| p.into_inner());
         for s in &streams {
-            if self.sync_event.record(s).is_err() {
+            if event.record(s).is_err() {
                 return false;
             }
             loop {
-                if self.sync_event.is_complete() {
+                if event.is_complete() {
                     break;
                 }
                 if Instant::now() > deadline {
@@ -482,6 +501,12 @@ impl Drop for Communicator {
                 comm = %self.shared.who,
                 "dropped inside another communicator's group; leaking it instead of calling NCCL"
             );
+            return;
+        }
+        // An abort decided meanwhile (asked for while a call held the lock, or by the deadline
+        // thread) is applied now rather than after draining work it has given up on.
+        if let Some(why) = self.shared.doomed.get().cloned() {
+            self.shared.abort_waiting(why);
             return;
         }
         let limit = self.shared.timeout.min(Duration::from_secs(30));

@@ -300,10 +300,15 @@ impl<'buf> Group<'buf> {
                 result = settled;
             }
         }
-        self.guards.borrow_mut().clear();
+        // The buffers' guards record cudarc's events (CUDA calls): after the locks are released,
+        // never under them (a CUDA call can block behind another communicator's abort, which
+        // may need this one's: `deadline.rs`).
+        let guards = std::mem::take(&mut *self.guards.borrow_mut());
         for (c, st) in self.comms.iter().zip(states.iter_mut()) {
             c.shared.release(st);
         }
+        drop(states);
+        drop(guards);
         result
     }
 }

@@ -52,6 +52,7 @@ mod calls;
 mod communicator;
 mod config;
 mod connect;
+mod deadline;
 mod error;
 mod group;
 mod id;

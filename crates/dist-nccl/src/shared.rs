@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
 
+use crate::deadline::Deadline;
 use crate::error::{NcclCode, NcclError, Result};
 
 /// Why a communicator was aborted.
@@ -103,6 +104,9 @@ pub(crate) struct Shared {
     /// and synchronizes refuse from then on, without waiting for the abort (which takes NCCL
     /// about a second) to finish under the lock.
     pub(crate) doomed: OnceLock<Abort>,
+    /// The pending-work clock the watchdog arms and the deadline thread reads
+    /// (`deadline.rs`).
+    pub(crate) deadline: Arc<Deadline>,
 }
 
 impl Shared {
@@ -138,6 +142,7 @@ impl Shared {
             requested: Mutex::new(None),
             requested_any: AtomicBool::new(false),
             doomed: OnceLock::new(),
+            deadline: Deadline::new(timeout),
         }
     }
 
@@ -162,6 +167,15 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Aborts, waiting for a thread inside NCCL on the communicator to return first (never
+    /// aborting under it); for a thread of its own (the deadline thread's), which may wait.
+    pub(crate) fn abort_waiting(&self, why: Abort) {
+        let _ = self.doomed.set(why.clone());
+        let mut st = self.lock();
+        self.apply_requested(&mut st);
+        self.abort_locked(&mut st, why);
     }
 
     /// Applies an abort asked for while the lock was held (see `request_abort`).

@@ -1,6 +1,8 @@
 //! The watchdog thread of a communicator: it aborts the communicator when NCCL reports an
-//! asynchronous error, or when work enqueued on any stream the communicator used stops
-//! completing for the whole timeout, so a dead peer never hangs the process.
+//! asynchronous error, and it marks the work enqueued on every stream the communicator used and
+//! arms the communicator's [`Deadline`](crate::deadline::Deadline) while a mark is pending; the
+//! deadline thread aborts when work stops completing for the whole timeout (`deadline.rs` says
+//! why the decision is not made here), so a dead peer never hangs the process.
 //!
 //! It never aborts under a thread that is inside NCCL: it takes the communicator's lock first,
 //! and every NCCL call on the communicator runs with that lock held (see `shared.rs`). It
@@ -107,23 +109,26 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
             .collect();
         let last_op = st.last_op;
         drop(st);
-        if let Some(why) = check_streams(&mut watched, &streams, ctx, shared, last_op) {
-            // Aborts now if no call is inside NCCL, else when the lock is next taken (by this
-            // loop, the call's own thread or another caller).
-            shared.request_abort(why);
+        match check_streams(&mut watched, &streams, ctx, &shared.who) {
+            Ok(oldest) => shared.deadline.set(oldest, last_op),
+            Err(why) => {
+                // Aborts now if no call is inside NCCL, else when the lock is next taken (by
+                // this loop, the call's own thread or another caller).
+                shared.request_abort(why);
+            }
         }
     }
 }
 
-/// Marks the new work on each stream and looks at the marks: the timeout that expired, if any.
-/// Called without the communicator's lock (it makes CUDA calls, which can block).
+/// Marks the new work on each stream and looks at the marks: when the oldest pending one was
+/// recorded (`None`: none is), or the CUDA error that makes the communicator unusable. Called
+/// without the communicator's lock (it makes CUDA calls, which can block).
 fn check_streams(
     watched: &mut Vec<Watched>,
     streams: &[(Arc<CudaStream>, u64)],
     ctx: &Arc<CudaContext>,
-    shared: &Shared,
-    last_op: &str,
-) -> Option<Abort> {
+    who: &str,
+) -> Result<Option<Instant>, Abort> {
     for (i, (stream, enqueued)) in streams.iter().enumerate() {
         if i >= watched.len() {
             match ctx.new_event(None) {
@@ -134,30 +139,35 @@ fn check_streams(
                     pending: None,
                 }),
                 Err(e) => {
-                    tracing::error!(comm = %shared.who, error = %e, "watchdog cannot create an event");
-                    return None;
+                    tracing::error!(comm = %who, error = %e, "watchdog cannot create an event");
+                    break;
                 }
             }
         }
         let w = &mut watched[i];
-        match w.pending {
-            Some(_) if w.marker.is_complete() => w.pending = None,
-            Some(at) if at.elapsed() > shared.timeout => {
-                return Some(Abort::Timeout {
-                    op: last_op.to_string(),
-                    waited: at.elapsed(),
-                });
+        if w.pending.is_some() {
+            match w.marker.try_is_complete() {
+                Ok(true) => w.pending = None,
+                Ok(false) => {}
+                Err(e) => {
+                    return Err(Abort::Error(format!(
+                        "CUDA error while watching the communicator's work: {e}"
+                    )));
+                }
             }
-            _ => {}
         }
         // A mark recorded now follows at least the `enqueued` calls read under the lock (and
-        // any enqueued since, which it then waits for too).
+        // any enqueued since, which it then waits for too). Unmarked work is marked again on
+        // the next look if recording fails.
         if w.pending.is_none() && *enqueued > w.marked {
-            if w.marker.record(&w.stream).is_ok() {
-                w.pending = Some(Instant::now());
+            match w.marker.record(&w.stream) {
+                Ok(()) => {
+                    w.pending = Some(Instant::now());
+                    w.marked = *enqueued;
+                }
+                Err(e) => tracing::warn!(comm = %who, error = %e, "watchdog cannot record a mark"),
             }
-            w.marked = *enqueued;
         }
     }
-    None
+    Ok(watched.iter().filter_map(|w| w.pending).min())
 }
