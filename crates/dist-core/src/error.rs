@@ -281,10 +281,10 @@ mod tests {
                 .contains(": form the group: recv from 1 #3 timed out")
         );
         let e = DistError::Config {
-            what: "DIST_X".into(),
+            what: "port".into(),
             reason: "bad".into(),
         }
         .with_op("form the group");
-        assert_eq!(e.to_string(), "configuration error: DIST_X: bad");
+        assert_eq!(e.to_string(), "configuration error: port: bad");
     }
 }
