@@ -10,7 +10,8 @@ use dist_core::collectives::Kind;
 use dist_core::{Backend, Collectives, DistError, ReduceOp};
 use dist_tcp::TcpBackend;
 
-/// The collectives benchmarked; [`Job::time`] runs these (and fails on any other kind).
+/// The collectives benchmarked: [`Job::time`] takes these; any other kind fails the benchmark,
+/// as any error does.
 pub const KINDS: [Kind; 5] = [
     Kind::AllReduce,
     Kind::Broadcast,

@@ -1,7 +1,7 @@
 //! The descriptor of a collective call, as every message of the call carries it in its meta,
 //! and how two descriptors differ (for the mismatch errors); the collectives' kinds (the one
-//! table of their names and codes, which the perf tools, the benches and NCCL use too), and a
-//! rank's position as a heartbeat carries it.
+//! table of their names and codes, which dist-hybrid's NCCL calls, the perf tools and the
+//! benches use too), and a rank's position as a heartbeat carries it.
 
 use crate::backend::Meta;
 use crate::flight::{OpState, Position};
