@@ -6,20 +6,14 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use dist_benches::{Job, Op};
+use dist_benches::{Job, KINDS};
 
 const RANKS: usize = 4;
 const SIZES: [usize; 6] = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
 
 fn collectives(c: &mut Criterion) {
     let job = Job::new(RANKS);
-    for op in [
-        Op::AllReduce,
-        Op::Broadcast,
-        Op::AllGather,
-        Op::ReduceScatter,
-        Op::AllToAll,
-    ] {
+    for op in KINDS {
         let mut g = c.benchmark_group(format!("{}/{RANKS}ranks", op.name()));
         g.sample_size(10)
             .warm_up_time(Duration::from_millis(500))

@@ -6,39 +6,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use dist_core::{Backend, Collectives, ReduceOp};
+use dist_core::collectives::Kind;
+use dist_core::{Backend, Collectives, DistError, ReduceOp};
 use dist_tcp::TcpBackend;
 
-/// The collectives benchmarked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// `all_reduce` (sum) of the whole buffer.
-    AllReduce,
-    /// `broadcast` from rank 0.
-    Broadcast,
-    /// `all_gather`: the buffer is the output; each rank gives 1/n of it.
-    AllGather,
-    /// `reduce_scatter` (sum): the buffer is the input; each rank gets 1/n.
-    ReduceScatter,
-    /// `all_to_all` of the whole buffer.
-    AllToAll,
-}
-
-impl Op {
-    /// The benchmark's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::Broadcast => "broadcast",
-            Op::AllGather => "all_gather",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllToAll => "all_to_all",
-        }
-    }
-}
+/// The collectives benchmarked: [`Job::time`] takes these; any other kind fails the benchmark,
+/// as any error does.
+pub const KINDS: [Kind; 5] = [
+    Kind::AllReduce,
+    Kind::Broadcast,
+    Kind::AllGather,
+    Kind::ReduceScatter,
+    Kind::AllToAll,
+];
 
 struct Work {
-    op: Op,
+    op: Kind,
     bytes: usize,
     iters: u64,
 }
@@ -50,9 +33,9 @@ struct Bufs {
 }
 
 impl Bufs {
-    fn new(op: Op, bytes: usize, n: usize) -> Bufs {
+    fn new(op: Kind, bytes: usize, n: usize) -> Bufs {
         let mut count = (bytes / 4).max(1);
-        if !matches!(op, Op::AllReduce | Op::Broadcast) {
+        if !matches!(op, Kind::AllReduce | Kind::Broadcast) {
             count = (count / n).max(1) * n;
         }
         Bufs {
@@ -61,15 +44,20 @@ impl Bufs {
         }
     }
 
-    fn run(&mut self, b: &TcpBackend, op: Op) {
+    fn run(&mut self, b: &TcpBackend, op: Kind) {
         let n = b.world_size();
         let k = self.a.len() / n;
         let r = match op {
-            Op::AllReduce => b.all_reduce(&mut self.a, ReduceOp::Sum),
-            Op::Broadcast => b.broadcast(&mut self.a, 0),
-            Op::AllGather => b.all_gather(&self.a[..k], &mut self.out),
-            Op::ReduceScatter => b.reduce_scatter(&self.a, &mut self.out[..k], ReduceOp::Sum),
-            Op::AllToAll => b.all_to_all(&self.a, &mut self.out),
+            Kind::AllReduce => b.all_reduce(&mut self.a, ReduceOp::Sum),
+            Kind::Broadcast => b.broadcast(&mut self.a, 0),
+            Kind::AllGather => b.all_gather(&self.a[..k], &mut self.out),
+            Kind::ReduceScatter => b.reduce_scatter(&self.a, &mut self.out[..k], ReduceOp::Sum),
+            Kind::AllToAll => b.all_to_all(&self.a, &mut self.out),
+            other => Err(DistError::InvalidArgument {
+                rank: b.rank(),
+                op: other.name().into(),
+                reason: "not one of the benchmarked KINDS".into(),
+            }),
         };
         r.unwrap_or_else(|e| panic!("{e}"));
     }
@@ -132,7 +120,7 @@ impl Job {
 
     /// Runs `iters` calls of `op` on `bytes` on every rank; returns rank 0's time for them,
     /// from a barrier to the end of its last call.
-    pub fn time(&self, op: Op, bytes: usize, iters: u64) -> Duration {
+    pub fn time(&self, op: Kind, bytes: usize, iters: u64) -> Duration {
         for (tx, _) in &self.workers {
             tx.send(Some(Work { op, bytes, iters }))
                 .expect("worker alive");

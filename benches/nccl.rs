@@ -9,47 +9,38 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::CudaSlice;
 use dist_core::ReduceOp;
+use dist_core::collectives::Kind;
+use dist_multirank::perf::PerfOp;
 use dist_nccl::{CommConfig, Communicator, Nccl};
 
 const SIZES: [usize; 6] = [8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
 
-#[derive(Clone, Copy)]
-enum Op {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
-    SendRecv,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "nccl_all_reduce",
-            Op::AllGather => "nccl_all_gather",
-            Op::ReduceScatter => "nccl_reduce_scatter",
-            Op::Broadcast => "nccl_broadcast",
-            Op::SendRecv => "nccl_sendrecv",
-        }
-    }
-}
+/// The ops benchmarked, each named `nccl_` and its `--op` name.
+const OPS: [PerfOp; 5] = [
+    PerfOp::Collective(Kind::AllReduce),
+    PerfOp::Collective(Kind::AllGather),
+    PerfOp::Collective(Kind::ReduceScatter),
+    PerfOp::Collective(Kind::Broadcast),
+    PerfOp::SendRecv,
+];
 
 /// One group of one call per GPU.
-fn step(comms: &[Communicator], op: Op, a: &mut [CudaSlice<f32>], b: &mut [CudaSlice<f32>]) {
+fn step(comms: &[Communicator], op: PerfOp, a: &mut [CudaSlice<f32>], b: &mut [CudaSlice<f32>]) {
     let n = comms.len();
     let refs: Vec<&Communicator> = comms.iter().collect();
     dist_nccl::group(&refs, |g| {
         for (i, (c, (a, b))) in comms.iter().zip(a.iter_mut().zip(b.iter_mut())).enumerate() {
             let o = g.with(c)?;
             match op {
-                Op::AllReduce => o.all_reduce_in_place(a, ReduceOp::Sum)?,
-                Op::AllGather => o.all_gather(a, b)?,
-                Op::ReduceScatter => o.reduce_scatter(b, a, ReduceOp::Sum)?,
-                Op::Broadcast => o.broadcast(a, 0)?,
-                Op::SendRecv => {
+                PerfOp::Collective(Kind::AllReduce) => o.all_reduce_in_place(a, ReduceOp::Sum)?,
+                PerfOp::Collective(Kind::AllGather) => o.all_gather(a, b)?,
+                PerfOp::Collective(Kind::ReduceScatter) => o.reduce_scatter(b, a, ReduceOp::Sum)?,
+                PerfOp::Collective(Kind::Broadcast) => o.broadcast(a, 0)?,
+                PerfOp::SendRecv => {
                     o.send(a, (i + 1) % n)?;
                     o.recv(b, (i + n - 1) % n)?;
                 }
+                other => unreachable!("{other} is not in OPS"),
             }
         }
         Ok(())
@@ -68,14 +59,8 @@ fn nccl(c: &mut Criterion) {
     let comms =
         Communicator::init_all(nccl, &all, CommConfig::default()).unwrap_or_else(|e| panic!("{e}"));
     let n = comms.len();
-    for op in [
-        Op::AllReduce,
-        Op::AllGather,
-        Op::ReduceScatter,
-        Op::Broadcast,
-        Op::SendRecv,
-    ] {
-        let mut g = c.benchmark_group(format!("{}/{n}gpus", op.name()));
+    for op in OPS {
+        let mut g = c.benchmark_group(format!("nccl_{}/{n}gpus", op.name()));
         g.sample_size(10)
             .warm_up_time(Duration::from_millis(300))
             .measurement_time(Duration::from_secs(1));
@@ -83,7 +68,7 @@ fn nccl(c: &mut Criterion) {
             // `a`: one rank's block (k elements); `b`: k × n.
             let k = (bytes / 4 / n).max(1);
             let (small, big) = match op {
-                Op::AllGather | Op::ReduceScatter => (k, k * n),
+                PerfOp::Collective(Kind::AllGather | Kind::ReduceScatter) => (k, k * n),
                 _ => ((bytes / 4).max(1), (bytes / 4).max(1)),
             };
             let mut a: Vec<_> = comms

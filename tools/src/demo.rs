@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use dist_core::collectives::Kind;
 use dist_core::{Backend, Collectives, ReduceOp, Tag};
 use dist_tcp::TcpBackend;
 
@@ -195,7 +196,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     report(
-        "all_reduce",
+        Kind::AllReduce.name(),
         t,
         x.iter().enumerate().all(|(i, y)| *y == sum(i)),
     );
@@ -204,7 +205,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.broadcast(&mut x, n - 1).unwrap();
     report(
-        "broadcast",
+        Kind::Broadcast.name(),
         t,
         x.iter().enumerate().all(|(i, y)| *y == v(n - 1, i)),
     );
@@ -213,7 +214,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.reduce_into(&mine, &mut x, ReduceOp::Sum, 0).unwrap();
     report(
-        "reduce",
+        Kind::Reduce.name(),
         t,
         me != 0 || x.iter().enumerate().all(|(i, y)| *y == sum(i)),
     );
@@ -222,7 +223,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.all_gather(&mine, &mut all).unwrap();
     report(
-        "all_gather",
+        Kind::AllGather.name(),
         t,
         all.iter().enumerate().all(|(i, y)| *y == v(i / k, i % k)),
     );
@@ -232,7 +233,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.reduce_scatter(&full, &mut part, ReduceOp::Sum).unwrap();
     report(
-        "reduce_scatter",
+        Kind::ReduceScatter.name(),
         t,
         part.iter().enumerate().all(|(i, y)| *y == sum(me * k + i)),
     );
@@ -241,7 +242,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.all_to_all(&full, &mut out).unwrap();
     report(
-        "all_to_all",
+        Kind::AllToAll.name(),
         t,
         out.iter()
             .enumerate()
@@ -252,7 +253,7 @@ fn collectives(b: &TcpBackend) {
     let t = Instant::now();
     b.gather(&mine, (me == 0).then_some(&mut g[..]), 0).unwrap();
     report(
-        "gather",
+        Kind::Gather.name(),
         t,
         me != 0 || g.iter().enumerate().all(|(i, y)| *y == v(i / k, i % k)),
     );
@@ -263,12 +264,12 @@ fn collectives(b: &TcpBackend) {
     b.scatter((me == 0).then_some(&src[..]), &mut part, 0)
         .unwrap();
     report(
-        "scatter",
+        Kind::Scatter.name(),
         t,
         part.iter().enumerate().all(|(i, y)| *y == v(0, me * k + i)),
     );
 
     let t = Instant::now();
     b.barrier().unwrap();
-    report("barrier", t, true);
+    report(Kind::Barrier.name(), t, true);
 }

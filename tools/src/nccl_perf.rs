@@ -14,8 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use dist_core::collectives::Kind;
 use dist_core::{Backend, Collectives, DType, ReduceOp};
-use dist_multirank::{PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want};
+use dist_multirank::perf::{
+    PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want,
+};
 use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
 use dist_nccl_sys::{
     cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
@@ -38,17 +41,26 @@ fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaS
         (comm.rank() + n - 1) % n,
     );
     let r = match op {
-        PerfOp::AllReduce => comm.all_reduce_in_place(a, ReduceOp::Sum),
-        PerfOp::Broadcast => comm.broadcast(a, 0),
-        PerfOp::Reduce => comm.reduce(a, (me == 0).then_some(b), ReduceOp::Sum, 0),
+        PerfOp::Collective(Kind::AllReduce) => comm.all_reduce_in_place(a, ReduceOp::Sum),
+        PerfOp::Collective(Kind::Broadcast) => comm.broadcast(a, 0),
+        PerfOp::Collective(Kind::Reduce) => {
+            comm.reduce(a, (me == 0).then_some(b), ReduceOp::Sum, 0)
+        }
         // `a` holds this rank's k elements (see the allocation in `main`).
-        PerfOp::AllGather => comm.all_gather(a, b),
-        PerfOp::ReduceScatter => comm.reduce_scatter(a, b, ReduceOp::Sum),
-        PerfOp::AllToAll => comm.all_to_all(a, b),
+        PerfOp::Collective(Kind::AllGather) => comm.all_gather(a, b),
+        PerfOp::Collective(Kind::ReduceScatter) => comm.reduce_scatter(a, b, ReduceOp::Sum),
+        PerfOp::Collective(Kind::AllToAll) => comm.all_to_all(a, b),
         PerfOp::SendRecv => comm.group(|g| {
             g.send(a, right)?;
             g.recv(b, left)
         }),
+        PerfOp::Collective(other) => {
+            unreachable!(
+                "PerfOpts::parse takes only {}, not {}",
+                PerfOp::names(),
+                other.name()
+            )
+        }
     };
     r.unwrap_or_else(|e| panic!("{e}"));
 }
@@ -110,7 +122,7 @@ fn main() -> ExitCode {
         .then(|| Bare::new(&tcp, &nccl, &ctx, &id[128..], o.max, o.op));
     if me == 0 {
         perf_header(&format!(
-            "dist-nccl {:?}, {n} ranks (one process per GPU), NCCL {} from {}{}",
+            "dist-nccl {}, {n} ranks (one process per GPU), NCCL {} from {}{}",
             o.op,
             dist_nccl_sys::version_string(nccl.version()),
             nccl.path(),
@@ -126,11 +138,11 @@ fn main() -> ExitCode {
         let k = count / n;
         let host: Vec<f32> = (0..count).map(|i| perf_input(me, i) as f32).collect();
         let (mut a, mut b) = match o.op {
-            PerfOp::AllGather => (
+            PerfOp::Collective(Kind::AllGather) => (
                 s.clone_htod(&host[..k]).unwrap(),
                 s.alloc_zeros::<f32>(count).unwrap(),
             ),
-            PerfOp::ReduceScatter => (
+            PerfOp::Collective(Kind::ReduceScatter) => (
                 s.clone_htod(&host).unwrap(),
                 s.alloc_zeros::<f32>(k).unwrap(),
             ),
@@ -144,9 +156,9 @@ fn main() -> ExitCode {
             comm.synchronize().unwrap();
             let (ga, gb) = (s.clone_dtoh(&a).unwrap(), s.clone_dtoh(&b).unwrap());
             let got: &[f32] = match o.op {
-                PerfOp::AllReduce | PerfOp::Broadcast => &ga,
-                PerfOp::Reduce if me == 0 => &gb,
-                PerfOp::Reduce => &[],
+                PerfOp::Collective(Kind::AllReduce | Kind::Broadcast) => &ga,
+                PerfOp::Collective(Kind::Reduce) if me == 0 => &gb,
+                PerfOp::Collective(Kind::Reduce) => &[],
                 _ => &gb,
             };
             let bad = got
@@ -156,7 +168,7 @@ fn main() -> ExitCode {
                 .count();
             // Restore the inputs the in-place ops overwrote.
             s.memcpy_htod(
-                if matches!(o.op, PerfOp::AllGather) {
+                if o.op == PerfOp::Collective(Kind::AllGather) {
                     &host[..k]
                 } else {
                     &host[..]
@@ -193,7 +205,7 @@ fn main() -> ExitCode {
             if me == 0 {
                 let (md, mr) = (median(&mut d), median(&mut r));
                 println!(
-                    "# per-call {:?} {} B: dist {d:.2?} us, bare {r:.2?} us; medians {md:.2} vs \
+                    "# per-call {} {} B: dist {d:.2?} us, bare {r:.2?} us; medians {md:.2} vs \
                      {mr:.2} us: dist {:+.2} us per call",
                     o.op,
                     count * 4,
@@ -266,13 +278,11 @@ impl Bare {
         assert!(
             matches!(
                 op,
-                PerfOp::AllReduce
-                    | PerfOp::AllGather
-                    | PerfOp::ReduceScatter
-                    | PerfOp::Broadcast
-                    | PerfOp::SendRecv
+                PerfOp::Collective(
+                    Kind::AllReduce | Kind::AllGather | Kind::ReduceScatter | Kind::Broadcast
+                ) | PerfOp::SendRecv
             ),
-            "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, not {op:?}"
+            "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, not {op}"
         );
         let (me, n) = (tcp.rank(), tcp.world_size());
         let init = nccl
@@ -338,10 +348,16 @@ impl Bare {
             // for `count` elements and `count` × n (sizes from `new`); the communicator is live.
             let r = unsafe {
                 match op {
-                    PerfOp::AllReduce => all_reduce(pa, pa, count, f32t, sum, comm, cu),
-                    PerfOp::AllGather => all_gather(pa, pb, k, f32t, comm, cu),
-                    PerfOp::ReduceScatter => reduce_scatter(pa, pb, k, f32t, sum, comm, cu),
-                    PerfOp::Broadcast => broadcast(pa, pa, count, f32t, 0, comm, cu),
+                    PerfOp::Collective(Kind::AllReduce) => {
+                        all_reduce(pa, pa, count, f32t, sum, comm, cu)
+                    }
+                    PerfOp::Collective(Kind::AllGather) => all_gather(pa, pb, k, f32t, comm, cu),
+                    PerfOp::Collective(Kind::ReduceScatter) => {
+                        reduce_scatter(pa, pb, k, f32t, sum, comm, cu)
+                    }
+                    PerfOp::Collective(Kind::Broadcast) => {
+                        broadcast(pa, pa, count, f32t, 0, comm, cu)
+                    }
                     _ => {
                         start();
                         send(pa, count, f32t, right, comm, cu);
@@ -350,7 +366,7 @@ impl Bare {
                     }
                 }
             };
-            assert_eq!(r, ncclResult_t::ncclSuccess, "bare {op:?}");
+            assert_eq!(r, ncclResult_t::ncclSuccess, "bare {op}");
         };
         let stream = &self.stream;
         let secs = timed(tcp, iters, warmup, call, || stream.synchronize().unwrap());

@@ -11,8 +11,11 @@
 
 use std::time::Instant;
 
-use dist_core::{Backend, Collectives, DType, Element, ReduceOp, Tag, Transport};
-use dist_multirank::{PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want};
+use dist_core::collectives::Kind;
+use dist_core::{Backend, Collectives, DType, DistError, Element, ReduceOp, Tag, Transport};
+use dist_multirank::perf::{
+    PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want,
+};
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
 
@@ -32,12 +35,14 @@ fn one_size<T: Element>(b: &TcpBackend, o: &PerfOpts, size: usize) {
     let (right, left) = ((me + 1) % n, (me + n - 1) % n);
     let call = |a: &mut Vec<T>, out: &mut Vec<T>| -> Result<(), dist_core::DistError> {
         match o.op {
-            PerfOp::AllReduce => b.all_reduce(a, ReduceOp::Sum),
-            PerfOp::Broadcast => b.broadcast(a, 0),
-            PerfOp::Reduce => b.reduce_into(a, out, ReduceOp::Sum, 0),
-            PerfOp::AllGather => b.all_gather(&a[..k], out),
-            PerfOp::ReduceScatter => b.reduce_scatter(a, &mut out[..k], ReduceOp::Sum),
-            PerfOp::AllToAll => b.all_to_all(a, out),
+            PerfOp::Collective(Kind::AllReduce) => b.all_reduce(a, ReduceOp::Sum),
+            PerfOp::Collective(Kind::Broadcast) => b.broadcast(a, 0),
+            PerfOp::Collective(Kind::Reduce) => b.reduce_into(a, out, ReduceOp::Sum, 0),
+            PerfOp::Collective(Kind::AllGather) => b.all_gather(&a[..k], out),
+            PerfOp::Collective(Kind::ReduceScatter) => {
+                b.reduce_scatter(a, &mut out[..k], ReduceOp::Sum)
+            }
+            PerfOp::Collective(Kind::AllToAll) => b.all_to_all(a, out),
             PerfOp::SendRecv => b
                 .send_recv_meta(
                     (bytemuck::cast_slice(a), right),
@@ -47,15 +52,20 @@ fn one_size<T: Element>(b: &TcpBackend, o: &PerfOpts, size: usize) {
                     Instant::now() + b.default_timeout(),
                 )
                 .map(|_| ()),
+            PerfOp::Collective(other) => Err(DistError::InvalidArgument {
+                rank: me,
+                op: other.name().into(),
+                reason: format!("dist-perf times {}", PerfOp::names()),
+            }),
         }
     };
     let wrong = o.check.then(|| {
         call(&mut a, &mut out).unwrap_or_else(|e| panic!("{e}"));
         let got: &[T] = match o.op {
-            PerfOp::AllReduce | PerfOp::Broadcast => &a,
-            PerfOp::Reduce if me == 0 => &out,
-            PerfOp::Reduce => &[],
-            PerfOp::ReduceScatter => &out[..k],
+            PerfOp::Collective(Kind::AllReduce | Kind::Broadcast) => &a,
+            PerfOp::Collective(Kind::Reduce) if me == 0 => &out,
+            PerfOp::Collective(Kind::Reduce) => &[],
+            PerfOp::Collective(Kind::ReduceScatter) => &out[..k],
             _ => &out,
         };
         let want = |i: usize| perf_want(o.op, me, n, k, i);
@@ -104,7 +114,7 @@ fn main() {
     let b = dist_multirank::join();
     if b.rank() == 0 {
         perf_header(&format!(
-            "dist perf: {:?} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s)",
+            "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s)",
             o.op,
             b.world_size(),
             o.dtype,

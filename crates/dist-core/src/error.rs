@@ -184,8 +184,23 @@ impl DistError {
     /// The same error, its operation said as `context: op` (for an error that names one), so a
     /// low-level wait's error says what it was part of, e.g. "form the group: recv from 0".
     #[must_use]
-    pub fn with_op(mut self, context: &str) -> DistError {
-        match &mut self {
+    pub fn with_op(self, context: &str) -> DistError {
+        self.map_op(|op| format!("{context}: {op}"))
+    }
+
+    /// The same error, its operation (for an error that names one) replaced by `f(op)`: the one
+    /// path by which an error is relabelled ([`DistError::with_op`] is `context: op`).
+    #[must_use]
+    pub fn map_op(mut self, f: impl FnOnce(&str) -> String) -> DistError {
+        if let Some(op) = self.op_mut() {
+            *op = f(op);
+        }
+        self
+    }
+
+    /// The operation this error names, if it names one (every variant says whether it does).
+    fn op_mut(&mut self) -> Option<&mut String> {
+        match self {
             DistError::Timeout { op, .. }
             | DistError::PeerGone { op, .. }
             | DistError::PeerUnresponsive { op, .. }
@@ -193,10 +208,12 @@ impl DistError {
             | DistError::InvalidRank { op, .. }
             | DistError::InvalidArgument { op, .. }
             | DistError::CollectiveMismatch { op, .. }
-            | DistError::Aborted { op, .. } => *op = format!("{context}: {op}"),
-            _ => {}
+            | DistError::Aborted { op, .. } => Some(op),
+            DistError::RendezvousFailed { .. }
+            | DistError::HandshakeRefused { .. }
+            | DistError::Config { .. }
+            | DistError::Io { .. } => None,
         }
-        self
     }
 
     /// The peer this error is about, if it names one.
@@ -243,5 +260,31 @@ mod tests {
             e.to_string(),
             "rank 0: rendezvous failed after 5.0s: 2 of 4 ranks joined, missing ranks [2, 3]"
         );
+    }
+
+    #[test]
+    fn with_op_and_map_op_relabel_only_errors_that_name_an_op() {
+        let e = DistError::Timeout {
+            rank: 0,
+            op: "recv from 1".into(),
+            peer: 1,
+            waited: Duration::from_secs(1),
+        };
+        let e = e.with_op("form the group");
+        assert_eq!(
+            e.to_string(),
+            "rank 0: form the group: recv from 1 timed out after 1.000s waiting for peer 1"
+        );
+        let e = e.map_op(|op| format!("{op} #3"));
+        assert!(
+            e.to_string()
+                .contains(": form the group: recv from 1 #3 timed out")
+        );
+        let e = DistError::Config {
+            what: "port".into(),
+            reason: "bad".into(),
+        }
+        .with_op("form the group");
+        assert_eq!(e.to_string(), "configuration error: port: bad");
     }
 }

@@ -135,6 +135,19 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// Every reduce op, in code order; `PreMulSum` stands for any scalar (as `PreMulSum(1.0)`).
+    pub const ALL: [ReduceOp; 9] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::PreMulSum(1.0),
+        ReduceOp::BitAnd,
+        ReduceOp::BitOr,
+        ReduceOp::BitXor,
+    ];
+
     /// A short name for tables and error messages.
     pub const fn name(self) -> &'static str {
         match self {
@@ -163,6 +176,12 @@ impl ReduceOp {
             ReduceOp::BitOr => 8,
             ReduceOp::BitXor => 9,
         }
+    }
+
+    /// The op whose [`code`](ReduceOp::code) is `code`, if any. The code has no room for
+    /// `PreMulSum`'s scalar: code 6 gives `PreMulSum(1.0)`.
+    pub fn from_code(code: u8) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|op| op.code() == code)
     }
 
     /// Whether the op applies to `dtype`: the bitwise ops are for integers only.
@@ -425,13 +444,22 @@ mod tests {
     }
 
     #[test]
-    fn dtype_codes_and_names_round_trip() {
+    fn dtype_and_reduce_op_codes_and_names_round_trip() {
         for d in DType::ALL {
             assert_eq!(DType::from_code(d as u8), Some(d));
             assert_eq!(DType::parse(d.name()), Some(d));
             assert_eq!(DType::parse(d.rust_name()), Some(d));
         }
         assert_eq!(DType::from_code(0), None);
+        for op in ReduceOp::ALL {
+            assert_eq!(ReduceOp::from_code(op.code()), Some(op), "{op}");
+        }
+        assert_eq!(
+            ReduceOp::from_code(ReduceOp::PreMulSum(0.25).code()),
+            Some(ReduceOp::PreMulSum(1.0))
+        );
+        assert_eq!(ReduceOp::from_code(0), None);
+        assert_eq!(ReduceOp::from_code(10), None);
         assert_eq!(ReduceOp::Avg.check(DType::F16), Ok(()));
         assert!(ReduceOp::BitOr.check(DType::BF16).is_err());
     }

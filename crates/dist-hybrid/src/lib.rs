@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice};
+use dist_core::collectives::Kind;
 use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag};
 use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
@@ -418,17 +419,17 @@ impl HybridBackend {
     /// Runs one NCCL call `f` through the record and the check.
     fn nccl_call<T: NcclType>(
         &self,
-        coll: &'static str,
+        coll: Kind,
         count: usize,
         op: Option<ReduceOp>,
         root: Option<usize>,
         f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>,
     ) -> Result<()> {
-        let c = self.need_nccl(coll)?;
+        let c = self.need_nccl(coll.name())?;
         let Some(w) = &self.watch else {
             return Ok(f(c)?);
         };
-        let d = w.begin(coll, T::NAME, count, op.map(|o| o.name()), root);
+        let d = w.begin(coll.name(), T::NAME, count, op.map(|o| o.name()), root);
         // Once aborted, the calls only fail here: nothing more to compare.
         if self.check_calls
             && w.failure().is_none()
@@ -483,13 +484,13 @@ impl<T: Element> Buffer for [T] {
 
 impl<T: NcclType> Buffer for CudaSlice<T> {
     fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
-        h.nccl_call::<T>("all_reduce", self.len(), Some(op), None, |c| {
+        h.nccl_call::<T>(Kind::AllReduce, self.len(), Some(op), None, |c| {
             c.all_reduce_in_place(self, op)
         })
     }
 
     fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
-        h.nccl_call::<T>("broadcast", self.len(), None, Some(root), |c| {
+        h.nccl_call::<T>(Kind::Broadcast, self.len(), None, Some(root), |c| {
             c.broadcast(self, root)
         })
     }

@@ -170,46 +170,11 @@ impl<L: Link> Call<'_, L> {
                     detail,
                 }
             }
-            DistError::Timeout {
-                rank, peer, waited, ..
-            } => DistError::Timeout {
-                rank,
-                op: self.op_text(),
-                peer,
-                waited,
-            },
-            DistError::PeerGone {
-                rank, peer, cause, ..
-            } => DistError::PeerGone {
-                rank,
-                peer,
-                op: self.op_text(),
-                cause,
-            },
-            DistError::Aborted {
-                rank,
-                origin,
-                reason,
-                ..
-            } => DistError::Aborted {
-                rank,
-                op: self.op_text(),
-                origin,
-                reason,
-            },
-            DistError::PeerUnresponsive {
-                rank,
-                peer,
-                silent,
-                position,
-                ..
-            } => DistError::PeerUnresponsive {
-                rank,
-                peer,
-                op: self.op_text(),
-                silent,
-                position,
-            },
+            // Said as this call rather than as the link's wait that noticed it.
+            e @ (DistError::Timeout { .. }
+            | DistError::PeerGone { .. }
+            | DistError::Aborted { .. }
+            | DistError::PeerUnresponsive { .. }) => e.map_op(|_| self.op_text()),
             other => other,
         }
     }
@@ -401,23 +366,11 @@ fn run_call<L: Link, R>(
             reason,
         });
     }
-    if let Err(DistError::Timeout {
-        rank,
-        op,
-        peer,
-        waited,
-    }) = r
-    {
+    if let Err(e @ DistError::Timeout { .. }) = r {
         // Who is behind: where the ranks are, as the link knows it.
-        let op = match link.positions() {
-            Some(p) => format!("{op} #{number} [{p}]"),
-            None => op,
-        };
-        r = Err(DistError::Timeout {
-            rank,
-            op,
-            peer,
-            waited,
+        r = Err(match link.positions() {
+            Some(p) => e.map_op(|op| format!("{op} #{number} [{p}]")),
+            None => e,
         });
     }
     r

@@ -1,12 +1,14 @@
 //! The descriptor of a collective call, as every message of the call carries it in its meta,
-//! and how two descriptors differ (for the mismatch errors); the collectives' kinds, and a
-//! rank's position as a heartbeat carries it.
+//! and how two descriptors differ (for the mismatch errors); the collectives' kinds (the one
+//! table of their names and codes, which dist-hybrid's NCCL calls, the perf tools and the
+//! benches use too), and a rank's position as a heartbeat carries it.
 
 use crate::backend::Meta;
 use crate::flight::{OpState, Position};
-use crate::types::DType;
+use crate::types::{DType, ReduceOp};
 
-/// Which collective a call is.
+/// Which collective a call is: its name ([`Kind::name`], [`Kind::parse`]) and its code in the
+/// descriptor (`Kind::X as u8`, [`Kind::from_code`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 #[non_exhaustive]
@@ -34,7 +36,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub(crate) const ALL: [Kind; 10] = [
+    /// Every kind, in code order.
+    pub const ALL: [Kind; 10] = [
         Kind::AllReduce,
         Kind::Broadcast,
         Kind::Reduce,
@@ -63,18 +66,26 @@ impl Kind {
         }
     }
 
-    pub(crate) fn from_code(c: u8) -> Option<Kind> {
+    /// The kind named `name` (the inverse of [`Kind::name`]).
+    pub fn parse(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// The kind whose code is `c` (the inverse of `Kind::X as u8`).
+    pub fn from_code(c: u8) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| *k as u8 == c)
     }
 
-    pub(crate) fn has_root(self) -> bool {
+    /// Whether the collective has a root rank (broadcast, reduce, gather, scatter).
+    pub const fn has_root(self) -> bool {
         matches!(
             self,
             Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
         )
     }
 
-    pub(crate) fn has_op(self) -> bool {
+    /// Whether the collective takes a reduce op (all_reduce, reduce, reduce_scatter).
+    pub const fn has_op(self) -> bool {
         matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
     }
 }
@@ -123,22 +134,13 @@ impl Desc {
             .map_or_else(|| format!("type {}", self.dtype), |d| d.to_string())
     }
 
+    /// The reduce op's name; `-` for none (code 0), `?` for a code no op has.
     fn op_name(&self) -> &'static str {
-        [
-            "-",
-            "sum",
-            "prod",
-            "min",
-            "max",
-            "avg",
-            "premulsum",
-            "band",
-            "bor",
-            "bxor",
-        ]
-        .get(self.op as usize)
-        .copied()
-        .unwrap_or("?")
+        match ReduceOp::from_code(self.op) {
+            Some(op) => op.name(),
+            None if self.op == 0 => "-",
+            None => "?",
+        }
     }
 
     /// `all_reduce(f32 x 100, sum)`, `barrier`.
@@ -218,10 +220,7 @@ pub fn position_to_wire(p: Option<Position>) -> (u64, u8, u8) {
         OpState::Done => 3,
         OpState::Failed => 4,
     };
-    let kind = Kind::ALL
-        .into_iter()
-        .find(|k| k.name() == p.op)
-        .map_or(0, |k| k as u8);
+    let kind = Kind::parse(p.op).map_or(0, |k| k as u8);
     (p.seq, state, kind)
 }
 
@@ -236,4 +235,49 @@ pub fn position_from_wire(seq: u64, state: u8, kind: u8) -> Option<Position> {
     };
     let op = Kind::from_code(kind)?.name();
     (seq != 0).then_some(Position { seq, op, state })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_round_trip_through_name_and_code() {
+        for k in Kind::ALL {
+            assert_eq!(Kind::parse(k.name()), Some(k), "{k:?}");
+            assert_eq!(Kind::from_code(k as u8), Some(k), "{k:?}");
+        }
+        assert_eq!(Kind::parse("sendrecv"), None);
+        assert_eq!(Kind::parse("All_Reduce"), None);
+        assert_eq!(Kind::from_code(0), None);
+        assert_eq!(Kind::from_code(11), None);
+    }
+
+    #[test]
+    fn the_descriptor_names_reduce_ops_from_their_table() {
+        let d = |kind: Kind, op: u8| Desc {
+            kind: kind as u8,
+            dtype: DType::F32 as u8,
+            op,
+            root: 2,
+            seq: 0,
+            count: 8,
+        };
+        for op in ReduceOp::ALL {
+            assert_eq!(
+                d(Kind::AllReduce, op.code()).describe(),
+                format!("all_reduce(f32 x 8, {})", op.name())
+            );
+        }
+        assert_eq!(d(Kind::Reduce, 0).describe(), "reduce(f32 x 8, -, root 2)");
+        assert_eq!(
+            d(Kind::Broadcast, 0).describe(),
+            "broadcast(f32 x 8, root 2)"
+        );
+        assert!(
+            d(Kind::AllReduce, 1)
+                .differences(&d(Kind::AllReduce, 99))
+                .starts_with("reduce op ? vs sum here")
+        );
+    }
 }
