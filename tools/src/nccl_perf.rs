@@ -285,9 +285,7 @@ impl Bare {
             "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, not {op}"
         );
         let (me, n) = (tcp.rank(), tcp.world_size());
-        let init = nccl
-            .get("ncclCommInitRank", &nccl.raw().ncclCommInitRank)
-            .unwrap();
+        let init = dist_nccl_sys::nccl_fn!(nccl, ncclCommInitRank).unwrap();
         let mut uid = ncclUniqueId::default();
         for (d, s) in uid.internal.iter_mut().zip(id) {
             *d = *s as _;
@@ -376,10 +374,7 @@ impl Bare {
 
     fn close(self) {
         self.stream.synchronize().unwrap();
-        let destroy = self
-            .nccl
-            .get("ncclCommDestroy", &self.nccl.raw().ncclCommDestroy)
-            .unwrap();
+        let destroy = dist_nccl_sys::nccl_fn!(&self.nccl, ncclCommDestroy).unwrap();
         // SAFETY: no work is pending on it (synchronized) and it is not used again.
         unsafe { destroy(self.comm) };
     }

@@ -235,3 +235,80 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     );
     Ok(())
 }
+
+/// Two communicators of one device stalled at once by one idle peer (a split's all_reduce and
+/// the main communicator's, both enqueued before either times out, and no `synchronize`, which
+/// has a deadline of its own): both are aborted at their timeout and the teardown ends. The
+/// first `ncclCommAbort` waits in `cuMemFreeHost` for the device to go idle, which needs the
+/// other's kernel to end, which needs the other's abort. Before the deadline thread
+/// (`dist-nccl/src/deadline.rs`), that abort was decided by the other's watchdog after an event
+/// query, which blocks behind the first abort: both waited for ever (the deadlock of run s3-b,
+/// in a second shape, found in review).
+pub(crate) fn two_stalled() -> Result<(), String> {
+    let timeout = Duration::from_secs(3);
+    let r = rig(timeout)?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let idle = n - 1;
+    let cfg = CommConfig {
+        timeout,
+        connect_peers: connect_peers(),
+        ..CommConfig::default()
+    };
+    let sub = r
+        .comm
+        .split(0, me as i32, cfg)
+        .unwrap_or_else(|e| panic!("{e}"));
+    r.tcp.barrier().unwrap();
+    if me == idle {
+        println!("rank {me}: calling NCCL no more");
+        let mut done = [0u8; 1];
+        r.tcp
+            .recv_timeout(&mut done, 0, Duration::from_secs(90))
+            .unwrap_or_else(|e| panic!("{e}"));
+        return Ok(());
+    }
+    let mut x = up(r.comm.stream(), &[1.0f32; 256]);
+    let mut y = up(sub.stream(), &[1.0f32; 256]);
+    let t = Instant::now();
+    sub.all_reduce_in_place(&mut y, ReduceOp::Sum)
+        .map_err(|e| format!("rank {me}: the split's all_reduce: {e}"))?;
+    r.comm
+        .all_reduce_in_place(&mut x, ReduceOp::Sum)
+        .map_err(|e| format!("rank {me}: the main all_reduce: {e}"))?;
+    let (main, split) = (r.comm.abort_handle(), sub.abort_handle());
+    loop {
+        let (a, b) = (main.aborted(), split.aborted());
+        if let (Some(a), Some(b)) = (&a, &b) {
+            println!(
+                "rank {me}: both aborted {:.1?} after the calls: main: {a}; split: {b}",
+                t.elapsed()
+            );
+            break;
+        }
+        assert!(
+            t.elapsed() < timeout + Duration::from_secs(10),
+            "rank {me}: {:.1?} after the calls: main aborted: {a:?}, split aborted: {b:?}",
+            t.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if me == 0 {
+        r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let t = Instant::now();
+    drop(sub);
+    let Rig { tcp, comm } = r;
+    drop(comm);
+    drop((x, y));
+    drop(tcp);
+    println!(
+        "rank {me}: communicators and buffers dropped after {:.1?}",
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "rank {me}: the teardown took {:.1?}",
+        t.elapsed()
+    );
+    Ok(())
+}

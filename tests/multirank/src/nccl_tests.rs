@@ -485,6 +485,7 @@ const CASES: &[Case] = &[
     gpu("nccl_drop_bounded", nccl_bounded::drop_bounded),
     gpu("nccl_split_absent", nccl_bounded::split_absent),
     gpu("nccl_connect_absent", nccl_bounded::connect_absent),
+    gpu("nccl_two_stalled", nccl_bounded::two_stalled),
     gpu("hybrid_mismatch_count", nccl_failures::mismatch_count),
     gpu("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
     gpu("hybrid_mismatch_op", nccl_failures::mismatch_op),
