@@ -67,8 +67,15 @@ const GRACE_MIN_LEN: usize = 64 << 10;
 /// How long a large message waits for its receive to be posted.
 const GRACE: Duration = Duration::from_millis(5);
 
-/// How often the reader thread drains a connection that nobody is waiting on.
+/// How often the reader thread drains a connection that nobody is waiting on, while receives
+/// come and go on it.
 const IDLE_DRAIN: Duration = Duration::from_millis(20);
+/// How long nothing must be posted or taken on a connection before its reader waits for the
+/// socket instead of draining every [`IDLE_DRAIN`].
+const IDLE_QUIET: Duration = Duration::from_millis(100);
+/// The longest a quiet reader waits for the socket before it looks at its state again (a
+/// closing backend, which wakes sleeping readers, reaches a quiet one within this).
+const IDLE_POLL: Duration = Duration::from_millis(250);
 
 /// How long a receiver spins for its message before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
@@ -92,6 +99,9 @@ pub(crate) struct Peer {
     rx: Option<Mutex<Rx>>,
     /// Receivers spinning on this peer right now; the reader thread stands back meanwhile.
     spinners: AtomicUsize,
+    /// How many times the reader thread has looked at its state (tests count its wake-ups).
+    #[cfg(test)]
+    reader_turns: AtomicU64,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
     /// Hears, from the reader thread, that the connection has ended (with why).
@@ -174,6 +184,8 @@ impl Peer {
                 dead: false,
             })),
             spinners: AtomicUsize::new(0),
+            #[cfg(test)]
+            reader_turns: AtomicU64::new(0),
             on_abort: OnceLock::new(),
             on_close: OnceLock::new(),
             heard: AtomicBool::new(false),
@@ -200,6 +212,8 @@ impl Peer {
             writer: None,
             rx: None,
             spinners: AtomicUsize::new(0),
+            #[cfg(test)]
+            reader_turns: AtomicU64::new(0),
             on_abort: OnceLock::new(),
             on_close: OnceLock::new(),
             heard: AtomicBool::new(false),

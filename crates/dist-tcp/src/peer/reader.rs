@@ -8,9 +8,14 @@ use super::*;
 impl Peer {
     /// The reader thread's body, until the connection ends. While a receiver sleeps waiting on
     /// this peer, or a frame is half read, it blocks until bytes arrive and moves them along.
-    /// Otherwise it stays off the socket, so that a spinning receiver reads its message itself
-    /// with no thread switch, and only drains the socket every [`IDLE_DRAIN`] (unexpected
-    /// messages must not fill the sender's buffers while nobody receives).
+    /// While receives come and go on this peer it stays off the socket, so that a spinning
+    /// receiver reads its message itself with no thread switch, and drains the socket every
+    /// [`IDLE_DRAIN`] (unexpected messages must not fill the sender's buffers while nobody
+    /// receives). Once nothing has been posted or taken on this peer for [`IDLE_QUIET`], it
+    /// waits for the socket instead (up to [`IDLE_POLL`] at a time), so that the readers of the
+    /// peers a rank is not talking to cost nothing while they wait and drain what arrives at
+    /// once (with many ranks, waking every reader every [`IDLE_DRAIN`] took the whole machine:
+    /// `docs/scale.md`).
     pub(crate) fn read_loop(&self, probe: TcpStream) {
         self.read_frames(probe);
         // The connection has ended: tell the backend (outside every lock of this peer).
@@ -24,8 +29,12 @@ impl Peer {
         let Some(rx) = &self.rx else { return };
         let mut held: Option<(Option<Instant>, u64)> = None;
         let mut mid_frame = false;
+        // The events count last seen changing on this peer, and when.
+        let mut last_event = (0u64, Instant::now());
         loop {
-            let watch = {
+            #[cfg(test)]
+            self.reader_turns.fetch_add(1, Ordering::Relaxed);
+            let wait = {
                 let mut st = self.lock();
                 loop {
                     if st.closed.is_some() {
@@ -44,20 +53,34 @@ impl Peer {
                         if st.closed.is_some() {
                             return;
                         }
-                        break false;
+                        break Wait::Drain;
                     }
                     let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
                     let spinning = self.spinners.load(Ordering::Acquire) > 0;
                     if st.closing || ((sleeping || mid_frame) && !spinning) {
-                        break true;
+                        break Wait::Socket;
+                    }
+                    if st.events != last_event.0 {
+                        last_event = (st.events, Instant::now());
+                    } else if !sleeping && !spinning && last_event.1.elapsed() >= IDLE_QUIET {
+                        break Wait::Quiet;
                     }
                     st = self.reader_sleep(st, IDLE_DRAIN, false);
                     if st.closed.is_none() {
-                        break false;
+                        break Wait::Drain;
                     }
                 }
             };
-            if watch {
+            if let Wait::Quiet = wait {
+                // Nothing posted here for a while: wait for bytes (a frame nobody waits for, a
+                // heartbeat, an abort notice, the end of the stream), then drain them. A post
+                // meanwhile needs no wake-up: its receiver spins on the socket itself, then
+                // sleeps, and bytes arriving end this wait.
+                if let Ok(0) = crate::sys::poll_read(probe.as_raw_fd(), IDLE_POLL) {
+                    continue;
+                }
+            }
+            if let Wait::Socket = wait {
                 // A spinner may have read a frame and held it back: its bytes left the socket,
                 // so wait as the holder does (on `reader_cond`), not on the socket.
                 let r = rx.lock().unwrap_or_else(|p| p.into_inner());
@@ -111,4 +134,15 @@ fn held_hang_up(probe: &TcpStream, r: &Rx) -> Option<String> {
         }
     }
     None
+}
+
+/// What the reader waits for before it next reads.
+enum Wait {
+    /// Nothing: read what the socket has now.
+    Drain,
+    /// A receiver sleeps on this peer or a frame is half read: block until bytes arrive.
+    Socket,
+    /// Nothing has happened on this peer for [`IDLE_QUIET`]: block until bytes arrive, at most
+    /// [`IDLE_POLL`], and read only if they did.
+    Quiet,
 }

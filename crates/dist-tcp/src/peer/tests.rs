@@ -481,3 +481,24 @@ fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
     let _ = pair.raw.shutdown(Shutdown::Both);
     flood.join().unwrap();
 }
+
+/// Issue 13 (many ranks on one host): a reader whose peer is quiet waits for the socket instead
+/// of waking every IDLE_DRAIN. Fails before the change: over 2 s of quiet the reader looked at
+/// its state about 100 times (every 20 ms); now about 13 (the first IDLE_QUIET at IDLE_DRAIN,
+/// then one look per IDLE_POLL). A frame arriving meanwhile is still drained and received.
+#[test]
+fn a_quiet_reader_waits_for_the_socket() {
+    let mut p = Pair::new(limits(1 << 20, 1 << 20));
+    let quiet = Duration::from_secs(2);
+    std::thread::sleep(quiet);
+    let turns = p.peer.reader_turns.load(Ordering::Relaxed);
+    let every_drain = (quiet.as_millis() / IDLE_DRAIN.as_millis()) as u64;
+    assert!(
+        turns < every_drain / 3,
+        "the reader looked {turns} times in {quiet:?} of quiet (every IDLE_DRAIN would be {every_drain})"
+    );
+    p.frame(1, 7, 3, b"abc");
+    let mut buf = [0u8; 3];
+    p.recv(&mut buf, 7).unwrap();
+    assert_eq!(&buf, b"abc");
+}
