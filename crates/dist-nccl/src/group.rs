@@ -96,6 +96,10 @@ pub struct Group<'buf> {
     ended: Cell<bool>,
     /// NCCL's group state belongs to the thread that opened it: not `Send`, not `Sync`.
     _thread: PhantomData<*const ()>,
+    /// Invariant in `'buf` (the `RefCell` makes it so too; this says it on purpose): were it
+    /// covariant, a `&Group<'long>` could be used as a `&Group<'short>` and take guards of
+    /// buffers that die before the group's launch.
+    _invariant: PhantomData<fn(&'buf ()) -> &'buf ()>,
 }
 
 impl std::fmt::Debug for Group<'_> {
@@ -196,6 +200,7 @@ pub fn group<'buf, R>(
         guards: RefCell::new(Vec::with_capacity(4)),
         ended: Cell::new(false),
         _thread: PhantomData,
+        _invariant: PhantomData,
     };
     let out = f(&g);
     let ended = g.end();
