@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// How many steps of the frame state machine one `progress` call takes at most.
+const PROGRESS_TURNS: u32 = 256;
+
 /// Where the read side is in the byte stream.
 pub(super) enum Frame {
     /// Between frames.
@@ -176,7 +179,16 @@ impl Peer {
                 Step::Closed(describe(&e))
             }
         };
+        let mut turns = 0u32;
         loop {
+            // Bounded work per call: a peer that floods frames as fast as they are read would
+            // otherwise keep one call here for as long as the flood lasts, and the caller (a
+            // send that also receives, a spinning receiver) past its deadline. The state is
+            // kept in `rx`, so the next call goes on where this one stopped.
+            turns += 1;
+            if moved && turns > PROGRESS_TURNS {
+                return Step::Progress;
+            }
             match &mut rx.frame {
                 Frame::Header => {
                     while rx.hi - rx.lo < FRAME_HEADER_LEN {

@@ -287,14 +287,16 @@ impl Peer {
                     .iter()
                     .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
             }
+            // Checked on every pass, progress or not: a peer that keeps `src` busy (a flood of
+            // frames) makes every pass count as progress, and must not keep us spinning past
+            // the deadline (this check used to come after the `continue` below).
+            let now = Instant::now();
+            if now >= deadline {
+                break Err(std::io::ErrorKind::TimedOut.into());
+            }
             if moved {
                 idle_since = None;
                 continue;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                // A peer that keeps `src` busy (a flood of frames) must not keep us spinning.
-                break Err(std::io::ErrorKind::TimedOut.into());
             }
             if now.saturating_duration_since(*idle_since.get_or_insert(now)) > spin {
                 // Stop spinning: the reader thread takes the receive, and this thread blocks
