@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use dist_core::{Backend, ReduceOp};
-use dist_nccl::CommConfig;
+use dist_nccl::{CommConfig, Communicator};
 
 use super::{Rig, connect_peers, rig, up};
 
@@ -102,30 +102,11 @@ pub(crate) fn split_absent() -> Result<(), String> {
 pub(crate) fn connect_absent() -> Result<(), String> {
     use std::sync::mpsc;
     let timeout = Duration::from_secs(3);
-    let r = rig(timeout)?;
+    let Some((r, sub)) = split_with_idle_rank(timeout)? else {
+        return Ok(());
+    };
     let (me, n) = (r.comm.rank(), r.comm.size());
     let idle = n - 1;
-    let sub = r
-        .comm
-        .split(
-            0,
-            me as i32,
-            CommConfig {
-                timeout,
-                connect_peers: connect_peers(),
-                ..CommConfig::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    r.tcp.barrier().unwrap();
-    if me == idle {
-        println!("rank {me}: calling NCCL no more");
-        let mut done = [0u8; 1];
-        r.tcp
-            .recv_timeout(&mut done, 0, Duration::from_secs(90))
-            .unwrap_or_else(|e| panic!("{e}"));
-        return Ok(());
-    }
     let mut x = up(r.comm.stream(), &[1.0f32; 256]);
     let mut y = up(sub.stream(), &[1.0f32; 256]);
     let (tx, rx) = mpsc::channel();
@@ -203,9 +184,6 @@ pub(crate) fn connect_absent() -> Result<(), String> {
             t.elapsed()
         );
     }
-    if me == 0 {
-        r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
-    }
     // The teardown after the aborts, bounded. It used to hang (runs s2-c … s2-h and s3-b of
     // docs/results/2026-11-30-2xH200/, 6 of 7 tries in s3-b): the split's `ncclCommAbort` waits
     // in `cuMemFreeHost` for the device to go idle, which needs the main communicator's pending
@@ -213,26 +191,8 @@ pub(crate) fn connect_absent() -> Result<(), String> {
     // communicator's lock, which its watchdog held while blocked in `cuEventRecord` behind the
     // split's abort. The watchdog now makes no CUDA call under the lock (`watchdog.rs`).
     // `DIST_TEST_FREE_FIRST=1` frees the buffers before the communicators.
-    let mut bufs = Some((x, y));
-    let t = Instant::now();
-    if std::env::var_os("DIST_TEST_FREE_FIRST").is_some() {
-        drop(bufs.take());
-        println!("rank {me}: buffers freed first, after {:.1?}", t.elapsed());
-    }
-    drop(sub);
-    let Rig { tcp, comm } = r;
-    drop(comm);
-    drop(bufs);
-    drop(tcp);
-    println!(
-        "rank {me}: communicators and buffers dropped after {:.1?}",
-        t.elapsed()
-    );
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "rank {me}: the teardown took {:.1?}",
-        t.elapsed()
-    );
+    let buffers_first = std::env::var_os("DIST_TEST_FREE_FIRST").is_some();
+    release_and_tear_down(r, sub, (x, y), buffers_first);
     Ok(())
 }
 
@@ -246,27 +206,10 @@ pub(crate) fn connect_absent() -> Result<(), String> {
 /// in a second shape, found in review).
 pub(crate) fn two_stalled() -> Result<(), String> {
     let timeout = Duration::from_secs(3);
-    let r = rig(timeout)?;
-    let (me, n) = (r.comm.rank(), r.comm.size());
-    let idle = n - 1;
-    let cfg = CommConfig {
-        timeout,
-        connect_peers: connect_peers(),
-        ..CommConfig::default()
-    };
-    let sub = r
-        .comm
-        .split(0, me as i32, cfg)
-        .unwrap_or_else(|e| panic!("{e}"));
-    r.tcp.barrier().unwrap();
-    if me == idle {
-        println!("rank {me}: calling NCCL no more");
-        let mut done = [0u8; 1];
-        r.tcp
-            .recv_timeout(&mut done, 0, Duration::from_secs(90))
-            .unwrap_or_else(|e| panic!("{e}"));
+    let Some((r, sub)) = split_with_idle_rank(timeout)? else {
         return Ok(());
-    }
+    };
+    let me = r.comm.rank();
     let mut x = up(r.comm.stream(), &[1.0f32; 256]);
     let mut y = up(sub.stream(), &[1.0f32; 256]);
     let t = Instant::now();
@@ -292,14 +235,55 @@ pub(crate) fn two_stalled() -> Result<(), String> {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    if me == 0 {
-        r.tcp.send(&[1], idle).unwrap_or_else(|e| panic!("{e}"));
+    release_and_tear_down(r, sub, (x, y), false);
+    Ok(())
+}
+
+/// The main communicator and a split of it (with `timeout`), the last rank idle: `None` on
+/// that rank, which makes no NCCL call after the split and waits (at most 90 s) for rank 0's
+/// word from [`release_and_tear_down`].
+fn split_with_idle_rank(timeout: Duration) -> Result<Option<(Rig, Communicator)>, String> {
+    let r = rig(timeout)?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let cfg = CommConfig {
+        timeout,
+        connect_peers: connect_peers(),
+        ..CommConfig::default()
+    };
+    let sub = r
+        .comm
+        .split(0, me as i32, cfg)
+        .unwrap_or_else(|e| panic!("{e}"));
+    r.tcp.barrier().unwrap();
+    if me == n - 1 {
+        println!("rank {me}: calling NCCL no more");
+        let mut done = [0u8; 1];
+        r.tcp
+            .recv_timeout(&mut done, 0, Duration::from_secs(90))
+            .unwrap_or_else(|e| panic!("{e}"));
+        return Ok(None);
     }
+    Ok(Some((r, sub)))
+}
+
+/// Lets the idle rank of [`split_with_idle_rank`] go (from rank 0), then drops the split, the
+/// main communicator and `buffers` (first, if `buffers_first`) and the TCP job, and checks
+/// that all of it ended within 10 s.
+fn release_and_tear_down(r: Rig, sub: Communicator, buffers: impl Sized, buffers_first: bool) {
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    if me == 0 {
+        r.tcp.send(&[1], n - 1).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut buffers = Some(buffers);
     let t = Instant::now();
+    if buffers_first {
+        drop(buffers.take());
+        println!("rank {me}: buffers freed first, after {:.1?}", t.elapsed());
+    }
     drop(sub);
     let Rig { tcp, comm } = r;
     drop(comm);
-    drop((x, y));
+    drop(buffers);
     drop(tcp);
     println!(
         "rank {me}: communicators and buffers dropped after {:.1?}",
@@ -310,5 +294,4 @@ pub(crate) fn two_stalled() -> Result<(), String> {
         "rank {me}: the teardown took {:.1?}",
         t.elapsed()
     );
-    Ok(())
 }
