@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Side by side: dist's all_reduce (cargo xtask perf) and Open MPI's MPI_Allreduce over TCP on
-# loopback, f32 sum, 4 ranks, 8 B to 64 MiB, alternating ROUNDS times (default 3) so that both
-# see the same machine; prints the median of each size as a markdown table with the ratios.
+# loopback, f32 sum, RANKS ranks (default 4), sizes B to E (default 8 to 64M, factor 2),
+# alternating ROUNDS times (default 3) so that both see the same machine; prints the median of
+# each size as a markdown table with the ratios.
 # Needs Debian's openmpi-bin and libopenmpi-dev.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rounds="${ROUNDS:-3}"
 ranks="${RANKS:-4}"
+lo="${B:-8}" hi="${E:-64M}"
 out="$(mktemp -d)"
 cargo build --release --quiet -p dist-tools --bin dist-perf
 for i in $(seq "$rounds"); do
-    cargo xtask perf --op all_reduce -n "$ranks" -b 8 -e 64M -f 2 --check >"$out/dist.$i" 2>&1
-    benches/peers/run-openmpi.sh -n "$ranks" -b 8 -e 64M -f 2 >"$out/mpi.$i" 2>&1
+    cargo xtask perf --op all_reduce -n "$ranks" -b "$lo" -e "$hi" -f 2 --check >"$out/dist.$i" 2>&1
+    benches/peers/run-openmpi.sh -n "$ranks" -b "$lo" -e "$hi" -f 2 >"$out/mpi.$i" 2>&1
 done
 python3 - "$out" "$rounds" <<'PY'
 import statistics, sys
