@@ -27,6 +27,10 @@ pub struct Args {
 
 /// How often the supervisor looks at its children (exits, thread counts).
 const POLL: Duration = Duration::from_millis(20);
+/// How many running ranks' thread counts the supervisor reads per look, in turn: reading
+/// `/proc/PID/status` of 1,024 ranks every 20 ms would take one of this machine's two cores
+/// away from the job it measures.
+const THREAD_SAMPLES: usize = 32;
 /// How long the other ranks may run on after a rank fails, before every one is killed.
 const FAIL_GRACE: Duration = Duration::from_secs(2);
 
@@ -170,6 +174,12 @@ impl Drop for Ranks {
 }
 
 /// Ranks listed as `0-3, 7` style ranges, for short messages at large world sizes.
+/// Which ranks one look reads the thread count of: `count` ranks from `first`, wrapping around
+/// the `n` ranks (all of them when `count >= n`).
+fn sample_window(first: usize, count: usize, n: usize) -> impl Fn(usize) -> bool {
+    move |rank| count >= n || (rank + n - first) % n < count
+}
+
 fn ranges(ranks: &[usize]) -> String {
     let mut parts = Vec::new();
     let mut i = 0;
@@ -244,10 +254,12 @@ pub fn run(args: &Args) -> Result<()> {
 
     // Supervise: exits, and each rank's thread count while it runs.
     let mut seen_threads = vec![0u64; n];
+    let mut next_sample = 0usize;
     let mut last_exit = start;
     let (mut failed, mut first_failure) = (Vec::new(), None);
     loop {
         let mut running = Vec::new();
+        let sampled = sample_window(next_sample, THREAD_SAMPLES, n);
         for (rank, (slot, seen)) in ranks
             .children
             .iter_mut()
@@ -269,6 +281,9 @@ pub fn run(args: &Args) -> Result<()> {
                 }
                 Ok(None) => {
                     running.push(rank);
+                    if !sampled(rank) {
+                        continue;
+                    }
                     if let Some(t) = threads_of(child.id()) {
                         *seen = (*seen).max(t);
                     }
@@ -318,6 +333,7 @@ pub fn run(args: &Args) -> Result<()> {
                 ranks.report(&running)
             );
         }
+        next_sample = (next_sample + THREAD_SAMPLES) % n.max(1);
         std::thread::sleep(POLL);
     }
     let total = last_exit - start;
@@ -421,6 +437,29 @@ fn print_table(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sample_window_covers_every_rank_in_turn() {
+        let n = 100;
+        let mut seen = vec![0; n];
+        let mut first = 0;
+        for _ in 0..n.div_ceil(32) {
+            let w = sample_window(first, 32, n);
+            for (r, c) in seen.iter_mut().enumerate() {
+                *c += usize::from(w(r));
+            }
+            first = (first + 32) % n;
+        }
+        assert!(
+            seen.iter().all(|&c| c >= 1),
+            "a rank never sampled: {seen:?}"
+        );
+        assert_eq!(seen.iter().sum::<usize>(), 32 * 4);
+        let all = sample_window(5, 32, 8);
+        assert!((0..8).all(&all));
+        let some = sample_window(90, 32, 100);
+        assert!(some(95) && some(0) && some(21) && !some(22) && !some(89));
+    }
 
     #[test]
     fn parses_a_result_line() {
