@@ -167,11 +167,11 @@ pub struct TcpBackend {
     _threads: Threads,
 }
 
-/// The backend's threads (a reader per peer, the liveness thread); dropping this closes the
-/// connections in order (see its `Drop`).
+/// The backend's threads (the I/O thread, which reads every connection, and the liveness
+/// thread); dropping this closes the connections in order (see its `Drop`).
 struct Threads {
     shared: Arc<Shared>,
-    readers: Vec<JoinHandle<()>>,
+    io: peer::IoThread,
     liveness: Option<JoinHandle<()>>,
 }
 
@@ -238,20 +238,18 @@ impl TcpBackend {
             beside: OnceLock::new(),
             beats: record::BeatWait::default(),
         });
-        let mut threads = Threads {
-            shared: shared.clone(),
-            readers: Vec::new(),
-            liveness: None,
-        };
-        for p in shared.peers.iter() {
-            let Some(stream) = p.reader_stream() else {
-                continue;
-            };
-            let stream = stream.map_err(|source| DistError::Io {
+        let io =
+            peer::IoThread::spawn(format!("dist-io-{me}")).map_err(|source| DistError::Io {
                 rank: me,
-                context: format!("clone the socket of peer {}", p.rank),
+                context: "start the I/O thread".into(),
                 source,
             })?;
+        let mut threads = Threads {
+            shared: shared.clone(),
+            io,
+            liveness: None,
+        };
+        for p in shared.peers.iter().filter(|p| !p.is_loopback()) {
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
             let sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
@@ -267,7 +265,7 @@ impl TcpBackend {
                         cause: FaultCause::Aborted(notice.reason.clone()),
                     });
                     // A rank that only hears of a failure writes its record too (on the
-                    // liveness thread: no file I/O on a reader thread).
+                    // liveness thread: no file I/O on the I/O thread).
                     if s.trace_dir.is_some() {
                         s.post_event(liveness::Event::WriteTrace);
                     }
@@ -294,15 +292,8 @@ impl TcpBackend {
                     });
                 }
             }));
-            let handle = std::thread::Builder::new()
-                .name(format!("dist-rx-{me}-from-{}", p.rank))
-                .spawn(move || peer.read_loop(stream))
-                .map_err(|source| DistError::Io {
-                    rank: me,
-                    context: "spawn a reader thread".into(),
-                    source,
-                })?;
-            threads.readers.push(handle);
+            // Its connection is watched by the I/O thread from now on (or from its attach).
+            threads.io.adopt(&peer);
         }
         let weak = Arc::downgrade(&shared);
         let (world, interval) = (
@@ -475,9 +466,7 @@ impl Drop for Threads {
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Both);
         }
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
+        self.io.stop();
     }
 }
 

@@ -4,7 +4,6 @@ use std::cell::Cell;
 use std::io::Write;
 use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::thread::JoinHandle;
 
 use super::*;
 
@@ -15,12 +14,12 @@ thread_local! {
 
 const RANK: usize = 1;
 
-/// A peer (rank 1 as seen from rank 0) over loopback TCP with its reader thread running,
+/// A peer (rank 1 as seen from rank 0) over loopback TCP driven by an I/O thread of its own,
 /// and the raw other end, on which a test writes whatever bytes it likes.
 struct Pair {
     peer: Arc<Peer>,
     raw: TcpStream,
-    reader: Option<JoinHandle<()>>,
+    io: IoThread,
 }
 
 impl Pair {
@@ -39,10 +38,9 @@ impl Pair {
             )
             .unwrap(),
         );
-        let probe = peer.reader_stream().unwrap().unwrap();
-        let p = peer.clone();
-        let reader = Some(std::thread::spawn(move || p.read_loop(probe)));
-        Pair { peer, raw, reader }
+        let io = IoThread::spawn("test-io".into()).unwrap();
+        io.adopt(&peer);
+        Pair { peer, raw, io }
     }
 
     fn frame(&mut self, kind: u32, tag: u64, len: u64, payload: &[u8]) {
@@ -73,9 +71,7 @@ impl Drop for Pair {
     fn drop(&mut self) {
         let _ = self.raw.shutdown(Shutdown::Both);
         self.peer.shutdown(Shutdown::Both);
-        if let Some(r) = self.reader.take() {
-            r.join().unwrap();
-        }
+        self.io.stop();
     }
 }
 
@@ -282,7 +278,7 @@ fn review_held_by_spinner_lost_wake() {
     }
     pair.peer.spinners.fetch_add(1, Ordering::AcqRel);
     pair.raw.write_all(&bytes).unwrap();
-    let rx = pair.peer.rx.as_ref().unwrap();
+    let rx = pair.peer.rx().unwrap();
     let t = Instant::now();
     let mut held = false;
     while t.elapsed() < Duration::from_secs(2) {
