@@ -86,8 +86,8 @@ pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
     (peer_timeout / 5).clamp(Duration::from_millis(5), Duration::from_secs(1))
 }
 
-/// The liveness thread's body: a heartbeat to every peer each interval, silent peers declared
-/// unresponsive, and faults dispatched to the hooks as they come.
+/// The liveness thread's body: a heartbeat to every connected peer each interval, silent peers
+/// declared unresponsive, and faults dispatched to the hooks as they come.
 pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, interval: Duration) {
     let start = Instant::now();
     let mut last = vec![start; world];
@@ -137,6 +137,11 @@ impl Shared {
     fn tick(&self, last: &mut [Instant], now: Instant) {
         let at = self.whereabouts();
         for p in self.peers.iter().filter(|p| p.rank != self.rank) {
+            if !p.is_connected() {
+                // Not connected (yet): no heartbeat, and no silence to judge until it is.
+                last[p.rank] = now;
+                continue;
+            }
             if p.heard.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 last[p.rank] = now;
             }

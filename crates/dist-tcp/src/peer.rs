@@ -20,6 +20,10 @@ use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 mod aborts;
 mod connect;
 mod io;
+#[cfg(test)]
+mod io_tests;
+#[cfg(test)]
+mod lazy_tests;
 mod live;
 mod notices;
 pub(crate) use live::{Beat, Whereabouts};
