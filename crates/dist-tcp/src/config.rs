@@ -12,6 +12,33 @@ use crate::wire::MIN_SECRET_LEN;
 /// forever" to the OS, and nothing useful completes in less than a millisecond.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
+/// Ranks of one job per core of their host up to which receivers spin by default (see
+/// [`default_spin`]); measured on a 2-core host (`docs/benchmarks.md`, "Spinning and
+/// oversubscription").
+pub(crate) const SPIN_RANKS_PER_CORE: usize = 4;
+
+/// How long a receiver spins before it sleeps when `DIST_SPIN_US` is not set: [`crate::peer::SPIN`]
+/// (50 µs) while the job's ranks on this host (`local`) are at most [`SPIN_RANKS_PER_CORE`]
+/// per core (`cores`), else none. Spinning saves a thread switch when the message comes within
+/// microseconds, which pays while the sender has a core to run on; on a host with many more
+/// ranks than cores, the spinning rank takes the core the sender needs.
+pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
+    if local <= SPIN_RANKS_PER_CORE.saturating_mul(cores.max(1)) {
+        crate::peer::SPIN
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// The ranks of this job on this host: `LOCAL_WORLD_SIZE` (as torchrun sets it) if it is a
+/// positive number, else `counted` (this rank and the peers connected from this host's address).
+pub(crate) fn local_ranks(get: impl Fn(&str) -> Option<String>, counted: usize) -> usize {
+    get("LOCAL_WORLD_SIZE")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(counted)
+}
+
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default time a peer may stay silent before it is reported unresponsive
@@ -164,7 +191,7 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
-        // Read by the receive path itself (peer.rs `spin_time`); checked here so that a value
+        // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
         cfg = crate::limits_from_env(cfg, &get)?;

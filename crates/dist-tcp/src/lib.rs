@@ -212,12 +212,29 @@ impl TcpBackend {
             max_message: cfg.max_message,
             unexpected: cfg.unexpected_limit,
         };
+        // Ranks of this job on this host: the peers whose connection comes from this host's
+        // own address, or as the launcher says.
+        let same_host = streams
+            .iter()
+            .flatten()
+            .filter(|s| match (s.local_addr(), s.peer_addr()) {
+                (Ok(l), Ok(p)) => l.ip() == p.ip(),
+                _ => false,
+            })
+            .count();
+        let local = config::local_ranks(|k| std::env::var(k).ok(), 1 + same_host);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = peer::spin_env().unwrap_or_else(|| config::default_spin(local, cores));
+        tracing::debug!(rank = me, local, cores, ?spin, "receive spin");
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match s {
                 Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
                 None => Peer::loopback(me, aborts.clone()),
             }));
+        }
+        for p in &peers {
+            p.set_spin(spin);
         }
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {

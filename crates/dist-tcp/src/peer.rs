@@ -41,8 +41,9 @@ pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
 pub(crate) use connect::ConnectHook;
 pub(crate) use io::IoThread;
+use recv::Spinning;
 pub use recv::TcpRecv;
-use recv::{Spinning, spin_time};
+pub(crate) use recv::spin_env;
 use rx::*;
 use slots::*;
 use writer::*;
@@ -85,8 +86,9 @@ const IDLE_DRAIN: Duration = Duration::from_millis(20);
 /// socket alone (no timer) instead of draining every [`IDLE_DRAIN`].
 const IDLE_QUIET: Duration = Duration::from_millis(100);
 
-/// How long a receiver spins for its message before it sleeps.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long a receiver spins for its message before it sleeps, unless the host is
+/// oversubscribed (see `config::default_spin`) or `DIST_SPIN_US` says otherwise.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 /// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
 pub(crate) const SPIN_MAX_US: u32 = 10_000;
 
@@ -128,6 +130,8 @@ pub(crate) struct Peer {
     cond: Condvar,
     /// Receivers spinning on this peer right now; the I/O thread stands back meanwhile.
     spinners: AtomicUsize,
+    /// How long a receiver spins on this peer before it sleeps, in µs ([`Peer::set_spin`]).
+    spin_us: AtomicU64,
     /// How many turns the I/O thread has given this peer's state (tests count its wake-ups).
     #[cfg(test)]
     reader_turns: AtomicU64,
@@ -191,6 +195,7 @@ impl Peer {
             io_added: AtomicBool::new(false),
             io_woken: AtomicBool::new(false),
             spinners: AtomicUsize::new(0),
+            spin_us: AtomicU64::new(spin_env().unwrap_or(SPIN).as_micros() as u64),
             #[cfg(test)]
             reader_turns: AtomicU64::new(0),
             on_abort: OnceLock::new(),
@@ -298,6 +303,16 @@ impl Peer {
     /// Whether the peer has a connection (the loopback peer: never).
     pub(crate) fn is_connected(&self) -> bool {
         self.conn.get().is_some()
+    }
+
+    /// Sets how long a receiver spins on this peer before it sleeps.
+    pub(crate) fn set_spin(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.spin_us.store(us, Ordering::Relaxed);
+    }
+
+    fn spin_time(&self) -> Duration {
+        Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
     }
 
     /// Whether this is the rank itself.

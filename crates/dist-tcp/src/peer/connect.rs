@@ -25,7 +25,10 @@ impl Peer {
     /// made on first use of a send or a posted receive by `connect`, if given.
     #[cfg_attr(
         not(test),
-        expect(dead_code, reason = "the lazy dialer (issue 13 point 1) is its first caller")
+        expect(
+            dead_code,
+            reason = "the lazy dialer (issue 13 point 1) is its first caller"
+        )
     )]
     pub(crate) fn unconnected(
         me: usize,

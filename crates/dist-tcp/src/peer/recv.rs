@@ -259,7 +259,7 @@ impl Peer {
                 spun = true;
                 drop(st);
                 let until = Instant::now()
-                    .checked_add(spin_time())
+                    .checked_add(self.spin_time())
                     .map_or(deadline, |t| deadline.min(t));
                 self.spin(id, until);
                 st = self.lock();
@@ -353,13 +353,13 @@ impl Peer {
     }
 }
 
-pub(super) fn spin_time() -> Duration {
-    static S: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+/// The spin `DIST_SPIN_US` asks for (at most [`SPIN_MAX_US`]), if it is set to a number.
+pub(crate) fn spin_env() -> Option<Duration> {
+    static S: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *S.get_or_init(|| {
         std::env::var("DIST_SPIN_US")
             .ok()
-            .and_then(|v| v.parse().ok())
+            .and_then(|v| v.trim().parse().ok())
             .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
-            .unwrap_or(SPIN)
     })
 }

@@ -256,7 +256,7 @@ impl Peer {
         let mut bufs = &mut bufs[..];
         let mut sent = 0;
         let started = Instant::now();
-        let spin = spin_time();
+        let spin = src.spin_time();
         let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
