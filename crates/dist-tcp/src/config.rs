@@ -15,7 +15,7 @@ const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 /// Ranks of one job per core of their host up to which receivers spin by default (see
 /// [`default_spin`]); measured on a 2-core host (`docs/benchmarks.md`, "Spinning and
 /// oversubscription").
-pub(crate) const SPIN_RANKS_PER_CORE: usize = 4;
+pub(crate) const SPIN_RANKS_PER_CORE: usize = 16;
 
 /// How long a receiver spins before it sleeps when `DIST_SPIN_US` is not set: [`crate::peer::SPIN`]
 /// (50 µs) while the job's ranks on this host (`local`) are at most [`SPIN_RANKS_PER_CORE`]
@@ -550,5 +550,23 @@ mod tests {
     fn debug_hides_the_secret() {
         let c = TcpConfig::new(0, 1, "x:1").secret("hunter2");
         assert!(!format!("{c:?}").contains("hunter2"));
+    }
+
+    /// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond
+    /// (measured: `docs/benchmarks.md`, "Spinning and oversubscription"); `LOCAL_WORLD_SIZE`
+    /// counts the ranks when set to a positive number.
+    #[test]
+    fn the_spin_stops_on_an_oversubscribed_host() {
+        assert_eq!(default_spin(4, 2), crate::peer::SPIN);
+        assert_eq!(default_spin(32, 2), crate::peer::SPIN);
+        assert_eq!(default_spin(33, 2), Duration::ZERO);
+        assert_eq!(default_spin(64, 2), Duration::ZERO);
+        assert_eq!(default_spin(64, 32), crate::peer::SPIN);
+        assert_eq!(default_spin(17, 0), Duration::ZERO);
+        let env = |v: &'static str| move |k: &str| (k == "LOCAL_WORLD_SIZE").then(|| v.to_string());
+        assert_eq!(local_ranks(env("8"), 64), 8);
+        assert_eq!(local_ranks(env("0"), 64), 64);
+        assert_eq!(local_ranks(env("many"), 64), 64);
+        assert_eq!(local_ranks(|_: &str| None, 3), 3);
     }
 }

@@ -179,7 +179,7 @@ impl Shared {
         });
     }
 
-    /// Queues `f` for the liveness thread to dispatch (from a reader thread, which must not run
+    /// Queues `f` for the liveness thread to dispatch (from the I/O thread, which must not run
     /// the hooks itself: it may hold the read side of a connection).
     pub(crate) fn post(&self, f: PeerFault) {
         if self.closing() {

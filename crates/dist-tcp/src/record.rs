@@ -110,7 +110,7 @@ impl Shared {
         }
     }
 
-    /// A heartbeat came from `from` (the reader thread's hook): answer one that asks (on the
+    /// A heartbeat came from `from` (the I/O thread's hook): answer one that asks (on the
     /// liveness thread, which owns the writing of heartbeats), and wake a gathering thread.
     pub(crate) fn heard_beat(&self, from: usize, asked: bool) {
         if asked {

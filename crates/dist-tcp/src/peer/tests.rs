@@ -242,8 +242,8 @@ fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
 }
 
 /// Review finding 1. Fails before the fix (t1 times out after 3 s): a frame held for flow
-/// control by a spinner (not the reader thread) was never re-routed when the budget freed,
-/// while the reader thread sat in `peek` on a socket whose bytes were already in `rx.buf`.
+/// control by a spinner (not the reader thread, now the I/O thread) was never re-routed when the
+/// budget freed, while the reader sat in `peek` on a socket whose bytes were already in `rx.buf`.
 #[test]
 fn review_held_by_spinner_lost_wake() {
     // Room for one 100-byte message, not two.
@@ -254,7 +254,7 @@ fn review_held_by_spinner_lost_wake() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(pair.queued_bytes(), 100 + QUEUED_OVERHEAD);
-    // T0 sleeps on tag 5 forever: the reader thread watches the socket (peek).
+    // T0 sleeps on tag 5 forever: the I/O thread watches the socket.
     let p0 = pair.peer.clone();
     let t0 = std::thread::spawn(move || {
         let mut b = [0u8; 10];
@@ -478,10 +478,11 @@ fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
     flood.join().unwrap();
 }
 
-/// Issue 13 (many ranks on one host): a reader whose peer is quiet waits for the socket instead
-/// of waking every IDLE_DRAIN. Fails before the change: over 2 s of quiet the reader looked at
-/// its state about 100 times (every 20 ms); now about 13 (the first IDLE_QUIET at IDLE_DRAIN,
-/// then one look per IDLE_POLL). A frame arriving meanwhile is still drained and received.
+/// Issue 13 (many ranks on one host): a quiet connection's read side waits for the socket
+/// instead of waking every IDLE_DRAIN. Fails before the change: over 2 s of quiet the reader
+/// thread looked at its state about 100 times (every 20 ms); with the reader thread's IDLE_POLL
+/// about 13; on the I/O thread about 6 (every IDLE_DRAIN until IDLE_QUIET, then none: a quiet
+/// socket has no timer). A frame arriving meanwhile is still drained and received.
 #[test]
 fn a_quiet_reader_waits_for_the_socket() {
     let mut p = Pair::new(limits(1 << 20, 1 << 20));
@@ -489,9 +490,11 @@ fn a_quiet_reader_waits_for_the_socket() {
     std::thread::sleep(quiet);
     let turns = p.peer.reader_turns.load(Ordering::Relaxed);
     let every_drain = (quiet.as_millis() / IDLE_DRAIN.as_millis()) as u64;
+    let until_quiet = (IDLE_QUIET.as_millis() / IDLE_DRAIN.as_millis()) as u64;
     assert!(
-        turns < every_drain / 3,
-        "the reader looked {turns} times in {quiet:?} of quiet (every IDLE_DRAIN would be {every_drain})"
+        turns <= until_quiet + 4,
+        "the read side looked {turns} times in {quiet:?} of quiet (every IDLE_DRAIN would be \
+         {every_drain}; until IDLE_QUIET only, {until_quiet})"
     );
     p.frame(1, 7, 3, b"abc");
     let mut buf = [0u8; 3];
