@@ -12,6 +12,33 @@ use crate::wire::MIN_SECRET_LEN;
 /// forever" to the OS, and nothing useful completes in less than a millisecond.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
+/// Ranks of one job per core of their host up to which receivers spin by default (see
+/// [`default_spin`]); measured on a 2-core host (`docs/benchmarks.md`, "Spinning and
+/// oversubscription").
+pub(crate) const SPIN_RANKS_PER_CORE: usize = 16;
+
+/// How long a receiver spins before it sleeps when `DIST_SPIN_US` is not set: [`crate::peer::SPIN`]
+/// (50 µs) while the job's ranks on this host (`local`) are at most [`SPIN_RANKS_PER_CORE`]
+/// per core (`cores`), else none. Spinning saves a thread switch when the message comes within
+/// microseconds, which pays while the sender has a core to run on; on a host with many more
+/// ranks than cores, the spinning rank takes the core the sender needs.
+pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
+    if local <= SPIN_RANKS_PER_CORE.saturating_mul(cores.max(1)) {
+        crate::peer::SPIN
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// The ranks of this job on this host: `LOCAL_WORLD_SIZE` (as torchrun sets it) if it is a
+/// positive number, else `counted` (this rank and the peers connected from this host's address).
+pub(crate) fn local_ranks(get: impl Fn(&str) -> Option<String>, counted: usize) -> usize {
+    get("LOCAL_WORLD_SIZE")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(counted)
+}
+
 /// Default deadline of every operation after init.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default time a peer may stay silent before it is reported unresponsive
@@ -164,7 +191,7 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
-        // Read by the receive path itself (peer.rs `spin_time`); checked here so that a value
+        // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
         cfg = crate::limits_from_env(cfg, &get)?;
@@ -523,5 +550,23 @@ mod tests {
     fn debug_hides_the_secret() {
         let c = TcpConfig::new(0, 1, "x:1").secret("hunter2");
         assert!(!format!("{c:?}").contains("hunter2"));
+    }
+
+    /// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond
+    /// (measured: `docs/benchmarks.md`, "Spinning and oversubscription"); `LOCAL_WORLD_SIZE`
+    /// counts the ranks when set to a positive number.
+    #[test]
+    fn the_spin_stops_on_an_oversubscribed_host() {
+        assert_eq!(default_spin(4, 2), crate::peer::SPIN);
+        assert_eq!(default_spin(32, 2), crate::peer::SPIN);
+        assert_eq!(default_spin(33, 2), Duration::ZERO);
+        assert_eq!(default_spin(64, 2), Duration::ZERO);
+        assert_eq!(default_spin(64, 32), crate::peer::SPIN);
+        assert_eq!(default_spin(17, 0), Duration::ZERO);
+        let env = |v: &'static str| move |k: &str| (k == "LOCAL_WORLD_SIZE").then(|| v.to_string());
+        assert_eq!(local_ranks(env("8"), 64), 8);
+        assert_eq!(local_ranks(env("0"), 64), 64);
+        assert_eq!(local_ranks(env("many"), 64), 64);
+        assert_eq!(local_ranks(|_: &str| None, 3), 3);
     }
 }

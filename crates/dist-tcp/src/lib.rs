@@ -167,11 +167,11 @@ pub struct TcpBackend {
     _threads: Threads,
 }
 
-/// The backend's threads (a reader per peer, the liveness thread); dropping this closes the
-/// connections in order (see its `Drop`).
+/// The backend's threads (the I/O thread, which reads every connection, and the liveness
+/// thread); dropping this closes the connections in order (see its `Drop`).
 struct Threads {
     shared: Arc<Shared>,
-    readers: Vec<JoinHandle<()>>,
+    io: peer::IoThread,
     liveness: Option<JoinHandle<()>>,
 }
 
@@ -212,12 +212,29 @@ impl TcpBackend {
             max_message: cfg.max_message,
             unexpected: cfg.unexpected_limit,
         };
+        // Ranks of this job on this host: the peers whose connection comes from this host's
+        // own address, or as the launcher says.
+        let same_host = streams
+            .iter()
+            .flatten()
+            .filter(|s| match (s.local_addr(), s.peer_addr()) {
+                (Ok(l), Ok(p)) => l.ip() == p.ip(),
+                _ => false,
+            })
+            .count();
+        let local = config::local_ranks(|k| std::env::var(k).ok(), 1 + same_host);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = peer::spin_env().unwrap_or_else(|| config::default_spin(local, cores));
+        tracing::debug!(rank = me, local, cores, ?spin, "receive spin");
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match s {
                 Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
                 None => Peer::loopback(me, aborts.clone()),
             }));
+        }
+        for p in &peers {
+            p.set_spin(spin);
         }
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
@@ -238,20 +255,18 @@ impl TcpBackend {
             beside: OnceLock::new(),
             beats: record::BeatWait::default(),
         });
-        let mut threads = Threads {
-            shared: shared.clone(),
-            readers: Vec::new(),
-            liveness: None,
-        };
-        for p in shared.peers.iter() {
-            let Some(stream) = p.reader_stream() else {
-                continue;
-            };
-            let stream = stream.map_err(|source| DistError::Io {
+        let io =
+            peer::IoThread::spawn(format!("dist-io-{me}")).map_err(|source| DistError::Io {
                 rank: me,
-                context: format!("clone the socket of peer {}", p.rank),
+                context: "start the I/O thread".into(),
                 source,
             })?;
+        let mut threads = Threads {
+            shared: shared.clone(),
+            io,
+            liveness: None,
+        };
+        for p in shared.peers.iter().filter(|p| !p.is_loopback()) {
             let peer = p.clone();
             let weak = Arc::downgrade(&shared);
             let sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
@@ -267,7 +282,7 @@ impl TcpBackend {
                         cause: FaultCause::Aborted(notice.reason.clone()),
                     });
                     // A rank that only hears of a failure writes its record too (on the
-                    // liveness thread: no file I/O on a reader thread).
+                    // liveness thread: no file I/O on the I/O thread).
                     if s.trace_dir.is_some() {
                         s.post_event(liveness::Event::WriteTrace);
                     }
@@ -294,15 +309,8 @@ impl TcpBackend {
                     });
                 }
             }));
-            let handle = std::thread::Builder::new()
-                .name(format!("dist-rx-{me}-from-{}", p.rank))
-                .spawn(move || peer.read_loop(stream))
-                .map_err(|source| DistError::Io {
-                    rank: me,
-                    context: "spawn a reader thread".into(),
-                    source,
-                })?;
-            threads.readers.push(handle);
+            // Its connection is watched by the I/O thread from now on (or from its attach).
+            threads.io.adopt(&peer);
         }
         let weak = Arc::downgrade(&shared);
         let (world, interval) = (
@@ -475,9 +483,7 @@ impl Drop for Threads {
         for p in &self.shared.peers {
             p.shutdown(Shutdown::Both);
         }
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
+        self.io.stop();
     }
 }
 

@@ -57,7 +57,7 @@ impl Link for TcpLink {
     /// Writes one frame to `dst`. Beside a posted receive, one thread keeps both directions
     /// going: the frame is written without blocking and, whenever the socket is full, the
     /// receive's socket is read. With cores to spare ([`TcpConfig::parallel`](crate::TcpConfig::parallel)) a large send
-    /// instead blocks on this thread while the peer's reader thread takes the receive: the two
+    /// instead blocks on this thread while the I/O thread takes the receive: the two
     /// copies run on two cores.
     fn send(
         &self,
@@ -108,9 +108,9 @@ impl Link for TcpLink {
     /// Remembers the abort here (this rank's later collectives, and other threads' waits on
     /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
     /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
-    /// flight record (`DIST_TRACE_DIR`). Notices go out from threads of their own; this waits
-    /// for them 500 ms at most, so a peer that does not read (stopped, or its buffers full)
-    /// holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
+    /// flight record (`DIST_TRACE_DIR`). The notices go out from one thread, in one loop of
+    /// non-blocking writes; this waits for it 500 ms at most, so a peer that does not read
+    /// (stopped, or its buffers full) holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
     fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
         let shared = &self.0;
         if shared.aborts.notices().is_empty() {

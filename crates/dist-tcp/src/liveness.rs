@@ -86,8 +86,8 @@ pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
     (peer_timeout / 5).clamp(Duration::from_millis(5), Duration::from_secs(1))
 }
 
-/// The liveness thread's body: a heartbeat to every peer each interval, silent peers declared
-/// unresponsive, and faults dispatched to the hooks as they come.
+/// The liveness thread's body: a heartbeat to every connected peer each interval, silent peers
+/// declared unresponsive, and faults dispatched to the hooks as they come.
 pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, interval: Duration) {
     let start = Instant::now();
     let mut last = vec![start; world];
@@ -137,6 +137,11 @@ impl Shared {
     fn tick(&self, last: &mut [Instant], now: Instant) {
         let at = self.whereabouts();
         for p in self.peers.iter().filter(|p| p.rank != self.rank) {
+            if !p.is_connected() {
+                // Not connected (yet): no heartbeat, and no silence to judge until it is.
+                last[p.rank] = now;
+                continue;
+            }
             if p.heard.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 last[p.rank] = now;
             }
@@ -174,7 +179,7 @@ impl Shared {
         });
     }
 
-    /// Queues `f` for the liveness thread to dispatch (from a reader thread, which must not run
+    /// Queues `f` for the liveness thread to dispatch (from the I/O thread, which must not run
     /// the hooks itself: it may hold the read side of a connection).
     pub(crate) fn post(&self, f: PeerFault) {
         if self.closing() {
@@ -223,65 +228,69 @@ impl Shared {
         self.closing.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Sends an abort notice to every other rank, each from a thread of its own, and waits for
-    /// them at most [`ABORT_WAIT`]: a peer that does not read (stopped, or its buffers full)
-    /// holds up neither the caller nor the notices to the others.
-    pub(crate) fn send_abort_notices(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+    /// Sends an abort notice to every other connected rank, all from one thread (non-blocking
+    /// writes in one loop, for at most [`NOTICE_SEND`]), and waits for it at most
+    /// [`ABORT_WAIT`]: a peer that does not read (stopped, or its buffers full) holds up neither
+    /// the caller nor the notices to the others, and the threads of a rank do not grow with the
+    /// world size.
+    pub(crate) fn send_abort_notices(
+        self: &Arc<Self>,
+        tag: Tag,
+        reason: &str,
+        culprit: Option<usize>,
+    ) {
         let mut meta = [0u8; 16];
         if let Some(c) = culprit {
             meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
         }
+        let me = self.rank;
         let (done, finished) = std::sync::mpsc::channel::<()>();
-        let reason: Arc<str> = Arc::from(reason);
-        let mut sent = 0;
-        for peer in self.peers.iter().filter(|p| p.rank != self.rank) {
-            let (p, text, done) = (peer.clone(), reason.clone(), done.clone());
-            let me = self.rank;
-            let spawned = std::thread::Builder::new()
-                .name(format!("dist-abort-{me}-to-{}", p.rank))
-                .spawn(move || {
-                    notify(&p, tag, &text, meta);
-                    let _ = done.send(());
-                });
-            match spawned {
-                Ok(_) => sent += 1,
-                Err(e) => {
-                    tracing::debug!(rank = me, error = %e, "no thread for an abort notice");
-                    notify(peer, tag, &reason, meta);
+        let shared = self.clone();
+        let text = reason.to_string();
+        let spawned = std::thread::Builder::new()
+            .name(format!("dist-abort-{me}"))
+            .spawn(move || {
+                shared.notify_all(tag, &text, meta);
+                let _ = done.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                if finished.recv_timeout(ABORT_WAIT).is_err() {
+                    tracing::debug!(rank = me, "abort notices still on their way");
                 }
             }
-        }
-        let deadline = Instant::now() + ABORT_WAIT;
-        for _ in 0..sent {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if finished.recv_timeout(left).is_err() {
-                tracing::debug!(rank = self.rank, "abort notices still on their way");
-                break;
+            Err(e) => {
+                tracing::debug!(rank = me, error = %e, "no thread for the abort notices");
+                // On this thread, then, within the caller's bound.
+                self.notify_all_by(tag, reason, meta, Instant::now() + ABORT_WAIT);
             }
         }
+    }
+
+    fn notify_all(&self, tag: Tag, reason: &str, meta: [u8; 16]) {
+        self.notify_all_by(tag, reason, meta, Instant::now() + NOTICE_SEND);
+    }
+
+    fn notify_all_by(&self, tag: Tag, reason: &str, meta: [u8; 16], deadline: Instant) {
+        let peers: Vec<&Peer> = self.peers.iter().map(|p| &**p).collect();
+        Peer::send_to_all(
+            &peers,
+            FrameKind::Abort,
+            tag.to_wire(),
+            reason.as_bytes(),
+            meta,
+            deadline,
+            &|r| format!("abort notice to {r}"),
+        );
     }
 }
 
 /// How long a failing call waits for its abort notices to go out.
 pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(500);
 
-/// How long one abort notice's thread tries to write it (a peer that does not read must not keep
-/// the thread for the operation's whole timeout).
+/// How long the notices' thread tries to write them (a peer that does not read must not keep
+/// it for the operation's whole timeout).
 const NOTICE_SEND: Duration = Duration::from_secs(1);
-
-fn notify(p: &Peer, tag: Tag, reason: &str, meta: [u8; 16]) {
-    let op = || format!("abort notice to {}", p.rank);
-    if let Err(e) = p.send(
-        FrameKind::Abort,
-        tag.to_wire(),
-        reason.as_bytes(),
-        meta,
-        &op,
-        Instant::now() + NOTICE_SEND,
-    ) {
-        tracing::debug!(rank = p.me, peer = p.rank, error = %e, "abort notice not delivered");
-    }
-}
 
 /// The channel the liveness thread listens on.
 pub(crate) fn channel() -> (Mutex<Sender<Event>>, Receiver<Event>) {

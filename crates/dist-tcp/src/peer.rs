@@ -1,7 +1,8 @@
 //! One peer's connection after the handshake: the writer (callers' threads write frames directly,
-//! one at a time), the read side (frames are read without blocking, by the peer's reader thread
+//! one at a time), the read side (frames are read without blocking, by the backend's I/O thread
 //! or by a receiver spinning for its message, and each payload lands in the buffer a receiver
-//! has posted, or in the queue), and the matching of messages to receivers by tag.
+//! has posted, or in the queue), and the matching of messages to receivers by tag. A peer may
+//! exist before its connection (`connect.rs`): the connection is attached once.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
@@ -17,7 +18,14 @@ use crate::sys::{MSG_DONTWAIT, MSG_NOSIGNAL};
 use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
+mod connect;
+mod io;
+#[cfg(test)]
+mod io_tests;
+#[cfg(test)]
+mod lazy_tests;
 mod live;
+mod notices;
 pub(crate) use live::{Beat, Whereabouts};
 #[cfg(test)]
 mod props;
@@ -31,8 +39,11 @@ mod writer;
 
 pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
+pub(crate) use connect::ConnectHook;
+pub(crate) use io::IoThread;
+use recv::Spinning;
 pub use recv::TcpRecv;
-use recv::{Spinning, spin_time};
+pub(crate) use recv::spin_env;
 use rx::*;
 use slots::*;
 use writer::*;
@@ -48,8 +59,9 @@ const ABORTS_KEPT: usize = 64;
 /// and the deque (16-32 B each). Charging less let a peer that sends 1-byte messages on distinct
 /// tags hold several times the budget.
 const QUEUED_OVERHEAD: usize = 256;
-/// How often a reader that holds a message back for flow control rechecks on its own (it is
-/// woken whenever a receive is posted or a queued message taken; this only bounds a lost wake).
+/// How often the read side of a peer that holds a message back for flow control rechecks on its
+/// own (it is woken whenever a receive is posted or a queued message taken; this only bounds a
+/// lost wake).
 const HOLD_RECHECK: Duration = Duration::from_millis(500);
 
 /// What a peer may make this rank hold: the largest frame accepted, and the bytes of messages
@@ -67,44 +79,65 @@ const GRACE_MIN_LEN: usize = 64 << 10;
 /// How long a large message waits for its receive to be posted.
 const GRACE: Duration = Duration::from_millis(5);
 
-/// How often the reader thread drains a connection that nobody is waiting on, while receives
-/// come and go on it.
+/// How often the I/O thread drains a connection that nobody is waiting on, while receives come
+/// and go on it.
 const IDLE_DRAIN: Duration = Duration::from_millis(20);
-/// How long nothing must be posted or taken on a connection before its reader waits for the
-/// socket instead of draining every [`IDLE_DRAIN`].
+/// How long nothing must be posted or taken on a connection before the I/O thread waits for its
+/// socket alone (no timer) instead of draining every [`IDLE_DRAIN`].
 const IDLE_QUIET: Duration = Duration::from_millis(100);
-/// The longest a quiet reader waits for the socket before it looks at its state again (a
-/// closing backend, which wakes sleeping readers, reaches a quiet one within this).
-const IDLE_POLL: Duration = Duration::from_millis(250);
 
-/// How long a receiver spins for its message before it sleeps.
-const SPIN: Duration = Duration::from_micros(50);
+/// How long a receiver spins for its message before it sleeps, unless the host is
+/// oversubscribed (see `config::default_spin`) or `DIST_SPIN_US` says otherwise.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 /// The longest spin `DIST_SPIN_US` may ask for (10 ms); more is a configuration error.
 pub(crate) const SPIN_MAX_US: u32 = 10_000;
 
-/// One peer: its socket halves, and the messages and receives waiting on it.
+/// A connection's parts, set once when it is attached.
+struct Conn {
+    /// The writing half.
+    writer: WriterLock,
+    /// The read side, shared by the I/O thread and spinning receivers.
+    rx: Mutex<Rx>,
+    /// A handle to watch the socket with, and to shut the connection down.
+    stream: TcpStream,
+}
+
+/// One peer: its connection (once attached), and the messages and receives waiting on it.
 pub(crate) struct Peer {
     pub(crate) me: usize,
     pub(crate) rank: usize,
-    /// The writing half; `None` for the loopback peer (this rank itself).
-    writer: Option<WriterLock>,
-    /// A handle used only to shut the connection down.
-    stream: Option<TcpStream>,
+    /// The peer is this rank itself: sends are copied to its own queue; it has no connection.
+    loopback: bool,
+    /// The connection, once attached ([`Peer::attach`]).
+    conn: OnceLock<Conn>,
+    /// The send timeout set on an attached socket.
+    send_timeout: Duration,
+    /// Makes the connection on first use, for a peer created without one.
+    connect: Option<ConnectHook>,
+    /// Who dials the connection now (one caller at a time; the others wait for it).
+    dial: Mutex<connect::Dial>,
+    dialed: Condvar,
+    /// The I/O thread that drives the read side, once adopted.
+    io: OnceLock<Arc<io::Io>>,
+    /// This peer's own `Arc`, for handing it to the I/O thread (set when adopted).
+    this: OnceLock<std::sync::Weak<Peer>>,
+    /// The connection has been handed to the I/O thread.
+    io_added: AtomicBool,
+    /// A wake of the I/O thread for this peer is pending.
+    io_woken: AtomicBool,
     state: Mutex<State>,
     /// Receivers sleep on this one.
     cond: Condvar,
-    /// The reader thread sleeps on this one, so that delivering a message wakes no one else.
-    reader_cond: Condvar,
-    /// The read side, shared by the reader thread and spinning receivers; `None` for loopback.
-    rx: Option<Mutex<Rx>>,
-    /// Receivers spinning on this peer right now; the reader thread stands back meanwhile.
+    /// Receivers spinning on this peer right now; the I/O thread stands back meanwhile.
     spinners: AtomicUsize,
-    /// How many times the reader thread has looked at its state (tests count its wake-ups).
+    /// How long a receiver spins on this peer before it sleeps, in µs ([`Peer::set_spin`]).
+    spin_us: AtomicU64,
+    /// How many turns the I/O thread has given this peer's state (tests count its wake-ups).
     #[cfg(test)]
     reader_turns: AtomicU64,
     aborts: Arc<Aborts>,
     on_abort: OnceLock<AbortSink>,
-    /// Hears, from the reader thread, that the connection has ended (with why).
+    /// Hears, from the I/O thread, that the connection has ended (with why).
     on_close: OnceLock<CloseSink>,
     limits: Limits,
     /// Set whenever something arrives from the peer; the liveness thread clears it each tick.
@@ -120,7 +153,7 @@ pub(crate) struct Peer {
     beside: AtomicU64,
     /// Heartbeats heard from the peer so far.
     pub(crate) beats: AtomicU64,
-    /// Hears, from the reader thread, each heartbeat (and whether it asked for one back).
+    /// Hears, from the I/O thread (or a receiver reading), each heartbeat (and whether it asked for one back).
     on_beat: OnceLock<BeatSink>,
     /// The peer said it is closing its backend normally.
     leaving: AtomicBool,
@@ -140,6 +173,47 @@ impl std::fmt::Debug for Peer {
 }
 
 impl Peer {
+    fn bare(
+        me: usize,
+        rank: usize,
+        send_timeout: Duration,
+        aborts: Arc<Aborts>,
+        limits: Limits,
+        connect: Option<ConnectHook>,
+    ) -> Peer {
+        Peer {
+            me,
+            rank,
+            loopback: false,
+            conn: OnceLock::new(),
+            send_timeout,
+            connect,
+            dial: Mutex::new(connect::Dial::default()),
+            dialed: Condvar::new(),
+            io: OnceLock::new(),
+            this: OnceLock::new(),
+            io_added: AtomicBool::new(false),
+            io_woken: AtomicBool::new(false),
+            spinners: AtomicUsize::new(0),
+            spin_us: AtomicU64::new(spin_env().unwrap_or(SPIN).as_micros() as u64),
+            #[cfg(test)]
+            reader_turns: AtomicU64::new(0),
+            on_abort: OnceLock::new(),
+            on_close: OnceLock::new(),
+            heard: AtomicBool::new(false),
+            silent_ms: AtomicU64::new(0),
+            position: AtomicU64::new(u64::MAX),
+            beside: AtomicU64::new(u64::MAX),
+            beats: AtomicU64::new(0),
+            on_beat: OnceLock::new(),
+            leaving: AtomicBool::new(false),
+            state: Mutex::new(State::new()),
+            cond: Condvar::new(),
+            aborts,
+            limits,
+        }
+    }
+
     /// A peer over `stream`, whose handshake is done.
     pub(crate) fn connected(
         me: usize,
@@ -149,6 +223,27 @@ impl Peer {
         aborts: Arc<Aborts>,
         limits: Limits,
     ) -> Result<Peer> {
+        let p = Peer::bare(me, rank, timeout, aborts, limits, None);
+        p.set_conn(stream)?;
+        Ok(p)
+    }
+
+    /// The peer that is this rank itself: sends are copied to its own queue.
+    pub(crate) fn loopback(me: usize, aborts: Arc<Aborts>) -> Peer {
+        // Loopback messages are copies of this rank's own sends: no wire, no budget.
+        let limits = Limits {
+            max_message: u64::MAX,
+            unexpected: usize::MAX,
+        };
+        let mut p = Peer::bare(me, me, Duration::ZERO, aborts, limits, None);
+        p.loopback = true;
+        p
+    }
+
+    /// Makes the connection's parts from `stream` and sets them; an error if the peer already
+    /// has a connection.
+    fn set_conn(&self, stream: TcpStream) -> Result<()> {
+        let (me, rank) = (self.me, self.rank);
         let io = |context: &str, source| DistError::Io {
             rank: me,
             context: format!("{context} for peer {rank}"),
@@ -162,83 +257,67 @@ impl Peer {
             .map_err(|e| io("clear read timeout", e))?;
         let w = stream.try_clone().map_err(|e| io("clone socket", e))?;
         let sock = socket2::Socket::from(w);
-        sock.set_write_timeout(Some(timeout))
+        sock.set_write_timeout(Some(self.send_timeout))
             .map_err(|e| io("set send timeout", e))?;
         crate::sys::prepare(&sock).map_err(|e| io("prepare socket", e))?;
         let r = stream.try_clone().map_err(|e| io("clone socket", e))?;
-        Ok(Peer {
-            me,
-            rank,
-            writer: Some(WriterLock::new(Writer {
+        let conn = Conn {
+            writer: WriterLock::new(Writer {
                 sock,
                 broken: None,
                 hb: [0; FRAME_HEADER_LEN],
                 hb_left: 0,
-            })),
-            rx: Some(Mutex::new(Rx {
+            }),
+            rx: Mutex::new(Rx {
                 sock: Source::Socket(socket2::Socket::from(r)),
                 buf: vec![0u8; RX_BUF].into_boxed_slice(),
                 lo: 0,
                 hi: 0,
                 frame: Frame::Header,
                 dead: false,
-            })),
-            spinners: AtomicUsize::new(0),
-            #[cfg(test)]
-            reader_turns: AtomicU64::new(0),
-            on_abort: OnceLock::new(),
-            on_close: OnceLock::new(),
-            heard: AtomicBool::new(false),
-            silent_ms: AtomicU64::new(0),
-            position: AtomicU64::new(u64::MAX),
-            beside: AtomicU64::new(u64::MAX),
-            beats: AtomicU64::new(0),
-            on_beat: OnceLock::new(),
-            leaving: AtomicBool::new(false),
-            stream: Some(stream),
-            state: Mutex::new(State::new()),
-            cond: Condvar::new(),
-            reader_cond: Condvar::new(),
-            aborts,
-            limits,
+            }),
+            stream,
+        };
+        self.conn.set(conn).map_err(|_| DistError::InvalidArgument {
+            rank: me,
+            op: format!("attach a connection to peer {rank}"),
+            reason: "the peer already has a connection".into(),
         })
     }
 
-    /// The peer that is this rank itself: sends are copied to its own queue.
-    pub(crate) fn loopback(me: usize, aborts: Arc<Aborts>) -> Peer {
-        Peer {
-            me,
-            rank: me,
-            writer: None,
-            rx: None,
-            spinners: AtomicUsize::new(0),
-            #[cfg(test)]
-            reader_turns: AtomicU64::new(0),
-            on_abort: OnceLock::new(),
-            on_close: OnceLock::new(),
-            heard: AtomicBool::new(false),
-            silent_ms: AtomicU64::new(0),
-            position: AtomicU64::new(u64::MAX),
-            beside: AtomicU64::new(u64::MAX),
-            beats: AtomicU64::new(0),
-            on_beat: OnceLock::new(),
-            leaving: AtomicBool::new(false),
-            stream: None,
-            state: Mutex::new(State::new()),
-            cond: Condvar::new(),
-            reader_cond: Condvar::new(),
-            aborts,
-            // Loopback messages are copies of this rank's own sends: no wire, no budget.
-            limits: Limits {
-                max_message: u64::MAX,
-                unexpected: usize::MAX,
-            },
-        }
+    /// The read side, once connected.
+    fn rx(&self) -> Option<&Mutex<Rx>> {
+        self.conn.get().map(|c| &c.rx)
     }
 
-    /// A second handle on the socket for the reader thread.
-    pub(crate) fn reader_stream(&self) -> Option<std::io::Result<TcpStream>> {
-        self.stream.as_ref().map(TcpStream::try_clone)
+    /// The writing half, once connected.
+    fn writer(&self) -> Option<&WriterLock> {
+        self.conn.get().map(|c| &c.writer)
+    }
+
+    /// The socket handle, once connected.
+    fn stream(&self) -> Option<&TcpStream> {
+        self.conn.get().map(|c| &c.stream)
+    }
+
+    /// Whether the peer has a connection (the loopback peer: never).
+    pub(crate) fn is_connected(&self) -> bool {
+        self.conn.get().is_some()
+    }
+
+    /// Sets how long a receiver spins on this peer before it sleeps.
+    pub(crate) fn set_spin(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        self.spin_us.store(us, Ordering::Relaxed);
+    }
+
+    fn spin_time(&self) -> Duration {
+        Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
+    }
+
+    /// Whether this is the rank itself.
+    pub(crate) fn is_loopback(&self) -> bool {
+        self.loopback
     }
 
     /// Blocks on the condition variable (at most `limit`), counted in `sleepers`.
@@ -261,34 +340,18 @@ impl Peer {
         st
     }
 
-    /// Blocks the reader thread (at most `limit`) until [`Peer::wake_reader`].
-    fn reader_sleep<'a>(
-        &'a self,
-        mut st: MutexGuard<'a, State>,
-        limit: Duration,
-        holding: bool,
-    ) -> MutexGuard<'a, State> {
-        st.reader_sleeping = true;
-        st.reader_holding = holding;
-        let mut st = self
-            .reader_cond
-            .wait_timeout(st, limit)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
-        st.reader_sleeping = false;
-        st.reader_holding = false;
-        st
-    }
-
+    /// Wakes the I/O thread's side of this peer if it waits holding a frame back.
     fn wake_reader_if_holding(&self, st: &State) {
         if st.reader_holding {
-            self.reader_cond.notify_one();
+            self.kick();
         }
     }
 
+    /// Wakes the I/O thread's side of this peer if it waits for an event or its timer (not
+    /// for the socket).
     fn wake_reader(&self, st: &State) {
         if st.reader_sleeping {
-            self.reader_cond.notify_one();
+            self.kick();
         }
     }
 
@@ -392,7 +455,7 @@ impl Peer {
             peer = self.rank,
             "{cause}; closing the connection"
         );
-        if let Some(rx) = &self.rx {
+        if let Some(rx) = self.rx() {
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             self.shut(&mut r, cause.to_string());
         }
@@ -423,14 +486,16 @@ impl Peer {
         self.wake_reader(&st);
     }
 
-    /// Waits until the reader has seen the connection end, or `deadline`. True if it has.
+    /// Waits until the read side has seen the connection end, or `deadline`. True if it has
+    /// (or there is no connection).
     pub(crate) fn wait_closed(&self, deadline: Instant) -> bool {
-        if self.stream.is_none() {
+        if !self.is_connected() {
             return true;
         }
         let mut st = self.lock();
         st.closing = true;
-        self.wake_reader(&st);
+        // Whatever the I/O thread waits for on this peer (a quiet socket has no timer).
+        self.kick();
         while st.closed.is_none() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -465,12 +530,13 @@ impl Peer {
             }
         }
         self.notify(&st);
-        self.wake_reader(&st);
+        // The I/O thread forgets the peer (and calls the close hook) on its next turn.
+        self.kick();
     }
 
     /// Shuts the socket down in both directions (on drop, or to break a hung connection).
     pub(crate) fn shutdown(&self, how: Shutdown) {
-        if let Some(s) = &self.stream {
+        if let Some(s) = self.stream() {
             let _ = s.shutdown(how);
         }
     }

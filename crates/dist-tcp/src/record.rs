@@ -110,7 +110,7 @@ impl Shared {
         }
     }
 
-    /// A heartbeat came from `from` (the reader thread's hook): answer one that asks (on the
+    /// A heartbeat came from `from` (the I/O thread's hook): answer one that asks (on the
     /// liveness thread, which owns the writing of heartbeats), and wake a gathering thread.
     pub(crate) fn heard_beat(&self, from: usize, asked: bool) {
         if asked {
@@ -129,7 +129,13 @@ impl Shared {
         let asked: Vec<(usize, u64)> = self
             .peers
             .iter()
-            .filter(|p| p.rank != self.rank && p.is_open() && !p.declared_silent() && !p.leaving())
+            .filter(|p| {
+                p.rank != self.rank
+                    && p.is_connected()
+                    && p.is_open()
+                    && !p.declared_silent()
+                    && !p.leaving()
+            })
             .filter_map(|p| {
                 let before = p.beats.load(Ordering::SeqCst);
                 (p.ask(at) == Beat::Sent).then_some((p.rank, before))
@@ -166,20 +172,60 @@ impl Shared {
     }
 
     /// Where every rank is: this one from its own record, every live peer from the heartbeat
-    /// it sends when asked (within [`ASK_WAIT`]), the others from their last one.
+    /// it sends when asked (within [`ASK_WAIT`]), the others from their last one; the peers this
+    /// rank has no connection to are listed as "not connected".
     pub(crate) fn positions_text(&self) -> String {
         self.gather(ASK_WAIT);
+        let mut apart = Vec::new();
         let all: Vec<_> = self
             .peers
             .iter()
-            .map(|p| {
+            .filter_map(|p| {
                 if p.rank == self.rank {
-                    (p.rank, self.flight.position())
+                    Some((p.rank, self.flight.position()))
+                } else if !p.is_connected() {
+                    apart.push(p.rank);
+                    None
                 } else {
-                    (p.rank, p.remote_position())
+                    Some((p.rank, p.remote_position()))
                 }
             })
             .collect();
-        describe_positions(&all)
+        with_apart(describe_positions(&all), &apart)
+    }
+}
+
+/// `text` followed by the ranks in `apart` described as not connected.
+fn with_apart(text: String, apart: &[usize]) -> String {
+    if apart.is_empty() {
+        return text;
+    }
+    let ranks: Vec<String> = apart.iter().map(usize::to_string).collect();
+    let (noun, list) = if apart.len() == 1 {
+        ("rank", ranks[0].clone())
+    } else {
+        ("ranks", ranks.join(", "))
+    };
+    format!("{text}; {noun} {list}: not connected")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_apart;
+
+    #[test]
+    fn peers_without_a_connection_are_described_as_not_connected() {
+        assert_eq!(
+            with_apart("0 waits in #3 barrier".into(), &[]),
+            "0 waits in #3 barrier"
+        );
+        assert_eq!(
+            with_apart("0 waits in #3 barrier".into(), &[5]),
+            "0 waits in #3 barrier; rank 5: not connected"
+        );
+        assert_eq!(
+            with_apart("x".into(), &[2, 7]),
+            "x; ranks 2, 7: not connected"
+        );
     }
 }

@@ -64,7 +64,8 @@ impl Peer {
     }
 
     fn heartbeat_flagged(&self, at: Whereabouts, flags: u8) -> Beat {
-        let Some(writer) = &self.writer else {
+        // A peer not connected (yet) gets no heartbeat: nothing is dialed for one.
+        let Some(writer) = self.writer() else {
             return Beat::Off;
         };
         // A deadline already passed: the writer if it is free, at once; else `Busy`.
@@ -84,7 +85,7 @@ impl Peer {
     /// ending next is no fault), by a heartbeat with [`HEARTBEAT_CLOSING`] set; best effort,
     /// without blocking on the socket.
     pub(crate) fn goodbye(&self, at: Whereabouts) {
-        if let Some(writer) = &self.writer {
+        if let Some(writer) = self.writer() {
             let Some(mut w) = writer.lock_by(Instant::now() + GOODBYE_WAIT) else {
                 return;
             };
@@ -146,7 +147,7 @@ impl Peer {
              host down)"
         );
         tracing::warn!(rank = self.me, peer = self.rank, "peer {cause}");
-        if let Some(rx) = &self.rx {
+        if let Some(rx) = self.rx() {
             let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
             self.shut(&mut r, cause);
         }

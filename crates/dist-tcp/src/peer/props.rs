@@ -32,25 +32,42 @@ fn stream(msgs: &[(u64, usize)]) -> Vec<u8> {
 /// A peer (rank 1 seen from rank 0) whose read side reads `bytes` as a test makes them
 /// available.
 fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
-    let mut p = Peer::loopback(0, Arc::new(Aborts::default()));
-    p.rank = 1;
-    p.limits = limits;
-    p.rx = Some(Mutex::new(Rx {
-        sock: Source::Script(Script {
-            bytes,
-            ..Script::default()
+    let p = Peer::bare(
+        0,
+        1,
+        Duration::from_secs(1),
+        Arc::new(Aborts::default()),
+        limits,
+        None,
+    );
+    // Writer and stream are never used here: unconnected sockets stand in for them.
+    let sock = || socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let conn = Conn {
+        writer: WriterLock::new(Writer {
+            sock: sock(),
+            broken: None,
+            hb: [0; FRAME_HEADER_LEN],
+            hb_left: 0,
         }),
-        buf: vec![0u8; RX_BUF].into_boxed_slice(),
-        lo: 0,
-        hi: 0,
-        frame: Frame::Header,
-        dead: false,
-    }));
+        rx: Mutex::new(Rx {
+            sock: Source::Script(Script {
+                bytes,
+                ..Script::default()
+            }),
+            buf: vec![0u8; RX_BUF].into_boxed_slice(),
+            lo: 0,
+            hi: 0,
+            frame: Frame::Header,
+            dead: false,
+        }),
+        stream: TcpStream::from(sock()),
+    };
+    assert!(p.conn.set(conn).is_ok());
     p
 }
 
 fn rx(p: &Peer) -> MutexGuard<'_, Rx> {
-    p.rx.as_ref().unwrap().lock().unwrap()
+    p.rx().unwrap().lock().unwrap()
 }
 
 fn feed(p: &Peer, n: usize, eof: bool) {

@@ -1,5 +1,5 @@
 //! The receiving half of a peer: a receive is posted (its buffer filled straight from the
-//! socket, by the peer's reader thread or by the receiver spinning on the socket itself),
+//! socket, by the backend's I/O thread or by the receiver spinning on the socket itself),
 //! then waited on; the handle withdraws it on every way out.
 
 use super::*;
@@ -10,7 +10,7 @@ use super::*;
 const FILL_GRACE: Duration = Duration::from_millis(500);
 
 /// Counts a spinner in [`Peer::spinners`] while it lives, so that a panic cannot leave it counted
-/// (the reader thread would then stand back for good).
+/// (the I/O thread would then stand back for good).
 pub(super) struct Spinning<'a>(&'a AtomicUsize);
 
 impl<'a> Spinning<'a> {
@@ -150,6 +150,15 @@ impl Peer {
             op,
             _buf: std::marker::PhantomData,
         };
+        if !self.loopback && !self.is_connected() {
+            // First use of a peer with no connection: made now through the connect hook (with
+            // no hook, the receive waits in the table for a connection to be attached).
+            let made = self.connection_by(deadline, &|| posted.op());
+            if let Err(e) = made {
+                posted.state = PostState::Ready(Err(e));
+                return posted;
+            }
+        }
         let mut st = self.lock();
         if let Some(r) = st.take_queued(tag, buf) {
             // There may be room in the budget: a reader holding a frame back for it may go on.
@@ -193,8 +202,8 @@ impl Peer {
         unsafe { self.post(buf, tag, deadline, Some(op)) }.wait()
     }
 
-    /// Wakes the reader thread, so that it takes a posted receive while this thread is busy
-    /// (a large blocking send).
+    /// Wakes the I/O thread's side of this peer, so that it takes a posted receive while this
+    /// thread is busy (a large blocking send).
     pub(crate) fn wake_reader_now(&self) {
         let st = self.lock();
         self.wake_reader(&st);
@@ -244,13 +253,13 @@ impl Peer {
                 st.posted.remove(i);
                 return Err(self.aborts.error(self.me, op()));
             }
-            if !spun && self.rx.is_some() {
+            if !spun && self.rx().is_some() {
                 // Spin briefly before sleeping, reading the socket ourselves: a message that
                 // comes within microseconds then lands with no thread switch at all.
                 spun = true;
                 drop(st);
                 let until = Instant::now()
-                    .checked_add(spin_time())
+                    .checked_add(self.spin_time())
                     .map_or(deadline, |t| deadline.min(t));
                 self.spin(id, until);
                 st = self.lock();
@@ -259,7 +268,7 @@ impl Peer {
                     .iter()
                     .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
                 if !done {
-                    // About to sleep: the reader thread must now watch the socket for us.
+                    // About to sleep: the I/O thread must now watch the socket for us.
                     self.wake_reader(&st);
                 }
                 continue;
@@ -298,7 +307,7 @@ impl Peer {
     /// Reads the socket from this thread until receive `id` is done or `until` passes, as long
     /// as nobody else is reading it at that moment.
     fn spin(&self, id: u64, until: Instant) {
-        let Some(rx) = &self.rx else { return };
+        let Some(rx) = self.rx() else { return };
         let _spinning = Spinning::new(&self.spinners);
         loop {
             if let Ok(mut r) = rx.try_lock()
@@ -344,13 +353,13 @@ impl Peer {
     }
 }
 
-pub(super) fn spin_time() -> Duration {
-    static S: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+/// The spin `DIST_SPIN_US` asks for (at most [`SPIN_MAX_US`]), if it is set to a number.
+pub(crate) fn spin_env() -> Option<Duration> {
+    static S: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *S.get_or_init(|| {
         std::env::var("DIST_SPIN_US")
             .ok()
-            .and_then(|v| v.parse().ok())
+            .and_then(|v| v.trim().parse().ok())
             .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
-            .unwrap_or(SPIN)
     })
 }

@@ -44,7 +44,7 @@ pub(super) struct State {
     pub(super) next_id: u64,
     /// Threads blocked on the condition variable; nobody is notified when there are none.
     pub(super) sleepers: usize,
-    /// The reader thread is blocked on `reader_cond`.
+    /// The I/O thread waits on this peer for a wake or its timer (not for the socket).
     pub(super) reader_sleeping: bool,
     /// ... and it is holding a large message back for a receive to be posted.
     pub(super) reader_holding: bool,

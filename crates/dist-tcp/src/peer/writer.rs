@@ -175,10 +175,13 @@ impl Peer {
         op: &dyn Fn() -> String,
         deadline: Instant,
     ) -> Result<()> {
-        let Some(writer) = &self.writer else {
+        if self.loopback {
             return self.deliver_local(tag, data, meta);
+        }
+        let Some(conn) = self.connection_by(deadline, op)? else {
+            return Err(self.gone(op(), "not connected".into()));
         };
-        let mut w = lock_writer(self, writer, deadline, op)?;
+        let mut w = lock_writer(self, &conn.writer, deadline, op)?;
         if let Some(cause) = &w.broken {
             return Err(self.gone(op(), cause.clone()));
         }
@@ -211,7 +214,7 @@ impl Peer {
     /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
     /// socket is written without blocking and, whenever it is full, `src`'s socket is read, so
     /// that neither direction waits on a thread switch. If neither moves for a spin period the
-    /// thread stops spinning: the reader thread takes the receive and the send blocks.
+    /// thread stops spinning: the I/O thread takes the receive and the send blocks.
     // The frame (tag, data, meta), its op and deadline, and the receive it runs beside.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn send_while_receiving(
@@ -224,7 +227,7 @@ impl Peer {
         id: u64,
         deadline: Instant,
     ) -> Result<()> {
-        let (Some(writer), Some(rx)) = (&self.writer, &src.rx) else {
+        let (Some(writer), Some(rx)) = (self.writer(), src.rx()) else {
             return self.send(FrameKind::Data, tag, data, meta, op, deadline);
         };
         let mut w = lock_writer(self, writer, deadline, op)?;
@@ -253,7 +256,7 @@ impl Peer {
         let mut bufs = &mut bufs[..];
         let mut sent = 0;
         let started = Instant::now();
-        let spin = spin_time();
+        let spin = src.spin_time();
         let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
@@ -299,7 +302,7 @@ impl Peer {
                 continue;
             }
             if now.saturating_duration_since(*idle_since.get_or_insert(now)) > spin {
-                // Stop spinning: the reader thread takes the receive, and this thread blocks
+                // Stop spinning: the I/O thread takes the receive, and this thread blocks
                 // on the send (within the socket's send timeout).
                 spinning = None;
                 src.wake_reader(&src.lock());
