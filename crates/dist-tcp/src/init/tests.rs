@@ -9,9 +9,13 @@ use crate::wire::{HELLO_LEN, REPLY_LEN, Refusal, Reply, Side};
 const KEY: &[u8] = b"a shared secret of 16+ bytes";
 
 /// A mesh listener of rank 1 in a job of 4 (job id 7), accepting ranks 2 and 3.
-fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Acceptor, SocketAddr) {
+fn mesh_acceptor(
+    secret: Option<&[u8]>,
+    handshake_timeout: Duration,
+) -> (Acceptor, crossbeam_channel::Receiver<Joined>, SocketAddr) {
     let l = bind_listener("127.0.0.1:0".parse().unwrap(), 1).unwrap();
     let addr = l.local_addr().unwrap();
+    let (gate, rx) = Gate::once(4);
     let a = Acceptor::start(
         l,
         Rules {
@@ -22,11 +26,11 @@ fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Accepto
             job_id: 7,
             secret: secret.map(<[u8]>::to_vec),
             handshake_timeout,
-            claimed: Mutex::new(vec![false; 4]),
+            gate,
         },
     )
     .unwrap();
-    (a, addr)
+    (a, rx, addr)
 }
 
 fn mesh_hello(rank: u32, has_secret: bool) -> Hello {
@@ -59,7 +63,7 @@ fn read_all(s: &mut TcpStream) -> Vec<u8> {
 /// listener's proof, so any stranger got an HMAC of the secret to test guesses against).
 #[test]
 fn the_listener_proves_only_after_the_client_has() {
-    let (acceptor, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
+    let (_acceptor, joins, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
     let hello = mesh_hello(3, true);
 
     // A wrong proof: refused, and nothing it received is the listener's proof.
@@ -115,9 +119,9 @@ fn the_listener_proves_only_after_the_client_has() {
     // The right secret for this listener: both proofs check, and rank 3 has joined.
     let mut s = raw(addr);
     client_handshake(&mut s, &hello, Some(KEY), 1, deadline, 3, "rank 1").unwrap();
-    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    let j = joins.recv_deadline(deadline).unwrap();
     assert_eq!(j.rank, 3);
-    assert!(acceptor.rx.try_recv().is_err(), "a refused client joined");
+    assert!(joins.try_recv().is_err(), "a refused client joined");
 }
 
 /// The client checks the listener's proof: a listener that accepts any proof but cannot
@@ -157,18 +161,18 @@ fn still_open(s: &TcpStream) -> bool {
     open
 }
 
-/// A flood of idle and garbage connections holds at most [`MAX_HANDSHAKES`] of them open
+/// A flood of idle and garbage connections holds at most [`acceptor::MAX_HANDSHAKES`] of them open
 /// (the rest are closed at once, long before the handshake deadline), and a real rank still
 /// gets through. On main every connection got a thread and was held until its deadline.
 #[test]
 fn admission_is_capped_and_a_rank_gets_through_a_flood() {
     let timeout = Duration::from_secs(3);
-    let (acceptor, addr) = mesh_acceptor(None, timeout);
+    let (_acceptor, joins, addr) = mesh_acceptor(None, timeout);
     let t = Instant::now();
     const IDLE: usize = 500;
     const {
         assert!(
-            MAX_HANDSHAKES < IDLE / 2,
+            acceptor::MAX_HANDSHAKES < IDLE / 2,
             "the flood must be well over the cap"
         )
     };
@@ -182,13 +186,13 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         .collect();
     let held = loop {
         let held = idle.iter().filter(|s| still_open(s)).count();
-        if held <= MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
+        if held <= acceptor::MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
             break held;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(
-        held <= MAX_HANDSHAKES,
+        held <= acceptor::MAX_HANDSHAKES,
         "{held} of {IDLE} idle connections held open after {:?}",
         t.elapsed()
     );
@@ -213,7 +217,7 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         &|detail| panic!("{detail}"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    let j = joins.recv_deadline(deadline).unwrap();
     assert_eq!(j.rank, 2);
     drop((s, idle));
 }
