@@ -232,6 +232,11 @@ impl TcpConfig {
         self
     }
 
+    /// How the job forms.
+    pub fn formation_mode(&self) -> Formation {
+        self.formation
+    }
+
     /// The deadline for the job to form (default 120 s; `DIST_INIT_TIMEOUT`).
     pub fn init_timeout(mut self, t: Duration) -> Self {
         self.init_timeout = t;

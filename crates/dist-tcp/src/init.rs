@@ -463,4 +463,6 @@ fn mesh_eagerly(
 #[cfg(test)]
 mod links_tests;
 #[cfg(test)]
+mod mesh_tests;
+#[cfg(test)]
 mod tests;

@@ -279,3 +279,98 @@ fn lengths_from_a_fake_rank0_are_checked() {
         "{e}"
     );
 }
+
+/// `n` connected pairs: rank 0's ends and the ranks' ends.
+fn pairs(n: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    (0..n)
+        .map(|_| {
+            let theirs = TcpStream::connect(addr).unwrap();
+            (l.accept().unwrap().0, theirs)
+        })
+        .unzip()
+}
+
+/// Rank 0 reads the statuses on one thread: a failure from the last rank is seen at once,
+/// while the ranks before it have sent nothing (or half a status); with every rank ready,
+/// statuses that arrive a byte at a time are read whole.
+#[test]
+fn a_failure_is_seen_before_slow_ranks() {
+    let (ours, mut theirs) = pairs(3);
+    theirs[0].write_all(&Status::Ready.encode(1)[..10]).unwrap();
+    theirs[2]
+        .write_all(&Status::Failed("rank 3 broke".into()).encode(3))
+        .unwrap();
+    let t = Instant::now();
+    let got = status::gather(&ours, Instant::now() + Duration::from_secs(20));
+    assert_eq!(got, Some((3, "rank 3 broke".to_string())));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+    let (ours, theirs) = pairs(4);
+    let writer = std::thread::spawn(move || {
+        let mut theirs = theirs;
+        for i in 0..STATUS_LEN {
+            for (r, s) in theirs.iter_mut().enumerate() {
+                s.write_all(&Status::Ready.encode(r as u32 + 1)[i..i + 1])
+                    .unwrap();
+            }
+        }
+        theirs
+    });
+    assert_eq!(
+        status::gather(&ours, Instant::now() + Duration::from_secs(20)),
+        None
+    );
+    drop(writer.join().unwrap());
+
+    // A rank that closes its connection, and a deadline that passes, are failures too.
+    let (ours, mut theirs) = pairs(2);
+    theirs.remove(1);
+    match status::gather(&ours, Instant::now() + Duration::from_secs(20)) {
+        Some((2, why)) => assert!(why.contains("connection closed"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    let (ours, _theirs) = pairs(1);
+    match status::gather(&ours, Instant::now() + Duration::from_millis(100)) {
+        Some((0, why)) => assert!(why.contains("deadline"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// What unicasting the table costs rank 0 at 1,024 ranks: the table of 1,024 listeners written
+/// on 1,023 loopback connections, as `form_as_root` does (measured for `docs/benchmarks.md`;
+/// run with `--ignored --nocapture`).
+#[test]
+#[ignore = "a measurement, not a check"]
+fn table_unicast_to_1023_ranks() {
+    let (mut ours, theirs) = pairs(1023);
+    let addrs = vec![SocketAddr::from(([127, 0, 0, 1], 4242)); 1024];
+    let readers: Vec<_> = theirs
+        .into_iter()
+        .map(|mut s| {
+            std::thread::Builder::new()
+                .stack_size(64 << 10)
+                .spawn(move || {
+                    let mut b = vec![0u8; TABLE_HEAD_LEN + 1024 * TABLE_ENTRY_LEN];
+                    s.read_exact(&mut b).unwrap();
+                })
+                .unwrap()
+        })
+        .collect();
+    let t = Instant::now();
+    let table = wire::encode_table(7, &addrs);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for s in &mut ours {
+        write_by(s, &table, deadline).unwrap();
+    }
+    let wrote = t.elapsed();
+    for r in readers {
+        r.join().unwrap();
+    }
+    eprintln!(
+        "table of {} bytes to 1023 ranks: written in {wrote:.2?}, all read in {:.2?}",
+        table.len(),
+        t.elapsed()
+    );
+}
