@@ -71,6 +71,9 @@ pub(crate) fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Form
     })
 }
 
+/// Builds a rank's [`MeshSpec`] from the job id and the table of listeners.
+type SpecFor<'a> = dyn Fn(u64, Vec<SocketAddr>) -> MeshSpec + 'a;
+
 struct Made {
     streams: Vec<Option<TcpStream>>,
     mesh: Option<Mesh>,
@@ -129,7 +132,7 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
             started,
             deadline,
             &mut streams,
-            lazy.map(|cb| (cb, &spec as &dyn Fn(u64, Vec<SocketAddr>) -> MeshSpec)),
+            lazy.map(|cb| (cb, &spec as &SpecFor<'_>)),
         );
         match made {
             Ok(m) => mesh = m,
@@ -264,7 +267,7 @@ fn form_as_member(
     started: Instant,
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
-    lazy: Option<(OnIncoming, &dyn Fn(u64, Vec<SocketAddr>) -> MeshSpec)>,
+    lazy: Option<(OnIncoming, &SpecFor<'_>)>,
 ) -> Result<Option<Mesh>> {
     let (me, world) = (cfg.rank, cfg.world_size);
     // Listen on the interface that reaches rank 0, unless told otherwise.

@@ -142,20 +142,18 @@ fn pairs_dial_each_other() {
         .collect();
     let held: Vec<Vec<Option<TcpStream>>> =
         threads.into_iter().map(|t| t.join().unwrap()).collect();
-    for a in 1..N {
-        for b in a + 1..N {
-            let (x, y) = (held[a][b].as_ref().unwrap(), held[b][a].as_ref().unwrap());
-            assert_eq!(
-                x.local_addr().unwrap(),
-                y.peer_addr().unwrap(),
-                "{a} and {b}"
-            );
-            assert_eq!(
-                x.peer_addr().unwrap(),
-                y.local_addr().unwrap(),
-                "{a} and {b}"
-            );
-        }
+    for (a, b) in (1..N).flat_map(|a| (a + 1..N).map(move |b| (a, b))) {
+        let (x, y) = (held[a][b].as_ref().unwrap(), held[b][a].as_ref().unwrap());
+        assert_eq!(
+            x.local_addr().unwrap(),
+            y.peer_addr().unwrap(),
+            "{a} and {b}"
+        );
+        assert_eq!(
+            x.peer_addr().unwrap(),
+            y.local_addr().unwrap(),
+            "{a} and {b}"
+        );
     }
     eprintln!(
         "{} of {} dials got the peer's connection through on_incoming",
