@@ -23,6 +23,10 @@ pub struct Args {
     /// meanwhile (the barrier's time then includes this idle time).
     #[arg(long, default_value_t = 0)]
     pub idle_ms: u64,
+    /// Only form the job, with no backend on top (the later phases then take no time);
+    /// `DIST_FORMATION=lazy` in the environment forms it lazily.
+    #[arg(long)]
+    pub form_only: bool,
 }
 
 /// How often the supervisor looks at its children (exits, thread counts).
@@ -233,7 +237,11 @@ pub fn run(args: &Args) -> Result<()> {
     for rank in 0..n {
         let out = File::create(ranks.out(rank)).context("create a rank's output file")?;
         let err = File::create(ranks.err(rank)).context("create a rank's output file")?;
-        let child = Command::new(&program)
+        let mut cmd = Command::new(&program);
+        if args.form_only {
+            cmd.arg("--form-only");
+        }
+        let child = cmd
             .args(["--idle-ms", &args.idle_ms.to_string()])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
@@ -350,6 +358,9 @@ pub fn run(args: &Args) -> Result<()> {
         }
     }
     print_table(n, spawned, total, start_ns, &results, &seen_threads);
+    if args.form_only {
+        println!("(--form-only: the phases after formation were not run)");
+    }
     if args.idle_ms > 0 {
         let mut cpu: Vec<u64> = results.iter().map(|r| r.idle_cpu_ms).collect();
         let max = cpu.iter().copied().max().unwrap_or(0);

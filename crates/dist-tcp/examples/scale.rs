@@ -4,6 +4,8 @@
 //! resident memory and the most threads it was seen to have (and, as it goes, a `scale-phase`
 //! line as each phase ends). With `--idle-ms N` it stays idle for N ms after forming (before the
 //! barrier, so that phase then includes the idle time) and reports the CPU time it used meanwhile. Exits 1 with the error otherwise.
+//! With `--form-only` it only forms the job (`DIST_FORMATION=lazy`: lazily), with no backend on
+//! top, and reports the later phases as ending when formation did.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -63,7 +65,31 @@ fn idle_ms() -> Result<u64, String> {
     }
 }
 
+/// `--form-only`: form the job through `dist_tcp::testing` and stop there.
+fn form_only() -> Result<String, String> {
+    let cfg = dist_tcp::TcpConfig::from_env().map_err(|e| format!("formation: {e}"))?;
+    let me = cfg.rank();
+    let held = if cfg.formation_mode() == dist_tcp::Formation::Lazy {
+        let f = dist_tcp::testing::form_lazy(&cfg, Box::new(|_, _| {}))
+            .map_err(|e| format!("formation: {e}"))?;
+        f.streams.iter().filter(|s| s.is_some()).count()
+    } else {
+        let s = dist_tcp::testing::form_raw(&cfg).map_err(|e| format!("formation: {e}"))?;
+        s.iter().filter(|s| s.is_some()).count()
+    };
+    let formed = ended("formation");
+    let threads = status("Threads");
+    Ok(format!(
+        "scale-result rank={me} formed={formed} barrier={formed} small={formed} \
+         large={formed} hwm_kib={} threads={threads} idle_cpu_ms=0 connections={held}",
+        status("VmHWM")
+    ))
+}
+
 fn run() -> Result<String, String> {
+    if std::env::args().any(|a| a == "--form-only") {
+        return form_only();
+    }
     let idle = idle_ms()?;
     let mut threads = status("Threads");
     let b = TcpBackend::from_env().map_err(|e| format!("formation: {e}"))?;

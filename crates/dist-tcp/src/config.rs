@@ -49,6 +49,20 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default time a connection gets to complete its handshake before it is dropped.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How the job forms ([`TcpConfig::formation`]; `DIST_FORMATION=eager|lazy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Formation {
+    /// Every rank connects to every other at init, which returns once all are connected.
+    #[default]
+    Eager,
+    /// No connection but each rank's to rank 0 is made at init: init returns once every rank
+    /// has the table of listeners and its own listener is up, and each rank then connects to a
+    /// peer on first use (its acceptor takes the peers' connections for the life of the rank).
+    /// Needs the peer layer that connects on first use: until that is wired to `TcpBackend`,
+    /// the backend refuses it at init (the formation itself is in `dist_tcp::testing`).
+    Lazy,
+}
+
 /// Everything a [`TcpBackend`](crate::TcpBackend) needs to form a job.
 #[derive(Clone)]
 pub struct TcpConfig {
@@ -69,6 +83,7 @@ pub struct TcpConfig {
     pub(crate) lanes: Option<u32>,
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
+    pub(crate) formation: Formation,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -90,6 +105,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("lanes", &self.lanes)
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
+            .field("formation", &self.formation)
             .finish()
     }
 }
@@ -115,6 +131,7 @@ impl TcpConfig {
             lanes: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
+            formation: Formation::Eager,
         }
     }
 
@@ -173,6 +190,18 @@ impl TcpConfig {
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
         }
+        if let Some(f) = get("DIST_FORMATION") {
+            cfg.formation = match f.trim() {
+                "eager" => Formation::Eager,
+                "lazy" => Formation::Lazy,
+                _ => {
+                    return Err(DistError::Config {
+                        what: "DIST_FORMATION".into(),
+                        reason: format!("{f:?} is neither \"eager\" nor \"lazy\""),
+                    });
+                }
+            };
+        }
         let number = |k: &str, range: std::ops::RangeInclusive<u32>| -> Result<Option<u32>> {
             get(k)
                 .map(|v| match v.trim().parse::<u32>() {
@@ -222,6 +251,17 @@ impl TcpConfig {
     pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.trace_dir = Some(dir.into());
         self
+    }
+
+    /// How the job forms (default [`Formation::Eager`]; `DIST_FORMATION`).
+    pub fn formation(mut self, f: Formation) -> Self {
+        self.formation = f;
+        self
+    }
+
+    /// How the job forms.
+    pub fn formation_mode(&self) -> Formation {
+        self.formation
     }
 
     /// The deadline for the job to form (default 120 s; `DIST_INIT_TIMEOUT`).

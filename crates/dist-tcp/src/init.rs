@@ -1,43 +1,116 @@
-//! Forming the job: rendezvous through rank 0, the handshake, and the full mesh.
+//! Forming the job: rendezvous through rank 0, the handshake, and the full mesh (eager) or the
+//! means to connect later (lazy).
 //!
-//! Rank 0 listens on the master address. Every other rank connects to it (retrying with backoff
-//! until the init deadline, so ranks may start in any order), opens a listener of its own, and
-//! announces that listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each
-//! the table of listeners and a fresh job id; rank `j` then connects to every rank `0 < i < j`,
-//! whose listener accepts only that job's ranks above it. Each rank reports `Ready` to rank 0 once
-//! all its connections are up, and rank 0 answers `Go` when every rank has, so that init returns
-//! on all ranks together, or fails on all of them with the first rank's error.
+//! Rank 0 listens on the master address; its acceptor runs the handshakes on a fixed pool of
+//! workers (`acceptor.rs`). Every other rank connects to it (retrying with backoff until the init
+//! deadline, so ranks may start in any order), opens a listener of its own, and announces that
+//! listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each the table of
+//! listeners and a fresh job id. Eager ([`Formation::Eager`]): rank `j` then connects to every
+//! rank `0 < i < j`, whose listener accepts only that job's ranks above it, and reports `Ready`
+//! once all its connections are up. Lazy ([`Formation::Lazy`]): no rank dials; each starts its
+//! long-lived acceptor ([`Mesh`]) and reports `Ready` at once. Rank 0 reads the statuses on one
+//! thread (`status.rs`) and answers `Go` when every rank is ready, so that init returns on all
+//! ranks together, or fails on all of them with the first rank's error.
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::Mutex;
 use std::time::Instant;
 
 use crossbeam_channel::RecvTimeoutError;
 use dist_core::{DistError, Result};
 
-use crate::config::TcpConfig;
+use crate::config::{Formation, TcpConfig};
 use crate::wire::{
     self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status, TABLE_ENTRY_LEN,
     TABLE_HEAD_LEN,
 };
 
+mod acceptor;
 mod handshake;
+mod links;
+mod mesh;
+mod status;
 
+use acceptor::Acceptor;
 use handshake::*;
+pub use links::OnIncoming;
+use mesh::MeshSpec;
+pub use mesh::{Dialed, Mesh};
 
-/// Forms the job and returns one handshaken stream per peer (`None` at this rank's index).
+/// Forms the job eagerly and returns one handshaken stream per peer (`None` at this rank's
+/// index).
 pub(crate) fn form(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
+    if cfg.formation == Formation::Lazy {
+        return Err(DistError::Config {
+            what: "formation (DIST_FORMATION)".into(),
+            reason: "lazy formation needs the peer layer that connects on first use, which \
+                     TcpBackend does not have yet"
+                .into(),
+        });
+    }
+    form_with(cfg, None).map(|f| f.streams)
+}
+
+/// A job formed lazily: the connections formation made (to rank 0 on every rank; rank 0's to
+/// every rank) and the means to make the others.
+#[derive(Debug)]
+pub struct Formed {
+    /// The stream to each peer connected at formation (`None` elsewhere and at this rank).
+    pub streams: Vec<Option<TcpStream>>,
+    /// This rank's acceptor and dialer.
+    pub mesh: Mesh,
+}
+
+/// Forms the job lazily ([`Formation::Lazy`], whatever `cfg` says): `on_incoming` gets every
+/// connection a peer makes to this rank that no dialer of this rank waits for, from before
+/// this returns.
+pub(crate) fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
+    let f = form_with(cfg, Some(on_incoming))?;
+    Ok(Formed {
+        streams: f.streams,
+        mesh: f.mesh.expect("a lazy formation makes a mesh"),
+    })
+}
+
+/// Builds a rank's [`MeshSpec`] from the job id and the table of listeners.
+type SpecFor<'a> = dyn Fn(u64, Vec<SocketAddr>) -> MeshSpec + 'a;
+
+struct Made {
+    streams: Vec<Option<TcpStream>>,
+    mesh: Option<Mesh>,
+}
+
+/// Forms the job: eagerly without `lazy`, lazily with the callback.
+fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
     cfg.validate()?;
     let started = Instant::now();
     let (me, world) = (cfg.rank, cfg.world_size);
     let deadline = dist_core::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let spec = |job_id: u64, addrs: Vec<SocketAddr>| MeshSpec {
+        me,
+        world,
+        job_id,
+        secret: cfg.secret.clone(),
+        handshake_timeout: cfg.handshake_timeout,
+        addrs,
+    };
     if world == 1 {
-        return Ok(streams);
+        let mesh = match lazy {
+            None => None,
+            Some(cb) => {
+                let any = SocketAddr::from(([127, 0, 0, 1], 0));
+                Some(Mesh::start(spec(0, vec![any]), None, |_| true, cb)?)
+            }
+        };
+        return Ok(Made { streams, mesh });
     }
     let master = cfg.master_addr()?;
+    let mut mesh = None;
     if me == 0 {
-        form_as_root(cfg, master, started, deadline, &mut streams)?;
+        let (job_id, addrs) = form_as_root(cfg, master, started, deadline, &mut streams)?;
+        if let Some(cb) = lazy {
+            mesh = Some(Mesh::start(spec(job_id, addrs), None, |_| true, cb)?);
+        }
     } else {
         let mut to_root = match connect_retry(master, deadline, me, "rank 0") {
             Ok(s) => s,
@@ -52,19 +125,31 @@ pub(crate) fn form(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
                 });
             }
         };
-        if let Err(e) = form_as_member(cfg, master, &mut to_root, started, deadline, &mut streams) {
-            // Tell rank 0, so that every rank fails now rather than at the deadline.
-            let _ = write_by(
-                &mut to_root,
-                &Status::Failed(e.to_string()).encode(me as u32),
-                deadline,
-            );
-            return Err(e);
+        let made = form_as_member(
+            cfg,
+            master,
+            &mut to_root,
+            started,
+            deadline,
+            &mut streams,
+            lazy.map(|cb| (cb, &spec as &SpecFor<'_>)),
+        );
+        match made {
+            Ok(m) => mesh = m,
+            Err(e) => {
+                // Tell rank 0, so that every rank fails now rather than at the deadline.
+                let _ = write_by(
+                    &mut to_root,
+                    &Status::Failed(e.to_string()).encode(me as u32),
+                    deadline,
+                );
+                return Err(e);
+            }
         }
         streams[0] = Some(to_root);
     }
     tracing::debug!(rank = me, world, elapsed = ?started.elapsed(), "job formed");
-    Ok(streams)
+    Ok(Made { streams, mesh })
 }
 
 fn bind_listener(addr: SocketAddr, me: usize) -> Result<TcpListener> {
@@ -89,11 +174,12 @@ fn form_as_root(
     started: Instant,
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
-) -> Result<()> {
+) -> Result<(u64, Vec<SocketAddr>)> {
     let world = cfg.world_size;
     let bind_at = SocketAddr::new(cfg.bind.unwrap_or(master.ip()), master.port());
     let listener = bind_listener(bind_at, 0)?;
     tracing::debug!(rank = 0, addr = %bind_at, world, "waiting for ranks to join");
+    let (gate, joins) = Gate::once(world);
     let acceptor = Acceptor::start(
         listener,
         Rules {
@@ -104,13 +190,13 @@ fn form_as_root(
             job_id: 0,
             secret: cfg.secret.clone(),
             handshake_timeout: cfg.handshake_timeout,
-            claimed: Mutex::new(vec![false; world]),
+            gate,
         },
     )?;
     let mut joined: Vec<Option<Joined>> = (0..world).map(|_| None).collect();
     let mut count = 1;
     while count < world {
-        match acceptor.rx.recv_deadline(deadline) {
+        match joins.recv_deadline(deadline) {
             Ok(j) => {
                 let r = j.rank;
                 joined[r] = Some(j);
@@ -137,55 +223,21 @@ fn form_as_root(
     let job_id = u64::from_le_bytes(nonce(0)?[..8].try_into().expect("8 bytes"));
     let table = wire::encode_table(job_id, &addrs);
     let mut conns: Vec<TcpStream> = Vec::with_capacity(world - 1);
+    let sending = Instant::now();
     for (r, j) in joined.into_iter().enumerate().skip(1) {
         let mut s = j.expect("every rank joined").stream;
         write_by(&mut s, &table, deadline)
             .map_err(io_err(0, format!("send the table to rank {r}")))?;
         conns.push(s);
     }
-    // Wait for every rank's status, each on its own thread so that the first failure is seen at
-    // once whichever rank it comes from.
-    let (tx, rx) = crossbeam_channel::unbounded();
-    for (i, s) in conns.iter().enumerate() {
-        let mut s = s.try_clone().map_err(io_err(0, "clone a socket"))?;
-        let tx = tx.clone();
-        std::thread::Builder::new()
-            .name("dist-init-status".into())
-            .spawn(move || {
-                let mut b = [0u8; STATUS_LEN];
-                let r = read_exact_by(&mut s, &mut b, deadline)
-                    .map_err(|e| format!("rank {}: no status: {e}", i + 1))
-                    .and_then(|()| Status::decode(&b).map_err(|e| format!("rank {}: {e}", i + 1)));
-                let _ = tx.send((i + 1, r));
-            })
-            .map_err(io_err(0, "spawn a status thread"))?;
-    }
-    drop(tx);
-    let mut failure = None;
-    for _ in 1..world {
-        match rx.recv_deadline(deadline) {
-            Ok((_, Ok((_, Status::Ready)))) => {}
-            Ok((r, Ok((_, Status::Failed(why))))) => {
-                failure = Some((r, why));
-                break;
-            }
-            Ok((r, Ok((_, Status::Go)))) => {
-                failure = Some((r, format!("rank {r} sent an unexpected status")));
-                break;
-            }
-            Ok((r, Err(why))) => {
-                failure = Some((r, why));
-                break;
-            }
-            Err(_) => {
-                failure = Some((
-                    0,
-                    "ranks did not finish connecting before the init deadline".into(),
-                ));
-                break;
-            }
-        }
-    }
+    tracing::debug!(
+        rank = 0,
+        world,
+        bytes = table.len(),
+        elapsed = ?sending.elapsed(),
+        "table sent to every rank"
+    );
+    let failure = status::gather(&conns, deadline);
     let status = match &failure {
         None => Status::Go,
         Some((_, why)) => Status::Failed(why.clone()),
@@ -205,7 +257,7 @@ fn form_as_root(
     for (i, s) in conns.into_iter().enumerate() {
         streams[i + 1] = Some(s);
     }
-    Ok(())
+    Ok((job_id, addrs))
 }
 
 fn form_as_member(
@@ -215,7 +267,8 @@ fn form_as_member(
     started: Instant,
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
-) -> Result<()> {
+    lazy: Option<(OnIncoming, &SpecFor<'_>)>,
+) -> Result<Option<Mesh>> {
     let (me, world) = (cfg.rank, cfg.world_size);
     // Listen on the interface that reaches rank 0, unless told otherwise.
     let local_ip: IpAddr = match cfg.bind {
@@ -296,7 +349,54 @@ fn form_as_member(
     let addrs = wire::decode_table_entries(&entries, world)
         .map_err(|e| protocol(format!("bad table: {e}")))?;
 
+    let mesh = match lazy {
+        // Lazy: the listener stays up for the life of the rank; nothing is dialed now.
+        Some((cb, spec)) => Some(Mesh::start(
+            spec(job_id, addrs),
+            Some(listener),
+            |r| r == 0,
+            cb,
+        )?),
+        None => {
+            mesh_eagerly(
+                cfg, listener, &addrs, job_id, &hello, started, deadline, streams,
+            )?;
+            None
+        }
+    };
+    write_by(to_root, &Status::Ready.encode(me as u32), deadline)
+        .map_err(io_err(me, "send ready to rank 0"))?;
+    let mut b = [0u8; STATUS_LEN];
+    read_exact_by(to_root, &mut b, deadline).map_err(io_err(me, "wait for the go from rank 0"))?;
+    match Status::decode(&b) {
+        Ok((_, Status::Go)) => Ok(mesh),
+        Ok((_, Status::Failed(reason))) => Err(DistError::Aborted {
+            rank: me,
+            op: "init".into(),
+            origin: 0,
+            reason,
+        }),
+        Ok((_, s)) => Err(protocol(format!("unexpected status {s:?}"))),
+        Err(e) => Err(protocol(format!("bad status: {e}"))),
+    }
+}
+
+/// The eager mesh: connects to every rank `0 < i < me` and takes the connections of the ranks
+/// above on `listener`, by `deadline`.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the formation in progress.
+fn mesh_eagerly(
+    cfg: &TcpConfig,
+    listener: TcpListener,
+    addrs: &[SocketAddr],
+    job_id: u64,
+    hello: &Hello,
+    started: Instant,
+    deadline: Instant,
+    streams: &mut [Option<TcpStream>],
+) -> Result<()> {
+    let (me, world) = (cfg.rank, cfg.world_size);
     // Ranks above us connect to our listener; we connect to the ranks between 0 and us.
+    let (gate, joins) = Gate::once(world);
     let acceptor = Acceptor::start(
         listener,
         Rules {
@@ -307,7 +407,7 @@ fn form_as_member(
             job_id,
             secret: cfg.secret.clone(),
             handshake_timeout: cfg.handshake_timeout,
-            claimed: Mutex::new(vec![false; world]),
+            gate,
         },
     )?;
     for (i, addr) in addrs.iter().enumerate().take(me).skip(1) {
@@ -321,7 +421,7 @@ fn form_as_member(
                     listen_port: 0,
                     job_id,
                     nonce: nonce(me)?,
-                    ..hello
+                    ..*hello
                 })
             },
             cfg.secret.as_deref(),
@@ -342,7 +442,7 @@ fn form_as_member(
     }
     let mut expected = world - 1 - me;
     while expected > 0 {
-        match acceptor.rx.recv_deadline(deadline) {
+        match joins.recv_deadline(deadline) {
             Ok(j) => {
                 streams[j.rank] = Some(j.stream);
                 expected -= 1;
@@ -360,22 +460,12 @@ fn form_as_member(
         }
     }
     drop(acceptor);
-    write_by(to_root, &Status::Ready.encode(me as u32), deadline)
-        .map_err(io_err(me, "send ready to rank 0"))?;
-    let mut b = [0u8; STATUS_LEN];
-    read_exact_by(to_root, &mut b, deadline).map_err(io_err(me, "wait for the go from rank 0"))?;
-    match Status::decode(&b) {
-        Ok((_, Status::Go)) => Ok(()),
-        Ok((_, Status::Failed(reason))) => Err(DistError::Aborted {
-            rank: me,
-            op: "init".into(),
-            origin: 0,
-            reason,
-        }),
-        Ok((_, s)) => Err(protocol(format!("unexpected status {s:?}"))),
-        Err(e) => Err(protocol(format!("bad status: {e}"))),
-    }
+    Ok(())
 }
 
+#[cfg(test)]
+mod links_tests;
+#[cfg(test)]
+mod mesh_tests;
 #[cfg(test)]
 mod tests;

@@ -51,7 +51,7 @@ use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning}
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
-    TcpConfig,
+    Formation, TcpConfig,
 };
 pub use launch::{LaunchEnv, Launcher};
 pub use link::TcpLink;

@@ -7,8 +7,18 @@ use dist_core::Result;
 
 use crate::{TcpConfig, init};
 
+pub use crate::init::{Dialed, Formed, Mesh, OnIncoming};
+
 /// Joins the job `cfg` describes through the real rendezvous and handshake, and returns the
 /// connection to every other rank (`None` at this rank's own index), with no reader on them.
 pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
     init::form(cfg)
+}
+
+/// Forms the job `cfg` describes lazily ([`Formation::Lazy`](crate::Formation), whatever `cfg`
+/// says): every rank connected to rank 0 only, each with its listener and acceptor up. Until
+/// the peer layer connects on first use this is the lazy formation's only entry point; it
+/// serves the formation benchmarks and tests.
+pub fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
+    init::form_lazy(cfg, on_incoming)
 }

@@ -15,7 +15,7 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -206,6 +206,10 @@ pub enum Refusal {
     Protocol = 9,
     /// The job is aborting: another rank failed to initialise.
     Abort = 10,
+    /// Both ranks of a pair dialed each other after formation and the lower rank's connection
+    /// wins: the higher rank's is refused with this code, and that rank waits for the lower
+    /// rank's connection instead of failing (protocol version 6).
+    Crossed = 11,
 }
 
 impl Refusal {
@@ -222,6 +226,7 @@ impl Refusal {
             WrongJob,
             Protocol,
             Abort,
+            Crossed,
         ]
         .into_iter()
         .find(|r| *r as u32 == c)
@@ -402,6 +407,11 @@ pub fn decode_table_entries(
         })
         .collect()
 }
+
+/// The frame kind reserved for `PeerDied`, rank 0 relaying a rank's death to the ranks that
+/// were never connected to it (issue 13, the peer layer's side). A version-6 build that does not
+/// know it yet treats it as an unknown kind, as every other unassigned number.
+pub const FRAME_KIND_PEER_DIED: u32 = 4;
 
 /// What a frame carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,28 +2,19 @@
 //! hello, the proofs of a shared secret, and connecting with backoff.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+
+use super::links::{Links, Verdict};
 use dist_core::{DistError, Result};
 
 use crate::wire::{
     self, HELLO_LEN, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Refusal, Reply, Side,
 };
-
-/// How often the accept loop checks whether init is over.
-pub(super) const ACCEPT_POLL: Duration = Duration::from_millis(50);
-
-/// The most handshakes one listener runs at once. A connection that arrives while this many are
-/// in progress is closed at once, unread: a flood of idle or garbage connections costs at most
-/// this many threads and sockets, each for at most the handshake timeout. A rank turned away
-/// this way (closed before any reply) connects again until the init deadline.
-pub(crate) const MAX_HANDSHAKES: usize = 64;
 
 pub(super) fn io_err(
     rank: usize,
@@ -105,8 +96,35 @@ pub(super) struct Rules {
     pub(super) job_id: u64,
     pub(super) secret: Option<Vec<u8>>,
     pub(super) handshake_timeout: Duration,
-    /// Ranks that have completed the handshake.
-    pub(super) claimed: Mutex<Vec<bool>>,
+    /// Who decides, at the verdict, whether a rank that passed every check is let in.
+    pub(super) gate: Gate,
+}
+
+/// The decision at the verdict, made under one lock so that two handshakes cannot both win.
+pub(super) enum Gate {
+    /// Each rank of `Rules::ranks` joins once (formation): the ranks that have completed the
+    /// handshake, and where their connections go.
+    Once {
+        claimed: Mutex<Vec<bool>>,
+        tx: Sender<Joined>,
+    },
+    /// After formation: the per-peer link states shared with this rank's dialer, which decide
+    /// (the crossing rule) and take the connection.
+    Mesh(Arc<Links>),
+}
+
+impl Gate {
+    /// A gate for formation, and the receiving end of its connections.
+    pub(super) fn once(world: usize) -> (Gate, Receiver<Joined>) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        (
+            Gate::Once {
+                claimed: Mutex::new(vec![false; world]),
+                tx,
+            },
+            rx,
+        )
+    }
 }
 
 /// A connection that passed the handshake.
@@ -115,111 +133,6 @@ pub(super) struct Joined {
     pub(super) stream: TcpStream,
     pub(super) hello: Hello,
     pub(super) from: SocketAddr,
-}
-
-/// Accepts connections until stopped; each gets a thread that runs the handshake within the
-/// handshake deadline and passes the connection on only if it passes.
-pub(super) struct Acceptor {
-    pub(super) stop: Arc<AtomicBool>,
-    pub(super) thread: Option<JoinHandle<()>>,
-    pub(super) rx: Receiver<Joined>,
-}
-
-impl Acceptor {
-    pub(super) fn start(listener: TcpListener, rules: Rules) -> Result<Acceptor> {
-        let me = rules.me;
-        let sock = socket2::Socket::from(listener);
-        sock.set_read_timeout(Some(ACCEPT_POLL))
-            .map_err(io_err(me, "set accept timeout"))?;
-        let listener: TcpListener = sock.into();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let stop = Arc::new(AtomicBool::new(false));
-        let rules = Arc::new(rules);
-        let thread = std::thread::Builder::new()
-            .name(format!("dist-accept-{me}"))
-            .spawn({
-                let stop = stop.clone();
-                move || accept_loop(listener, rules, tx, stop)
-            })
-            .map_err(io_err(me, "spawn the accept thread"))?;
-        Ok(Acceptor {
-            stop,
-            thread: Some(thread),
-            rx,
-        })
-    }
-}
-
-impl Drop for Acceptor {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-pub(super) fn accept_loop(
-    listener: TcpListener,
-    rules: Arc<Rules>,
-    tx: Sender<Joined>,
-    stop: Arc<AtomicBool>,
-) {
-    let active = Arc::new(AtomicUsize::new(0));
-    while !stop.load(Ordering::Relaxed) {
-        let (stream, from) = match listener.accept() {
-            Ok(c) => c,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) =>
-            {
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(rank = rules.me, error = %e, "accept failed");
-                continue;
-            }
-        };
-        let me = rules.me;
-        // Only this thread adds, so the count cannot pass the cap between the check and the add.
-        if active.load(Ordering::Acquire) >= MAX_HANDSHAKES {
-            tracing::debug!(rank = me, %from, "{MAX_HANDSHAKES} handshakes in progress; closed at once");
-            drop(stream);
-            continue;
-        }
-        active.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot(active.clone());
-        let rules = rules.clone();
-        let tx = tx.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("dist-handshake-{}", rules.me))
-            .spawn(move || match serve_handshake(stream, from, &rules, slot) {
-                Ok(j) => {
-                    tracing::debug!(rank = rules.me, peer = j.rank, %from, "peer joined");
-                    let _ = tx.send(j);
-                }
-                Err(why) => {
-                    tracing::warn!(rank = rules.me, %from, reason = %why, "refused a connection");
-                }
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(rank = me, error = %e, "cannot spawn a handshake thread; connection dropped");
-        }
-    }
-}
-
-/// One of a listener's [`MAX_HANDSHAKES`] places, given back when dropped (however the
-/// handshake thread ends; if the thread cannot be spawned, the closure that owns it is dropped).
-pub(super) struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// The accepting side of the handshake, holding `_slot` until it ends. Returns the refusal
@@ -231,10 +144,12 @@ impl Drop for Slot {
 pub(super) fn serve_handshake(
     mut stream: TcpStream,
     from: SocketAddr,
+    accepted_at: Instant,
     r: &Rules,
-    _slot: Slot,
-) -> std::result::Result<Joined, String> {
-    let deadline = dist_core::deadline_after(Instant::now(), r.handshake_timeout, r.me, || {
+) -> std::result::Result<(), String> {
+    // The deadline counts from the accept, so that a connection that waited in the queue for
+    // a free worker gets no more time than one served at once.
+    let deadline = dist_core::deadline_after(accepted_at, r.handshake_timeout, r.me, || {
         "handshake".into()
     })
     .map_err(|e| e.to_string())?;
@@ -279,16 +194,20 @@ pub(super) fn serve_handshake(
                 )
             },
         ),
-        (!r.ranks.contains(&rank), Refusal::RankOutOfRange, &|| {
-            if rank == r.me {
-                format!("duplicate rank {rank}: that is rank {}'s own rank", r.me)
-            } else {
-                format!(
-                    "rank {rank} may not connect here (rank {} accepts ranks {:?})",
-                    r.me, r.ranks
-                )
-            }
-        }),
+        (
+            !r.ranks.contains(&rank) || rank == r.me,
+            Refusal::RankOutOfRange,
+            &|| {
+                if rank == r.me {
+                    format!("duplicate rank {rank}: that is rank {}'s own rank", r.me)
+                } else {
+                    format!(
+                        "rank {rank} may not connect here (rank {} accepts ranks {:?})",
+                        r.me, r.ranks
+                    )
+                }
+            },
+        ),
         (
             r.purpose == Purpose::Mesh && hello.job_id != r.job_id,
             Refusal::WrongJob,
@@ -312,7 +231,11 @@ pub(super) fn serve_handshake(
     if let Some((_, why, text)) = checks.iter().find(|c| c.0) {
         return Err(refuse(&mut stream, *why, format!("{} ({from})", text())));
     }
-    let taken = |r: &Rules| r.claimed.lock().map(|c| c[rank]).unwrap_or(true);
+    let taken = |r: &Rules| match &r.gate {
+        Gate::Once { claimed, .. } => claimed.lock().map(|c| c[rank]).unwrap_or(true),
+        // Decided at the verdict only: the link's state may change meanwhile.
+        Gate::Mesh(_) => false,
+    };
     if taken(r) {
         return Err(refuse(
             &mut stream,
@@ -344,49 +267,93 @@ pub(super) fn serve_handshake(
             format!("wrong shared secret from rank {rank} ({from})"),
         ));
     }
-    {
-        let mut claimed = r
-            .claimed
-            .lock()
-            .map_err(|_| "rank table poisoned".to_string())?;
-        if claimed[rank] {
-            drop(claimed);
-            return Err(refuse(
-                &mut stream,
-                Refusal::DuplicateRank,
-                format!(
-                    "duplicate rank {rank}: it has already joined rank {} ({from})",
-                    r.me
-                ),
-            ));
+    match &r.gate {
+        Gate::Once { claimed, .. } => {
+            let mut claimed = claimed
+                .lock()
+                .map_err(|_| "rank table poisoned".to_string())?;
+            if claimed[rank] {
+                drop(claimed);
+                return Err(refuse(
+                    &mut stream,
+                    Refusal::DuplicateRank,
+                    format!(
+                        "duplicate rank {rank}: it has already joined rank {} ({from})",
+                        r.me
+                    ),
+                ));
+            }
+            claimed[rank] = true;
         }
-        claimed[rank] = true;
+        Gate::Mesh(links) => match links.decide(rank) {
+            Verdict::Accept => {}
+            Verdict::Crossed => {
+                return Err(refuse(
+                    &mut stream,
+                    Refusal::Crossed,
+                    format!(
+                        "crossed: rank {} is connecting to rank {rank} too, and the lower \
+                         rank's connection wins ({from})",
+                        r.me
+                    ),
+                ));
+            }
+            Verdict::Duplicate => {
+                return Err(refuse(
+                    &mut stream,
+                    Refusal::DuplicateRank,
+                    format!(
+                        "duplicate rank {rank}: it is already connected to rank {} ({from})",
+                        r.me
+                    ),
+                ));
+            }
+        },
     }
     // The other side proved the secret (or there is none): now, and only now, this side proves.
     let server_proof = match &r.secret {
         Some(s) => wire::proof(s, Side::Server, &hello, me, &server_nonce),
         None => [0; NONCE_LEN],
     };
-    write_by(
+    let sent = write_by(
         &mut stream,
         &Reply::accept([0; NONCE_LEN], server_proof).encode(),
         deadline,
-    )
-    .map_err(|e| format!("sending the verdict: {e}"))?;
-    Ok(Joined {
+    );
+    let joined = Joined {
         rank,
         stream,
         hello,
         from,
-    })
+    };
+    match &r.gate {
+        Gate::Once { tx, .. } => {
+            sent.map_err(|e| format!("sending the verdict: {e}"))?;
+            let _ = tx.send(joined);
+        }
+        Gate::Mesh(links) => {
+            let failed = sent
+                .as_ref()
+                .err()
+                .map(|e| format!("sending the verdict: {e}"));
+            links.settle(rank, failed.is_none().then_some(joined.stream));
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How a connecting handshake failed.
 #[derive(Debug)]
 pub(super) enum Failed {
     /// The listener closed the connection before any reply: it was busy with
-    /// [`MAX_HANDSHAKES`] others (or restarting). Worth connecting again.
+    /// [`MAX_HANDSHAKES`](super::acceptor::MAX_HANDSHAKES) others (or restarting). Worth connecting again.
     TurnedAway(DistError),
+    /// Refused as [`Refusal::Crossed`]: the listener's rank is connecting to this one too, and
+    /// its (lower-ranked) connection wins; this side waits for it.
+    Crossed(DistError),
     /// Refused, or broken after the reply: final.
     Final(DistError),
 }
@@ -439,8 +406,17 @@ pub(super) fn client_handshake(
         });
     }
     let challenge = Reply::decode(&buf).map_err(|e| refused(format!("malformed reply: {e}")))?;
-    if challenge.refusal.is_some() {
-        return Err(refused(challenge.reason));
+    let crossed = |reason: String| {
+        Failed::Crossed(DistError::HandshakeRefused {
+            rank: me,
+            peer: peer.to_string(),
+            reason,
+        })
+    };
+    match challenge.refusal {
+        None => {}
+        Some(Refusal::Crossed) => return Err(crossed(challenge.reason)),
+        Some(_) => return Err(refused(challenge.reason)),
     }
     let proof = match secret {
         Some(s) => wire::proof(s, Side::Client, hello, server_rank, &challenge.nonce),
@@ -451,6 +427,7 @@ pub(super) fn client_handshake(
         .map_err(|e| e.to_string())
         .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
     match verdict {
+        Ok(v) if v.refusal == Some(Refusal::Crossed) => Err(crossed(v.reason)),
         Ok(v) if v.refusal.is_some() => Err(refused(v.reason)),
         Ok(v) => match secret {
             Some(s)
@@ -501,7 +478,7 @@ pub(super) fn join_listener(
         };
         match client_handshake(&mut s, &hello()?, secret, server_rank, deadline, me, &peer) {
             Ok(()) => return Ok(s),
-            Err(Failed::Final(e)) => return Err(e),
+            Err(Failed::Final(e) | Failed::Crossed(e)) => return Err(e),
             Err(Failed::TurnedAway(e)) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {

@@ -9,9 +9,13 @@ use crate::wire::{HELLO_LEN, REPLY_LEN, Refusal, Reply, Side};
 const KEY: &[u8] = b"a shared secret of 16+ bytes";
 
 /// A mesh listener of rank 1 in a job of 4 (job id 7), accepting ranks 2 and 3.
-fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Acceptor, SocketAddr) {
+fn mesh_acceptor(
+    secret: Option<&[u8]>,
+    handshake_timeout: Duration,
+) -> (Acceptor, crossbeam_channel::Receiver<Joined>, SocketAddr) {
     let l = bind_listener("127.0.0.1:0".parse().unwrap(), 1).unwrap();
     let addr = l.local_addr().unwrap();
+    let (gate, rx) = Gate::once(4);
     let a = Acceptor::start(
         l,
         Rules {
@@ -22,11 +26,11 @@ fn mesh_acceptor(secret: Option<&[u8]>, handshake_timeout: Duration) -> (Accepto
             job_id: 7,
             secret: secret.map(<[u8]>::to_vec),
             handshake_timeout,
-            claimed: Mutex::new(vec![false; 4]),
+            gate,
         },
     )
     .unwrap();
-    (a, addr)
+    (a, rx, addr)
 }
 
 fn mesh_hello(rank: u32, has_secret: bool) -> Hello {
@@ -59,7 +63,7 @@ fn read_all(s: &mut TcpStream) -> Vec<u8> {
 /// listener's proof, so any stranger got an HMAC of the secret to test guesses against).
 #[test]
 fn the_listener_proves_only_after_the_client_has() {
-    let (acceptor, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
+    let (_acceptor, joins, addr) = mesh_acceptor(Some(KEY), Duration::from_secs(1));
     let hello = mesh_hello(3, true);
 
     // A wrong proof: refused, and nothing it received is the listener's proof.
@@ -115,9 +119,9 @@ fn the_listener_proves_only_after_the_client_has() {
     // The right secret for this listener: both proofs check, and rank 3 has joined.
     let mut s = raw(addr);
     client_handshake(&mut s, &hello, Some(KEY), 1, deadline, 3, "rank 1").unwrap();
-    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    let j = joins.recv_deadline(deadline).unwrap();
     assert_eq!(j.rank, 3);
-    assert!(acceptor.rx.try_recv().is_err(), "a refused client joined");
+    assert!(joins.try_recv().is_err(), "a refused client joined");
 }
 
 /// The client checks the listener's proof: a listener that accepts any proof but cannot
@@ -157,18 +161,18 @@ fn still_open(s: &TcpStream) -> bool {
     open
 }
 
-/// A flood of idle and garbage connections holds at most [`MAX_HANDSHAKES`] of them open
+/// A flood of idle and garbage connections holds at most [`acceptor::MAX_HANDSHAKES`] of them open
 /// (the rest are closed at once, long before the handshake deadline), and a real rank still
 /// gets through. On main every connection got a thread and was held until its deadline.
 #[test]
 fn admission_is_capped_and_a_rank_gets_through_a_flood() {
     let timeout = Duration::from_secs(3);
-    let (acceptor, addr) = mesh_acceptor(None, timeout);
+    let (_acceptor, joins, addr) = mesh_acceptor(None, timeout);
     let t = Instant::now();
     const IDLE: usize = 500;
     const {
         assert!(
-            MAX_HANDSHAKES < IDLE / 2,
+            acceptor::MAX_HANDSHAKES < IDLE / 2,
             "the flood must be well over the cap"
         )
     };
@@ -182,13 +186,13 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         .collect();
     let held = loop {
         let held = idle.iter().filter(|s| still_open(s)).count();
-        if held <= MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
+        if held <= acceptor::MAX_HANDSHAKES || t.elapsed() > timeout - Duration::from_millis(500) {
             break held;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(
-        held <= MAX_HANDSHAKES,
+        held <= acceptor::MAX_HANDSHAKES,
         "{held} of {IDLE} idle connections held open after {:?}",
         t.elapsed()
     );
@@ -213,7 +217,7 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         &|detail| panic!("{detail}"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let j = acceptor.rx.recv_deadline(deadline).unwrap();
+    let j = joins.recv_deadline(deadline).unwrap();
     assert_eq!(j.rank, 2);
     drop((s, idle));
 }
@@ -273,5 +277,100 @@ fn lengths_from_a_fake_rank0_are_checked() {
         e.to_string()
             .contains(&format!("table has {} ranks, expected 2", u32::MAX)),
         "{e}"
+    );
+}
+
+/// `n` connected pairs: rank 0's ends and the ranks' ends.
+fn pairs(n: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    (0..n)
+        .map(|_| {
+            let theirs = TcpStream::connect(addr).unwrap();
+            (l.accept().unwrap().0, theirs)
+        })
+        .unzip()
+}
+
+/// Rank 0 reads the statuses on one thread: a failure from the last rank is seen at once,
+/// while the ranks before it have sent nothing (or half a status); with every rank ready,
+/// statuses that arrive a byte at a time are read whole.
+#[test]
+fn a_failure_is_seen_before_slow_ranks() {
+    let (ours, mut theirs) = pairs(3);
+    theirs[0].write_all(&Status::Ready.encode(1)[..10]).unwrap();
+    theirs[2]
+        .write_all(&Status::Failed("rank 3 broke".into()).encode(3))
+        .unwrap();
+    let t = Instant::now();
+    let got = status::gather(&ours, Instant::now() + Duration::from_secs(20));
+    assert_eq!(got, Some((3, "rank 3 broke".to_string())));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+    let (ours, theirs) = pairs(4);
+    let writer = std::thread::spawn(move || {
+        let mut theirs = theirs;
+        for i in 0..STATUS_LEN {
+            for (r, s) in theirs.iter_mut().enumerate() {
+                s.write_all(&Status::Ready.encode(r as u32 + 1)[i..i + 1])
+                    .unwrap();
+            }
+        }
+        theirs
+    });
+    assert_eq!(
+        status::gather(&ours, Instant::now() + Duration::from_secs(20)),
+        None
+    );
+    drop(writer.join().unwrap());
+
+    // A rank that closes its connection, and a deadline that passes, are failures too.
+    let (ours, mut theirs) = pairs(2);
+    theirs.remove(1);
+    match status::gather(&ours, Instant::now() + Duration::from_secs(20)) {
+        Some((2, why)) => assert!(why.contains("connection closed"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    let (ours, _theirs) = pairs(1);
+    match status::gather(&ours, Instant::now() + Duration::from_millis(100)) {
+        Some((0, why)) => assert!(why.contains("deadline"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// What unicasting the table costs rank 0 at 1,024 ranks: the table of 1,024 listeners written
+/// on 1,023 loopback connections, as `form_as_root` does (measured for `docs/benchmarks.md`;
+/// run with `--ignored --nocapture`).
+#[test]
+#[ignore = "a measurement, not a check"]
+fn table_unicast_to_1023_ranks() {
+    let (mut ours, theirs) = pairs(1023);
+    let addrs = vec![SocketAddr::from(([127, 0, 0, 1], 4242)); 1024];
+    let readers: Vec<_> = theirs
+        .into_iter()
+        .map(|mut s| {
+            std::thread::Builder::new()
+                .stack_size(64 << 10)
+                .spawn(move || {
+                    let mut b = vec![0u8; TABLE_HEAD_LEN + 1024 * TABLE_ENTRY_LEN];
+                    s.read_exact(&mut b).unwrap();
+                })
+                .unwrap()
+        })
+        .collect();
+    let t = Instant::now();
+    let table = wire::encode_table(7, &addrs);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for s in &mut ours {
+        write_by(s, &table, deadline).unwrap();
+    }
+    let wrote = t.elapsed();
+    for r in readers {
+        r.join().unwrap();
+    }
+    eprintln!(
+        "table of {} bytes to 1023 ranks: written in {wrote:.2?}, all read in {:.2?}",
+        table.len(),
+        t.elapsed()
     );
 }

@@ -181,7 +181,7 @@ mod props {
     fn any_refusal() -> impl Strategy<Value = Option<Refusal>> {
         prop_oneof![
             Just(None),
-            (1u32..=10).prop_map(|c| Some(Refusal::from_code(c).expect("codes 1 to 10")))
+            (1u32..=11).prop_map(|c| Some(Refusal::from_code(c).expect("codes 1 to 11")))
         ]
     }
 
