@@ -5,9 +5,9 @@
 //! workers (`acceptor.rs`). Every other rank connects to it (retrying with backoff until the init
 //! deadline, so ranks may start in any order), opens a listener of its own, and announces that
 //! listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each the table of
-//! listeners and a fresh job id. Eager ([`Formation::Eager`]): rank `j` then connects to every
+//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank `j` then connects to every
 //! rank `0 < i < j`, whose listener accepts only that job's ranks above it, and reports `Ready`
-//! once all its connections are up. Lazy ([`Formation::Lazy`]): no rank dials; each starts its
+//! once all its connections are up. Lazy ([`Formation::Lazy`](crate::Formation::Lazy)): no rank dials; each starts its
 //! long-lived acceptor ([`Mesh`]) and reports `Ready` at once. Rank 0 reads the statuses on one
 //! thread (`status.rs`) and answers `Go` when every rank is ready, so that init returns on all
 //! ranks together, or fails on all of them with the first rank's error.
@@ -18,7 +18,7 @@ use std::time::Instant;
 use crossbeam_channel::RecvTimeoutError;
 use dist_core::{DistError, Result};
 
-use crate::config::{Formation, TcpConfig};
+use crate::config::TcpConfig;
 use crate::wire::{
     self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status, TABLE_ENTRY_LEN,
     TABLE_HEAD_LEN,
@@ -36,17 +36,9 @@ pub use links::OnIncoming;
 use mesh::MeshSpec;
 pub use mesh::{Dialed, Mesh};
 
-/// Forms the job eagerly and returns one handshaken stream per peer (`None` at this rank's
-/// index).
+/// Forms the job eagerly (whatever `cfg` says) and returns one handshaken stream per peer
+/// (`None` at this rank's index).
 pub(crate) fn form(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
-    if cfg.formation == Formation::Lazy {
-        return Err(DistError::Config {
-            what: "formation (DIST_FORMATION)".into(),
-            reason: "lazy formation needs the peer layer that connects on first use, which \
-                     TcpBackend does not have yet"
-                .into(),
-        });
-    }
     form_with(cfg, None).map(|f| f.streams)
 }
 
@@ -60,7 +52,7 @@ pub struct Formed {
     pub mesh: Mesh,
 }
 
-/// Forms the job lazily ([`Formation::Lazy`], whatever `cfg` says): `on_incoming` gets every
+/// Forms the job lazily ([`Formation::Lazy`](crate::Formation::Lazy), whatever `cfg` says): `on_incoming` gets every
 /// connection a peer makes to this rank that no dialer of this rank waits for, from before
 /// this returns.
 pub(crate) fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {

@@ -31,6 +31,7 @@
 mod config;
 mod init;
 pub mod launch;
+mod lazy;
 mod link;
 mod liveness;
 mod peer;
@@ -51,7 +52,7 @@ use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning}
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
-    Formation, TcpConfig,
+    Formation, LAZY_FROM, TcpConfig,
 };
 pub use launch::{LaunchEnv, Launcher};
 pub use link::TcpLink;
@@ -171,6 +172,9 @@ pub struct TcpBackend {
 /// thread); dropping this closes the connections in order (see its `Drop`).
 struct Threads {
     shared: Arc<Shared>,
+    /// The acceptor and dialer of a lazily formed job; stopped first at teardown, so that no
+    /// connection arrives while the others close.
+    mesh: Option<Arc<init::Mesh>>,
     io: peer::IoThread,
     liveness: Option<JoinHandle<()>>,
 }
@@ -205,32 +209,53 @@ impl TcpBackend {
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
         let parallel = parallel_for(&cfg);
-        let streams = init::form(&cfg)?;
         let me = cfg.rank;
+        // Connections a peer makes to this rank after formation (lazy formation only).
+        let incoming = Arc::new(lazy::Incoming::default());
+        let (streams, mesh) = match cfg.formation_mode() {
+            Formation::Lazy => {
+                let inc = incoming.clone();
+                let formed = init::form_lazy(&cfg, Box::new(move |r, s| inc.deliver(r, s)))?;
+                (formed.streams, Some(Arc::new(formed.mesh)))
+            }
+            _ => (init::form(&cfg)?, None),
+        };
         let aborts = Arc::new(Aborts::default());
         let limits = Limits {
             max_message: cfg.max_message,
             unexpected: cfg.unexpected_limit,
         };
-        // Ranks of this job on this host: the peers whose connection comes from this host's
-        // own address, or as the launcher says.
-        let same_host = streams
-            .iter()
-            .flatten()
-            .filter(|s| match (s.local_addr(), s.peer_addr()) {
-                (Ok(l), Ok(p)) => l.ip() == p.ip(),
-                _ => false,
-            })
-            .count();
+        // Ranks of this job on this host: those listening on this rank's address (lazy), or
+        // the peers whose connection comes from this host's own address (eager), or as the
+        // launcher says.
+        let same_host = match &mesh {
+            Some(m) => m.same_host_ranks().saturating_sub(1),
+            None => streams
+                .iter()
+                .flatten()
+                .filter(|s| match (s.local_addr(), s.peer_addr()) {
+                    (Ok(l), Ok(p)) => l.ip() == p.ip(),
+                    _ => false,
+                })
+                .count(),
+        };
         let local = config::local_ranks(|k| std::env::var(k).ok(), 1 + same_host);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let spin = peer::spin_env().unwrap_or_else(|| config::default_spin(local, cores));
         tracing::debug!(rank = me, local, cores, ?spin, "receive spin");
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
-            peers.push(Arc::new(match s {
-                Some(s) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
-                None => Peer::loopback(me, aborts.clone()),
+            peers.push(Arc::new(match (s, &mesh) {
+                (Some(s), _) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
+                (None, Some(m)) if r != me => Peer::unconnected(
+                    me,
+                    r,
+                    cfg.timeout,
+                    aborts.clone(),
+                    limits,
+                    Some(lazy::dialer(me, m)),
+                ),
+                (None, _) => Peer::loopback(me, aborts.clone()),
             }));
         }
         for p in &peers {
@@ -263,6 +288,7 @@ impl TcpBackend {
             })?;
         let mut threads = Threads {
             shared: shared.clone(),
+            mesh,
             io,
             liveness: None,
         };
@@ -312,6 +338,8 @@ impl TcpBackend {
             // Its connection is watched by the I/O thread from now on (or from its attach).
             threads.io.adopt(&peer);
         }
+        // Connections peers made before the peers existed are attached now; later ones at once.
+        incoming.open(&shared.peers);
         let weak = Arc::downgrade(&shared);
         let (world, interval) = (
             cfg.world_size,
@@ -450,6 +478,9 @@ impl Drop for Threads {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);
+        // No connection is taken or made from here on (a dial in progress holds the mesh until
+        // it ends; the peers' hooks hold it only weakly).
+        drop(self.mesh.take());
         let at = self.shared.whereabouts();
         for p in &self.shared.peers {
             p.goodbye(at);

@@ -9,16 +9,25 @@ use crate::{TcpConfig, init};
 
 pub use crate::init::{Dialed, Formed, Mesh, OnIncoming};
 
-/// Joins the job `cfg` describes through the real rendezvous and handshake, and returns the
-/// connection to every other rank (`None` at this rank's own index), with no reader on them.
+/// Joins the job `cfg` describes through the real rendezvous and handshake, eagerly whatever
+/// `cfg` says, and returns the connection to every other rank (`None` at this rank's own index), with no reader on them.
 pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
     init::form(cfg)
 }
 
 /// Forms the job `cfg` describes lazily ([`Formation::Lazy`](crate::Formation), whatever `cfg`
-/// says): every rank connected to rank 0 only, each with its listener and acceptor up. Until
-/// the peer layer connects on first use this is the lazy formation's only entry point; it
-/// serves the formation benchmarks and tests.
+/// says): every rank connected to rank 0 only, each with its listener and acceptor up, with no
+/// peer layer on the connections; for the formation benchmarks and tests.
 pub fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
     init::form_lazy(cfg, on_incoming)
+}
+
+/// How many peers `b` has a connection to now (the loopback peer, this rank itself, not
+/// counted).
+pub fn connected_peers(b: &crate::TcpBackend) -> usize {
+    b.shared
+        .peers
+        .iter()
+        .filter(|p| !p.is_loopback() && p.is_connected())
+        .count()
 }

@@ -114,6 +114,15 @@ impl Mesh {
         self.me
     }
 
+    /// How many ranks of the job (this one included) listen on this rank's own address: the
+    /// ranks on this host, as far as the table of listeners tells.
+    pub(crate) fn same_host_ranks(&self) -> usize {
+        match self.addrs.get(self.me) {
+            Some(mine) => self.addrs.iter().filter(|a| a.ip() == mine.ip()).count(),
+            None => 1,
+        }
+    }
+
     /// Whether this rank is connected to `peer` (its stream went to a dialer or the callback).
     pub fn is_connected(&self, peer: usize) -> bool {
         self.links.get(peer) == super::links::Link::Connected

@@ -6,7 +6,10 @@
 use super::*;
 
 /// Makes the connection to a peer (its rank) by a deadline: dials, and does the handshake.
-pub(crate) type ConnectHook = Arc<dyn Fn(usize, Instant) -> Result<TcpStream> + Send + Sync>;
+/// `Ok(None)`: the peer's own connection arrived meanwhile and was attached to this peer by
+/// whoever accepted it (both ranks dialed at once, and the peer's connection won).
+pub(crate) type ConnectHook =
+    Arc<dyn Fn(usize, Instant) -> Result<Option<TcpStream>> + Send + Sync>;
 
 /// Who is dialing a peer now.
 #[derive(Debug, Default)]
@@ -23,13 +26,6 @@ pub(super) struct Dial {
 impl Peer {
     /// A peer with no connection yet: its connection is attached later ([`Peer::attach`]), or
     /// made on first use of a send or a posted receive by `connect`, if given.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the lazy dialer (issue 13 point 1) is its first caller"
-        )
-    )]
     pub(crate) fn unconnected(
         me: usize,
         rank: usize,
@@ -101,7 +97,16 @@ impl Peer {
         d.busy = true;
         drop(d);
         // The hook may block until `deadline` (and must not go past it); nobody's lock is held.
-        let made = hook(self.rank, deadline).and_then(|s| self.attach(s));
+        let made = hook(self.rank, deadline).and_then(|s| match s {
+            Some(s) => self.attach(s).map(drop),
+            None if self.is_connected() => Ok(()),
+            None => Err(DistError::PeerGone {
+                rank: self.me,
+                peer: self.rank,
+                op: op(),
+                cause: "the connection the peer made was not attached".into(),
+            }),
+        });
         let mut d = self.dial.lock().unwrap_or_else(|p| p.into_inner());
         d.busy = false;
         let r = match made {

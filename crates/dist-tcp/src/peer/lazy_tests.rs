@@ -102,11 +102,13 @@ fn dialing_hook(addr: std::net::SocketAddr, calls: Arc<AtomicUsize>) -> ConnectH
     Arc::new(move |peer, _deadline| {
         assert_eq!(peer, RANK);
         calls.fetch_add(1, Ordering::SeqCst);
-        TcpStream::connect(addr).map_err(|source| DistError::Io {
-            rank: ME,
-            context: "connect".into(),
-            source,
-        })
+        TcpStream::connect(addr)
+            .map(Some)
+            .map_err(|source| DistError::Io {
+                rank: ME,
+                context: "connect".into(),
+                source,
+            })
     })
 }
 
@@ -160,11 +162,13 @@ fn two_first_uses_at_once_dial_once() {
                 .lock()
                 .unwrap()
                 .recv_timeout(Duration::from_secs(10));
-            TcpStream::connect(addr).map_err(|source| DistError::Io {
-                rank: ME,
-                context: "connect".into(),
-                source,
-            })
+            TcpStream::connect(addr)
+                .map(Some)
+                .map_err(|source| DistError::Io {
+                    rank: ME,
+                    context: "connect".into(),
+                    source,
+                })
         })
     };
     let peer = unconnected(Some(hook));
