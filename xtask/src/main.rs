@@ -104,7 +104,8 @@ struct PerfArgs {
     /// iproute2), as `test-multirank --hosts`.
     #[arg(long)]
     hosts: Option<usize>,
-    /// With hosts: add this many milliseconds to every packet between hosts (`tc netem`).
+    /// With hosts: add this many milliseconds to every frame between hosts (a hub in the
+    /// launcher instead of the bridge).
     #[arg(long, requires = "hosts")]
     delay_ms: Option<f64>,
 }
@@ -112,13 +113,15 @@ struct PerfArgs {
 /// `count` simulated hosts (see `dist_launch::hosts`), with `delay_ms` added between them;
 /// deleted when dropped.
 pub fn simulated_hosts(count: usize, delay_ms: Option<f64>) -> Result<launch::Hosts> {
-    let hosts = launch::Hosts::create(count).map_err(anyhow::Error::msg)?;
-    if let Some(ms) = delay_ms {
-        let d = std::time::Duration::try_from_secs_f64(ms / 1e3)
-            .map_err(|_| anyhow::anyhow!("bad --delay-ms {ms}"))?;
-        hosts.delay(d).map_err(anyhow::Error::msg)?;
+    match delay_ms {
+        None => launch::Hosts::create(count),
+        Some(ms) => {
+            let d = std::time::Duration::try_from_secs_f64(ms / 1e3)
+                .map_err(|_| anyhow::anyhow!("bad --delay-ms {ms}"))?;
+            launch::Hosts::with_delay(count, d)
+        }
     }
-    Ok(hosts)
+    .map_err(anyhow::Error::msg)
 }
 
 /// The workspace root.

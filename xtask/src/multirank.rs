@@ -31,7 +31,8 @@ pub struct Args {
     /// root and iproute2): blocks of consecutive ranks per host, MASTER_ADDR host 0's address.
     #[arg(long)]
     pub hosts: Option<usize>,
-    /// With hosts: add this many milliseconds to every packet between hosts (`tc netem`).
+    /// With hosts: add this many milliseconds to every frame between hosts (a hub in the
+    /// launcher instead of the bridge).
     #[arg(long, requires = "hosts")]
     pub delay_ms: Option<f64>,
     /// Run only trials whose name (`CASE::nN`, `CASE::VARIANT::nN`) contains this.

@@ -136,6 +136,10 @@ fn main() -> ExitCode {
             "hosts_interrupted_run_leaves_nothing",
             hosts::an_interrupted_run_leaves_nothing,
         ),
+        (
+            "hosts_delay_holds_every_frame",
+            hosts::a_delay_holds_every_frame,
+        ),
     ] {
         let trial = Trial::test(name, test).with_ignored_flag(why.is_some());
         if let Some(why) = &why

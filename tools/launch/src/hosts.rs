@@ -10,12 +10,14 @@
 //!   pair whose other end (`hI`) is a port of the bridge; `eth0` has address
 //!   `10.213.0.(I+1)/24`.
 //!
+//! With a delay ([`Hosts::with_delay`]) there is no bridge: each host's `eth0` is a TAP device
+//! whose frames a hub in this process passes on to the other hosts after the delay.
+//!
 //! Nothing is made in the root namespace: deleting the namespaces deletes the bridge and every
-//! veth with them. [`Hosts`] deletes them when dropped (after a failed run too), on SIGINT,
+//! veth with them (the TAP devices go with the hub's descriptors). [`Hosts`] deletes them when dropped (after a failed run too), on SIGINT,
 //! SIGTERM or SIGHUP (the launch loop notices [`interrupted`], kills the ranks, the guard deletes
 //! the namespaces and the process exits with 130), and [`Hosts::create`] first deletes those of
-//! earlier runs whose process is gone (a run killed by SIGKILL). Needs root and iproute2 (`ip`;
-//! `tc` for [`Hosts::delay`]).
+//! earlier runs whose process is gone (a run killed by SIGKILL). Needs root and iproute2 (`ip`).
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -50,6 +52,8 @@ pub struct Hosts {
     made: Vec<String>,
     /// The signal dispositions this guard replaced, restored when it is dropped.
     saved: Vec<(libc::c_int, libc::sighandler_t)>,
+    /// With a delay: the hub that links the hosts' TAP devices instead of the bridge.
+    hub: Option<crate::delay::Hub>,
 }
 
 /// Runs `ip ARGS` (or `tc`), failing with its stderr.
@@ -134,6 +138,18 @@ impl Hosts {
     /// Makes `count` simulated hosts (see the module docs). On failure, whatever was made is
     /// deleted before the error returns.
     pub fn create(count: usize) -> Result<Hosts, String> {
+        Hosts::make(count, None)
+    }
+
+    /// [`Hosts::create`], with `delay` added to every frame between two hosts: each host's
+    /// `eth0` is then a TAP device, and a hub in this process passes each frame on after
+    /// `delay` (a round trip between hosts gains 2 × `delay`; loopback nothing). Not `tc
+    /// netem`, which kernels without `CONFIG_NET_SCH_NETEM` (this project's) lack.
+    pub fn with_delay(count: usize, delay: Duration) -> Result<Hosts, String> {
+        Hosts::make(count, Some(delay))
+    }
+
+    fn make(count: usize, delay: Option<Duration>) -> Result<Hosts, String> {
         if !(1..=MAX_HOSTS).contains(&count) {
             return Err(format!(
                 "{count} simulated hosts: from 1 to {MAX_HOSTS} are possible"
@@ -146,8 +162,20 @@ impl Hosts {
             count,
             made: Vec::new(),
             saved: Vec::new(),
+            hub: None,
         };
         hosts.catch_signals();
+        if let Some(delay) = delay {
+            let mut taps = Vec::new();
+            for h in 0..count {
+                let ns = hosts.netns(h);
+                hosts.add_namespace(&ns)?;
+                taps.push(crate::delay::tap_in(&ns, IFACE)?);
+                hosts.address(h)?;
+            }
+            hosts.hub = Some(crate::delay::Hub::start(taps, delay));
+            return Ok(hosts);
+        }
         // `hosts` is dropped (and what it made deleted) if any step fails.
         let br = hosts.bridge_ns();
         hosts.add_namespace(&br)?;
@@ -162,15 +190,21 @@ impl Hosts {
                 &ns,
             ])?;
             ip(&["-n", &br, "link", "set", &port, "master", "br0", "up"])?;
-            let cidr = format!("{}/24", hosts.addr(h));
-            ip(&["-n", &ns, "addr", "add", &cidr, "dev", IFACE])?;
-            ip(&["-n", &ns, "link", "set", IFACE, "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            hosts.address(h)?;
         }
         if interrupted() {
             return Err("interrupted".into());
         }
         Ok(hosts)
+    }
+
+    /// Host `h`'s address on its `eth0`, which goes up, and its loopback up.
+    fn address(&self, h: usize) -> Result<(), String> {
+        let ns = self.netns(h);
+        let cidr = format!("{}/24", self.addr(h));
+        ip(&["-n", &ns, "addr", "add", &cidr, "dev", IFACE])?;
+        ip(&["-n", &ns, "link", "set", IFACE, "up"])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])
     }
 
     fn add_namespace(&mut self, name: &str) -> Result<(), String> {
@@ -221,26 +255,6 @@ impl Hosts {
         format!("{SUBNET}.{}", h + 1)
     }
 
-    /// Adds `delay` to every packet that leaves a host for another (`tc netem` on each host's
-    /// `eth0`), so a round trip between two hosts takes twice that longer; loopback inside a
-    /// host is untouched.
-    pub fn delay(&self, delay: Duration) -> Result<(), String> {
-        let us = format!("{}us", delay.as_micros());
-        for h in 0..self.count {
-            let ns = self.netns(h);
-            // A long queue: the default (1,000 packets) drops a fast sender's packets while they
-            // wait out the delay.
-            tool(
-                "ip",
-                &[
-                    "netns", "exec", &ns, "tc", "qdisc", "add", "dev", IFACE, "root", "netem",
-                    "delay", &us, "limit", "100000",
-                ],
-            )?;
-        }
-        Ok(())
-    }
-
     /// The host of `rank` in a job of `world` ranks: blocks of consecutive ranks, as even as
     /// possible, rank 0 on host 0 (4 ranks on 2 hosts: 0 and 1 on host 0, 2 and 3 on host 1).
     pub fn host_of(&self, rank: usize, world: usize) -> usize {
@@ -280,6 +294,8 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
+        // The hub's descriptors hold the TAP devices: stop it first.
+        drop(self.hub.take());
         for e in self.delete() {
             eprintln!("warning: simulated hosts: {e}");
         }
@@ -306,6 +322,7 @@ mod tests {
             count,
             made: Vec::new(),
             saved: Vec::new(),
+            hub: None,
         }
     }
 

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod delay;
 pub mod hosts;
 pub use hosts::Hosts;
 

@@ -132,9 +132,100 @@ pub(crate) fn an_interrupted_run_leaves_nothing() -> Result<(), Failed> {
     Ok(())
 }
 
-/// The child of `an_interrupted_run_leaves_nothing`, when this program runs as one: makes 2
+/// Set in the environment of the two ranks of `a_delay_holds_every_frame`.
+const RTT: &str = "DIST_TEST_HOSTS_RTT";
+/// The delay `a_delay_holds_every_frame` asks for.
+const DELAY: Duration = Duration::from_millis(20);
+
+/// Hosts made with a 20 ms delay: every TCP round trip between them takes at least 40 ms, and
+/// the run leaves nothing behind.
+pub(crate) fn a_delay_holds_every_frame() -> Result<(), Failed> {
+    let before = root_links()?;
+    let hosts = Hosts::with_delay(2, DELAY)?;
+    let prefix = hosts.prefix().to_string();
+    let job = Job {
+        program: std::env::current_exe()?,
+        args: Vec::new(),
+        world: 2,
+        timeout: Duration::from_secs(60),
+        label: "rtt ".into(),
+        env: vec![(RTT.into(), "1".into())],
+        plain_rank0: false,
+        echo: false,
+    };
+    let outcome = dist_launch::run_on(&job, Some(&hosts))?;
+    drop(hosts);
+    if !matches!(outcome, Outcome::Passed) {
+        return Err(format!("{outcome:?}").into());
+    }
+    let left = leftovers(&prefix, &before)?;
+    if !left.is_empty() {
+        return Err(format!("a delayed run left {left:?}").into());
+    }
+    Ok(())
+}
+
+/// A rank of `a_delay_holds_every_frame`: rank 1 echoes bytes on MASTER_PORT of its host;
+/// rank 0 connects to it from host 0 and times 5 round trips of one byte.
+fn rtt_rank() -> Result<(), String> {
+    use std::io::{Read, Write};
+    let var = |k: &str| std::env::var(k).map_err(|_| format!("{k} is not set"));
+    let port: u16 = var("MASTER_PORT")?.parse().map_err(|e| format!("{e}"))?;
+    let mut b = [0u8; 1];
+    if var("RANK")? == "1" {
+        let l = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| e.to_string())?;
+        let (mut s, _) = l.accept().map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
+        for _ in 0..5 {
+            s.read_exact(&mut b).map_err(|e| e.to_string())?;
+            s.write_all(&b).map_err(|e| e.to_string())?;
+        }
+        return Ok(());
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        // Retried until rank 1 listens, within the deadline.
+        match std::net::TcpStream::connect_timeout(
+            &format!("10.213.0.2:{port}").parse().expect("an address"),
+            Duration::from_secs(5),
+        ) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("connect: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    for i in 0..5 {
+        let t = Instant::now();
+        s.write_all(&b).map_err(|e| e.to_string())?;
+        s.read_exact(&mut b).map_err(|e| e.to_string())?;
+        let rtt = t.elapsed();
+        println!("round trip {i}: {rtt:.2?}");
+        if rtt < 2 * DELAY {
+            return Err(format!(
+                "a round trip took {rtt:?}, under twice the delay {DELAY:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The child of `an_interrupted_run_leaves_nothing` (or a rank of `a_delay_holds_every_frame`),
+/// when this program runs as one: makes 2
 /// hosts, says their prefix, and runs 4 ranks that wait until killed.
 pub(crate) fn child() -> Option<std::process::ExitCode> {
+    if std::env::var_os(RTT).is_some() {
+        return Some(match rtt_rank() {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::ExitCode::FAILURE
+            }
+        });
+    }
     std::env::var_os(CHILD)?;
     let hosts = match Hosts::create(2) {
         Ok(h) => h,
