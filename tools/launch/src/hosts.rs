@@ -217,8 +217,8 @@ impl Hosts {
     fn catch_signals(&mut self) {
         for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
             // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe; the
-            // previous disposition is kept and restored by `Drop` (the guard's own test,
-            // `tests::an_interrupted_run_leaves_nothing` in the multirank target, sends SIGINT).
+            // previous disposition is kept and restored by `Drop` (the multirank target's trial
+            // `hosts_interrupted_run_leaves_nothing` sends SIGINT to a launcher).
             let old = unsafe {
                 libc::signal(
                     sig,
