@@ -100,6 +100,28 @@ struct PerfArgs {
     /// broadcast, sendrecv) beside dist-nccl's, 3 rounds, in the same program.
     #[arg(long)]
     bare: bool,
+    /// Spread the ranks over this many simulated hosts (network namespaces; needs root and
+    /// iproute2), as `test-multirank --hosts`.
+    #[arg(long)]
+    hosts: Option<usize>,
+    /// With hosts: add this many milliseconds to every frame between hosts (a hub in the
+    /// launcher instead of the bridge).
+    #[arg(long, requires = "hosts")]
+    delay_ms: Option<f64>,
+}
+
+/// `count` simulated hosts (see `dist_launch::hosts`), with `delay_ms` added between them;
+/// deleted when dropped.
+pub fn simulated_hosts(count: usize, delay_ms: Option<f64>) -> Result<launch::Hosts> {
+    match delay_ms {
+        None => launch::Hosts::create(count),
+        Some(ms) => {
+            let d = std::time::Duration::try_from_secs_f64(ms / 1e3)
+                .map_err(|_| anyhow::anyhow!("bad --delay-ms {ms}"))?;
+            launch::Hosts::with_delay(count, d)
+        }
+    }
+    .map_err(anyhow::Error::msg)
 }
 
 /// The workspace root.
@@ -174,13 +196,13 @@ fn main() -> std::process::ExitCode {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::TestMultirank(args) => multirank::run(&args),
-        Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new()),
+        Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new(), None),
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
         Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
-        Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new()),
+        Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new(), None),
         Cmd::Bundle { out } => bundle::run(out),
         Cmd::Perf(a) => {
             let bin = match a.backend.as_str() {
@@ -203,7 +225,11 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             if a.bare {
                 args.push("--bare".into());
             }
-            launch_release(bin, a.ranks, args)
+            let hosts = match a.hosts {
+                Some(h) => Some(simulated_hosts(h, a.delay_ms)?),
+                None => None,
+            };
+            launch_release(bin, a.ranks, args, hosts.as_ref())
         }
     }
 }
@@ -215,16 +241,21 @@ fn run_example(example: &str, ranks: usize) -> Result<()> {
         &["-p", "dist-hybrid", "--example", example],
         || release_dir().join("examples").join(example),
     )?;
-    launch_ranks(program, ranks, Vec::new())
+    launch_ranks(program, ranks, Vec::new(), None)
 }
 
 /// Builds a release binary of dist-tools (unless in a bundle) and runs `ranks` ranks of it,
-/// rank 0's output unprefixed.
-fn launch_release(bin: &str, ranks: usize, args: Vec<String>) -> Result<()> {
+/// rank 0's output unprefixed, on simulated `hosts` where given.
+fn launch_release(
+    bin: &str,
+    ranks: usize,
+    args: Vec<String>,
+    hosts: Option<&launch::Hosts>,
+) -> Result<()> {
     let program = bundled_or_built(bin, &["-p", "dist-tools", "--bin", bin], || {
         release_dir().join(bin)
     })?;
-    launch_ranks(program, ranks, args)
+    launch_ranks(program, ranks, args, hosts)
 }
 
 /// `name` from the bundle when running inside one (a host with no Rust toolchain), else built
@@ -243,7 +274,12 @@ fn bundled_or_built(
     Ok(built())
 }
 
-fn launch_ranks(program: PathBuf, ranks: usize, args: Vec<String>) -> Result<()> {
+fn launch_ranks(
+    program: PathBuf,
+    ranks: usize,
+    args: Vec<String>,
+    hosts: Option<&launch::Hosts>,
+) -> Result<()> {
     let name = program.display().to_string();
     let job = launch::Job {
         program,
@@ -255,7 +291,7 @@ fn launch_ranks(program: PathBuf, ranks: usize, args: Vec<String>) -> Result<()>
         plain_rank0: true,
         echo: true,
     };
-    match launch::run(&job).map_err(anyhow::Error::msg)? {
+    match launch::run_on(&job, hosts).map_err(anyhow::Error::msg)? {
         launch::Outcome::Passed => Ok(()),
         launch::Outcome::Skipped(why) => {
             println!("{name}: skipped: {why}");

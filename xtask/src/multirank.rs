@@ -4,6 +4,11 @@
 //! runs the same cases through the `multirank` test target (tests/multirank/tests/multirank.rs);
 //! this command is for a release build, other world sizes, and bundles on hosts with no Rust
 //! toolchain.
+//!
+//! `--hosts H` runs every trial on H simulated hosts: network namespaces joined by a bridge, made
+//! for the trial and deleted after it (`dist_launch::hosts`; needs root and iproute2, else every
+//! trial is reported skipped with the reason). Cases that declare hosts of their own
+//! (`hosts2_…`, `hosts3_…`) run on them without `--hosts`.
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +27,14 @@ pub struct Args {
     /// Seconds one case may take at one world size before every rank is killed.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// Spread each trial's ranks over this many simulated hosts (network namespaces; needs
+    /// root and iproute2): blocks of consecutive ranks per host, MASTER_ADDR host 0's address.
+    #[arg(long)]
+    pub hosts: Option<usize>,
+    /// With hosts: add this many milliseconds to every frame between hosts (a hub in the
+    /// launcher instead of the bridge).
+    #[arg(long, requires = "hosts")]
+    pub delay_ms: Option<f64>,
     /// Run only trials whose name (`CASE::nN`, `CASE::VARIANT::nN`) contains this.
     pub filter: Option<String>,
 }
@@ -47,6 +60,7 @@ pub fn run(args: &Args) -> Result<()> {
                 trials.push((
                     name,
                     listed.job(&program, n, Duration::from_secs(args.timeout), true),
+                    args.hosts.or(listed.hosts),
                 ));
             }
         }
@@ -59,9 +73,27 @@ pub fn run(args: &Args) -> Result<()> {
         );
     }
     let (mut passed, mut skipped, mut failed) = (0, 0, Vec::new());
-    for (name, job) in &trials {
+    // Asked once, and only if some trial needs simulated hosts.
+    let mut no_hosts: Option<Option<String>> = None;
+    for (name, job, hosts) in &trials {
         let t = Instant::now();
-        match launch::run(job).map_err(anyhow::Error::msg)? {
+        let outcome = match hosts {
+            None => launch::run(job).map_err(anyhow::Error::msg)?,
+            Some(h) => {
+                let why = no_hosts.get_or_insert_with(launch::hosts::unavailable);
+                match why {
+                    Some(why) => Outcome::Skipped(why.clone()),
+                    None if job.world < *h => {
+                        Outcome::Skipped(format!("{} ranks cannot fill {h} hosts", job.world))
+                    }
+                    None => {
+                        let hosts = crate::simulated_hosts(*h, args.delay_ms)?;
+                        launch::run_on(job, Some(&hosts)).map_err(anyhow::Error::msg)?
+                    }
+                }
+            }
+        };
+        match outcome {
             Outcome::Passed => {
                 passed += 1;
                 println!("test {name} ... ok ({:.1?})", t.elapsed());

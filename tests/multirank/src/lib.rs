@@ -55,6 +55,9 @@ pub struct Case {
     pub gpu_per_rank: bool,
     /// It needs to run as root.
     pub root: bool,
+    /// It runs on this many simulated hosts (network namespaces, see `dist_launch::hosts`;
+    /// needs root), its ranks spread over them; 0: on this host's loopback.
+    pub hosts: usize,
 }
 
 /// A case run again with more environment for every rank.
@@ -90,6 +93,7 @@ impl Case {
             variants: &[],
             gpu_per_rank: false,
             root: false,
+            hosts: 0,
         }
     }
 
@@ -124,6 +128,13 @@ impl Case {
         self
     }
 
+    /// Runs on `hosts` simulated hosts (network namespaces; needs root and iproute2).
+    pub const fn hosts(mut self, hosts: usize) -> Case {
+        self.hosts = hosts;
+        self.root = true;
+        self
+    }
+
     /// The `--list` lines of the case and its variants (`dist_launch::Listed` reads them).
     pub fn listing(&self) -> Vec<String> {
         let sizes = |s: &[usize]| s.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
@@ -134,12 +145,20 @@ impl Case {
         if self.root {
             needs.push("root");
         }
+        if self.hosts > 0 {
+            needs.push("netns");
+        }
         let tail = format!(
-            "{}{}",
+            "{}{}{}",
             if needs.is_empty() {
                 String::new()
             } else {
                 format!(" needs={}", needs.join(","))
+            },
+            if self.hosts > 0 {
+                format!(" hosts={}", self.hosts)
+            } else {
+                String::new()
             },
             if self.fixed { " fixed" } else { "" }
         );
@@ -170,6 +189,12 @@ impl Case {
         }
         if self.root && !is_root() {
             return Some("needs root".into());
+        }
+        if self.hosts > 0 && std::env::var_os("DIST_TEST_NETNS").is_none() {
+            return Some(format!(
+                "runs only on {} simulated hosts, which its launcher makes",
+                self.hosts
+            ));
         }
         if self.gpu_per_rank {
             let local = var("LOCAL_WORLD_SIZE").unwrap_or(world);

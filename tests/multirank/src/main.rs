@@ -12,6 +12,7 @@ mod coll;
 mod failures;
 mod flow;
 mod hostile;
+mod hosts;
 mod p2p;
 
 use std::process::ExitCode;
@@ -120,5 +121,6 @@ const CASES: &[Case] = &[
 ];
 
 fn main() -> ExitCode {
-    dist_multirank::run_cases("dist-multirank", CASES)
+    let cases: Vec<Case> = CASES.iter().chain(hosts::CASES).copied().collect();
+    dist_multirank::run_cases("dist-multirank", &cases)
 }

@@ -20,6 +20,7 @@ use dist_tcp::TcpBackend;
 mod nccl_bounded;
 mod nccl_coll;
 mod nccl_failures;
+mod nccl_socket;
 
 struct Rig {
     tcp: TcpBackend,
@@ -475,25 +476,26 @@ fn group_paths() -> Result<(), String> {
 const CASES: &[Case] = &[
     gpu("nccl_collectives", nccl_coll::collectives),
     gpu("nccl_collectives_socket", nccl_coll::collectives_socket),
-    gpu("nccl_split", nccl_coll::split),
+    gpu("nccl_split", nccl_coll::split).variants(&[nccl_socket::SOCKET]),
     gpu("nccl_misuse", misuse),
-    gpu("nccl_peer_death", peer_death),
-    gpu("hybrid", hybrid),
+    gpu("nccl_peer_death", peer_death).variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid", hybrid).variants(&[nccl_socket::SOCKET]),
     gpu("nccl_init_all_fp8", init_all_fp8),
-    gpu("nccl_threads", threads),
-    gpu("nccl_group_paths", group_paths),
-    gpu("nccl_drop_bounded", nccl_bounded::drop_bounded),
-    gpu("nccl_split_absent", nccl_bounded::split_absent),
-    gpu("nccl_connect_absent", nccl_bounded::connect_absent),
-    gpu("nccl_two_stalled", nccl_bounded::two_stalled),
-    gpu("hybrid_mismatch_count", nccl_failures::mismatch_count),
+    gpu("nccl_threads", threads).variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_group_paths", group_paths).variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_drop_bounded", nccl_bounded::drop_bounded).variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_split_absent", nccl_bounded::split_absent).variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_connect_absent", nccl_bounded::connect_absent).variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_two_stalled", nccl_bounded::two_stalled).variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid_mismatch_count", nccl_failures::mismatch_count).variants(&[nccl_socket::SOCKET]),
     gpu("hybrid_mismatch_dtype", nccl_failures::mismatch_dtype),
     gpu("hybrid_mismatch_op", nccl_failures::mismatch_op),
     gpu("hybrid_mismatch_root", nccl_failures::mismatch_root),
-    gpu("hybrid_sigkill", nccl_failures::sigkill),
-    gpu("hybrid_sigstop", nccl_failures::sigstop),
+    gpu("hybrid_sigkill", nccl_failures::sigkill).variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid_sigstop", nccl_failures::sigstop).variants(&[nccl_socket::SOCKET]),
     gpu("hybrid_check_cost", nccl_failures::check_cost),
-    gpu("hybrid_timeout_positions", nccl_failures::timeout_positions),
+    gpu("hybrid_timeout_positions", nccl_failures::timeout_positions)
+        .variants(&[nccl_socket::SOCKET]),
 ];
 
 /// A GPU case: at 2 ranks unless asked for more, needing a CUDA device per rank (skipped, saying

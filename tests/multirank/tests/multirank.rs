@@ -19,6 +19,9 @@ use std::time::Duration;
 use dist_launch::{Listed, Outcome};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
+#[path = "multirank/hosts.rs"]
+mod hosts;
+
 /// How long one trial may run before every rank is killed.
 const TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -32,6 +35,8 @@ const PROGRAMS: &[&str] = &[
 struct Host {
     gpus: usize,
     root: bool,
+    /// Why network namespaces cannot be made here, if they cannot.
+    netns: Option<String>,
 }
 
 impl Host {
@@ -40,6 +45,7 @@ impl Host {
             gpus: dist_nccl::cuda_device_count(),
             // SAFETY: geteuid has no preconditions and cannot fail.
             root: unsafe { libc::geteuid() } == 0,
+            netns: dist_launch::hosts::unavailable(),
         }
     }
 
@@ -53,6 +59,7 @@ impl Host {
                     self.gpus
                 )),
                 "root" if !self.root => why.push("needs root".to_string()),
+                "netns" => why.extend(self.netns.clone().filter(|_| self.root)),
                 "gpu-per-rank" | "root" => {}
                 other => why.push(format!("needs {other:?}, which this harness does not know")),
             }
@@ -63,8 +70,12 @@ impl Host {
 
 /// Runs one trial: a skip is ignored with its reason (under nextest, which cannot report a
 /// skip decided at run time, a failure that says so), never a pass.
-fn run(job: dist_launch::Job) -> Result<Completion, Failed> {
-    match dist_launch::run(&job)? {
+fn run(job: dist_launch::Job, hosts: Option<usize>) -> Result<Completion, Failed> {
+    let outcome = match hosts {
+        Some(h) => hosts::run_on(&job, h)?,
+        None => dist_launch::run(&job)?,
+    };
+    match outcome {
         Outcome::Passed => Ok(Completion::Completed),
         Outcome::Skipped(why) if std::env::var_os("NEXTEST").is_some() => Err(format!(
             "skipped at run time ({why}); nextest would count it passed, so it fails: declare the \
@@ -77,6 +88,9 @@ fn run(job: dist_launch::Job) -> Result<Completion, Failed> {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = hosts::child() {
+        return code;
+    }
     let mut args = Arguments::from_args();
     args.test_threads.get_or_insert(1);
     let host = Host::here();
@@ -99,7 +113,8 @@ fn main() -> ExitCode {
                 let name = l.trial_name(n);
                 let why = host.unmet(&l, n);
                 let job = l.job(program, n, TIMEOUT, args.nocapture);
-                let trial = Trial::ignorable_test(name.clone(), move || run(job))
+                let spread = l.hosts;
+                let trial = Trial::ignorable_test(name.clone(), move || run(job, spread))
                     .with_ignored_flag(why.is_some());
                 if let Some(why) = why
                     && !args.is_filtered_out(&trial)
@@ -109,6 +124,30 @@ fn main() -> ExitCode {
                 trials.push(trial);
             }
         }
+    }
+    // The simulated hosts' guard: nothing left after a failed or an interrupted run.
+    let why = host.netns.clone();
+    for (name, test) in [
+        (
+            "hosts_failed_run_leaves_nothing",
+            hosts::a_failed_run_leaves_nothing as fn() -> _,
+        ),
+        (
+            "hosts_interrupted_run_leaves_nothing",
+            hosts::an_interrupted_run_leaves_nothing,
+        ),
+        (
+            "hosts_delay_holds_every_frame",
+            hosts::a_delay_holds_every_frame,
+        ),
+    ] {
+        let trial = Trial::test(name, test).with_ignored_flag(why.is_some());
+        if let Some(why) = &why
+            && !args.is_filtered_out(&trial)
+        {
+            unmet.entry(why.clone()).or_default().push(name.into());
+        }
+        trials.push(trial);
     }
     if !args.list {
         for (why, names) in &unmet {

@@ -12,6 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod delay;
+pub mod hosts;
+pub use hosts::Hosts;
+
 /// One launch of `world` ranks of a program.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -91,18 +95,38 @@ enum Stream {
 
 /// Runs the job to completion, failure or deadline.
 pub fn run(job: &Job) -> Result<Outcome, String> {
+    run_on(job, None)
+}
+
+/// [`run`], on simulated `hosts` where given: each rank under `ip netns exec` in its host's
+/// namespace ([`Hosts::host_of`]), MASTER_ADDR host 0's address, LOCAL_RANK and
+/// LOCAL_WORLD_SIZE within its host, and `DIST_TEST_HOST`, `DIST_TEST_HOSTS` and
+/// `DIST_TEST_NETNS` saying where it runs.
+pub fn run_on(job: &Job, hosts: Option<&Hosts>) -> Result<Outcome, String> {
     let port = free_port().map_err(|e| format!("bind an ephemeral port: {e}"))?;
     let mut children: Vec<Option<Child>> = Vec::with_capacity(job.world);
     let mut pipes = Vec::new();
     let log = Arc::new(Mutex::new(Vec::new()));
     for rank in 0..job.world {
-        let mut cmd = Command::new(&job.program);
+        let (mut cmd, local, master) = match hosts {
+            None => (Command::new(&job.program), 0..job.world, "127.0.0.1".into()),
+            Some(h) => {
+                let host = h.host_of(rank, job.world);
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", &h.netns(host)])
+                    .arg(&job.program)
+                    .env("DIST_TEST_HOST", host.to_string())
+                    .env("DIST_TEST_HOSTS", h.count().to_string())
+                    .env("DIST_TEST_NETNS", h.netns(host));
+                (cmd, h.ranks_of(host, job.world), h.addr(0))
+            }
+        };
         cmd.args(&job.args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", job.world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", job.world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("LOCAL_RANK", (rank - local.start).to_string())
+            .env("LOCAL_WORLD_SIZE", local.len().to_string())
+            .env("MASTER_ADDR", master)
             .env("MASTER_PORT", port.to_string())
             // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
             // docs/benchmarks.md records.
@@ -182,6 +206,9 @@ pub fn run(job: &Job) -> Result<Outcome, String> {
                 Outcome::Passed
             };
         }
+        if hosts::interrupted() {
+            break Outcome::Failed(format!("interrupted; ranks {running:?} still running"));
+        }
         if started.elapsed() > job.timeout {
             break Outcome::Failed(format!(
                 "timed out after {:?}; ranks {running:?} still running",
@@ -234,7 +261,7 @@ fn kill_all(children: &mut [Option<Child>]) {
 }
 
 /// One case as a test program lists it (`PROGRAM --list`, one line each:
-/// `NAME [variant=V] sizes=2,3,4 [env=K=V,K=V] [needs=gpu-per-rank,root] [fixed]`), or one of
+/// `NAME [variant=V] sizes=2,3,4 [env=K=V,K=V] [needs=gpu-per-rank,root] [hosts=H] [fixed]`), or one of
 /// its variants (the same case again with more environment, at sizes of its own).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Listed {
@@ -250,6 +277,8 @@ pub struct Listed {
     pub needs: Vec<String>,
     /// Whether it works only at [`Listed::sizes`] (otherwise at any world size).
     pub fixed: bool,
+    /// It runs on this many simulated hosts ([`Hosts`]), its ranks spread over them.
+    pub hosts: Option<usize>,
 }
 
 impl Listed {
@@ -264,6 +293,7 @@ impl Listed {
             env: Vec::new(),
             needs: Vec::new(),
             fixed: false,
+            hosts: None,
         };
         for w in words {
             match w.split_once('=') {
@@ -283,6 +313,12 @@ impl Listed {
                         .collect::<Result<_, _>>()?;
                 }
                 Some(("needs", v)) => l.needs = items(v).collect(),
+                Some(("hosts", v)) => {
+                    l.hosts = Some(
+                        v.parse()
+                            .map_err(|_| format!("bad hosts {v:?} in {line:?}"))?,
+                    );
+                }
                 None if w == "fixed" => l.fixed = true,
                 _ => return Err(format!("unknown field {w:?} in {line:?}")),
             }
@@ -434,6 +470,8 @@ mod tests {
         assert_eq!(l.needs, ["gpu-per-rank"]);
         assert_eq!(l.sizes_for(&[]), [3, 4]);
         assert_eq!(l.sizes_for(&[16]), [16]);
+        let spread = Listed::parse("h_x sizes=4 needs=root hosts=2").unwrap();
+        assert_eq!((spread.hosts, l.hosts), (Some(2), None));
         let fixed = Listed::parse("fail_x sizes=4 fixed").unwrap();
         assert_eq!(fixed.trial_name(4), "fail_x::n4");
         assert_eq!(fixed.sizes_for(&[2, 4]), [4]);
@@ -445,6 +483,7 @@ mod tests {
             "x sizes=a",
             "x what=1",
             "x sizes=2 env=K",
+            "x sizes=2 hosts=two",
         ] {
             assert!(Listed::parse(bad).is_err(), "{bad:?}");
         }
