@@ -145,8 +145,8 @@ impl TcpConfig {
     /// Reads the launcher's variables (torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
-    /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB` and `DIST_TCP_LANES` (1 or 2) when
-    /// present.
+    /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB` and `DIST_TCP_LANES` (1 or 2), and
+    /// `DIST_FORMATION` (`eager` or `lazy`) when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -472,6 +472,12 @@ mod tests {
             (c.parallel, c.ring_piece_kb, c.lanes),
             (Some(false), Some(512), Some(2))
         );
+        assert_eq!(c.formation, Formation::Eager);
+        v.push(("DIST_FORMATION", "lazy"));
+        assert_eq!(
+            TcpConfig::from_lookup(env(&v)).unwrap().formation,
+            Formation::Lazy
+        );
         let v6 = [
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
@@ -497,6 +503,7 @@ mod tests {
             ("DIST_TCP_PARALLEL", "2"),
             ("DIST_TCP_LANES", "3"),
             ("DIST_RING_PIECE_KB", "0"),
+            ("DIST_FORMATION", "later"),
             ("DIST_SPIN_US", "1e12"),
             ("DIST_SPIN_US", "10001"),
         ] {

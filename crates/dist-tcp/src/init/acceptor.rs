@@ -163,6 +163,10 @@ fn work(pool: &Pool) {
                 }
                 match serve_handshake(stream, from, at, &pool.rules) {
                     Ok(()) => tracing::debug!(rank = me, %from, "peer connected"),
+                    // Crossing is part of the protocol, not a fault.
+                    Err(why) if why.starts_with("crossed") => {
+                        tracing::debug!(rank = me, %from, reason = %why, "refused a connection")
+                    }
                     Err(why) => {
                         tracing::warn!(rank = me, %from, reason = %why, "refused a connection")
                     }

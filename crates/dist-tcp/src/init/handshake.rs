@@ -1,5 +1,6 @@
-//! The handshake of one connection (both sides) and the listener that runs it: admission, the
-//! hello, the proofs of a shared secret, and connecting with backoff.
+//! The handshake of one connection (both sides): the hello, the checks, the proofs of a shared
+//! secret, the decision at the verdict ([`Gate`]), and connecting with backoff. The listener
+//! that runs it is `acceptor.rs`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -8,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use dist_core::{DistError, Result};
 
 use super::links::{Links, Verdict};
-use dist_core::{DistError, Result};
 
 use crate::wire::{
     self, HELLO_LEN, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Refusal, Reply, Side,
@@ -135,8 +136,10 @@ pub(super) struct Joined {
     pub(super) from: SocketAddr,
 }
 
-/// The accepting side of the handshake, holding `_slot` until it ends. Returns the refusal
-/// reason on failure, after telling the other side when it is worth telling.
+/// The accepting side of the handshake, on a worker of the listener's pool, by the handshake
+/// deadline from `accepted_at`. A connection that passes goes where the rules' [`Gate`] says;
+/// returns the refusal reason on failure, after telling the other side when it is worth
+/// telling.
 ///
 /// With a shared secret, the connecting side proves first: the challenge carries no proof, and
 /// this side sends its own proof, in the verdict, only after checking the other's. A stranger

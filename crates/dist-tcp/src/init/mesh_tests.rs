@@ -371,3 +371,11 @@ fn threads_now() -> usize {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// The peer layer shares one mesh between its threads (the dialing callers, the I/O thread).
+#[test]
+fn a_mesh_is_shared_between_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<Mesh>();
+    shared::<Formed>();
+}

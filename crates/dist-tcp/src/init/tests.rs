@@ -374,3 +374,16 @@ fn table_unicast_to_1023_ranks() {
         t.elapsed()
     );
 }
+
+/// Until the peer layer connects on first use, the eager entry point (the one `TcpBackend`
+/// calls) refuses a lazy configuration with an error saying so, rather than form a job whose
+/// peers have no connections.
+#[test]
+fn the_eager_entry_point_refuses_a_lazy_config() {
+    let cfg = TcpConfig::new(0, 1, "127.0.0.1:1").formation(Formation::Lazy);
+    let e = form(&cfg).unwrap_err().to_string();
+    assert!(e.contains("DIST_FORMATION") && e.contains("lazy"), "{e}");
+    // The lazy entry point forms it (a world of one: no connection at all).
+    let f = form_lazy(&cfg, Box::new(|_, _| {})).unwrap();
+    assert!(f.streams.iter().all(Option::is_none));
+}
