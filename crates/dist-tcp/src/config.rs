@@ -472,12 +472,27 @@ mod tests {
             (c.parallel, c.ring_piece_kb, c.lanes),
             (Some(false), Some(512), Some(2))
         );
-        assert_eq!(c.formation, Formation::Eager);
+        assert_eq!(c.formation, Formation::Auto);
+        assert_eq!(c.formation_mode(), Formation::Eager);
+        let big = |mut c: TcpConfig, n: usize| {
+            c.world_size = n;
+            c.formation_mode()
+        };
+        assert_eq!(big(c.clone(), LAZY_FROM - 1), Formation::Eager);
+        assert_eq!(big(c.clone(), LAZY_FROM), Formation::Lazy);
         v.push(("DIST_FORMATION", "lazy"));
         assert_eq!(
             TcpConfig::from_lookup(env(&v)).unwrap().formation,
             Formation::Lazy
         );
+        v.pop();
+        v.push(("DIST_FORMATION", "eager"));
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!(big(c, 1000), Formation::Eager);
+        v.pop();
+        v.push(("DIST_FORMATION", "lazily"));
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(e.contains("DIST_FORMATION") && e.contains("lazily"), "{e}");
         let v6 = [
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
