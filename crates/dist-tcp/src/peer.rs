@@ -270,7 +270,7 @@ impl Peer {
             }),
             rx: Mutex::new(Rx {
                 sock: Source::Socket(socket2::Socket::from(r)),
-                buf: vec![0u8; RX_BUF].into_boxed_slice(),
+                buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),
                 lo: 0,
                 hi: 0,
                 frame: Frame::Header,

@@ -54,7 +54,7 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
                 bytes,
                 ..Script::default()
             }),
-            buf: vec![0u8; RX_BUF].into_boxed_slice(),
+            buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),
             lo: 0,
             hi: 0,
             frame: Frame::Header,

@@ -75,6 +75,11 @@ pub(super) enum Step {
     Closed(String),
 }
 
+/// The read buffer a connection starts with: enough for the frames of a quiet connection
+/// (heartbeats, small messages), so that rank 0, connected to every rank of a large job, holds
+/// 4 KiB per connection rather than [`RX_BUF`].
+pub(super) const RX_BUF_MIN: usize = 4 << 10;
+/// The most the read buffer grows to, doubling each time a read fills it.
 pub(super) const RX_BUF: usize = 64 << 10;
 
 pub(super) fn would_block(e: &std::io::Error) -> bool {
@@ -148,9 +153,30 @@ impl Rx {
             self.buf.copy_within(self.lo..self.hi, 0);
             (self.lo, self.hi) = (0, self.hi - self.lo);
         }
+        if self.hi == self.buf.len() {
+            // Full of one unfinished frame's bytes: room is needed to go on.
+            self.grow();
+        }
+        let room = self.buf.len() - self.hi;
         let n = recv_now(&mut self.sock, &mut self.buf[self.hi..])?;
         self.hi += n;
+        if n == room {
+            // The socket had at least as much as the buffer could take: a busy connection.
+            self.grow();
+        }
         Ok(n)
+    }
+
+    /// Doubles the read buffer, up to [`RX_BUF`], keeping the unread bytes.
+    fn grow(&mut self) {
+        let len = self.buf.len();
+        if len >= RX_BUF {
+            return;
+        }
+        let mut bigger = vec![0u8; (len * 2).clamp(RX_BUF_MIN, RX_BUF)].into_boxed_slice();
+        bigger[..self.hi - self.lo].copy_from_slice(&self.buf[self.lo..self.hi]);
+        (self.hi, self.lo) = (self.hi - self.lo, 0);
+        self.buf = bigger;
     }
 }
 

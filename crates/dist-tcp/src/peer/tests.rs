@@ -501,3 +501,57 @@ fn a_quiet_reader_waits_for_the_socket() {
     p.recv(&mut buf, 7).unwrap();
     assert_eq!(&buf, b"abc");
 }
+
+/// The read buffer starts small, stays small while what arrives fits, doubles (up to RX_BUF)
+/// when a read fills it, and keeps every byte in order through each growth.
+#[test]
+fn the_read_buffer_grows_only_for_a_busy_connection() {
+    let bytes: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let mut rx = Rx {
+        sock: Source::Script(Script {
+            bytes: bytes.clone(),
+            ..Script::default()
+        }),
+        buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),
+        lo: 0,
+        hi: 0,
+        frame: Frame::Header,
+        dead: false,
+    };
+    // A trickle (100 bytes at a time, consumed at once) never grows it.
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        if let Source::Script(s) = &mut rx.sock {
+            s.available += 100;
+        }
+        assert_eq!(rx.read_more().unwrap(), 100);
+        got.extend_from_slice(&rx.buf[rx.lo..rx.hi]);
+        rx.lo = rx.hi;
+    }
+    assert_eq!(rx.buf.len(), RX_BUF_MIN);
+    // A flood: every read fills the buffer, which doubles up to RX_BUF and no further; bytes
+    // left unread across a growth are kept.
+    if let Source::Script(s) = &mut rx.sock {
+        s.available = bytes.len();
+    }
+    let mut sizes = Vec::new();
+    while got.len() < bytes.len() {
+        let n = rx.read_more().unwrap();
+        assert!(n > 0);
+        // Take all but the last 3 bytes, which stay for the next read.
+        let take = (rx.hi - rx.lo).saturating_sub(3).max(1);
+        got.extend_from_slice(&rx.buf[rx.lo..rx.lo + take]);
+        rx.lo += take;
+        sizes.push(rx.buf.len());
+        if rx.hi - rx.lo > 0 && got.len() + (rx.hi - rx.lo) == bytes.len() {
+            got.extend_from_slice(&rx.buf[rx.lo..rx.hi]);
+            rx.lo = rx.hi;
+        }
+    }
+    assert_eq!(got, bytes);
+    assert_eq!(*sizes.iter().max().unwrap(), RX_BUF);
+    assert!(
+        sizes.windows(2).all(|w| w[1] == w[0] || w[1] == 2 * w[0]),
+        "{sizes:?}"
+    );
+}
