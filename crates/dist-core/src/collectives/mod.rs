@@ -39,16 +39,21 @@ mod call;
 mod chain;
 mod consts;
 mod desc;
+mod halving;
 mod lanes;
 mod ops;
 mod pairwise;
 mod ring;
 mod scratch;
+mod select;
 mod tree;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE};
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
+pub use select::{
+    AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
+};
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the
 /// group, each with the backend's default timeout ([`Backend::default_timeout`]).
