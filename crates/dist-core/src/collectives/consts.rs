@@ -15,8 +15,8 @@ pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
 /// From this many ranks, a large all_reduce runs recursive halving and doubling instead of the
 /// ring, and a large reduce (and a large broadcast, while the chain's fill dominates) runs on
 /// it too (see [`all_reduce_algorithm`](super::all_reduce_algorithm)). On 8 and 16 ranks of a
-/// 2-core machine it was as fast as the ring from 2 MiB and faster below (128 KiB: 1.1–1.9×;
-/// docs/benchmarks.md); below 8 ranks the ring is kept.
+/// 2-core machine it was faster than the ring up to 512 KiB (1.1–1.9×) and even with it from
+/// 2 MiB within the noise (docs/benchmarks.md); below 8 ranks the ring is kept.
 pub const HALVING_MIN_RANKS: usize = 8;
 /// A group with two lanes keeps the two rings at once for a large all_reduce below this many
 /// ranks (their two threads against the halving's one); from here it runs the halving.
