@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use dist_core::collectives::Kind;
+use dist_core::collectives::{AllReduceAlgorithm, Kind};
 use dist_core::{Backend, Collectives, DType, DistError, Element, ReduceOp, Tag, Transport};
 use dist_multirank::perf::{
     PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want,
@@ -112,9 +112,22 @@ fn main() {
     let o = PerfOpts::parse(&args, 64 << 20).unwrap_or_else(|e| panic!("dist-perf: {e}"));
     assert!(!o.bare, "dist-perf: --bare is the NCCL tool's");
     let b = dist_multirank::join();
+    // `DIST_ALL_REDUCE=doubling|ring|halving` forces the all_reduce algorithm (on every rank:
+    // all get the same environment), to measure one beside another; unset, by size.
+    let forced = std::env::var("DIST_ALL_REDUCE")
+        .ok()
+        .map(|a| match a.as_str() {
+            "doubling" => AllReduceAlgorithm::Doubling,
+            "ring" => AllReduceAlgorithm::Ring,
+            "halving" => AllReduceAlgorithm::Halving,
+            other => {
+                panic!("dist-perf: DIST_ALL_REDUCE={other}: expected doubling, ring or halving")
+            }
+        });
+    b.group().force_all_reduce(forced);
     if b.rank() == 0 {
         perf_header(&format!(
-            "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s)",
+            "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s){}",
             o.op,
             b.world_size(),
             o.dtype,
@@ -125,6 +138,7 @@ fn main() {
             },
             dist_core::Transport::ring_piece(&b) >> 10,
             dist_core::Transport::lanes(&b),
+            forced.map_or(String::new(), |a| format!("; all_reduce forced: {a:?}")),
         ));
     }
     match o.dtype {

@@ -4,10 +4,11 @@
 //! runs on. The algorithms themselves are in [`crate::collectives`].
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Meta, Tag};
+use crate::collectives::AllReduceAlgorithm;
 use crate::error::{DistError, Result};
 use crate::link::{Link, PostedRecv};
 
@@ -102,6 +103,9 @@ pub struct Group<L: Link> {
     /// The thread that runs a second lane, started on first use (`None` inside if it could not
     /// be): starting one per call costs more than a 1 MiB all_reduce saves.
     lane: OnceLock<Option<rayon::ThreadPool>>,
+    /// The all_reduce algorithm forced by [`Group::force_all_reduce`] (its code), 0 for the
+    /// choice by size.
+    forced_all_reduce: AtomicU8,
 }
 
 impl<L: Link> std::fmt::Debug for Group<L> {
@@ -186,7 +190,23 @@ impl<L: Link> Group<L> {
             seq: AtomicU64::new(0),
             abort_sent: AtomicBool::new(false),
             lane: OnceLock::new(),
+            forced_all_reduce: AtomicU8::new(0),
         }
+    }
+
+    /// Makes every later all_reduce of this rank run `algorithm` whatever its size (for tests
+    /// and measurements), or, with `None`, chooses by size again
+    /// ([`all_reduce_algorithm`](crate::collectives::all_reduce_algorithm)). Every rank must
+    /// force the same: ranks running different algorithms disagree about their messages'
+    /// sizes, which is reported as a mismatch (or a timeout) like any other disagreement.
+    pub fn force_all_reduce(&self, algorithm: Option<AllReduceAlgorithm>) {
+        let code = algorithm.map_or(0, AllReduceAlgorithm::code);
+        self.forced_all_reduce.store(code, Ordering::Relaxed);
+    }
+
+    /// The all_reduce algorithm forced by [`Group::force_all_reduce`], if any.
+    pub fn forced_all_reduce(&self) -> Option<AllReduceAlgorithm> {
+        AllReduceAlgorithm::from_code(self.forced_all_reduce.load(Ordering::Relaxed))
     }
 
     /// The link the group moves its bytes over.

@@ -9,8 +9,18 @@ pub const COLLECTIVE_TAG: Tag = Tag::system(2);
 /// messages can never be taken for the first ring's, even where both rings join the same ranks.
 pub const SECOND_RING_TAG: Tag = Tag::system(3);
 
-/// all_reduce messages up to this size use recursive doubling; larger ones the ring.
+/// all_reduce messages up to this size use recursive doubling; larger ones the ring (or, on
+/// [`HALVING_MIN_RANKS`] ranks or more, recursive halving and doubling).
 pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
+/// From this many ranks, a large all_reduce runs recursive halving and doubling instead of the
+/// ring, and a large reduce (and a large broadcast, while the chain's fill dominates) runs on
+/// it too (see [`all_reduce_algorithm`](super::all_reduce_algorithm)). On 8 and 16 ranks of a
+/// 2-core machine it was faster than the ring up to 512 KiB (1.1–1.9×) and even with it from
+/// 2 MiB within the noise (docs/benchmarks.md); below 8 ranks the ring is kept.
+pub const HALVING_MIN_RANKS: usize = 8;
+/// A group with two lanes keeps the two rings at once for a large all_reduce below this many
+/// ranks (their two threads against the halving's one); from here it runs the halving.
+pub const TWO_RINGS_MAX_RANKS: usize = 16;
 /// broadcast messages up to this size use the binomial tree; larger ones the pipelined chain.
 pub const BROADCAST_CHAIN_MIN: usize = 256 << 10;
 /// reduce messages up to this size use the binomial tree; larger ones the ring.

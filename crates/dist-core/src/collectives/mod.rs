@@ -3,17 +3,17 @@
 //! [`Transport`] (a group, or a backend that owns one) gets [`Collectives`].
 //!
 //! The files: `desc` (the call descriptor every message carries), `call` (one call: its
-//! messages, checks, errors and abort), `ops` (each collective's arguments and choice of
-//! algorithm), `ring`, `tree`, `chain`, `pairwise` (the algorithms), `lanes` (two rings at
-//! once) and `scratch` (memory).
+//! messages, checks, errors and abort), `ops` (each collective's arguments), `select` (the
+//! choice of algorithm by size and world size), `ring`, `halving`, `tree`, `chain`, `pairwise`
+//! (the algorithms), `lanes` (two rings at once) and `scratch` (memory).
 //!
 //! Algorithms, for any world size (not only powers of two):
 //!
 //! | collective | small messages | large messages |
 //! | --- | --- | --- |
-//! | all_reduce | recursive doubling (non-powers of two fold the extra ranks in and out) | ring reduce-scatter + ring all-gather |
-//! | broadcast | binomial tree | pipelined chain in 1 MiB chunks |
-//! | reduce | binomial tree | ring reduce-scatter, then each segment to the root |
+//! | all_reduce | recursive doubling (non-powers of two fold the extra ranks in and out) | ring reduce-scatter + ring all-gather; from 8 ranks recursive halving + recursive doubling ([`all_reduce_algorithm`]) |
+//! | broadcast | binomial tree | pipelined chain in 1 MiB chunks; from 8 ranks, while the chain's fill dominates, the halving all_reduce of the bytes with bitwise or ([`broadcast_by_halving`]) |
+//! | reduce | binomial tree | ring reduce-scatter, then each segment to the root; from 8 ranks the halving all_reduce ([`reduce_by_halving`]) |
 //! | all_gather | ring | ring |
 //! | reduce_scatter | ring | ring |
 //! | all_to_all(v) | pairwise exchange | pairwise exchange |
@@ -39,16 +39,21 @@ mod call;
 mod chain;
 mod consts;
 mod desc;
+mod halving;
 mod lanes;
 mod ops;
 mod pairwise;
 mod ring;
 mod scratch;
+mod select;
 mod tree;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE};
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
+pub use select::{
+    AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
+};
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the
 /// group, each with the backend's default timeout ([`Backend::default_timeout`]).

@@ -11,16 +11,20 @@ use crate::types::{Element, ReduceOp};
 use super::call::{Call, What, finish, premul, run};
 use super::chain::broadcast_chain;
 use super::consts::{
-    ALL_GATHER_TWO_RINGS_MIN, ALL_REDUCE_RING_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN,
-    REDUCE_RING_MIN, TWO_RINGS_MIN,
+    ALL_GATHER_TWO_RINGS_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,
+    TWO_RINGS_MIN,
 };
 use super::desc::Kind;
+use super::halving::all_reduce_halving;
 use super::lanes::{two_lanes, two_rings};
 use super::pairwise::exchange;
 use super::ring::{
     Ring, all_reduce_ring, halves, reduce_ring, ring_all_gather, ring_reduce_scatter_out,
 };
-use super::scratch::{segments, with_scratch};
+use super::scratch::{bytes_mut, segments, with_scratch};
+use super::select::{
+    AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
+};
 use super::tree::{all_reduce_doubling, broadcast_tree, reduce_tree};
 
 fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
@@ -32,21 +36,27 @@ fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
     }
 }
 
-/// all_reduce in place, by size: recursive doubling for small buffers, the ring for large.
+/// all_reduce in place, by size and world size ([`all_reduce_algorithm`]), or as the group
+/// forces.
 fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
     c.check_op::<T>(op)?;
     premul(data, op);
     if c.n == 1 {
         return Ok(());
     }
-    if std::mem::size_of_val(data) <= ALL_REDUCE_RING_MIN || data.len() < c.n {
-        all_reduce_doubling(c, data, op)
-    } else {
-        all_reduce_ring(c, data, op)
+    let algorithm = c.g.forced_all_reduce().unwrap_or_else(|| {
+        let bytes = std::mem::size_of_val(data);
+        all_reduce_algorithm(c.n, data.len(), bytes, c.g.tuning().lanes)
+    });
+    match algorithm {
+        AllReduceAlgorithm::Doubling => all_reduce_doubling(c, data, op),
+        AllReduceAlgorithm::Ring => all_reduce_ring(c, data, op),
+        AllReduceAlgorithm::Halving => all_reduce_halving(c, data, op),
     }
 }
 
-/// reduce in place, by size: binomial tree for small buffers, ring then gather for large.
+/// reduce in place, by size: binomial tree for small buffers; for large, the ring then a
+/// gather at the root, or on many ranks ([`reduce_by_halving`]) recursive halving and doubling.
 fn reduce_on<T: Element, L: Link>(
     c: &Call<'_, L>,
     data: &mut [T],
@@ -61,6 +71,8 @@ fn reduce_on<T: Element, L: Link>(
     }
     if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
         reduce_tree(c, data, op, root)
+    } else if reduce_by_halving(c.n) {
+        all_reduce_halving(c, data, op)
     } else {
         reduce_ring(c, data, op, root)
     }
@@ -107,6 +119,13 @@ pub(super) fn broadcast<T: Element, L: Link>(
         let fwd = Ring::forward(c.me, c.n);
         if size <= BROADCAST_CHAIN_MIN {
             broadcast_tree(c, data, root)
+        } else if broadcast_by_halving(c.n, size) {
+            // The root's bytes or'ed with every other rank's zeros: the root's bytes.
+            let raw = bytes_mut(data);
+            if c.me != root {
+                raw.fill(0);
+            }
+            all_reduce_halving(c, raw, ReduceOp::BitOr)
         } else if two_rings(c, size, BROADCAST_TWO_CHAINS_MIN) {
             // Two chains at once in opposite directions, half the data each: every connection
             // carries data both ways.

@@ -47,7 +47,8 @@ pub(super) fn split_pair<T>(
     b: std::ops::Range<usize>,
 ) -> (&[T], &mut [T]) {
     debug_assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
-    if a.start < b.start {
+    // `a` before `b` (an empty `a` at `b`'s start counts as before it).
+    if a.end <= b.start {
         let (lo, hi) = x.split_at_mut(b.start);
         (&lo[a], &mut hi[..b.end - b.start])
     } else {

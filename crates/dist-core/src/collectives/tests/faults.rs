@@ -35,7 +35,7 @@ fn errors(
 }
 
 /// Every rank's error is a mismatch or an abort containing one of `expect`, within 10 s.
-fn expect_mismatch(
+pub(super) fn expect_mismatch(
     sizes: impl IntoIterator<Item = usize>,
     expect: &[&str],
     bad: impl Fn(&Group<MemLink>) -> Result<()> + Sync,

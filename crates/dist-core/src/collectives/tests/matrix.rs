@@ -15,9 +15,9 @@ use super::super::{
 use crate::testing::{Delivery, MemLink, run_group, run_links};
 use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
 
-const TIMEOUT: Duration = Duration::from_secs(60);
+pub(super) const TIMEOUT: Duration = Duration::from_secs(60);
 
-fn ops_for<E: Element>() -> Vec<ReduceOp> {
+pub(super) fn ops_for<E: Element>() -> Vec<ReduceOp> {
     let mut v = vec![
         ReduceOp::Sum,
         ReduceOp::Prod,
@@ -42,12 +42,12 @@ fn input<E: Element>(op: ReduceOp, r: usize, i: usize) -> E {
     E::from_f64(x as f64)
 }
 
-fn inputs<E: Element>(op: ReduceOp, r: usize, len: usize) -> Vec<E> {
+pub(super) fn inputs<E: Element>(op: ReduceOp, r: usize, len: usize) -> Vec<E> {
     (0..len).map(|i| input(op, r, i)).collect()
 }
 
 /// The reduction of every rank's `inputs(op, r, len)`, folded in rank order.
-fn reduced<E: Element>(op: ReduceOp, n: usize, len: usize) -> Vec<E> {
+pub(super) fn reduced<E: Element>(op: ReduceOp, n: usize, len: usize) -> Vec<E> {
     let prep = |r: usize| {
         let mut x = inputs::<E>(op, r, len);
         if let ReduceOp::PreMulSum(s) = op {
@@ -67,7 +67,12 @@ fn reduced<E: Element>(op: ReduceOp, n: usize, len: usize) -> Vec<E> {
 
 /// `got == want`, or an error naming the first difference (after telling every rank, so
 /// that none waits for this one).
-fn same<E: Element>(g: &Group<MemLink>, what: &str, got: &[E], want: &[E]) -> Result<()> {
+pub(super) fn same<E: Element>(
+    g: &Group<MemLink>,
+    what: &str,
+    got: &[E],
+    want: &[E],
+) -> Result<()> {
     if got == want {
         return Ok(());
     }
@@ -92,7 +97,7 @@ fn same<E: Element>(g: &Group<MemLink>, what: &str, got: &[E], want: &[E]) -> Re
 }
 
 /// The reducing collectives of `count` elements with every op of `E`.
-fn reducing<E: Element>(g: &Group<MemLink>, count: usize) -> Result<()> {
+pub(super) fn reducing<E: Element>(g: &Group<MemLink>, count: usize) -> Result<()> {
     let (me, n) = (g.rank(), g.world_size());
     let zero = E::from_f64(0.0);
     for op in ops_for::<E>() {
@@ -200,7 +205,7 @@ fn moving<E: Element>(g: &Group<MemLink>, count: usize) -> Result<()> {
 
 /// Runs `f` on every rank of groups of 1 to 9 ranks with `tuning`; panics with the first
 /// rank's error.
-fn on_every_world_size(
+pub(super) fn on_every_world_size(
     sizes: impl IntoIterator<Item = usize>,
     tuning: Tuning,
     f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
@@ -295,7 +300,7 @@ fn ring_pieces_ring_reduce_and_chains() {
 }
 
 /// broadcast of `count` bytes from each root in turn.
-fn broadcast_only(g: &Group<MemLink>, count: usize) -> Result<()> {
+pub(super) fn broadcast_only(g: &Group<MemLink>, count: usize) -> Result<()> {
     let (me, n) = (g.rank(), g.world_size());
     for root in 0..n {
         let mut x = if me == root {

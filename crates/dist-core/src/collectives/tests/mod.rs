@@ -9,6 +9,7 @@ use crate::testing::MemLink;
 use crate::{DType, DistError, Tuning, Within};
 
 mod faults;
+mod halving;
 mod matrix;
 
 #[test]
@@ -87,6 +88,14 @@ fn split_pair_gives_disjoint_ranges_either_way() {
     assert_eq!(a, &[4, 5]);
     assert_eq!(b, &[1, 2]);
     assert_eq!(x[3], 9);
+    // An empty range beside a full one at the same place (the halving's empty blocks: this
+    // panicked with "range end index 1 out of range for slice of length 0").
+    let (a, b) = split_pair(&mut x, 2..2, 2..4);
+    assert_eq!((a, &*b), (&[][..], &[2, 9][..]));
+    let (a, b) = split_pair(&mut x, 4..6, 4..4);
+    assert_eq!((a, &*b), (&[4, 5][..], &[][..]));
+    let (a, b) = split_pair(&mut x, 3..3, 3..3);
+    assert!(a.is_empty() && b.is_empty());
 }
 
 /// Rank 0 of a group of `n` in memory whose other ranks never call: enough for the checks
