@@ -170,6 +170,9 @@ fn run(io: &Io) {
                 peer.turn(&mut Reading::new(), false);
                 continue;
             }
+            // A wake that came before the peer was watched was dropped (below); its first
+            // turn, now, serves it, and later wakes must get through.
+            peer.io_woken.store(false, Ordering::Release);
             watched.insert(
                 key,
                 Watched {

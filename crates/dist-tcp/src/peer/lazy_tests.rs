@@ -259,3 +259,34 @@ fn a_failing_hook_is_a_clear_error() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     assert!(peer.lock().posted.is_empty());
 }
+
+/// A wake of the I/O thread for a peer it does not watch yet (here: the backend waking every
+/// peer on an abort, before this one is attached) must not leave the peer's pending-wake flag
+/// set, or every later wake of it would be dropped (its held frames then waited for the
+/// 500 ms recheck). Fails before the fix: the flag stayed set after the attach.
+#[test]
+fn a_wake_before_the_attach_does_not_silence_later_ones() {
+    let peer = unconnected(None);
+    let io = IoThread::spawn("test-io".into()).unwrap();
+    io.adopt(&peer);
+    peer.kick();
+    let t = Instant::now();
+    while peer.io_woken.load(Ordering::Acquire) && t.elapsed() < Duration::from_millis(100) {
+        std::thread::yield_now();
+    }
+    let (s, _raw) = socket_pair();
+    assert!(peer.attach(s).unwrap());
+    let t = Instant::now();
+    while peer.reader_turns.load(Ordering::Relaxed) == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the attached peer got no turn"
+        );
+        std::thread::yield_now();
+    }
+    assert!(
+        !peer.io_woken.load(Ordering::Acquire),
+        "a wake from before the attach is still pending: later wakes would be dropped"
+    );
+    drop(io);
+}

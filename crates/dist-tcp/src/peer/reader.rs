@@ -87,6 +87,21 @@ impl Peer {
                 timer: None,
             };
         };
+        // A read that found nothing (or a frame held) goes on to decide what to wait for in
+        // this same turn, as the reader thread's loop did; one that moved bytes ends the turn,
+        // so that the other peers get theirs. Bounded: a few rounds, then the next turn.
+        let mut readable = readable;
+        for _ in 0..4 {
+            match self.turn_once(rd, rx, readable) {
+                Some(plan) => return plan,
+                None => readable = false,
+            }
+        }
+        Plan::Again
+    }
+
+    /// One pass of the reader thread's old loop: `None` to go on with another at once.
+    fn turn_once(&self, rd: &mut Reading, rx: &Mutex<Rx>, readable: bool) -> Option<Plan> {
         match std::mem::replace(&mut rd.resume, Resume::Top) {
             Resume::Top => {}
             Resume::Held | Resume::Drain => {
@@ -94,7 +109,7 @@ impl Peer {
                 st.reader_sleeping = false;
                 st.reader_holding = false;
                 if st.closed.is_some() {
-                    return Plan::Exit;
+                    return Some(Plan::Exit);
                 }
                 drop(st);
                 return self.read_now(rd, rx);
@@ -107,7 +122,7 @@ impl Peer {
         self.reader_turns.fetch_add(1, Ordering::Relaxed);
         let mut st = self.lock();
         if st.closed.is_some() {
-            return Plan::Exit;
+            return Some(Plan::Exit);
         }
         if let Some((until, seen)) = rd.held.take() {
             // A message waits for its receive (or, for flow control, for room in the queue): a
@@ -119,10 +134,10 @@ impl Peer {
                 st.reader_sleeping = true;
                 st.reader_holding = true;
                 rd.resume = Resume::Held;
-                return Plan::Wait {
+                return Some(Plan::Wait {
                     read: false,
                     timer: now.checked_add(limit),
-                };
+                });
             }
             drop(st);
             return self.read_now(rd, rx);
@@ -137,15 +152,15 @@ impl Peer {
                 rx.lock().unwrap_or_else(|p| p.into_inner()).frame
             {
                 rd.held = Some((until, seen));
-                return Plan::Again;
+                return None;
             }
             // Wait until bytes (or the end of the stream) arrive; at most HOLD_RECHECK, in case
             // a spinner holds a frame back meanwhile.
             rd.resume = Resume::Socket;
-            return Plan::Wait {
+            return Some(Plan::Wait {
                 read: true,
                 timer: Instant::now().checked_add(HOLD_RECHECK),
-            };
+            });
         }
         let now = Instant::now();
         if st.events != rd.last_event.0 {
@@ -156,38 +171,39 @@ impl Peer {
             // meanwhile needs no wake-up: its receiver spins on the socket itself, then wakes
             // this side before it sleeps, and bytes arriving end this wait.
             rd.resume = Resume::Quiet;
-            return Plan::Wait {
+            return Some(Plan::Wait {
                 read: true,
                 timer: None,
-            };
+            });
         }
         st.reader_sleeping = true;
         rd.resume = Resume::Drain;
-        Plan::Wait {
+        Some(Plan::Wait {
             read: false,
             timer: now.checked_add(IDLE_DRAIN),
-        }
+        })
     }
 
     /// Reads what the socket has now and moves frames along (bounded work: see `progress`).
-    fn read_now(&self, rd: &mut Reading, rx: &Mutex<Rx>) -> Plan {
+    /// `None`: nothing was read, or a frame is held: go on to decide what to wait for.
+    fn read_now(&self, rd: &mut Reading, rx: &Mutex<Rx>) -> Option<Plan> {
         let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
-        let step = self.progress(&mut r);
-        let plan = match step {
+        let plan = match self.progress(&mut r) {
             Step::Closed(cause) => {
                 self.shut(&mut r, cause);
-                return Plan::Exit;
+                return Some(Plan::Exit);
             }
             Step::Held(until, seen) => {
                 // Nothing is read while a frame is held: notice a dead connection here.
                 if let Some(cause) = self.held_hang_up(&r) {
                     self.shut(&mut r, cause);
-                    return Plan::Exit;
+                    return Some(Plan::Exit);
                 }
                 rd.held = Some((until, seen));
-                Plan::Again
+                None
             }
-            Step::Progress | Step::Idle => Plan::Again,
+            Step::Progress => Some(Plan::Again),
+            Step::Idle => None,
         };
         rd.mid_frame = !matches!(r.frame, Frame::Header);
         plan
