@@ -9,9 +9,11 @@ import re
 import statistics
 import sys
 
-# The sizes where dist's all_reduce changes algorithm (dist_core::collectives).
+# Where dist's all_reduce changes algorithm (dist_core::collectives::select).
 ALL_REDUCE_RING_MIN = 64 << 10
 TWO_RINGS_MIN = 2 << 20
+HALVING_MIN_RANKS = 8
+TWO_RINGS_MAX_RANKS = 16
 
 
 def load(d, prefix, rounds):
@@ -33,9 +35,11 @@ def main():
     piece, lanes = (int(m.group(1)), int(m.group(2))) if m else (256, 1)
 
     def algo(b):
-        if b <= ALL_REDUCE_RING_MIN:
+        if b <= ALL_REDUCE_RING_MIN or b // 4 < ranks:
             return "recursive doubling"
         two = lanes >= 2 and ranks >= 3 and b >= TWO_RINGS_MIN
+        if ranks >= HALVING_MIN_RANKS and not (two and ranks < TWO_RINGS_MAX_RANKS):
+            return "recursive halving and doubling"
         return f"{'two rings (opposite directions)' if two else 'one ring'} RS+AG, {piece} KiB pieces"
 
     print()
