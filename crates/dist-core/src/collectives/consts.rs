@@ -18,6 +18,12 @@ pub const ALL_REDUCE_RING_MIN: usize = 64 << 10;
 /// 2-core machine it was faster than the ring up to 512 KiB (1.1–1.9×) and even with it from
 /// 2 MiB within the noise (docs/benchmarks.md); below 8 ranks the ring is kept.
 pub const HALVING_MIN_RANKS: usize = 8;
+/// From [`HALVING_MIN_RANKS`] ranks, an all_reduce whose share per rank (its bytes ÷ the ranks)
+/// is at least this runs the ring after all: its 2(n − 1) steps then move pieces large enough
+/// to pay for their latency, and it keeps every rank's link busy at once. Measured on the
+/// 32-core GPU host, 16 ranks: the ring 2.2–2.3 GB/s busbw at 16 and 64 MiB against the
+/// halving's 1.5–1.6 (docs/benchmarks.md); at 1,024 ranks the ring starts at 512 MiB.
+pub const RING_SHARE_MIN: usize = 512 << 10;
 /// A group with two lanes keeps the two rings at once for a large all_reduce below this many
 /// ranks (their two threads against the halving's one); from here it runs the halving.
 pub const TWO_RINGS_MAX_RANKS: usize = 16;

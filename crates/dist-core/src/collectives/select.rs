@@ -3,7 +3,8 @@
 //! the large broadcast and reduce on many ranks.
 
 use super::consts::{
-    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
+    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS,
+    TWO_RINGS_MIN,
 };
 
 /// An all_reduce algorithm (see the table in the [module docs](super)).
@@ -58,7 +59,10 @@ pub fn all_reduce_algorithm(
     let two_rings = lanes >= 2 && n >= 3 && bytes >= TWO_RINGS_MIN;
     if bytes <= ALL_REDUCE_RING_MIN || count < n {
         AllReduceAlgorithm::Doubling
-    } else if n < HALVING_MIN_RANKS || (two_rings && n < TWO_RINGS_MAX_RANKS) {
+    } else if n < HALVING_MIN_RANKS
+        || (two_rings && n < TWO_RINGS_MAX_RANKS)
+        || bytes / n >= RING_SHARE_MIN
+    {
         AllReduceAlgorithm::Ring
     } else {
         AllReduceAlgorithm::Halving

@@ -11,8 +11,8 @@ use half::{bf16, f16};
 
 use super::super::{
     ALL_REDUCE_RING_MIN, AllReduceAlgorithm, BROADCAST_CHAIN_MIN, CHAIN_CHUNK, COLLECTIVE_TAG,
-    HALVING_MIN_RANKS, REDUCE_RING_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN, all_reduce_algorithm,
-    broadcast_by_halving, reduce_by_halving,
+    HALVING_MIN_RANKS, REDUCE_RING_MIN, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
+    all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
 };
 use super::faults::expect_mismatch;
 use super::matrix::{
@@ -99,6 +99,22 @@ fn the_choice_by_size_and_ranks() {
         assert_eq!(all_reduce_algorithm(m, big / 4, big, lanes), Halving);
         assert_eq!(all_reduce_algorithm(1024, 1 << 18, 1 << 20, lanes), Halving);
         assert_eq!(all_reduce_algorithm(1024, 1000, big, lanes), Doubling);
+        // A share per rank of RING_SHARE_MIN or more: the ring again.
+        let share = RING_SHARE_MIN;
+        assert_eq!(
+            all_reduce_algorithm(16, 1 << 20, 16 * share - 4, 1),
+            Halving
+        );
+        assert_eq!(all_reduce_algorithm(16, 1 << 22, 16 * share, 1), Ring);
+        assert_eq!(all_reduce_algorithm(16, 1 << 24, 64 << 20, lanes), Ring);
+        assert_eq!(
+            all_reduce_algorithm(1024, 1 << 26, 256 << 20, lanes),
+            Halving
+        );
+        assert_eq!(
+            all_reduce_algorithm(1024, 1 << 27, 1024 * share, lanes),
+            Ring
+        );
         assert_eq!(
             all_reduce_algorithm(TWO_RINGS_MAX_RANKS, 1 << 20, 4 << 20, lanes),
             Halving
