@@ -30,7 +30,7 @@ dist, mpi = load("dist"), load("mpi")
 ranks = int(sys.argv[3])
 # dist_core::collectives::select, for one lane (this script's machines have fewer than 8 cores).
 algo = lambda b: ("recursive doubling" if b <= 64 * 1024 or b // 4 < ranks
-                  else "ring RS+AG, 256 KiB pieces" if ranks < 8
+                  else "ring RS+AG, 256 KiB pieces" if ranks < 8 or b // ranks >= 512 * 1024
                   else "recursive halving and doubling")
 print("| bytes | dist µs | Open MPI µs | time ratio (MPI/dist) | dist busbw GB/s | Open MPI busbw GB/s | busbw ratio (dist/MPI) | dist verified | dist algorithm |")
 print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")

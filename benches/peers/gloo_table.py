@@ -14,6 +14,7 @@ ALL_REDUCE_RING_MIN = 64 << 10
 TWO_RINGS_MIN = 2 << 20
 HALVING_MIN_RANKS = 8
 TWO_RINGS_MAX_RANKS = 16
+RING_SHARE_MIN = 512 << 10
 
 
 def load(d, prefix, rounds):
@@ -38,7 +39,8 @@ def main():
         if b <= ALL_REDUCE_RING_MIN or b // 4 < ranks:
             return "recursive doubling"
         two = lanes >= 2 and ranks >= 3 and b >= TWO_RINGS_MIN
-        if ranks >= HALVING_MIN_RANKS and not (two and ranks < TWO_RINGS_MAX_RANKS):
+        if (ranks >= HALVING_MIN_RANKS and not (two and ranks < TWO_RINGS_MAX_RANKS)
+                and b // ranks < RING_SHARE_MIN):
             return "recursive halving and doubling"
         return f"{'two rings (opposite directions)' if two else 'one ring'} RS+AG, {piece} KiB pieces"
 
