@@ -1,6 +1,7 @@
 //! The TCP backend of dist: ranks rendezvous through rank 0, authenticate each other, and keep
-//! a full mesh of TCP connections over which tagged messages travel with no copy on the large
-//! message path.
+//! TCP connections (a full mesh made at init below 65 ranks; from 65 ranks, by default, each
+//! pair's connection made on its first use) over which tagged messages travel with no copy on
+//! the large message path.
 //!
 //! ```no_run
 //! use dist_core::Backend;
@@ -172,9 +173,11 @@ pub struct TcpBackend {
 /// thread); dropping this closes the connections in order (see its `Drop`).
 struct Threads {
     shared: Arc<Shared>,
-    /// The acceptor and dialer of a lazily formed job; stopped first at teardown, so that no
-    /// connection arrives while the others close.
+    /// The acceptor and dialer of a lazily formed job; stopped first at teardown.
     mesh: Option<Arc<init::Mesh>>,
+    /// Where accepted connections are handed to their peers; closed first at teardown, so
+    /// that a handshake still running then cannot attach a connection to a closing peer.
+    incoming: Arc<lazy::Incoming>,
     io: peer::IoThread,
     liveness: Option<JoinHandle<()>>,
 }
@@ -190,7 +193,8 @@ impl std::fmt::Debug for TcpBackend {
 
 impl TcpBackend {
     /// Joins the job as `rank` of `world_size`, with rank 0 listening on `master` (`host:port`),
-    /// and the default timeouts. Returns once every rank is connected to every other.
+    /// and the default timeouts. Returns once every rank has joined (and, in an eager job, is
+    /// connected to every other; see [`Formation`]).
     pub fn new(rank: usize, world_size: usize, master: impl Into<String>) -> Result<TcpBackend> {
         Self::with_config(TcpConfig::new(rank, world_size, master))
     }
@@ -289,6 +293,7 @@ impl TcpBackend {
         let mut threads = Threads {
             shared: shared.clone(),
             mesh,
+            incoming: incoming.clone(),
             io,
             liveness: None,
         };
@@ -478,8 +483,10 @@ impl Drop for Threads {
     fn drop(&mut self) {
         // Connections ending from here on are no faults; heartbeats go on while we linger.
         self.shared.closing.store(true, Ordering::Release);
-        // No connection is taken or made from here on (a dial in progress holds the mesh until
+        // No connection is attached from here on (one a handshake worker still delivers is
+        // closed), and none is made (a dial in progress holds the mesh until
         // it ends; the peers' hooks hold it only weakly).
+        self.incoming.close();
         drop(self.mesh.take());
         let at = self.shared.whereabouts();
         for p in &self.shared.peers {
