@@ -68,13 +68,24 @@ fn poll_one(fd: std::os::fd::RawFd, events: i16, ms: u128) -> std::io::Result<i1
 }
 
 /// Waits up to `limit` (rounded up to milliseconds) until one of `fds` has what it asks for;
-/// returns at once when `fds` is empty and `limit` is zero. Errors and signals end the wait
-/// early (the caller looks at its sockets again either way).
-pub(crate) fn poll_many(fds: &mut [libc::pollfd], limit: std::time::Duration) {
+/// returns at once when `fds` is empty and `limit` is zero. Returns how many have events (0 if
+/// the time passed or a signal came); an error of `poll` itself is returned.
+pub(crate) fn poll_many(
+    fds: &mut [libc::pollfd],
+    limit: std::time::Duration,
+) -> std::io::Result<usize> {
     let ms = limit.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
     // SAFETY: `fds` is a live, initialised slice of `pollfd` for the whole call, and its length
     // is passed as `nfds`; fds that are not open are reported in `revents` (POLLNVAL).
-    unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    Ok(n as usize)
 }
 
 /// Bytes received on `fd` and not yet read.

@@ -1,21 +1,16 @@
 //! In-process tests of the TCP backend: ranks as threads of one test, on loopback.
 
+mod common;
+use common::free_port;
+
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use dist_core::{Backend, DistError, Tag};
 use dist_tcp::wire::{self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Reply};
 use dist_tcp::{TcpBackend, TcpConfig};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
     TcpBackend::builder(rank, world, format!("127.0.0.1:{port}"))
@@ -24,19 +19,12 @@ fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
         .linger(Duration::from_secs(5))
 }
 
-/// Runs `f` on every rank of a fresh job, each in its own thread, and returns their results.
+/// Runs `f` on every rank of a fresh job with [`cfg`], each in its own thread.
 fn job<T: Send + 'static>(
     world: usize,
     f: impl Fn(TcpBackend) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let port = free_port();
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let f = f.clone();
-            thread::spawn(move || f(TcpBackend::with_config(cfg(r, world, port)).unwrap()))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::job_with(world, cfg, f)
 }
 
 #[test]

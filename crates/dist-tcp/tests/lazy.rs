@@ -2,21 +2,15 @@
 //! first use, both sides of a pair may dial at once, and a rank connects only to the peers its
 //! program talks to.
 
-use std::net::TcpListener;
+mod common;
+use common::free_port;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
 use dist_core::{Backend, Collectives, DistError, ReduceOp};
 use dist_tcp::testing::connected_peers;
 use dist_tcp::{Formation, TcpBackend, TcpConfig};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
     TcpBackend::builder(rank, world, format!("127.0.0.1:{port}"))
@@ -26,19 +20,12 @@ fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
         .linger(Duration::from_secs(5))
 }
 
-/// Runs `f` on every rank of a fresh lazy job, each in its own thread.
+/// Runs `f` on every rank of a fresh job with [`cfg`], each in its own thread.
 fn job<T: Send + 'static>(
     world: usize,
     f: impl Fn(TcpBackend) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let port = free_port();
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            let f = f.clone();
-            thread::spawn(move || f(TcpBackend::with_config(cfg(r, world, port)).unwrap()))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::job_with(world, cfg, f)
 }
 
 /// A world that is not a power of two runs point-to-point, barriers, small and large

@@ -46,17 +46,7 @@ fn gather_nonblocking(conns: &[TcpStream], deadline: Instant) -> Option<(usize, 
                 "ranks did not finish connecting before the init deadline".into(),
             ));
         }
-        let ms = wait.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: `fds` is a Vec of initialised `pollfd`s that outlives the call, and `nfds` is
-        // its length. The fds belong to `conns`, borrowed (so open) for this whole function; a
-        // closed one would be reported as POLLNVAL, not undefined behaviour. Upheld here;
-        // exercised by `init::tests::a_failure_is_seen_before_slow_ranks` and every formation.
-        let k = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if k < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
+        if let Err(e) = crate::sys::poll_many(&mut fds, wait) {
             return Some((0, format!("poll the ranks' statuses: {e}")));
         }
         for i in 0..n {

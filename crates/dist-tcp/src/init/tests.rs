@@ -341,7 +341,8 @@ fn a_failure_is_seen_before_slow_ranks() {
 
 /// What unicasting the table costs rank 0 at 1,024 ranks: the table of 1,024 listeners written
 /// on 1,023 loopback connections, as `form_as_root` does (measured for `docs/benchmarks.md`;
-/// run with `--ignored --nocapture`).
+/// run with `--ignored --nocapture`). Ignored in the suite: it checks nothing the formation
+/// tests do not, and starts 1,023 reader threads to print a time.
 #[test]
 #[ignore = "a measurement, not a check"]
 fn table_unicast_to_1023_ranks() {

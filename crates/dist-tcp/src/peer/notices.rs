@@ -115,7 +115,8 @@ impl Peer {
             if busy {
                 wait = wait.min(BUSY_RETRY);
             }
-            crate::sys::poll_many(&mut fds, wait);
+            // An error ends this wait early; the loop looks at every socket again either way.
+            let _ = crate::sys::poll_many(&mut fds, wait);
         }
     }
 }
