@@ -17,14 +17,19 @@ fn a_barrier_against_an_all_reduce_is_a_mismatch_on_every_rank_at_once() {
         .unwrap()
         .port();
     let world = 3;
+    // Every rank leaves the first barrier before any starts the mismatched call: a rank that
+    // finishes it early would otherwise abort a slower rank still inside it (seen in CI).
+    let all_out = std::sync::Arc::new(std::sync::Barrier::new(world));
     let ranks: Vec<_> = (0..world)
         .map(|r| {
+            let all_out = all_out.clone();
             thread::spawn(move || {
                 let b = TcpBackend::builder(r, world, format!("127.0.0.1:{port}"))
                     .timeout(Duration::from_secs(20))
                     .linger(Duration::from_secs(2))
                     .with_config_now();
                 b.barrier().unwrap();
+                all_out.wait();
                 let t = Instant::now();
                 let e = if r == 1 {
                     b.barrier().unwrap_err()
