@@ -70,7 +70,7 @@ fn form_only() -> Result<String, String> {
     let cfg = dist_tcp::TcpConfig::from_env().map_err(|e| format!("formation: {e}"))?;
     let me = cfg.rank();
     let held = if cfg.formation_mode() == dist_tcp::Formation::Lazy {
-        let f = dist_tcp::testing::form_lazy(&cfg, Box::new(|_, _| {}))
+        let f = dist_tcp::testing::form_lazy(&cfg, Box::new(|_, _| false))
             .map_err(|e| format!("formation: {e}"))?;
         f.streams.iter().filter(|s| s.is_some()).count()
     } else {

@@ -51,21 +51,26 @@ impl Default for Incoming {
 
 impl Incoming {
     /// Hands the connection `peer` made to this rank (its handshake done) to that peer.
-    pub(crate) fn deliver(&self, peer: usize, stream: TcpStream) {
+    /// Returns whether the connection is in use (or waits for the peers to exist); `false`:
+    /// it was shut (the backend is closing, or the peer could not take it).
+    pub(crate) fn deliver(&self, peer: usize, stream: TcpStream) -> bool {
         let mut early = self.early.lock().unwrap_or_else(|p| p.into_inner());
         // Checked under the lock `open` sets the peers under, and `close` closes under: no
         // stream is left behind, and none attached once the backend is closing.
         let Some(waiting) = early.as_mut() else {
             drop(early);
             let _ = stream.shutdown(std::net::Shutdown::Both);
-            return;
+            return false;
         };
         match self.peers.get() {
             Some(peers) => {
                 // Attached under the lock, so that `close` returning means no attach is left.
-                attach(peers, peer, stream);
+                attach(peers, peer, stream)
             }
-            None => waiting.push((peer, stream)),
+            None => {
+                waiting.push((peer, stream));
+                true
+            }
         }
     }
 
@@ -83,25 +88,33 @@ impl Incoming {
         let waiting = early.as_mut().map(std::mem::take).unwrap_or_default();
         if let Some(peers) = self.peers.get() {
             for (r, s) in waiting {
+                // A failure here is logged; the link was counted connected when this
+                // connection was delivered early (left open: see docs/scale.md).
                 attach(peers, r, s);
             }
         }
     }
 }
 
-fn attach(peers: &[Weak<Peer>], rank: usize, stream: TcpStream) {
+/// Attaches `stream` to peer `rank`; whether the peer has a connection now (this one, or
+/// one it had already).
+fn attach(peers: &[Weak<Peer>], rank: usize, stream: TcpStream) -> bool {
     let Some(p) = peers.get(rank).and_then(Weak::upgrade) else {
-        return;
+        return false;
     };
     match p.attach(stream) {
-        Ok(true) => {}
-        Ok(false) => tracing::warn!(
-            rank = p.me,
-            peer = rank,
-            "a second connection from a connected peer was dropped"
-        ),
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!(
+                rank = p.me,
+                peer = rank,
+                "a second connection from a connected peer was dropped"
+            );
+            true
+        }
         Err(e) => {
-            tracing::warn!(rank = p.me, peer = rank, error = %e, "could not attach a connection")
+            tracing::warn!(rank = p.me, peer = rank, error = %e, "could not attach a connection");
+            false
         }
     }
 }
@@ -149,13 +162,13 @@ mod tests {
         let inc = Incoming::default();
         // One arrives before the peers exist, and is attached when they do.
         let (early, _early_far) = pair();
-        inc.deliver(1, early);
+        assert!(inc.deliver(1, early), "kept until the peers exist");
         assert!(!peers[1].is_connected());
         inc.open(&peers);
         assert!(peers[1].is_connected());
         inc.close();
         let (late, mut late_far) = pair();
-        inc.deliver(2, late);
+        assert!(!inc.deliver(2, late), "a connection shut is not in use");
         assert!(!peers[2].is_connected());
         late_far
             .set_read_timeout(Some(Duration::from_secs(10)))

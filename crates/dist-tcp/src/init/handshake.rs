@@ -363,12 +363,14 @@ pub(super) enum Failed {
 
 /// The connecting side of the handshake with the listener of rank `server_rank`. With a shared
 /// secret, this side proves first, and checks the listener's proof in its verdict.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the handshake; a struct would only rename them.
 pub(super) fn client_handshake(
     stream: &mut TcpStream,
     hello: &Hello,
     secret: Option<&[u8]>,
     server_rank: u32,
     deadline: Instant,
+    verdict_grace: Duration,
     me: usize,
     peer: &str,
 ) -> std::result::Result<(), Failed> {
@@ -426,7 +428,12 @@ pub(super) fn client_handshake(
         None => [0; NONCE_LEN],
     };
     write_by(stream, &proof, deadline).map_err(|e| Failed::Final(io("send proof")(e)))?;
-    let verdict = read_exact_by(stream, &mut buf, deadline)
+    // From here the listener may accept this connection and hand it on: a client giving up
+    // now would leave the listener holding a connection it dropped. The verdict follows the
+    // proof at once on a listener that is running, so the client waits for it past its own
+    // deadline by up to `verdict_grace`.
+    let verdict_by = deadline.max(Instant::now() + verdict_grace);
+    let verdict = read_exact_by(stream, &mut buf, verdict_by)
         .map_err(|e| e.to_string())
         .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
     match verdict {
@@ -479,7 +486,18 @@ pub(super) fn join_listener(
             Some(s) => s,
             None => connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?,
         };
-        match client_handshake(&mut s, &hello()?, secret, server_rank, deadline, me, &peer) {
+        // A rendezvous that fails fails formation as a whole: no grace is needed.
+        let grace = Duration::ZERO;
+        match client_handshake(
+            &mut s,
+            &hello()?,
+            secret,
+            server_rank,
+            deadline,
+            grace,
+            me,
+            &peer,
+        ) {
             Ok(()) => return Ok(s),
             Err(Failed::Final(e) | Failed::Crossed(e)) => return Err(e),
             Err(Failed::TurnedAway(e)) => {

@@ -139,10 +139,16 @@ pub(crate) fn on_verdict_sent(link: &mut Link, ok: bool) -> Deliver {
     }
 }
 
-/// The callback has taken the stream.
-pub(crate) fn on_delivered(link: &mut Link) {
+/// The callback has taken the stream: `attached`, the peer uses it now (the link is
+/// `Connected`); otherwise it was dropped (the link is `Idle` again, so that either side can
+/// connect later instead of finding a link connected to nothing).
+pub(crate) fn on_delivered(link: &mut Link, attached: bool) {
     if *link == Link::Accepting {
-        *link = Link::Connected;
+        *link = if attached {
+            Link::Connected
+        } else {
+            Link::Idle
+        };
     }
 }
 
@@ -184,8 +190,9 @@ pub(crate) fn on_give_up(link: &mut Link) {
     }
 }
 
-/// Called with each connection accepted from a peer while no dialer of this rank waited for it.
-pub type OnIncoming = Box<dyn Fn(usize, TcpStream) + Send + Sync>;
+/// Called with each connection accepted from a peer while no dialer of this rank waited for it;
+/// returns whether the connection is now in use (`false`: it was dropped).
+pub type OnIncoming = Box<dyn Fn(usize, TcpStream) -> bool + Send + Sync>;
 
 /// The per-peer links of one rank, shared by its acceptor and its dialers.
 pub(crate) struct Links {
@@ -257,8 +264,8 @@ impl Links {
             }
             (Deliver::ToCallback, Some(s)) => {
                 drop(t);
-                (self.on_incoming)(peer, s);
-                on_delivered(&mut self.lock().links[peer]);
+                let attached = (self.on_incoming)(peer, s);
+                on_delivered(&mut self.lock().links[peer], attached);
                 self.changed.notify_all();
             }
             _ => {

@@ -134,7 +134,7 @@ impl World {
                 w.trace.push(format!("{y}'s callback took {c}'s"));
                 w.callback[y].push(c);
                 w.delivering[y] = None;
-                on_delivered(&mut w.link[y]);
+                on_delivered(&mut w.link[y], true);
                 out.push(w);
             }
             // The reply reaches rank x's dialer.
@@ -292,7 +292,7 @@ fn giving_up_hands_over_or_resets() {
     on_give_up(&mut l);
     assert_eq!(l, Link::Accepting);
     assert_eq!(on_verdict_sent(&mut l, true), Deliver::ToCallback);
-    on_delivered(&mut l);
+    on_delivered(&mut l, true);
     assert_eq!(l, Link::Connected);
 
     let mut l = Link::Dialing { accepting: false };
@@ -305,4 +305,28 @@ fn giving_up_hands_over_or_resets() {
     on_hello(5, 3, &mut l);
     assert_eq!(on_verdict_sent(&mut l, false), Deliver::Drop);
     assert_eq!(l, Link::Idle);
+}
+
+/// A connection the callback could not attach leaves the link idle, so that a later dial (of
+/// either side) connects the pair; before the fix the link stayed `Connected` to a connection
+/// that had been dropped, and every later use of the pair failed.
+#[test]
+fn a_connection_the_callback_drops_leaves_the_link_idle() {
+    let mut l = Link::Idle;
+    assert_eq!(on_hello(0, 1, &mut l), Verdict::Accept);
+    assert_eq!(on_verdict_sent(&mut l, true), Deliver::ToCallback);
+    on_delivered(&mut l, false);
+    assert_eq!(l, Link::Idle);
+    assert_eq!(on_dial(&mut l), Start::Dial);
+
+    // The same through `Links`, whose callback refuses the stream.
+    let links = Links::new(0, |r| r == 0, 2, Box::new(|_, _| false));
+    let (a, _b) = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (a, l.accept().unwrap().0)
+    };
+    assert_eq!(links.decide(1), Verdict::Accept);
+    links.settle(1, Some(a));
+    assert_eq!(links.get(1), Link::Idle);
 }

@@ -32,6 +32,9 @@ pub struct Mesh {
     job_id: u64,
     secret: Option<Vec<u8>>,
     addrs: Vec<SocketAddr>,
+    /// How long a peer's acceptor may take over a handshake; a dial waits for the verdict up
+    /// to this long past its caller's deadline (see `client_handshake`).
+    handshake_timeout: Duration,
     links: Arc<Links>,
     _acceptor: Option<Acceptor>,
 }
@@ -104,6 +107,7 @@ impl Mesh {
             job_id,
             secret,
             addrs,
+            handshake_timeout,
             links,
             _acceptor: acceptor,
         })
@@ -231,7 +235,17 @@ impl Mesh {
                 nonce: nonce(me).map_err(Failed::Final)?,
             };
             let secret = self.secret.as_deref();
-            match client_handshake(&mut s, &hello, secret, peer as u32, deadline, me, &who) {
+            let grace = self.handshake_timeout;
+            match client_handshake(
+                &mut s,
+                &hello,
+                secret,
+                peer as u32,
+                deadline,
+                grace,
+                me,
+                &who,
+            ) {
                 Ok(()) => return Ok(s),
                 Err(Failed::TurnedAway(e)) => {
                     let left = deadline.saturating_duration_since(Instant::now());

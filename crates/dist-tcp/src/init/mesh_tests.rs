@@ -45,13 +45,8 @@ fn lazy_job(n: usize, secret: Option<&[u8]>) -> (Vec<Rank>, Duration) {
                         cfg = cfg.secret(s);
                     }
                     let (tx, incoming) = crossbeam_channel::unbounded();
-                    let formed = form_lazy(
-                        &cfg,
-                        Box::new(move |p, s| {
-                            let _ = tx.send((p, s));
-                        }),
-                    )
-                    .unwrap_or_else(|e| panic!("{e}"));
+                    let formed = form_lazy(&cfg, Box::new(move |p, s| tx.send((p, s)).is_ok()))
+                        .unwrap_or_else(|e| panic!("{e}"));
                     Rank { formed, incoming }
                 })
                 .unwrap()
@@ -174,7 +169,7 @@ fn mesh_of_rank2(secret: Option<&[u8]>, timeout: Duration) -> (Mesh, SocketAddr)
         handshake_timeout: timeout,
         addrs: vec![addr; 4],
     };
-    let mesh = Mesh::start(spec, Some(l), |r| r == 0 || r == 3, Box::new(|_, _| {})).unwrap();
+    let mesh = Mesh::start(spec, Some(l), |r| r == 0 || r == 3, Box::new(|_, _| true)).unwrap();
     (mesh, addr)
 }
 
@@ -298,7 +293,7 @@ fn a_dial_to_a_gone_rank_fails_at_once() {
         handshake_timeout: Duration::from_secs(1),
         addrs: vec![gone_addr, gone_addr, mute.local_addr().unwrap()],
     };
-    let mesh = Mesh::start(spec, None, |_| false, Box::new(|_, _| {})).unwrap();
+    let mesh = Mesh::start(spec, None, |_| false, Box::new(|_, _| false)).unwrap();
     let t = Instant::now();
     let e = mesh
         .dial(0, Instant::now() + Duration::from_secs(30))

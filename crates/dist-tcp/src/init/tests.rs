@@ -8,6 +8,7 @@ use crate::Formation;
 use crate::wire::{HELLO_LEN, REPLY_LEN, Refusal, Reply, Side};
 
 const KEY: &[u8] = b"a shared secret of 16+ bytes";
+const ZERO: Duration = Duration::ZERO;
 
 /// A mesh listener of rank 1 in a job of 4 (job id 7), accepting ranks 2 and 3.
 fn mesh_acceptor(
@@ -102,7 +103,7 @@ fn the_listener_proves_only_after_the_client_has() {
     let mut s = raw(addr);
     let deadline = Instant::now() + Duration::from_secs(5);
     let wrong = b"another secret of 16+ bytes";
-    match client_handshake(&mut s, &hello, Some(wrong), 1, deadline, 3, "rank 1") {
+    match client_handshake(&mut s, &hello, Some(wrong), 1, deadline, ZERO, 3, "rank 1") {
         Err(Failed::Final(e)) => {
             assert!(
                 e.to_string().contains("wrong shared secret from rank 3"),
@@ -114,12 +115,12 @@ fn the_listener_proves_only_after_the_client_has() {
     // A right secret, but a proof meant for another listener (rank 2): refused too.
     let mut s = raw(addr);
     assert!(matches!(
-        client_handshake(&mut s, &hello, Some(KEY), 2, deadline, 3, "rank 1"),
+        client_handshake(&mut s, &hello, Some(KEY), 2, deadline, ZERO, 3, "rank 1"),
         Err(Failed::Final(_))
     ));
     // The right secret for this listener: both proofs check, and rank 3 has joined.
     let mut s = raw(addr);
-    client_handshake(&mut s, &hello, Some(KEY), 1, deadline, 3, "rank 1").unwrap();
+    client_handshake(&mut s, &hello, Some(KEY), 1, deadline, ZERO, 3, "rank 1").unwrap();
     let j = joins.recv_deadline(deadline).unwrap();
     assert_eq!(j.rank, 3);
     assert!(joins.try_recv().is_err(), "a refused client joined");
@@ -143,7 +144,16 @@ fn the_client_refuses_a_listener_that_cannot_prove() {
     });
     let mut s = raw(addr);
     let deadline = Instant::now() + Duration::from_secs(5);
-    match client_handshake(&mut s, &mesh_hello(3, true), Some(KEY), 1, deadline, 3, "x") {
+    match client_handshake(
+        &mut s,
+        &mesh_hello(3, true),
+        Some(KEY),
+        1,
+        deadline,
+        ZERO,
+        3,
+        "x",
+    ) {
         Err(Failed::Final(e)) => assert!(
             e.to_string().contains("failed to prove the shared secret"),
             "{e}"
@@ -151,6 +161,49 @@ fn the_client_refuses_a_listener_that_cannot_prove() {
         other => panic!("expected a refusal, got {other:?}"),
     }
     fake.join().unwrap();
+}
+
+/// A listener that sends its verdict (an acceptance) only after the client's deadline: a
+/// client without grace gives up and drops a connection the listener has accepted (which it
+/// then holds as connected to a peer that is gone: the race found in review); with grace it
+/// waits for the verdict and keeps the connection.
+#[test]
+fn a_verdict_after_the_deadline_is_awaited_within_the_grace() {
+    let run = |grace: Duration| {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut b = [0u8; HELLO_LEN + NONCE_LEN];
+            s.read_exact(&mut b[..HELLO_LEN]).unwrap();
+            s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+                .unwrap();
+            s.read_exact(&mut b[HELLO_LEN..]).unwrap();
+            // The verdict goes out past the client's deadline: the scenario under test, not a
+            // wait for an event.
+            std::thread::sleep(deadline.saturating_duration_since(Instant::now()) * 2);
+            let _ = s.write_all(&Reply::accept([0; NONCE_LEN], [0; NONCE_LEN]).encode());
+        });
+        let mut s = raw(addr);
+        let r = client_handshake(
+            &mut s,
+            &mesh_hello(3, false),
+            None,
+            1,
+            deadline,
+            grace,
+            3,
+            "x",
+        );
+        fake.join().unwrap();
+        r
+    };
+    match run(Duration::ZERO) {
+        Err(Failed::Final(e)) => assert!(e.to_string().contains("no verdict"), "{e}"),
+        other => panic!("without grace the client should give up, got {other:?}"),
+    }
+    run(Duration::from_secs(10)).expect("with grace the late verdict is taken");
 }
 
 /// Open connections a listener holds: `false` for one it has closed.
@@ -381,6 +434,6 @@ fn table_unicast_to_1023_ranks() {
 #[test]
 fn the_lazy_entry_point_forms_a_world_of_one() {
     let cfg = TcpConfig::new(0, 1, "127.0.0.1:1").formation(Formation::Lazy);
-    let f = form_lazy(&cfg, Box::new(|_, _| {})).unwrap();
+    let f = form_lazy(&cfg, Box::new(|_, _| false)).unwrap();
     assert!(f.streams.iter().all(Option::is_none));
 }
