@@ -35,7 +35,12 @@ pub trait TypedMessages: Backend {
     /// one, until the deadline.
     fn recv_vec<T: Element>(&self, src: usize, tag: Tag, max_len: usize) -> Result<Vec<T>> {
         let timeout = self.default_timeout();
-        let op = || format!("recv_vec from {src} (tag {tag}, at most {max_len} {})", T::DTYPE);
+        let op = || {
+            format!(
+                "recv_vec from {src} (tag {tag}, at most {max_len} {})",
+                T::DTYPE
+            )
+        };
         let deadline = crate::deadline_after(Instant::now(), timeout, self.rank(), op)?;
         let size = std::mem::size_of::<T>();
         let max_bytes = max_len.saturating_mul(size);
@@ -50,10 +55,7 @@ pub trait TypedMessages: Backend {
                 return Err(DistError::SizeMismatch {
                     rank: self.rank(),
                     peer: src,
-                    op: format!(
-                        "{} ({size}-byte elements, at most {max_bytes} bytes)",
-                        op()
-                    ),
+                    op: format!("{} ({size}-byte elements, at most {max_bytes} bytes)", op()),
                     expected: (len - len % size).min(max_bytes),
                     got: len,
                 });
@@ -81,25 +83,30 @@ mod tests {
 
     #[test]
     fn typed_slices_and_vectors_of_unknown_length_arrive_whole() {
-        let out = run_group(3, |_| Tuning::default(), Duration::from_secs(10), |g| {
-            let (me, n) = (g.rank(), g.world_size());
-            let (right, left) = ((me + 1) % n, (me + n - 1) % n);
-            let mine: Vec<f64> = (0..me * 100 + 7).map(|i| (me * 1000 + i) as f64).collect();
-            g.send_slice(&mine, right, Tag::user(3))?;
-            g.send_slice::<i8>(&[], right, Tag::user(4))?;
-            g.send_slice(&[me as u32; 4], right, Tag::user(5))?;
-            let got: Vec<f64> = g.recv_vec(left, Tag::user(3), 1 << 20)?;
-            let empty: Vec<i8> = g.recv_vec(left, Tag::user(4), 0)?;
-            let mut fixed = [0u32; 4];
-            g.recv_slice(&mut fixed, left, Tag::user(5))?;
-            let want: Vec<f64> = (0..left * 100 + 7)
-                .map(|i| (left * 1000 + i) as f64)
-                .collect();
-            assert_eq!(got, want);
-            assert!(empty.is_empty());
-            assert_eq!(fixed, [left as u32; 4]);
-            Ok(())
-        });
+        let out = run_group(
+            3,
+            |_| Tuning::default(),
+            Duration::from_secs(10),
+            |g| {
+                let (me, n) = (g.rank(), g.world_size());
+                let (right, left) = ((me + 1) % n, (me + n - 1) % n);
+                let mine: Vec<f64> = (0..me * 100 + 7).map(|i| (me * 1000 + i) as f64).collect();
+                g.send_slice(&mine, right, Tag::user(3))?;
+                g.send_slice::<i8>(&[], right, Tag::user(4))?;
+                g.send_slice(&[me as u32; 4], right, Tag::user(5))?;
+                let got: Vec<f64> = g.recv_vec(left, Tag::user(3), 1 << 20)?;
+                let empty: Vec<i8> = g.recv_vec(left, Tag::user(4), 0)?;
+                let mut fixed = [0u32; 4];
+                g.recv_slice(&mut fixed, left, Tag::user(5))?;
+                let want: Vec<f64> = (0..left * 100 + 7)
+                    .map(|i| (left * 1000 + i) as f64)
+                    .collect();
+                assert_eq!(got, want);
+                assert!(empty.is_empty());
+                assert_eq!(fixed, [left as u32; 4]);
+                Ok(())
+            },
+        );
         for r in out {
             r.unwrap();
         }
@@ -107,31 +114,36 @@ mod tests {
 
     #[test]
     fn recv_vec_refuses_long_and_ragged_messages_and_leaves_them_queued() {
-        let out = run_group(2, |_| Tuning::default(), Duration::from_secs(10), |g| {
-            if g.rank() == 0 {
-                g.send_slice(&[1u8; 10], 1, Tag::user(1))?;
-                g.send_slice(&[7u32; 3], 1, Tag::user(2))?;
-                return Ok(());
-            }
-            // 10 bytes are not a whole number of u32s; then too many for a cap of 2 u32s.
-            match g.recv_vec::<u32>(0, Tag::user(1), 100) {
-                Err(DistError::SizeMismatch { peer, got, op, .. }) => {
-                    assert_eq!((peer, got), (0, 10));
-                    assert!(op.contains("4-byte elements"), "{op}");
+        let out = run_group(
+            2,
+            |_| Tuning::default(),
+            Duration::from_secs(10),
+            |g| {
+                if g.rank() == 0 {
+                    g.send_slice(&[1u8; 10], 1, Tag::user(1))?;
+                    g.send_slice(&[7u32; 3], 1, Tag::user(2))?;
+                    return Ok(());
                 }
-                other => panic!("{other:?}"),
-            }
-            match g.recv_vec::<u32>(0, Tag::user(2), 2) {
-                Err(DistError::SizeMismatch {
-                    expected, got, ..
-                }) => assert_eq!((expected, got), (8, 12)),
-                other => panic!("{other:?}"),
-            }
-            // Both stayed queued: taken whole afterwards.
-            assert_eq!(g.recv_vec::<u8>(0, Tag::user(1), 10)?, [1u8; 10]);
-            assert_eq!(g.recv_vec::<u32>(0, Tag::user(2), 3)?, [7u32; 3]);
-            Ok(())
-        });
+                // 10 bytes are not a whole number of u32s; then too many for a cap of 2 u32s.
+                match g.recv_vec::<u32>(0, Tag::user(1), 100) {
+                    Err(DistError::SizeMismatch { peer, got, op, .. }) => {
+                        assert_eq!((peer, got), (0, 10));
+                        assert!(op.contains("4-byte elements"), "{op}");
+                    }
+                    other => panic!("{other:?}"),
+                }
+                match g.recv_vec::<u32>(0, Tag::user(2), 2) {
+                    Err(DistError::SizeMismatch { expected, got, .. }) => {
+                        assert_eq!((expected, got), (8, 12))
+                    }
+                    other => panic!("{other:?}"),
+                }
+                // Both stayed queued: taken whole afterwards.
+                assert_eq!(g.recv_vec::<u8>(0, Tag::user(1), 10)?, [1u8; 10]);
+                assert_eq!(g.recv_vec::<u32>(0, Tag::user(2), 3)?, [7u32; 3]);
+                Ok(())
+            },
+        );
         for r in out {
             r.unwrap();
         }
@@ -139,23 +151,28 @@ mod tests {
 
     #[test]
     fn recv_vec_times_out_and_works_in_a_sub_group() {
-        let out = run_group(4, |_| Tuning::default(), Duration::from_millis(300), |g| {
-            let me = g.rank();
-            // Groups {1, 3} and {0, 2}, each in reverse order.
-            let sub = g.split(Some(me as u32 % 2), -(me as i64))?.unwrap();
-            let peer = 1 - sub.rank();
-            sub.send_slice(&[me as i32; 5], peer, Tag::user(9))?;
-            let got: Vec<i32> = sub.recv_vec(peer, Tag::user(9), 5)?;
-            assert_eq!(got, [(me ^ 2) as i32; 5]);
-            match sub.recv_vec::<i32>(peer, Tag::user(9), 5) {
-                Err(DistError::Timeout { peer: p, op, .. }) => {
-                    assert_eq!(p, peer);
-                    assert!(op.contains("recv_vec"), "{op}");
+        let out = run_group(
+            4,
+            |_| Tuning::default(),
+            Duration::from_millis(300),
+            |g| {
+                let me = g.rank();
+                // Groups {1, 3} and {0, 2}, each in reverse order.
+                let sub = g.split(Some(me as u32 % 2), -(me as i64))?.unwrap();
+                let peer = 1 - sub.rank();
+                sub.send_slice(&[me as i32; 5], peer, Tag::user(9))?;
+                let got: Vec<i32> = sub.recv_vec(peer, Tag::user(9), 5)?;
+                assert_eq!(got, [(me ^ 2) as i32; 5]);
+                match sub.recv_vec::<i32>(peer, Tag::user(9), 5) {
+                    Err(DistError::Timeout { peer: p, op, .. }) => {
+                        assert_eq!(p, peer);
+                        assert!(op.contains("recv_vec"), "{op}");
+                    }
+                    other => panic!("{other:?}"),
                 }
-                other => panic!("{other:?}"),
-            }
-            Ok(())
-        });
+                Ok(())
+            },
+        );
         for r in out {
             r.unwrap();
         }

@@ -89,24 +89,31 @@ mod tests {
     use crate::{Backend, ReduceOp, Tuning};
 
     fn object(r: usize) -> Vec<u8> {
-        (0..r * 37 + (r % 2) * 1000).map(|i| (i * 7 + r) as u8).collect()
+        (0..r * 37 + (r % 2) * 1000)
+            .map(|i| (i * 7 + r) as u8)
+            .collect()
     }
 
     #[test]
     fn objects_of_every_length_reach_every_rank() {
-        let out = run_group(5, |_| Tuning::default(), Duration::from_secs(10), |g| {
-            let me = g.rank();
-            for root in 0..5 {
-                let got = g.broadcast_bytes(&object(me), root)?;
-                assert_eq!(got, object(root), "from {root}");
-            }
-            let all = g.all_gather_bytes(&object(me))?;
-            assert_eq!(all, (0..5).map(object).collect::<Vec<_>>());
-            // Rank 0's object is empty: an all-empty gather.
-            let none = g.all_gather_bytes(&[])?;
-            assert!(none.iter().all(Vec::is_empty) && none.len() == 5);
-            Ok(())
-        });
+        let out = run_group(
+            5,
+            |_| Tuning::default(),
+            Duration::from_secs(10),
+            |g| {
+                let me = g.rank();
+                for root in 0..5 {
+                    let got = g.broadcast_bytes(&object(me), root)?;
+                    assert_eq!(got, object(root), "from {root}");
+                }
+                let all = g.all_gather_bytes(&object(me))?;
+                assert_eq!(all, (0..5).map(object).collect::<Vec<_>>());
+                // Rank 0's object is empty: an all-empty gather.
+                let none = g.all_gather_bytes(&[])?;
+                assert!(none.iter().all(Vec::is_empty) && none.len() == 5);
+                Ok(())
+            },
+        );
         for r in out {
             r.unwrap();
         }
@@ -114,30 +121,31 @@ mod tests {
 
     #[test]
     fn too_long_objects_are_refused_on_every_rank_and_the_group_goes_on() {
-        let out = run_group(3, |_| Tuning::default(), Duration::from_secs(20), |g| {
-            let me = g.rank();
-            // Zeroed memory, made only on the rank that sends it (its pages untouched).
-            let big = vec![0u8; if me == 2 { MAX_OBJECT_BYTES / 2 } else { 0 }];
-            let e = g
-                .all_gather_bytes(&big)
-                .unwrap_err();
-            assert!(
-                matches!(&e, DistError::InvalidArgument { reason, .. } if reason.contains("rank 2's object")),
-                "{e}"
-            );
-            let huge = vec![0u8; if me == 1 { MAX_OBJECT_BYTES + 1 } else { 0 }];
-            let e = g
-                .broadcast_bytes(&huge, 1)
-                .unwrap_err();
-            assert!(
-                matches!(&e, DistError::InvalidArgument { reason, .. } if reason.contains("rank 1's object")),
-                "{e}"
-            );
-            let mut x = [1u32];
-            g.all_reduce(&mut x, ReduceOp::Sum)?;
-            assert_eq!(x, [3]);
-            Ok(())
-        });
+        let out = run_group(
+            3,
+            |_| Tuning::default(),
+            Duration::from_secs(20),
+            |g| {
+                let me = g.rank();
+                // Zeroed memory, made only on the rank that sends it (its pages untouched).
+                let big = vec![0u8; if me == 2 { MAX_OBJECT_BYTES / 2 } else { 0 }];
+                let e = g.all_gather_bytes(&big).unwrap_err();
+                assert!(
+                    matches!(&e, DistError::InvalidArgument { reason, .. } if reason.contains("rank 2's object")),
+                    "{e}"
+                );
+                let huge = vec![0u8; if me == 1 { MAX_OBJECT_BYTES + 1 } else { 0 }];
+                let e = g.broadcast_bytes(&huge, 1).unwrap_err();
+                assert!(
+                    matches!(&e, DistError::InvalidArgument { reason, .. } if reason.contains("rank 1's object")),
+                    "{e}"
+                );
+                let mut x = [1u32];
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                assert_eq!(x, [3]);
+                Ok(())
+            },
+        );
         for r in out {
             r.unwrap();
         }

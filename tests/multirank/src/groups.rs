@@ -33,7 +33,7 @@ fn exercise(g: &TcpGroup, mates: &[usize], rounds: usize) {
                 let want: u64 = mates.iter().map(|&m| val(m, i, k)).sum();
                 assert_eq!(*v, want, "all_reduce element {i} of {count}, round {k}");
             }
-            for root in 0..n {
+            for (root, &world_root) in mates.iter().enumerate() {
                 let mut b: Vec<u64> = if me == root {
                     (0..count).map(|i| val(world_me, i, k)).collect()
                 } else {
@@ -43,7 +43,7 @@ fn exercise(g: &TcpGroup, mates: &[usize], rounds: usize) {
                 assert!(
                     b.iter()
                         .enumerate()
-                        .all(|(i, v)| *v == val(mates[root], i, k)),
+                        .all(|(i, v)| *v == val(world_root, i, k)),
                     "broadcast of {count} from group rank {root}, round {k}"
                 );
             }
@@ -53,7 +53,10 @@ fn exercise(g: &TcpGroup, mates: &[usize], rounds: usize) {
                 .unwrap_or_else(|e| panic!("{e}"));
             for (j, block) in all.chunks_exact(count.max(1)).enumerate() {
                 assert!(
-                    block.iter().enumerate().all(|(i, v)| *v == val(mates[j], i, k)),
+                    block
+                        .iter()
+                        .enumerate()
+                        .all(|(i, v)| *v == val(mates[j], i, k)),
                     "all_gather block {j} of {count}, round {k}"
                 );
             }
@@ -86,7 +89,11 @@ fn exercise(g: &TcpGroup, mates: &[usize], rounds: usize) {
 /// thread at once.
 fn grid(b: &TcpBackend, rows: usize, cols: usize) {
     let me = b.rank();
-    assert_eq!(b.world_size(), rows * cols, "the grid needs {rows} x {cols} ranks");
+    assert_eq!(
+        b.world_size(),
+        rows * cols,
+        "the grid needs {rows} x {cols} ranks"
+    );
     let (row, col) = (me / cols, me % cols);
     let row_g = b
         .split(Some(row as u32), col as i64)
@@ -242,7 +249,11 @@ pub fn conveniences() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(fixed, [left as i64; 3]);
     // Objects of every length, from every root.
-    let object = |r: usize| -> Vec<u8> { (0..r * 101 + (r % 2) * 5000).map(|i| (i + r) as u8).collect() };
+    let object = |r: usize| -> Vec<u8> {
+        (0..r * 101 + (r % 2) * 5000)
+            .map(|i| (i + r) as u8)
+            .collect()
+    };
     for root in 0..n {
         let got = b
             .broadcast_bytes(&object(me), root)
@@ -258,7 +269,10 @@ pub fn conveniences() {
         .split(Some(u32::from(me < n.div_ceil(2))), -(me as i64))
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap();
-    let mates: Vec<usize> = (0..n).rev().filter(|&r| (r < n.div_ceil(2)) == (me < n.div_ceil(2))).collect();
+    let mates: Vec<usize> = (0..n)
+        .rev()
+        .filter(|&r| (r < n.div_ceil(2)) == (me < n.div_ceil(2)))
+        .collect();
     let all = half
         .all_gather_bytes(&object(me))
         .unwrap_or_else(|e| panic!("{e}"));

@@ -200,7 +200,10 @@ impl<R: Link> SubLink<R> {
         let op = |op: String| format!("{op} {}", self.context());
         match e {
             DistError::Timeout {
-                op: o, peer, waited, ..
+                op: o,
+                peer,
+                waited,
+                ..
             } => DistError::Timeout {
                 rank: me,
                 op: op(o),
@@ -342,8 +345,8 @@ impl<R: Link> Link for SubLink<R> {
         // SAFETY: the root's handle lives inside the returned `SubRecv`, which has no other
         // way to end than its wait or its drop (which drops the root's handle); the caller's
         // obligation not to leak the `SubRecv` is the root's, passed on unchanged.
-        let inner = unsafe { self.root.post(buf, from, wire, deadline) }
-            .map_err(|e| self.to_group(e))?;
+        let inner =
+            unsafe { self.root.post(buf, from, wire, deadline) }.map_err(|e| self.to_group(e))?;
         Ok(SubRecv { inner, link: self })
     }
 

@@ -220,7 +220,9 @@ fn divide<L: SplitLink>(
         )));
     }
     if call == NEW_GROUP {
-        let bad: Vec<usize> = (0..n).filter(|&r| records[r].flags & BAD_LIST != 0).collect();
+        let bad: Vec<usize> = (0..n)
+            .filter(|&r| records[r].flags & BAD_LIST != 0)
+            .collect();
         if let Some(p) = problem {
             return Err(invalid(p));
         }
@@ -299,8 +301,16 @@ mod tests {
     fn list_problems_are_named() {
         assert_eq!(list_problem(&[2, 0], 4), None);
         assert!(list_problem(&[], 4).unwrap().contains("empty"));
-        assert!(list_problem(&[1, 4], 4).unwrap().contains("rank 4 is out of range"));
-        assert!(list_problem(&[1, 1], 4).unwrap().contains("rank 1 is in the list twice"));
+        assert!(
+            list_problem(&[1, 4], 4)
+                .unwrap()
+                .contains("rank 4 is out of range")
+        );
+        assert!(
+            list_problem(&[1, 1], 4)
+                .unwrap()
+                .contains("rank 1 is in the list twice")
+        );
         assert_ne!(digest(&[0, 1]), digest(&[1, 0]));
         assert_ne!(digest(&[0]), digest(&[0, 0]));
     }
