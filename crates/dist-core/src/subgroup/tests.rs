@@ -212,7 +212,9 @@ fn rows_and_columns_run_at_once_from_two_threads() {
             let (row, col) = (me / 3, me % 3);
             let rows = g.split(Some(row as u32), col as i64)?.unwrap();
             let cols = g.split(Some(100 + col as u32), row as i64)?.unwrap();
-            let run = |sub: &Group<SubLink<MemLink>>, mates: Vec<usize>| -> crate::Result<()> {
+            // Each thread ends by splitting its group again (the two splits run at once) and
+            // returns the new group's id.
+            let run = |sub: &Group<SubLink<MemLink>>, mates: Vec<usize>| -> crate::Result<u32> {
                 for round in 0..30u64 {
                     let count = [1usize, 1000, 40_000][round as usize % 3];
                     let mut x = vec![me as u64 * 1000 + round; count];
@@ -224,17 +226,36 @@ fn rows_and_columns_run_at_once_from_two_threads() {
                     let want: Vec<u64> = mates.iter().map(|&m| m as u64 + round).collect();
                     assert_eq!(all, want);
                 }
-                Ok(())
+                let again = sub.split(Some(0), 0)?.unwrap();
+                let mut x = [me as u64];
+                again.all_reduce(&mut x, ReduceOp::Sum)?;
+                assert_eq!(x[0], mates.iter().sum::<usize>() as u64);
+                Ok(again.link().id())
             };
-            std::thread::scope(|s| {
+            let (a, b) = std::thread::scope(|s| {
                 let a = s.spawn(|| run(&rows, (0..3).map(|c| row * 3 + c).collect()));
                 let b = s.spawn(|| run(&cols, (0..2).map(|r| r * 3 + col).collect()));
                 (a.join().unwrap(), b.join().unwrap())
-            })
-            .0?;
-            Ok(())
+            });
+            let ids = [rows.link().id(), cols.link().id(), a?, b?];
+            Ok(ids)
         },
     ));
+    for (me, ids) in got.iter().enumerate() {
+        for i in 0..4 {
+            for j in i + 1..4 {
+                assert_ne!(ids[i], ids[j], "rank {me}: {ids:?}");
+            }
+        }
+        // Equal on the members: the row's on its row, the column's on its column.
+        let (row, col) = (me / 3, me % 3);
+        for c in 0..3 {
+            assert_eq!((got[row * 3 + c][0], got[row * 3 + c][2]), (ids[0], ids[2]));
+        }
+        for r in 0..2 {
+            assert_eq!((got[r * 3 + col][1], got[r * 3 + col][3]), (ids[1], ids[3]));
+        }
+    }
     assert_eq!(got.len(), 6);
 }
 
