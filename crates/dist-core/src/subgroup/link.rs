@@ -193,11 +193,12 @@ impl<R: Link> SubLink<R> {
         }
     }
 
-    /// An error of the root link, said in this group's ranks.
-    fn to_group(&self, e: DistError) -> DistError {
+    /// An error of the root link, said in this group's ranks, its operation `what` (this
+    /// group's call, in group ranks and the caller's tag) and which group.
+    fn to_group(&self, e: DistError, what: &str) -> DistError {
         let me = self.me;
         let peer_of = |p: usize| self.group_rank(p).unwrap_or(p);
-        let op = |op: String| format!("{op} {}", self.context());
+        let op = |_root_op: String| format!("{what} {}", self.context());
         match e {
             DistError::Timeout {
                 op: o,
@@ -283,6 +284,10 @@ impl<R: Link> SubLink<R> {
 pub struct SubRecv<'a, R: Link> {
     inner: R::Recv<'a>,
     link: &'a SubLink<R>,
+    /// The group rank, tag and length posted, for the errors.
+    src: usize,
+    tag: Tag,
+    len: usize,
 }
 
 impl<'a, R: Link + 'a> std::fmt::Debug for SubRecv<'a, R> {
@@ -296,7 +301,10 @@ impl<'a, R: Link + 'a> std::fmt::Debug for SubRecv<'a, R> {
 impl<'a, R: Link + 'a> PostedRecv for SubRecv<'a, R> {
     fn wait(self) -> Result<Meta> {
         let link = self.link;
-        self.inner.wait().map_err(|e| link.to_group(e))
+        let (src, tag, len) = (self.src, self.tag, self.len);
+        self.inner
+            .wait()
+            .map_err(|e| link.to_group(e, &format!("recv from {src} (tag {tag}, {len} bytes)")))
     }
 }
 
@@ -328,7 +336,7 @@ impl<R: Link> Link for SubLink<R> {
         let wire = self.tag(tag, op)?;
         self.root
             .send(data, to, wire, meta, deadline, beside.map(|b| &b.inner))
-            .map_err(|e| self.to_group(e))
+            .map_err(|e| self.to_group(e, &op()))
     }
 
     unsafe fn post<'a>(
@@ -345,9 +353,15 @@ impl<R: Link> Link for SubLink<R> {
         // SAFETY: the root's handle lives inside the returned `SubRecv`, which has no other
         // way to end than its wait or its drop (which drops the root's handle); the caller's
         // obligation not to leak the `SubRecv` is the root's, passed on unchanged.
-        let inner =
-            unsafe { self.root.post(buf, from, wire, deadline) }.map_err(|e| self.to_group(e))?;
-        Ok(SubRecv { inner, link: self })
+        let inner = unsafe { self.root.post(buf, from, wire, deadline) }
+            .map_err(|e| self.to_group(e, &op()))?;
+        Ok(SubRecv {
+            inner,
+            link: self,
+            src,
+            tag,
+            len,
+        })
     }
 
     fn peek(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
