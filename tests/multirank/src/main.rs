@@ -26,6 +26,14 @@ const GRID_TWO_LANES: Variant = Variant {
     ..TWO_LANES
 };
 
+/// A budget for queued messages (64 KiB) smaller than the conveniences' large message, which
+/// then waits in the socket until its receive is posted.
+const SMALL_QUEUE: Variant = Variant {
+    name: "small_queue",
+    sizes: &[3],
+    env: &[("DIST_UNEXPECTED_LIMIT", "65536")],
+};
+
 /// Each case asserts: a failure panics. Beside each, what it declares: the world sizes it runs
 /// at (by default 2, 3, 4, 5 and 8), its variants, its needs.
 const CASES: &[Case] = &[
@@ -137,7 +145,8 @@ const CASES: &[Case] = &[
         groups::conveniences();
         Ok(())
     })
-    .sizes(&[2, 3, 5, 6, 8]),
+    .sizes(&[2, 3, 5, 6, 8])
+    .variants(&[SMALL_QUEUE]),
     Case::new("groups_abort_spreads", || {
         groups::abort_spreads();
         Ok(())
