@@ -110,7 +110,9 @@ impl Mesh {
     }
 }
 
-/// One rank's end of an in-memory link. See the [module docs](self).
+/// One rank's end of an in-memory link. See the [module docs](self). A clone is the same end
+/// (sub-groups share it: [`SplitLink`](crate::SplitLink)).
+#[derive(Clone)]
 pub struct MemLink {
     me: usize,
     mesh: Arc<Mesh>,

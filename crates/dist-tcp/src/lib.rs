@@ -57,6 +57,15 @@ pub use config::{
 };
 pub use launch::{LaunchEnv, Launcher};
 pub use link::TcpLink;
+
+/// A sub-group of a [`TcpBackend`] (from [`dist_core::Subgroups::split`] or
+/// [`dist_core::Subgroups::new_group`]): its own ranks, sequence numbers and tags over the
+/// backend's connections.
+///
+/// It holds a shared handle on the connections, not a borrow of the backend, so it can move to
+/// another thread. Once the backend is dropped its connections are closed: the group's calls
+/// then fail (the peer gone, or a timeout at their deadline), they never wait past it.
+pub type TcpGroup = dist_core::SubGroup<TcpLink>;
 pub use liveness::{FaultCause, PeerFault};
 pub use peer::AbortNotice;
 pub use peer::TcpRecv;
@@ -158,7 +167,8 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
 ///
 /// It owns the job's collective [`Group`] over its [`TcpLink`]: the collectives
-/// ([`dist_core::Collectives`]) are methods on it.
+/// ([`dist_core::Collectives`]) are methods on it, and so are sub-groups
+/// ([`dist_core::Subgroups`]: `split`, `new_group`, giving [`TcpGroup`]s).
 pub struct TcpBackend {
     shared: Arc<Shared>,
     /// Declared before `threads`, so dropped first: its lane thread is told to stop (rayon does

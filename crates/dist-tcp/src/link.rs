@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{DistError, Link, Meta, Result, Tag};
+use dist_core::{DistError, Link, Meta, Result, SplitLink, Tag};
 
 use crate::peer::{self, AbortNotice, Peer, TcpRecv};
 use crate::wire::FrameKind;
@@ -151,5 +151,20 @@ impl Link for TcpLink {
     /// when asked (within `record::ASK_WAIT`; else from its last one).
     fn positions(&self) -> Option<String> {
         Some(self.0.positions_text())
+    }
+}
+
+/// The root of a [`TcpBackend`](crate::TcpBackend)'s sub-groups ([`dist_core::Subgroups`]):
+/// each holds a clone of this link (a shared handle on the connections, not a borrow of the
+/// backend).
+impl SplitLink for TcpLink {
+    type Root = TcpLink;
+
+    fn root_link(&self) -> &TcpLink {
+        self
+    }
+
+    fn root_rank(&self, r: usize) -> usize {
+        r
     }
 }

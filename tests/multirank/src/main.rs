@@ -11,13 +11,28 @@ mod admission;
 mod coll;
 mod failures;
 mod flow;
+mod groups;
 mod hostile;
 mod hosts;
 mod p2p;
 
 use std::process::ExitCode;
 
-use dist_multirank::{Case, TWO_LANES};
+use dist_multirank::{Case, TWO_LANES, Variant};
+
+/// The grid case with two lanes (the second ring's tag, inside sub-groups), at its one size.
+const GRID_TWO_LANES: Variant = Variant {
+    sizes: &[8],
+    ..TWO_LANES
+};
+
+/// A budget for queued messages (64 KiB) smaller than the conveniences' large message, which
+/// then waits in the socket until its receive is posted.
+const SMALL_QUEUE: Variant = Variant {
+    name: "small_queue",
+    sizes: &[3],
+    env: &[("DIST_UNEXPECTED_LIMIT", "65536")],
+};
 
 /// Each case asserts: a failure panics. Beside each, what it declares: the world sizes it runs
 /// at (by default 2, 3, 4, 5 and 8), its variants, its needs.
@@ -115,6 +130,28 @@ const CASES: &[Case] = &[
         failures::skipped_collective();
         Ok(())
     }),
+    Case::new("groups_grids", || {
+        groups::grids();
+        Ok(())
+    })
+    .only_at(&[8])
+    .variants(&[GRID_TWO_LANES]),
+    Case::new("groups_splits", || {
+        groups::splits();
+        Ok(())
+    })
+    .sizes(&[2, 3, 5, 6, 8]),
+    Case::new("groups_conveniences", || {
+        groups::conveniences();
+        Ok(())
+    })
+    .sizes(&[2, 3, 5, 6, 8])
+    .variants(&[SMALL_QUEUE]),
+    Case::new("groups_abort_spreads", || {
+        groups::abort_spreads();
+        Ok(())
+    })
+    .only_at(&[3, 4, 6]),
     Case::new("admission_flood", admission::flood),
     Case::new("flow_unexpected", flow::unexpected),
     Case::new("hostile_peer", hostile::peer),

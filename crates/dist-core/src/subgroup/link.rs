@@ -1,0 +1,410 @@
+//! [`SubLink`]: a sub-group's view of its root link. Ranks are renumbered (group rank `r` is
+//! link rank `members[r]`), every tag carries the group's id in bits 32–62, and errors name
+//! group ranks.
+
+use std::time::Instant;
+
+use crate::backend::{Meta, Tag};
+use crate::error::{DistError, Result};
+use crate::flight::{FlightRecorder, rank_list};
+use crate::link::{Link, PostedRecv};
+
+/// The bits of a tag's wire form that carry a sub-group's id (bits 32–62): user tags
+/// ([`Tag::user`]) and dist's own system tags leave them clear.
+pub const GROUP_ID_BITS: u64 = ((1 << 31) - 1) << 32;
+
+/// The largest group id (ids are 31 bits; 0 is the root link itself).
+pub const MAX_GROUP_ID: u64 = (1 << 31) - 1;
+
+/// How many operations a sub-group's own flight recorder keeps.
+const SUB_FLIGHT_CAPACITY: usize = 256;
+
+/// A link whose groups can be split into sub-groups ([`Subgroups`](crate::Subgroups)): a
+/// transport's own link (the root), or a [`SubLink`] of one. Every sub-group, however deeply
+/// nested, is a [`SubLink`] straight over the root, so they all have one type.
+pub trait SplitLink: Link {
+    /// The transport's own link, which every sub-group shares (cloning it shares its
+    /// connections: no new ones are made).
+    type Root: Link + Clone;
+
+    /// The root link under this one (itself, for a root link).
+    fn root_link(&self) -> &Self::Root;
+
+    /// The rank of the root link that is this link's rank `r` (`r < world_size()`).
+    fn root_rank(&self, r: usize) -> usize;
+}
+
+impl<L: Link + ?Sized> SplitLink for std::sync::Arc<L> {
+    type Root = std::sync::Arc<L>;
+
+    fn root_link(&self) -> &Self::Root {
+        self
+    }
+
+    fn root_rank(&self, r: usize) -> usize {
+        r
+    }
+}
+
+impl SplitLink for crate::testing::MemLink {
+    type Root = crate::testing::MemLink;
+
+    fn root_link(&self) -> &Self::Root {
+        self
+    }
+
+    fn root_rank(&self, r: usize) -> usize {
+        r
+    }
+}
+
+/// The link of a sub-group: some ranks of a root link `R`, renumbered from 0, with tags of
+/// their own. It shares the root's connections; its group id (equal on every member, distinct
+/// among all groups any one rank belongs to) goes into bits 32–62 of every tag
+/// ([`GROUP_ID_BITS`]), so messages of two groups that share ranks never meet.
+///
+/// Errors name group ranks (their `rank`, `peer` and `origin`), and their operation says which
+/// group and which link ranks it has. An abort notice of the root link (a failure in this
+/// group, in another group, or on the root's own collectives) aborts every group over it: see
+/// [`SubLink::abort`].
+///
+/// The sub-group's collectives are recorded in a flight recorder of its own (the root's
+/// record, and the positions its heartbeats report, stay the root group's).
+pub struct SubLink<R: Link> {
+    root: R,
+    id: u32,
+    /// `members[r]`: the root rank of group rank `r`.
+    members: Vec<usize>,
+    me: usize,
+    flight: FlightRecorder,
+}
+
+impl<R: Link> std::fmt::Debug for SubLink<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubLink")
+            .field("id", &self.id)
+            .field("rank", &self.me)
+            .field("members", &self.members)
+            .finish()
+    }
+}
+
+impl<R: Link> SubLink<R> {
+    /// The group of the root ranks `members` (group rank `r` is `members[r]`), as rank `me`,
+    /// with id `id`. Checked: the members are distinct ranks of the root, `me` is one of them,
+    /// the id is in `1..=MAX_GROUP_ID`.
+    pub(crate) fn new(root: R, id: u32, members: Vec<usize>, me: usize) -> Result<SubLink<R>> {
+        let bad = |reason: String| DistError::InvalidArgument {
+            rank: root.rank(),
+            op: "form a sub-group".into(),
+            reason,
+        };
+        if id == 0 || u64::from(id) > MAX_GROUP_ID {
+            return Err(bad(format!("group id {id} is outside 1..={MAX_GROUP_ID}")));
+        }
+        let mut seen = vec![false; root.world_size()];
+        for &m in &members {
+            match seen.get_mut(m) {
+                Some(s) if !*s => *s = true,
+                Some(_) => return Err(bad(format!("link rank {m} is in it twice"))),
+                None => return Err(bad(format!("link rank {m} is out of range"))),
+            }
+        }
+        if members.get(me) != Some(&root.rank()) {
+            return Err(bad(format!(
+                "its rank {me} is not this rank ({}) of the link",
+                root.rank()
+            )));
+        }
+        Ok(SubLink {
+            root,
+            id,
+            members,
+            me,
+            flight: FlightRecorder::new(SUB_FLIGHT_CAPACITY),
+        })
+    }
+
+    /// The group's id, as its tags carry it.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The root ranks of the group's ranks: `members()[r]` is group rank `r`.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// The group rank of root rank `p`, if it is a member.
+    pub fn group_rank(&self, p: usize) -> Option<usize> {
+        self.members.iter().position(|&m| m == p)
+    }
+
+    /// `tag` with this group's id in it; an error if the tag already uses those bits.
+    fn tag(&self, tag: Tag, op: impl FnOnce() -> String) -> Result<Tag> {
+        let raw = tag.to_wire();
+        if raw & GROUP_ID_BITS != 0 {
+            return Err(DistError::InvalidArgument {
+                rank: self.me,
+                op: op(),
+                reason: format!(
+                    "tag {tag} uses bits 32-62, which carry sub-group ids: use Tag::user(u32)"
+                ),
+            });
+        }
+        Ok(Tag::from_wire(raw | (u64::from(self.id) << 32)))
+    }
+
+    fn check_rank(&self, r: usize, op: impl FnOnce() -> String) -> Result<usize> {
+        self.members
+            .get(r)
+            .copied()
+            .ok_or_else(|| DistError::InvalidRank {
+                rank: self.me,
+                op: op(),
+                given: r,
+                world_size: self.members.len(),
+            })
+    }
+
+    /// Which group this is, for the operation of an error.
+    fn context(&self) -> String {
+        let list = if self.members.len() <= 16 {
+            rank_list(&self.members)
+        } else {
+            format!("{} ranks", self.members.len())
+        };
+        format!(
+            "in group {:#x} (rank {} of {}; link {list})",
+            self.id,
+            self.me,
+            self.members.len()
+        )
+    }
+
+    /// A root abort's origin as a group rank, with the reason saying so when it is none.
+    fn origin(&self, origin: usize, reason: String) -> (usize, String) {
+        match self.group_rank(origin) {
+            Some(r) => (r, reason),
+            None => (
+                origin,
+                format!("(rank {origin} of the link, outside this group) {reason}"),
+            ),
+        }
+    }
+
+    /// An error of the root link, said in this group's ranks, its operation `what` (this
+    /// group's call, in group ranks and the caller's tag) and which group.
+    fn to_group(&self, e: DistError, what: &str) -> DistError {
+        let me = self.me;
+        let peer_of = |p: usize| self.group_rank(p).unwrap_or(p);
+        let op = |_root_op: String| format!("{what} {}", self.context());
+        match e {
+            DistError::Timeout {
+                op: o,
+                peer,
+                waited,
+                ..
+            } => DistError::Timeout {
+                rank: me,
+                op: op(o),
+                peer: peer_of(peer),
+                waited,
+            },
+            DistError::PeerGone {
+                peer, op: o, cause, ..
+            } => DistError::PeerGone {
+                rank: me,
+                peer: peer_of(peer),
+                op: op(o),
+                cause,
+            },
+            DistError::PeerUnresponsive {
+                peer,
+                op: o,
+                silent,
+                position,
+                ..
+            } => DistError::PeerUnresponsive {
+                rank: me,
+                peer: peer_of(peer),
+                op: op(o),
+                silent,
+                position,
+            },
+            DistError::SizeMismatch {
+                peer,
+                op: o,
+                expected,
+                got,
+                ..
+            } => DistError::SizeMismatch {
+                rank: me,
+                peer: peer_of(peer),
+                op: op(o),
+                expected,
+                got,
+            },
+            DistError::CollectiveMismatch {
+                op: o,
+                peer,
+                detail,
+                ..
+            } => DistError::CollectiveMismatch {
+                rank: me,
+                op: op(o),
+                peer: peer_of(peer),
+                detail,
+            },
+            DistError::Aborted {
+                op: o,
+                origin,
+                reason,
+                ..
+            } => {
+                let (origin, reason) = self.origin(origin, reason);
+                DistError::Aborted {
+                    rank: me,
+                    op: op(o),
+                    origin,
+                    reason,
+                }
+            }
+            DistError::InvalidArgument { op: o, reason, .. } => DistError::InvalidArgument {
+                rank: me,
+                op: op(o),
+                reason,
+            },
+            other => other.map_op(|o| op(o.to_string())),
+        }
+    }
+}
+
+/// A receive posted on a [`SubLink`]: the root link's, with its errors said in group ranks.
+pub struct SubRecv<'a, R: Link> {
+    inner: R::Recv<'a>,
+    link: &'a SubLink<R>,
+    /// The group rank, tag and length posted, for the errors.
+    src: usize,
+    tag: Tag,
+    len: usize,
+}
+
+impl<'a, R: Link + 'a> std::fmt::Debug for SubRecv<'a, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubRecv")
+            .field("group", &self.link.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a, R: Link + 'a> PostedRecv for SubRecv<'a, R> {
+    fn wait(self) -> Result<Meta> {
+        let link = self.link;
+        let (src, tag, len) = (self.src, self.tag, self.len);
+        self.inner
+            .wait()
+            .map_err(|e| link.to_group(e, &format!("recv from {src} (tag {tag}, {len} bytes)")))
+    }
+}
+
+impl<R: Link> Link for SubLink<R> {
+    type Recv<'a>
+        = SubRecv<'a, R>
+    where
+        Self: 'a;
+
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn world_size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn send(
+        &self,
+        data: &[u8],
+        dst: usize,
+        tag: Tag,
+        meta: Meta,
+        deadline: Instant,
+        beside: Option<&Self::Recv<'_>>,
+    ) -> Result<()> {
+        let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+        let to = self.check_rank(dst, op)?;
+        let wire = self.tag(tag, op)?;
+        self.root
+            .send(data, to, wire, meta, deadline, beside.map(|b| &b.inner))
+            .map_err(|e| self.to_group(e, &op()))
+    }
+
+    unsafe fn post<'a>(
+        &'a self,
+        buf: &'a mut [u8],
+        src: usize,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<Self::Recv<'a>> {
+        let len = buf.len();
+        let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
+        let from = self.check_rank(src, op)?;
+        let wire = self.tag(tag, op)?;
+        // SAFETY: the root's handle lives inside the returned `SubRecv`, which has no other
+        // way to end than its wait or its drop (which drops the root's handle); the caller's
+        // obligation not to leak the `SubRecv` is the root's, passed on unchanged.
+        let inner = unsafe { self.root.post(buf, from, wire, deadline) }
+            .map_err(|e| self.to_group(e, &op()))?;
+        Ok(SubRecv {
+            inner,
+            link: self,
+            src,
+            tag,
+            len,
+        })
+    }
+
+    fn peek(&self, src: usize, tag: Tag) -> Option<(usize, Meta)> {
+        let from = *self.members.get(src)?;
+        let wire = self.tag(tag, String::new).ok()?;
+        self.root.peek(from, wire)
+    }
+
+    /// Aborts the root link as a whole: every group over it, the root's own collectives
+    /// included, fails from then on, on every rank of the link (the rule of the root: after a
+    /// failure its collectives stay aborted). An abort the root already has is passed on as
+    /// it came (its origin in link ranks); otherwise `culprit`, a group rank, is mapped to its
+    /// link rank, and the reason names this group.
+    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        let wire = self.tag(tag, String::new).unwrap_or(tag);
+        match self.root.abort_notice() {
+            Some((origin, first)) => self.root.abort(wire, &first, Some(origin)),
+            None => {
+                let culprit = culprit.and_then(|c| self.members.get(c).copied());
+                let reason = format!("{} {reason}", self.context());
+                self.root.abort(wire, &reason, culprit)
+            }
+        }
+    }
+
+    fn abort_notice(&self) -> Option<(usize, String)> {
+        let (origin, reason) = self.root.abort_notice()?;
+        Some(self.origin(origin, reason))
+    }
+
+    fn flight(&self) -> Option<&FlightRecorder> {
+        Some(&self.flight)
+    }
+}
+
+impl<R: Link + Clone> SplitLink for SubLink<R> {
+    type Root = R;
+
+    fn root_link(&self) -> &R {
+        &self.root
+    }
+
+    fn root_rank(&self, r: usize) -> usize {
+        self.members[r]
+    }
+}

@@ -1,0 +1,382 @@
+//! Sub-groups over the in-memory link: split's and new_group's meaning, their errors on every
+//! rank, nesting, groups that share ranks used at once, and failures said in group ranks.
+
+use std::time::Duration;
+
+use super::*;
+use crate::testing::{MemLink, run_group};
+use crate::{Backend, Collectives, DistError, Group, ReduceOp, Tag, Tuning};
+
+const T: Duration = Duration::from_secs(20);
+
+fn ok<R: std::fmt::Debug>(out: Vec<crate::Result<R>>) -> Vec<R> {
+    out.into_iter()
+        .enumerate()
+        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
+}
+
+/// Every member's parent rank, in group rank order, by an all_gather over the group.
+fn parents<L: crate::Link>(sub: &Group<L>, parent_rank: usize) -> crate::Result<Vec<u64>> {
+    let mut all = vec![0u64; sub.world_size()];
+    sub.all_gather(&[parent_rank as u64], &mut all)?;
+    Ok(all)
+}
+
+#[test]
+fn split_orders_by_key_then_parent_rank_and_leaves_uncolored_ranks_out() {
+    // 7 ranks: colors r % 3, except rank 6 which passes none; keys reverse the order for color
+    // 0, tie for color 1 (parent order), and are arbitrary for color 2.
+    let keys = [5i64, 0, 9, 4, 0, -2, 3];
+    let got = ok(run_group(
+        7,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            let color = (me != 6).then_some(me as u32 % 3);
+            let key = if me % 3 == 0 { -(me as i64) } else { keys[me] };
+            let Some(sub) = g.split(color, key)? else {
+                return Ok(None);
+            };
+            let order = parents(&sub, me)?;
+            assert_eq!(order[sub.rank()], me as u64);
+            Ok(Some((sub.rank(), sub.world_size(), order)))
+        },
+    ));
+    assert_eq!(got[6], None);
+    let want = |r: usize| match r % 3 {
+        0 => vec![3, 0],
+        1 => vec![1, 4],
+        _ => vec![5, 2],
+    };
+    for (r, g) in got.iter().enumerate().take(6) {
+        let (sub_rank, size, order) = g.clone().unwrap();
+        assert_eq!(size, 2, "rank {r}");
+        assert_eq!(order, want(r), "rank {r}");
+        assert_eq!(order[sub_rank], r as u64);
+    }
+}
+
+#[test]
+fn new_group_numbers_by_position_in_the_list() {
+    let got = ok(run_group(
+        5,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            let Some(sub) = g.new_group(&[4, 1, 2])? else {
+                return Ok(None);
+            };
+            // Point-to-point in group ranks: a ring of sub-ranks.
+            let (n, r) = (sub.world_size(), sub.rank());
+            sub.send_tagged(&[me as u8], (r + 1) % n, Tag::user(1))?;
+            let mut from = [0u8];
+            sub.recv_tagged(&mut from, (r + n - 1) % n, Tag::user(1))?;
+            let mut sum = [me as u32];
+            sub.all_reduce(&mut sum, ReduceOp::Sum)?;
+            Ok(Some((r, parents(&sub, me)?, from[0], sum[0])))
+        },
+    ));
+    assert_eq!(got[0], None);
+    assert_eq!(got[3], None);
+    for (me, sub_rank, from) in [(4, 0, 2), (1, 1, 4), (2, 2, 1)] {
+        let (r, order, f, sum) = got[me].clone().unwrap();
+        assert_eq!((r, f, sum), (sub_rank, from, 7), "rank {me}");
+        assert_eq!(order, [4, 1, 2]);
+    }
+}
+
+#[test]
+fn new_group_errors_reach_every_rank_and_leave_the_parent_usable() {
+    type ListOf = fn(usize) -> Vec<usize>;
+    let cases: [(&str, ListOf); 5] = [
+        ("rank 1 is in the list twice", |_| vec![0, 1, 1]),
+        ("rank 4 is out of range", |_| vec![0, 4]),
+        ("empty", |_| vec![]),
+        ("ranks 2, 3 passed a different list", |r| {
+            if r < 2 { vec![0, 1] } else { vec![1, 0] }
+        }),
+        ("rank 3 passed an invalid list", |r| {
+            if r == 3 { vec![0, 0] } else { vec![0, 1] }
+        }),
+    ];
+    for (want, list) in cases {
+        let got = run_group(
+            4,
+            |_| Tuning::default(),
+            T,
+            |g| {
+                let e = g.new_group(&list(g.rank())).unwrap_err();
+                let mut x = [1u8];
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                assert_eq!(x, [4]);
+                Ok(e)
+            },
+        );
+        for (r, e) in ok(got).into_iter().enumerate() {
+            // The rank with the bad list names its own problem; the others name that rank.
+            let mine = want.contains("invalid list") && r == 3;
+            match &e {
+                DistError::InvalidArgument { rank, op, reason } => {
+                    assert_eq!((*rank, op.as_str()), (r, "new_group"));
+                    if mine {
+                        assert!(reason.contains("rank 0 is in the list twice"), "{e}");
+                    } else if want.contains("different") && r >= 2 {
+                        assert!(reason.contains("ranks 0, 1 passed a different"), "{e}");
+                    } else {
+                        assert!(reason.contains(want), "rank {r}: {e}");
+                    }
+                }
+                other => panic!("rank {r}: {other}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn split_against_new_group_is_an_error_on_every_rank() {
+    let got = ok(run_group(
+        3,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let r = if g.rank() == 1 {
+                g.new_group(&[0, 1, 2]).map(|_| ())
+            } else {
+                g.split(Some(0), 0).map(|_| ())
+            };
+            Ok(r.unwrap_err().to_string())
+        },
+    ));
+    assert!(got[0].contains("rank 1 called new_group where this rank called split"));
+    assert!(got[1].contains("rank 0 called split where this rank called new_group"));
+    assert!(got[2].contains("rank 1 called new_group"));
+}
+
+#[test]
+fn nested_splits_get_ids_of_their_own_and_work_at_every_level() {
+    let got = ok(run_group(
+        8,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            let half = g.split(Some(me as u32 / 4), 0)?.unwrap();
+            // Pairs inside each half, in reverse order.
+            let pair = half
+                .split(Some(half.rank() as u32 / 2), -(half.rank() as i64))?
+                .unwrap();
+            // The same halves again, as a second split of the root.
+            let again = g.split(Some(me as u32 / 4), 0)?.unwrap();
+            let ids = [half.link().id(), pair.link().id(), again.link().id()];
+            let mut sums = [me as u64, me as u64, me as u64];
+            half.all_reduce(&mut sums[0..1], ReduceOp::Sum)?;
+            pair.all_reduce(&mut sums[1..2], ReduceOp::Sum)?;
+            again.all_reduce(&mut sums[2..3], ReduceOp::Max)?;
+            Ok((ids, sums, pair.link().members().to_vec(), pair.rank()))
+        },
+    ));
+    for (me, (ids, sums, members, pair_rank)) in got.iter().enumerate() {
+        assert!(
+            ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2],
+            "{ids:?}"
+        );
+        let base = me / 4 * 4;
+        assert_eq!(sums[0], (base..base + 4).sum::<usize>() as u64);
+        let pair_base = me / 2 * 2;
+        assert_eq!(sums[1], (2 * pair_base + 1) as u64);
+        assert_eq!(sums[2], (base + 3) as u64);
+        assert_eq!(members, &[pair_base + 1, pair_base]);
+        assert_eq!(*pair_rank, 1 - me % 2);
+        // Equal on every member.
+        for other in &got[base..base + 4] {
+            assert_eq!(other.0[0], ids[0]);
+            assert_eq!(other.0[2], ids[2]);
+        }
+        assert_eq!(got[me ^ 1].0[1], ids[1]);
+    }
+}
+
+#[test]
+fn rows_and_columns_run_at_once_from_two_threads() {
+    // 6 ranks as 2 rows x 3 columns; each rank's row and column collectives run on two
+    // threads at once, many times, with results checked exactly.
+    let got = ok(run_group(
+        6,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            let (row, col) = (me / 3, me % 3);
+            let rows = g.split(Some(row as u32), col as i64)?.unwrap();
+            let cols = g.split(Some(100 + col as u32), row as i64)?.unwrap();
+            // Each thread ends by splitting its group again (the two splits run at once) and
+            // returns the new group's id.
+            let run = |sub: &Group<SubLink<MemLink>>, mates: Vec<usize>| -> crate::Result<u32> {
+                for round in 0..30u64 {
+                    let count = [1usize, 1000, 40_000][round as usize % 3];
+                    let mut x = vec![me as u64 * 1000 + round; count];
+                    sub.all_reduce(&mut x, ReduceOp::Sum)?;
+                    let want: u64 = mates.iter().map(|&m| m as u64 * 1000 + round).sum();
+                    assert!(x.iter().all(|&v| v == want), "round {round}");
+                    let mut all = vec![0u64; mates.len()];
+                    sub.all_gather(&[me as u64 + round], &mut all)?;
+                    let want: Vec<u64> = mates.iter().map(|&m| m as u64 + round).collect();
+                    assert_eq!(all, want);
+                }
+                let again = sub.split(Some(0), 0)?.unwrap();
+                let mut x = [me as u64];
+                again.all_reduce(&mut x, ReduceOp::Sum)?;
+                assert_eq!(x[0], mates.iter().sum::<usize>() as u64);
+                Ok(again.link().id())
+            };
+            let (a, b) = std::thread::scope(|s| {
+                let a = s.spawn(|| run(&rows, (0..3).map(|c| row * 3 + c).collect()));
+                let b = s.spawn(|| run(&cols, (0..2).map(|r| r * 3 + col).collect()));
+                (a.join().unwrap(), b.join().unwrap())
+            });
+            let ids = [rows.link().id(), cols.link().id(), a?, b?];
+            Ok(ids)
+        },
+    ));
+    for (me, ids) in got.iter().enumerate() {
+        for i in 0..4 {
+            for j in i + 1..4 {
+                assert_ne!(ids[i], ids[j], "rank {me}: {ids:?}");
+            }
+        }
+        // Equal on the members: the row's on its row, the column's on its column.
+        let (row, col) = (me / 3, me % 3);
+        for c in 0..3 {
+            assert_eq!((got[row * 3 + c][0], got[row * 3 + c][2]), (ids[0], ids[2]));
+        }
+        for r in 0..2 {
+            assert_eq!((got[r * 3 + col][1], got[r * 3 + col][3]), (ids[1], ids[3]));
+        }
+    }
+    assert_eq!(got.len(), 6);
+}
+
+#[test]
+fn a_mismatch_in_a_group_names_group_ranks_and_aborts_every_group() {
+    // Every rank has left the split before the mismatch: a rank still inside it would hear of
+    // the abort there instead.
+    let all_out = std::sync::Barrier::new(4);
+    let got = ok(run_group(
+        4,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            // Groups {0, 2} and {1, 3}; in {1, 3} (group ranks 0, 1) the counts disagree.
+            let sub = g.split(Some(me as u32 % 2), 0)?.unwrap();
+            all_out.wait();
+            let mut x = vec![1u32; if me == 3 { 2 } else { 1 }];
+            let first = if me % 2 == 1 {
+                Some(sub.all_reduce(&mut x, ReduceOp::Sum).unwrap_err())
+            } else {
+                None
+            };
+            // Every later collective fails, on the root and in the other group too.
+            let later = g.barrier().unwrap_err();
+            let other = sub.barrier().unwrap_err();
+            Ok((first, later, other))
+        },
+    ));
+    for (me, (first, later, other)) in got.into_iter().enumerate() {
+        if let Some(e) = first {
+            match &e {
+                DistError::CollectiveMismatch { rank, peer, .. }
+                | DistError::Aborted {
+                    rank, origin: peer, ..
+                } => assert_eq!((*rank, *peer), (me / 2, 1 - me / 2), "{e}"),
+                other => panic!("rank {me}: {other}"),
+            }
+        }
+        assert!(
+            matches!(later, DistError::Aborted { .. }),
+            "rank {me}: {later}"
+        );
+        assert!(
+            matches!(other, DistError::Aborted { .. }),
+            "rank {me}: {other}"
+        );
+    }
+}
+
+#[test]
+fn a_dead_member_is_named_by_its_group_rank() {
+    let got = run_group(
+        4,
+        |_| Tuning::default(),
+        Duration::from_secs(5),
+        |g| {
+            let me = g.rank();
+            let sub = g.new_group(&[3, 1])?;
+            if me == 3 {
+                g.link().kill();
+                return Ok(None);
+            }
+            let Some(sub) = sub else { return Ok(None) };
+            let mut x = [0u8; 4];
+            Ok(Some(sub.recv_tagged(&mut x, 0, Tag::user(1)).unwrap_err()))
+        },
+    );
+    match got[1].as_ref().unwrap() {
+        Some(DistError::PeerGone { rank, peer, op, .. }) => {
+            assert_eq!((*rank, *peer), (1, 0));
+            assert!(op.contains("rank 1 of 2; link ranks 1, 3"), "{op}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn tags_with_group_bits_and_ranks_outside_the_group_are_refused() {
+    ok(run_group(
+        3,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let sub = g.new_group(&[0, 1, 2])?.unwrap();
+            let e = sub
+                .send_tagged(&[1], 0, Tag::from_wire(1 << 40))
+                .unwrap_err();
+            assert!(e.to_string().contains("bits 32-62"), "{e}");
+            let e = sub.send_tagged(&[1], 3, Tag::user(0)).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    DistError::InvalidRank {
+                        given: 3,
+                        world_size: 3,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            // A group of one works too.
+            let one = g.split(Some(g.rank() as u32), 0)?.unwrap();
+            let mut x = [5i32];
+            one.all_reduce(&mut x, ReduceOp::Sum)?;
+            assert_eq!((one.world_size(), x), (1, [5]));
+            Ok(())
+        },
+    ));
+}
+
+#[test]
+fn a_sub_link_checks_what_it_is_made_of() {
+    let link = MemLink::mesh(3).swap_remove(1);
+    assert!(SubLink::new(link.clone(), 0, vec![0, 1], 1).is_err());
+    assert!(SubLink::new(link.clone(), 5, vec![1, 1], 0).is_err());
+    assert!(SubLink::new(link.clone(), 5, vec![0, 3], 0).is_err());
+    assert!(SubLink::new(link.clone(), 5, vec![0, 1], 0).is_err());
+    let s = SubLink::new(link, 5, vec![2, 1], 1).unwrap();
+    assert_eq!(
+        (s.id(), s.members(), s.group_rank(2)),
+        (5, &[2, 1][..], Some(0))
+    );
+}
