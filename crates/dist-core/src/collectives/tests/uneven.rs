@@ -125,7 +125,8 @@ fn uneven_collectives_with_large_and_empty_blocks() {
 /// any message moves.
 #[test]
 fn bad_counts_are_named() {
-    let cases: Vec<(Box<dyn Fn(&Group<MemLink>) -> Result<()>>, &str)> = vec![
+    type Call = Box<dyn Fn(&Group<MemLink>) -> Result<()>>;
+    let cases: Vec<(Call, &str)> = vec![
         (
             Box::new(|g| g.all_gather_v(&[1.0f32; 2], &mut [0.0; 3], &[2, 1, 0])),
             "counts has 3 entries, expected one per rank (2)",
