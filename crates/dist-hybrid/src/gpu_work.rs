@@ -32,6 +32,35 @@ use crate::{HybridBackend, Result};
 /// are. Dropping an unfinished handle neither waits nor cancels: the work goes on in stream
 /// order, later uses of its buffers come after it, and a failure shows at the next wait or
 /// synchronize.
+///
+/// Buckets of gradients all-reduced while the host computes:
+///
+/// ```no_run
+/// # fn demo(h: &dist_hybrid::HybridBackend, buckets: &mut [cudarc::driver::CudaSlice<f32>])
+/// # -> dist_hybrid::Result<()> {
+/// use dist_core::ReduceOp;
+/// let mut works = Vec::new();
+/// for b in buckets.iter_mut() {
+///     works.push(h.all_reduce_async(b, ReduceOp::Avg)?);
+///     // ... host work here, while the bucket travels ...
+/// }
+/// for w in works {
+///     w.wait()?;
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// The buffers stay borrowed until the handle is gone: using one before does not compile.
+///
+/// ```compile_fail,E0499
+/// # fn demo(h: &dist_hybrid::HybridBackend, x: &mut cudarc::driver::CudaSlice<f32>)
+/// # -> dist_hybrid::Result<()> {
+/// use dist_core::ReduceOp;
+/// let w = h.all_reduce_async(x, ReduceOp::Sum)?;
+/// h.all_reduce(x, ReduceOp::Sum)?;
+/// w.wait()
+/// # }
+/// ```
 #[must_use = "an unwaited GpuWork does not say whether its work succeeded"]
 pub struct GpuWork<'a> {
     h: &'a HybridBackend,

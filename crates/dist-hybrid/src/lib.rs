@@ -18,6 +18,12 @@
 //! h.send(b"done", (h.rank() + 1) % h.world_size())?; // point-to-point: over TCP
 //! # Ok(()) }
 //! ```
+//!
+//! Every collective takes host slices or device buffers alike ([`Buffer`]): all_reduce,
+//! broadcast, reduce, all_gather, reduce_scatter, all_to_all(_v), gather, scatter, the uneven
+//! all_gather_v, gather_v and scatter_v, and `send_to`/`recv_from` (TCP messages, or NCCL's
+//! point-to-point for device buffers). The `_async` variants on device buffers return a
+//! [`GpuWork`] to wait on while the host computes.
 
 #![warn(missing_docs)]
 
