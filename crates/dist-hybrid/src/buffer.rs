@@ -3,7 +3,8 @@
 //! buffer over NCCL (`device.rs`), through the record and the check of the NCCL calls. Training
 //! code calls one method whatever its data's place.
 
-use dist_core::{Backend, Collectives, Element, ReduceOp, Tag};
+use dist_core::collectives::COLLECTIVE_TAG;
+use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag, Transport};
 
 use crate::{HybridBackend, Result};
 
@@ -104,6 +105,17 @@ impl<T: Element> Buffer for [T] {
     ) -> Result<()> {
         match output {
             Some(out) => Ok(h.tcp.reduce_into(input, out, op, root)?),
+            None if h.tcp.rank() == root => {
+                // Refused like every bad argument of a collective: here, and on every other
+                // rank (told, so that none waits for this one until its deadline).
+                let e = DistError::InvalidArgument {
+                    rank: root,
+                    op: format!("reduce({} x {}, {op}, root {root})", T::DTYPE, input.len()),
+                    reason: "the root must pass an output buffer".into(),
+                };
+                h.tcp.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+                Err(e.into())
+            }
             // Off the root the output is scratch: a copy of the input stands in for it.
             None => Ok(h.tcp.reduce(&mut input.to_vec(), op, root)?),
         }

@@ -148,6 +148,41 @@ fn every_collective(h: &HybridBackend) {
     assert_eq!(inb, [left as f64 + 0.5; 4]);
 }
 
+/// A root that passes no output to reduce: an error naming it there, and an abort that ends
+/// the other ranks' call, or their next (a rank that only sends in a reduce may finish it
+/// first, as in every collective), at once rather than at their deadline. Before, the root
+/// reduced into a copy and dropped the result without a word.
+#[test]
+fn a_reduce_root_without_output_fails_every_rank() {
+    let errs = job(3, |h| {
+        let t = std::time::Instant::now();
+        let mut out = [0i32; 4];
+        let out = (h.rank() != 1).then_some(&mut out[..]);
+        let e = h
+            .reduce(&[1i32; 4][..], out, ReduceOp::Sum, 1)
+            .and_then(|()| h.all_reduce(&mut [1i32; 4][..], ReduceOp::Sum))
+            .unwrap_err();
+        (e.to_string(), t.elapsed())
+    });
+    assert!(
+        errs[1].0.contains("rank 1: reduce(i32 x 4, sum, root 1)"),
+        "{}",
+        errs[1].0
+    );
+    assert!(
+        errs[1].0.contains("the root must pass an output buffer"),
+        "{}",
+        errs[1].0
+    );
+    for (r, (e, took)) in errs.iter().enumerate() {
+        assert!(
+            e.contains("root must pass an output buffer"),
+            "rank {r}: {e}"
+        );
+        assert!(*took < Duration::from_secs(10), "rank {r}: {took:?}");
+    }
+}
+
 #[test]
 fn every_collective_on_host_slices_goes_over_tcp() {
     for world in [2, 3] {
