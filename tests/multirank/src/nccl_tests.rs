@@ -497,6 +497,7 @@ const CASES: &[Case] = &[
     gpu("hybrid_check_cost", nccl_failures::check_cost),
     gpu("hybrid_timeout_positions", nccl_failures::timeout_positions)
         .variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_uneven_grouped", nccl_coll::uneven_grouped).variants(&[nccl_socket::SOCKET]),
     gpu("hybrid_device_collectives", nccl_hybrid_coll::collectives)
         .variants(&[nccl_socket::SOCKET]),
     gpu("hybrid_uneven_mismatch", nccl_hybrid_coll::uneven_mismatch),
