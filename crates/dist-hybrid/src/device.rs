@@ -237,4 +237,37 @@ mod tests {
         assert_ne!(a, fingerprint(&[3, 1, 4, 0]));
         assert_eq!(total(&[usize::MAX, 1]), usize::MAX);
     }
+
+    /// Two ranks' all_gather_v with one sum cut differently: the check's descriptors travel
+    /// with the fingerprint intact and the matcher reports the pair, naming both.
+    #[test]
+    fn the_check_compares_uneven_counts() {
+        use crate::check::{Desc, Frame, Matcher, Name, mismatch_text};
+        let d = |counts: &[usize]| Desc {
+            seq: 3,
+            coll: Name::new(Kind::AllGatherV.name()),
+            dtype: Name::new("f32"),
+            count: total(counts) as u64,
+            op: Name::new(&fingerprint(counts)),
+            root: None,
+        };
+        let (mine, theirs) = (d(&[4, 4]), d(&[5, 3]));
+        let f = Frame::Descs(vec![theirs]);
+        assert_eq!(Frame::decode(&f.encode()), Ok(f));
+        let mut m = Matcher::default();
+        assert_eq!(m.mine(mine), None);
+        let found = m.theirs(theirs).expect("counts that differ are a mismatch");
+        let text = mismatch_text(1, 0, &found);
+        assert!(
+            text.contains("rank 0 called #3 all_gather_v f32 x 8 v"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rank 1 called #3 all_gather_v f32 x 8 v"),
+            "{text}"
+        );
+        let mut m = Matcher::default();
+        assert_eq!(m.mine(d(&[4, 4])), None);
+        assert_eq!(m.theirs(d(&[4, 4])), None, "equal counts match");
+    }
 }
