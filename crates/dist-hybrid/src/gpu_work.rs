@@ -6,11 +6,14 @@
 //! The invariant soundness rests on, which no handle's drop (nor its absence, `mem::forget`)
 //! can break: before an `_async` call returns, cudarc has recorded each buffer's read or write
 //! event on the communicator's stream after the NCCL kernels (`dist_nccl::Work`'s docs), and
-//! every later use of the buffer through cudarc, a kernel on another stream, a copy to the host
-//! or its free, waits for that event first. The borrow is what keeps safe code from touching
-//! the buffers before the work ends without going through cudarc's ordering at all (e.g. a
-//! host view of the same memory, were one to exist); the stream order is what makes a forgotten
-//! handle harmless: the buffers' later uses still come after the work.
+//! every later use of the buffer through cudarc (a kernel or copy on any stream of the
+//! context, a copy to the host, its free) waits for that event first; a context with a single
+//! stream orders its work by that stream, and cudarc synchronizes the context when a second
+//! stream is made. So a forgotten handle leaves the buffers' later uses after the work
+//! (`hybrid_gpu_work` reads a buffer whose handle was forgotten, on another stream, and finds
+//! the reduced values). The borrow is for correctness, not soundness: safe code cannot pass
+//! the buffers to another call, or read them, until it has waited for (or dropped) the handle,
+//! so it does not mistake an unfinished result for a finished one.
 
 use std::marker::PhantomData;
 use std::time::Duration;
