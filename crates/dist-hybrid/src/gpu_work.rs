@@ -217,6 +217,84 @@ impl HybridBackend {
         self.work_after(Kind::AllGatherV.name())
     }
 
+    /// [`HybridBackend::all_to_all_v`] of device buffers, returning at once with its handle.
+    pub fn all_to_all_v_async<'a, T: NcclType>(
+        &'a self,
+        input: &'a CudaSlice<T>,
+        send_counts: &[usize],
+        output: &'a mut CudaSlice<T>,
+        recv_counts: &[usize],
+    ) -> Result<GpuWork<'a>> {
+        self.all_to_all_v(input, send_counts, output, recv_counts)?;
+        self.work_after(Kind::AllToAllV.name())
+    }
+
+    /// [`HybridBackend::gather`] of device buffers, returning at once with its handle.
+    pub fn gather_async<'a, T: NcclType>(
+        &'a self,
+        input: &'a CudaSlice<T>,
+        output: Option<&'a mut CudaSlice<T>>,
+        root: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.gather(input, output, root)?;
+        self.work_after(Kind::Gather.name())
+    }
+
+    /// [`HybridBackend::scatter`] of device buffers, returning at once with its handle.
+    pub fn scatter_async<'a, T: NcclType>(
+        &'a self,
+        input: Option<&'a CudaSlice<T>>,
+        output: &'a mut CudaSlice<T>,
+        root: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.scatter(input, output, root)?;
+        self.work_after(Kind::Scatter.name())
+    }
+
+    /// [`HybridBackend::gather_v`] of device buffers, returning at once with its handle.
+    pub fn gather_v_async<'a, T: NcclType>(
+        &'a self,
+        input: &'a CudaSlice<T>,
+        output: Option<&'a mut CudaSlice<T>>,
+        counts: &[usize],
+        root: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.gather_v(input, output, counts, root)?;
+        self.work_after(Kind::GatherV.name())
+    }
+
+    /// [`HybridBackend::scatter_v`] of device buffers, returning at once with its handle.
+    pub fn scatter_v_async<'a, T: NcclType>(
+        &'a self,
+        input: Option<&'a CudaSlice<T>>,
+        counts: &[usize],
+        output: &'a mut CudaSlice<T>,
+        root: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.scatter_v(input, counts, output, root)?;
+        self.work_after(Kind::ScatterV.name())
+    }
+
+    /// [`HybridBackend::send_to`] of a device buffer, returning at once with its handle.
+    pub fn send_async<'a, T: NcclType>(
+        &'a self,
+        buf: &'a CudaSlice<T>,
+        dst: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.send_to(buf, dst)?;
+        self.work_after("send")
+    }
+
+    /// [`HybridBackend::recv_from`] into a device buffer, returning at once with its handle.
+    pub fn recv_async<'a, T: NcclType>(
+        &'a self,
+        buf: &'a mut CudaSlice<T>,
+        src: usize,
+    ) -> Result<GpuWork<'a>> {
+        self.recv_from(buf, src)?;
+        self.work_after("recv")
+    }
+
     /// [`HybridBackend::send_recv`], returning at once with its handle.
     pub fn send_recv_async<'a, T: NcclType>(
         &'a self,

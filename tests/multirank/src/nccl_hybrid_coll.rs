@@ -308,7 +308,8 @@ fn host_reference(n: usize, b: usize, len: usize) -> Vec<f32> {
 /// all_reduce_async issued and the host's compute done while it travels, then every handle
 /// waited on and every bucket checked; is_completed seen true after a wait; a forgotten
 /// handle's buffer read afterwards holds the reduced values (cudarc orders the read after the
-/// work: the handle's drop never ran), and dropping that buffer is safe.
+/// work: the handle's drop never ran), and dropping that buffer is safe; then the other async
+/// calls, several in flight at once.
 pub fn work() -> Result<(), String> {
     let h = hybrid_with(None, NCCL_TIMEOUT)?;
     let (me, n) = (h.rank(), h.world_size());
@@ -375,10 +376,60 @@ pub fn work() -> Result<(), String> {
         read[0]
     );
     drop(y);
+    more_async(&h);
     h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(h.nccl_failure(), None);
     h.barrier().unwrap();
     Ok(())
+}
+
+/// The other `_async` calls, several in flight at once, waited on in reverse order: an
+/// all_gather_v, a gather_v to the last rank, then point-to-point between ranks 0 and 1 (rank
+/// 0 sends first, rank 1 receives first, so the two single calls meet in order).
+fn more_async(h: &HybridBackend) {
+    let (me, n) = (h.rank(), h.world_size());
+    let counts: Vec<usize> = (0..n).map(|r| 2 * r + 5).collect();
+    let total: usize = counts.iter().sum();
+    let block = |r: usize| -> Vec<i32> { (0..counts[r]).map(|i| (r * 100 + i) as i32).collect() };
+    let every: Vec<i32> = (0..n).flat_map(block).collect();
+    let mine = dev(h, &block(me));
+    let mut all = dev(h, &vec![-1i32; total]);
+    let mut gathered = dev(h, &vec![-1i32; total]);
+    let mut inb = dev(h, &vec![-1i32; 64]);
+    let out = dev(h, &vec![me as i32; 64]);
+    let mut works = vec![
+        h.all_gather_v_async(&mine, &mut all, &counts)
+            .unwrap_or_else(|e| panic!("{e}")),
+        h.gather_v_async(
+            &mine,
+            (me == n - 1).then_some(&mut gathered),
+            &counts,
+            n - 1,
+        )
+        .unwrap_or_else(|e| panic!("{e}")),
+    ];
+    if me == 0 {
+        works.push(h.send_async(&out, 1).unwrap_or_else(|e| panic!("{e}")));
+        works.push(h.recv_async(&mut inb, 1).unwrap_or_else(|e| panic!("{e}")));
+    } else if me == 1 {
+        works.push(h.recv_async(&mut inb, 0).unwrap_or_else(|e| panic!("{e}")));
+        works.push(h.send_async(&out, 0).unwrap_or_else(|e| panic!("{e}")));
+    }
+    for w in works.into_iter().rev() {
+        w.wait().unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(down(h, &all), every, "all_gather_v_async");
+    if me == n - 1 {
+        assert_eq!(down(h, &gathered), every, "gather_v_async");
+    }
+    if me < 2 {
+        let peer = 1 - me;
+        assert_eq!(
+            down(h, &inb),
+            vec![peer as i32; 64],
+            "recv_async from {peer}"
+        );
+    }
 }
 
 /// The last rank makes no NCCL call: rank 0's GpuWork::wait_timeout of its all_reduce ends
