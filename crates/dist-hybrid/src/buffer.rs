@@ -331,8 +331,10 @@ impl HybridBackend {
 
     /// Sends `buf` to rank `dst`: a host slice as a TCP message (on the default tag), a device
     /// buffer by NCCL's `ncclSend` (enqueued; `dst` must post a matching
-    /// [`HybridBackend::recv_from`] of the same length; two ranks that send to each other must
-    /// each do so on a thread of its own or through [`HybridBackend::send_recv`]).
+    /// [`HybridBackend::recv_from`] of the same length). On NCCL a send holds the stream until
+    /// its receive runs: two ranks that exchange at once use [`HybridBackend::send_recv`] (a
+    /// send and a receive fused in one NCCL group), or order their calls so that one of them
+    /// receives first.
     pub fn send_to<B: Buffer + ?Sized>(&self, buf: &B, dst: usize) -> Result<()> {
         buf.send_to(self, dst)
     }
