@@ -18,22 +18,33 @@
 //! h.send(b"done", (h.rank() + 1) % h.world_size())?; // point-to-point: over TCP
 //! # Ok(()) }
 //! ```
+//!
+//! Every collective takes host slices or device buffers alike ([`Buffer`]): all_reduce,
+//! broadcast, reduce, all_gather, reduce_scatter, all_to_all(_v), gather, scatter, the uneven
+//! all_gather_v, gather_v and scatter_v, and `send_to`/`recv_from` (TCP messages, or NCCL's
+//! point-to-point for device buffers). The `_async` variants on device buffers return a
+//! [`GpuWork`] to wait on while the host computes.
 
 #![warn(missing_docs)]
 
+mod buffer;
 mod check;
+mod device;
+mod gpu_work;
 mod host;
 mod watch;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice};
+use cudarc::driver::CudaContext;
 use dist_core::collectives::Kind;
-use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag};
+use dist_core::{Backend, Collectives, DistError, Tag};
 use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
 
+pub use buffer::Buffer;
+pub use gpu_work::GpuWork;
 pub use host::{HostId, LocalRanks, local_ranks};
 
 /// Everything that can go wrong in a hybrid backend.
@@ -361,7 +372,7 @@ impl HybridBackend {
 
     /// The hybrid's error for an NCCL error: a timeout says where every rank's NCCL calls are
     /// (asked of the peers over TCP, within 200 ms).
-    fn explain_nccl(&self, e: NcclError) -> HybridError {
+    pub(crate) fn explain_nccl(&self, e: NcclError) -> HybridError {
         if !matches!(e, NcclError::Timeout { .. }) {
             return e.into();
         }
@@ -416,12 +427,14 @@ impl HybridBackend {
         self.check_calls = on && self.checker.is_some();
     }
 
-    /// Runs one NCCL call `f` through the record and the check.
-    fn nccl_call<T: NcclType>(
+    /// Runs one NCCL collective `f` through the record and the check. `op` is what the check
+    /// compares beside the kind, type, count and root: the reduce op's name, or the uneven
+    /// collectives' counts' fingerprint.
+    pub(crate) fn nccl_call<T: NcclType>(
         &self,
         coll: Kind,
         count: usize,
-        op: Option<ReduceOp>,
+        op: Option<&str>,
         root: Option<usize>,
         f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>,
     ) -> Result<()> {
@@ -429,7 +442,7 @@ impl HybridBackend {
         let Some(w) = &self.watch else {
             return Ok(f(c)?);
         };
-        let d = w.begin(coll.name(), T::NAME, count, op.map(|o| o.name()), root);
+        let d = w.begin(coll.name(), T::NAME, count, op, root);
         // Once aborted, the calls only fail here: nothing more to compare.
         if self.check_calls
             && w.failure().is_none()
@@ -443,55 +456,31 @@ impl HybridBackend {
         })
     }
 
-    fn need_nccl(&self, op: &str) -> Result<&Communicator> {
+    /// Runs one NCCL point-to-point call (`send` or `recv` with `peer`) through the record;
+    /// the check does not compare it (only the two ranks make it).
+    pub(crate) fn nccl_p2p<T: NcclType>(
+        &self,
+        op: &'static str,
+        count: usize,
+        peer: usize,
+        f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>,
+    ) -> Result<()> {
+        let c = self.need_nccl(op)?;
+        let Some(w) = &self.watch else {
+            return Ok(f(c)?);
+        };
+        w.begin_p2p(op, T::NAME, count, peer);
+        f(c).map_err(|e| {
+            w.failed_call(&e);
+            self.explain_nccl(e)
+        })
+    }
+
+    pub(crate) fn need_nccl(&self, op: &str) -> Result<&Communicator> {
         self.nccl.as_ref().ok_or_else(|| HybridError::NoNccl {
             rank: self.tcp.rank(),
             op: op.into(),
             why: self.why_no_nccl.clone(),
-        })
-    }
-
-    /// Reduces `buf` over all ranks: a host slice over TCP, a device buffer over NCCL (enqueued
-    /// on the communicator's stream; see [`HybridBackend::synchronize_nccl`]).
-    pub fn all_reduce<B: Buffer + ?Sized>(&self, buf: &mut B, op: ReduceOp) -> Result<()> {
-        buf.all_reduce(self, op)
-    }
-
-    /// Copies `buf` from `root` to every rank, over TCP or NCCL as the buffer says.
-    pub fn broadcast<B: Buffer + ?Sized>(&self, buf: &mut B, root: usize) -> Result<()> {
-        buf.broadcast(self, root)
-    }
-}
-
-/// A buffer the hybrid collectives accept: host slices go over TCP, device buffers over NCCL,
-/// so that training code does not branch on where its data lives.
-pub trait Buffer {
-    /// See [`HybridBackend::all_reduce`].
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()>;
-    /// See [`HybridBackend::broadcast`].
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()>;
-}
-
-impl<T: Element> Buffer for [T] {
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
-        Ok(h.tcp.all_reduce(self, op)?)
-    }
-
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
-        Ok(h.tcp.broadcast(self, root)?)
-    }
-}
-
-impl<T: NcclType> Buffer for CudaSlice<T> {
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
-        h.nccl_call::<T>(Kind::AllReduce, self.len(), Some(op), None, |c| {
-            c.all_reduce_in_place(self, op)
-        })
-    }
-
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
-        h.nccl_call::<T>(Kind::Broadcast, self.len(), None, Some(root), |c| {
-            c.broadcast(self, root)
         })
     }
 }

@@ -18,8 +18,11 @@ pub(crate) struct Watch {
     me: usize,
     abort: AbortHandle,
     pub(crate) flight: FlightRecorder,
-    /// Calls enqueued and not yet seen complete by a synchronize (at most the record's size).
-    open: Mutex<VecDeque<Entry>>,
+    /// Calls enqueued and not yet seen complete by a synchronize or a work's wait (at most the
+    /// record's size), each with its ticket: its place among every call recorded here.
+    open: Mutex<VecDeque<(u64, Entry)>>,
+    /// The ticket of the latest call recorded (collective or point-to-point).
+    ticket: AtomicU64,
     seq: AtomicU64,
     /// The first failure's full reason.
     failed: OnceLock<String>,
@@ -48,38 +51,30 @@ impl Watch {
             trace,
             flight: FlightRecorder::new(DEFAULT_CAPACITY),
             open: Mutex::new(VecDeque::new()),
+            ticket: AtomicU64::new(0),
             seq: AtomicU64::new(0),
             failed: OnceLock::new(),
         }
     }
 
-    /// Records a call about to be enqueued; its descriptor for the check.
+    /// Records a collective about to be enqueued; its descriptor for the check. `op` is the
+    /// reduce op's name, or for the uneven collectives the fingerprint of their counts.
     pub(crate) fn begin(
         &self,
         coll: &'static str,
         dtype: &'static str,
         count: usize,
-        op: Option<&'static str>,
+        op: Option<&str>,
         root: Option<usize>,
     ) -> Desc {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let e = self.flight.begin(
-            OpInfo {
-                seq,
-                op: coll,
-                dtype,
-                count,
-                peer: root,
-            },
-            OpState::Queued,
-        );
-        {
-            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-            if open.len() == DEFAULT_CAPACITY {
-                open.pop_front();
-            }
-            open.push_back(e);
-        }
+        self.record(OpInfo {
+            seq,
+            op: coll,
+            dtype,
+            count,
+            peer: root,
+        });
         Desc {
             seq,
             coll: Name::new(coll),
@@ -90,6 +85,40 @@ impl Watch {
         }
     }
 
+    /// Records a point-to-point call (`send`, `recv`) with `peer` about to be enqueued. It
+    /// takes no sequence number (0 in the record): only the two ranks make it, and the check
+    /// compares the collectives every rank makes.
+    pub(crate) fn begin_p2p(
+        &self,
+        op: &'static str,
+        dtype: &'static str,
+        count: usize,
+        peer: usize,
+    ) {
+        self.record(OpInfo {
+            seq: 0,
+            op,
+            dtype,
+            count,
+            peer: Some(peer),
+        });
+    }
+
+    fn record(&self, info: OpInfo) {
+        let e = self.flight.begin(info, OpState::Queued);
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let ticket = self.ticket.fetch_add(1, Ordering::Relaxed) + 1;
+        if open.len() == DEFAULT_CAPACITY {
+            open.pop_front();
+        }
+        open.push_back((ticket, e));
+    }
+
+    /// The ticket of the latest call recorded: a work handle made now follows it.
+    pub(crate) fn last_ticket(&self) -> u64 {
+        self.ticket.load(Ordering::Relaxed)
+    }
+
     /// A call that failed to enqueue.
     pub(crate) fn failed_call(&self, why: &dyn std::fmt::Display) {
         let e = self
@@ -97,20 +126,29 @@ impl Watch {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .pop_back();
-        if let Some(e) = e {
+        if let Some((_, e)) = e {
             self.flight.finish(e, Err(why));
         }
     }
 
     /// A synchronize's outcome: every open call done, or failed with its error.
     pub(crate) fn synced(&self, outcome: Result<(), &dyn std::fmt::Display>) {
-        let open: Vec<Entry> = self
-            .open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        for e in open {
+        self.finish_through(u64::MAX, outcome);
+    }
+
+    /// A work handle's wait succeeded: the calls up to its ticket are done (one stream runs
+    /// them in order).
+    pub(crate) fn done_through(&self, ticket: u64) {
+        self.finish_through(ticket, Ok(()));
+    }
+
+    fn finish_through(&self, ticket: u64, outcome: Result<(), &dyn std::fmt::Display>) {
+        let done: Vec<Entry> = {
+            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            let n = open.iter().take_while(|(t, _)| *t <= ticket).count();
+            open.drain(..n).map(|(_, e)| e).collect()
+        };
+        for e in done {
             self.flight.finish(e, outcome);
         }
     }
@@ -125,7 +163,8 @@ impl Watch {
             None => "none".into(),
             Some(r) => {
                 let i = &r.info;
-                let root = i.peer.map_or(String::new(), |p| format!(" root {p}"));
+                let word = if i.seq == 0 { "peer" } else { "root" };
+                let root = i.peer.map_or(String::new(), |p| format!(" {word} {p}"));
                 format!(
                     "#{} {} {} x {}{root} ({})",
                     i.seq,

@@ -98,4 +98,18 @@ calls! {
     /// Receives into `buf` from `peer`.
     #[doc(alias = "ncclRecv")]
     fn recv / recv_g(buf: &'x mut CudaSlice<T>, peer: usize);
+    /// Every rank's `send` (rank r's of `counts[r]` elements) in rank order into `recv`
+    /// (`counts`' sum), as sends and receives fused in one NCCL group. Every rank passes the
+    /// same `counts`.
+    fn all_gather_v / all_gather_v_g(send: &'x CudaSlice<T>, recv: &'x mut CudaSlice<T>, counts: &[usize]);
+    /// Every rank's `send` (`counts[r]` elements) in rank order into `recv` on `root`
+    /// (`counts`' sum; required there, not used elsewhere), as fused sends and receives.
+    fn gather_v / gather_v_g(send: &'x CudaSlice<T>, recv: Option<&'x mut CudaSlice<T>>, counts: &[usize], root: usize);
+    /// Block r of `send` on `root` (`counts`' sum; required there, not used elsewhere) into
+    /// rank r's `recv` (`counts[r]` elements), as fused sends and receives.
+    fn scatter_v / scatter_v_g(send: Option<&'x CudaSlice<T>>, recv: &'x mut CudaSlice<T>, counts: &[usize], root: usize);
+    /// `send_counts[j]` elements of `send` (in rank order) to rank j, `recv_counts[j]` from
+    /// rank j into `recv` (in rank order), as fused sends and receives. Rank i's
+    /// `send_counts[j]` must be rank j's `recv_counts[i]`.
+    fn all_to_all_v / all_to_all_v_g(send: &'x CudaSlice<T>, send_counts: &[usize], recv: &'x mut CudaSlice<T>, recv_counts: &[usize]);
 }

@@ -361,11 +361,19 @@ impl Communicator {
         event
             .record(stream)
             .map_err(cuda(&self.shared.who, "record an event"))?;
+        self.wait_event(event, limit, "synchronize")
+    }
+
+    /// Waits until `event` (recorded on a stream of this communicator's context) has
+    /// completed, or the communicator fails, or `limit` passes: then the communicator is
+    /// aborted (at once if no call is inside NCCL, else when that call returns) and this
+    /// returns the timeout, as `op`.
+    pub(crate) fn wait_event(&self, event: &CudaEvent, limit: Duration, op: &str) -> Result<()> {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
             if let Some(why) = self.shared.doomed.get() {
-                return Err(self.shared.aborted_error("synchronize", why));
+                return Err(self.shared.aborted_error(op, why));
             }
             if event
                 .try_is_complete()
@@ -378,17 +386,17 @@ impl Communicator {
             if let Some(st) = self.shared.try_lock()
                 && let Some(why) = &st.aborted
             {
-                return Err(self.shared.aborted_error("synchronize", why));
+                return Err(self.shared.aborted_error(op, why));
             }
             if started.elapsed() > limit {
                 // The watchdog should have acted by now; do it here (at once if no call is
                 // inside NCCL, else when that call returns; deferred while a group is open).
                 let why = Abort::Timeout {
-                    op: "synchronize".into(),
+                    op: op.into(),
                     waited: started.elapsed(),
                 };
                 self.shared.request_abort(why.clone());
-                return Err(self.shared.aborted_error("synchronize", &why));
+                return Err(self.shared.aborted_error(op, &why));
             }
             spins += 1;
             if spins < 20_000 {

@@ -32,6 +32,9 @@
 //! thread that is inside NCCL. After an abort (a timeout, an asynchronous error, or
 //! [`Communicator::abort`]) every call returns [`NcclError::Aborted`].
 //!
+//! Every call only enqueues its work; [`Communicator::record_work`] gives a [`Work`] handle on
+//! what was enqueued so far, to wait on (with the deadline) or poll while the host computes.
+//!
 //! Calls fused into one launch go through a [`Group`] ([`Communicator::group`], [`group()`]),
 //! which borrows their buffers until the launch.
 //!
@@ -61,6 +64,7 @@ mod shared;
 mod split;
 mod types;
 mod watchdog;
+mod work;
 
 pub use communicator::{AbortHandle, Communicator};
 pub use config::CommConfig;
@@ -70,6 +74,7 @@ pub use group::{Group, GroupOps, group};
 pub use id::UniqueId;
 pub use ops::Ops;
 pub use types::{F8E4M3, F8E5M2, NcclType, nccl_size};
+pub use work::Work;
 
 /// Whether a CUDA device can be used here: the driver loads and reports at least one device.
 /// Tests and benchmarks use it to skip themselves on machines without a GPU.

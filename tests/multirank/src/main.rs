@@ -15,6 +15,7 @@ mod groups;
 mod hostile;
 mod hosts;
 mod p2p;
+mod uneven;
 
 use std::process::ExitCode;
 
@@ -120,6 +121,8 @@ const CASES: &[Case] = &[
         Ok(())
     })
     .variants(&[TWO_LANES]),
+    Case::new("coll_uneven", uneven::uneven).sizes(&[2, 3, 4, 5, 6, 7, 8]),
+    Case::new("coll_uneven_mismatch", uneven::uneven_mismatch).sizes(&[2, 3, 5]),
     Case::new("fail_sigkill", failures::sigkill).only_at(&[4]),
     Case::new("fail_sigstop", failures::sigstop).only_at(&[4]),
     Case::new("fail_barrier_vs_all_reduce", || {

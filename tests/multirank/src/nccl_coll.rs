@@ -230,3 +230,78 @@ pub(crate) fn split() -> Result<(), String> {
     );
     Ok(())
 }
+
+/// The uneven collectives on the communicator itself, alone and recorded inside a group beside
+/// an all_reduce (their own NCCL group nests in the outer one and launches at its end), and a
+/// `Work` handle on the stream: every result checked.
+pub(crate) fn uneven_grouped() -> Result<(), String> {
+    let r = rig(Duration::from_secs(60))?;
+    let (me, n) = (r.comm.rank(), r.comm.size());
+    let s = r.comm.stream();
+    // Rank q's block: q * 1000 + 3 elements of q's values.
+    let counts: Vec<usize> = (0..n).map(|q| q * 1000 + 3).collect();
+    let total: usize = counts.iter().sum();
+    let block =
+        |q: usize| -> Vec<u32> { (0..counts[q]).map(|i| (q * 1_000_000 + i) as u32).collect() };
+    let every: Vec<u32> = (0..n).flat_map(block).collect();
+    let mine = up(s, &block(me));
+    let mut out = up(s, &vec![u32::MAX; total]);
+    r.comm
+        .all_gather_v(&mine, &mut out, &counts)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(down(&r.comm, &out), every, "all_gather_v");
+    let mut out = up(s, &vec![u32::MAX; total]);
+    let mut sum = up(s, &vec![me as u32 + 1; 4099]);
+    r.comm
+        .group(|g| {
+            g.all_gather_v(&mine, &mut out, &counts)?;
+            g.all_reduce_in_place(&mut sum, ReduceOp::Sum)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(down(&r.comm, &out), every, "all_gather_v in a group");
+    let want = (n * (n + 1) / 2) as u32;
+    assert!(
+        down(&r.comm, &sum).iter().all(|v| *v == want),
+        "all_reduce in the group"
+    );
+    let src = up(s, &every);
+    for root in 0..n {
+        let mut got = up(s, &vec![u32::MAX; counts[me]]);
+        let mut all = up(s, &vec![u32::MAX; total]);
+        r.comm
+            .group(|g| {
+                g.scatter_v((me == root).then_some(&src), &mut got, &counts, root)?;
+                g.gather_v(&mine, (me == root).then_some(&mut all), &counts, root)
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(down(&r.comm, &got), block(me), "scatter_v from {root}");
+        if me == root {
+            assert_eq!(down(&r.comm, &all), every, "gather_v to {root}");
+        }
+    }
+    // A Work handle on what was enqueued: waited on, then the result is there.
+    let mut x = up(s, &vec![me as u32 + 1; 1 << 20]);
+    r.comm.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    let w = r
+        .comm
+        .record_work("all_reduce")
+        .unwrap_or_else(|e| panic!("{e}"));
+    w.wait_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let got = s.clone_dtoh(&x).unwrap_or_else(|e| panic!("{e}"));
+    assert!(got.iter().all(|v| *v == want), "after Work::wait");
+    // Refused before NCCL sees it: counts of another world size, a block of the wrong length.
+    let e = r
+        .comm
+        .all_gather_v(&mine, &mut out, &counts[..n - 1])
+        .unwrap_err();
+    assert!(e.to_string().contains("counts has"), "{e}");
+    let e = r.comm.all_gather_v(&src, &mut out, &counts).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("but counts[{me}] is")),
+        "{e}"
+    );
+    println!("rank {me}: uneven collectives alone and grouped, and a Work handle, verified");
+    r.tcp.barrier().unwrap();
+    Ok(())
+}

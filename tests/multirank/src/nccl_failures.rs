@@ -26,7 +26,7 @@ fn hybrid_tracing_to(trace: Option<&std::path::Path>) -> Result<HybridBackend, S
 }
 
 /// [`hybrid_tracing_to`] with an NCCL timeout of `timeout`.
-fn hybrid_with(
+pub(crate) fn hybrid_with(
     trace: Option<&std::path::Path>,
     timeout: Duration,
 ) -> Result<HybridBackend, String> {
@@ -57,7 +57,7 @@ fn hybrid_with(
         .inspect(|h| assert!(h.nccl().is_some(), "a GPU per rank, so NCCL was formed"))
 }
 
-fn dev<T: dist_nccl::NcclType>(h: &HybridBackend, x: &[T]) -> CudaSlice<T> {
+pub(crate) fn dev<T: dist_nccl::NcclType>(h: &HybridBackend, x: &[T]) -> CudaSlice<T> {
     let s = h.nccl().unwrap().stream();
     s.clone_htod(x).unwrap_or_else(|e| panic!("{e}"))
 }

@@ -20,6 +20,7 @@ use dist_tcp::TcpBackend;
 mod nccl_bounded;
 mod nccl_coll;
 mod nccl_failures;
+mod nccl_hybrid_coll;
 mod nccl_socket;
 
 struct Rig {
@@ -496,6 +497,12 @@ const CASES: &[Case] = &[
     gpu("hybrid_check_cost", nccl_failures::check_cost),
     gpu("hybrid_timeout_positions", nccl_failures::timeout_positions)
         .variants(&[nccl_socket::SOCKET]),
+    gpu("nccl_uneven_grouped", nccl_coll::uneven_grouped).variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid_device_collectives", nccl_hybrid_coll::collectives)
+        .variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid_uneven_mismatch", nccl_hybrid_coll::uneven_mismatch),
+    gpu("hybrid_gpu_work", nccl_hybrid_coll::work).variants(&[nccl_socket::SOCKET]),
+    gpu("hybrid_gpu_work_timeout", nccl_hybrid_coll::work_timeout),
 ];
 
 /// A GPU case: at 2 ranks unless asked for more, needing a CUDA device per rank (skipped, saying

@@ -33,11 +33,17 @@ pub enum Kind {
     AllToAllV = 9,
     /// [`barrier`](super::barrier): every rank waits for every other.
     Barrier = 10,
+    /// [`Collectives::all_gather_v`](super::Collectives::all_gather_v)
+    AllGatherV = 11,
+    /// [`Collectives::gather_v`](super::Collectives::gather_v)
+    GatherV = 12,
+    /// [`Collectives::scatter_v`](super::Collectives::scatter_v)
+    ScatterV = 13,
 }
 
 impl Kind {
     /// Every kind, in code order.
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 13] = [
         Kind::AllReduce,
         Kind::Broadcast,
         Kind::Reduce,
@@ -48,6 +54,9 @@ impl Kind {
         Kind::AllToAll,
         Kind::AllToAllV,
         Kind::Barrier,
+        Kind::AllGatherV,
+        Kind::GatherV,
+        Kind::ScatterV,
     ];
 
     /// The collective's name, as in `all_reduce`.
@@ -63,6 +72,9 @@ impl Kind {
             Kind::AllToAll => "all_to_all",
             Kind::AllToAllV => "all_to_all_v",
             Kind::Barrier => "barrier",
+            Kind::AllGatherV => "all_gather_v",
+            Kind::GatherV => "gather_v",
+            Kind::ScatterV => "scatter_v",
         }
     }
 
@@ -80,7 +92,12 @@ impl Kind {
     pub const fn has_root(self) -> bool {
         matches!(
             self,
-            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
+            Kind::Broadcast
+                | Kind::Reduce
+                | Kind::Gather
+                | Kind::Scatter
+                | Kind::GatherV
+                | Kind::ScatterV
         )
     }
 
@@ -250,7 +267,7 @@ mod tests {
         assert_eq!(Kind::parse("sendrecv"), None);
         assert_eq!(Kind::parse("All_Reduce"), None);
         assert_eq!(Kind::from_code(0), None);
-        assert_eq!(Kind::from_code(11), None);
+        assert_eq!(Kind::from_code(14), None);
     }
 
     #[test]

@@ -18,6 +18,8 @@
 //! | reduce_scatter | ring | ring |
 //! | all_to_all(v) | pairwise exchange | pairwise exchange |
 //! | gather, scatter | direct to / from the root | direct |
+//! | all_gather_v | ring over blocks of the given sizes | ring |
+//! | gather_v, scatter_v | direct to / from the root | direct |
 //!
 //! Within a step the receive is posted before the send starts, so both directions move at
 //! once and the payload lands in place. Every message carries a 16-byte descriptor of the call
@@ -47,6 +49,7 @@ mod ring;
 mod scratch;
 mod select;
 mod tree;
+mod uneven;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE};
 pub use consts::*;
@@ -209,6 +212,46 @@ pub trait Collectives: Transport {
     ) -> Result<()> {
         let (g, t) = (self.group(), self.default_timeout());
         ops::all_to_all_v(g, t, input, send_counts, output, recv_counts)
+    }
+
+    /// [`Collectives::all_gather`] with blocks of uneven sizes: rank `r`'s `input` has
+    /// `counts[r]` elements, and every rank's `output` gets every block in rank order
+    /// (`counts`' sum). Every rank passes the same `counts`.
+    fn all_gather_v<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        counts: &[usize],
+    ) -> Result<()> {
+        uneven::all_gather_v(self.group(), self.default_timeout(), input, output, counts)
+    }
+
+    /// [`Collectives::gather`] with blocks of uneven sizes: rank `r`'s `input` (`counts[r]`
+    /// elements) lands in block `r` of `output` on `root` (`counts`' sum; `None` elsewhere).
+    /// Every rank passes the same `counts`.
+    fn gather_v<T: Element>(
+        &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        counts: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let (g, t) = (self.group(), self.default_timeout());
+        uneven::gather_v(g, t, input, output, counts, root)
+    }
+
+    /// [`Collectives::scatter`] with blocks of uneven sizes: block `r` of `input` on `root`
+    /// (`counts`' sum; `None` elsewhere) into rank `r`'s `output` (`counts[r]` elements).
+    /// Every rank passes the same `counts`.
+    fn scatter_v<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        counts: &[usize],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let (g, t) = (self.group(), self.default_timeout());
+        uneven::scatter_v(g, t, input, counts, output, root)
     }
 }
 

@@ -5,11 +5,12 @@
 //! once and a group keeps until its launch.
 //!
 //! Here: the checks every call shares and [`Ops::launch`], the one way a call reaches NCCL;
-//! `collectives.rs` and `p2p.rs` hold the calls, `red_op.rs` the reduce ops.
+//! `collectives.rs`, `p2p.rs` and `uneven.rs` hold the calls, `red_op.rs` the reduce ops.
 
 mod collectives;
 mod p2p;
 mod red_op;
+mod uneven;
 
 use std::ffi::c_void;
 use std::sync::Arc;

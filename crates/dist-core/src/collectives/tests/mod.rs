@@ -11,6 +11,7 @@ use crate::{DType, DistError, Tuning, Within};
 mod faults;
 mod halving;
 mod matrix;
+mod uneven;
 
 #[test]
 fn descriptor_round_trips_and_explains_differences() {
@@ -100,7 +101,7 @@ fn split_pair_gives_disjoint_ranges_either_way() {
 
 /// Rank 0 of a group of `n` in memory whose other ranks never call: enough for the checks
 /// that must fail before any message moves.
-fn lone(n: usize) -> Group<MemLink> {
+pub(super) fn lone(n: usize) -> Group<MemLink> {
     let link = MemLink::mesh(n).swap_remove(0);
     Group::form(link, Tuning::default(), std::time::Duration::from_secs(1)).unwrap()
 }
