@@ -30,6 +30,7 @@ mod link;
 pub mod testing;
 mod types;
 mod within;
+pub mod work;
 
 pub use backend::{Backend, Meta, Tag};
 pub use collectives::{Collectives, Transport};
@@ -39,3 +40,4 @@ pub use group::{Group, Tuning, run_beside_scoped};
 pub use link::{Link, PostedRecv};
 pub use types::{DType, Element, ReduceOp};
 pub use within::{Timed, Within};
+pub use work::{Scope, Work};
