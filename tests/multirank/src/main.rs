@@ -14,6 +14,7 @@ mod flow;
 mod hostile;
 mod hosts;
 mod p2p;
+mod work;
 
 use std::process::ExitCode;
 
@@ -113,6 +114,23 @@ const CASES: &[Case] = &[
     }),
     Case::new("fail_skipped_collective", || {
         failures::skipped_collective();
+        Ok(())
+    }),
+    Case::new("work_collectives", || {
+        work::collectives();
+        Ok(())
+    })
+    .variants(&[TWO_LANES]),
+    Case::new("work_bucketed_all_reduce", || {
+        work::bucketed();
+        Ok(())
+    }),
+    Case::new("work_p2p", || {
+        work::p2p();
+        Ok(())
+    }),
+    Case::new("work_threads", || {
+        work::threads();
         Ok(())
     }),
     Case::new("admission_flood", admission::flood),
