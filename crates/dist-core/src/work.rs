@@ -33,6 +33,67 @@
 //! assert!(results.into_iter().all(|r| r.is_ok()));
 //! ```
 //!
+//! The compiler enforces the borrows. A buffer cannot be touched while its work may run:
+//!
+//! ```compile_fail
+//! # use std::time::Duration;
+//! # use dist_core::{testing::MemLink, Collectives, Group, ReduceOp, Tuning};
+//! # let link = MemLink::mesh(1).remove(0);
+//! # let g = Group::form(link, Tuning::default(), Duration::from_secs(1)).unwrap();
+//! let mut x = vec![1.0f32; 8];
+//! g.scope(|s| {
+//!     let w = s.all_reduce(&mut x, ReduceOp::Sum);
+//!     x[0] = 2.0; // error: `x` is borrowed by the scope
+//!     w.wait().map(|_| ())
+//! })?;
+//! # Ok::<(), dist_core::DistError>(())
+//! ```
+//!
+//! a handle cannot leave its scope:
+//!
+//! ```compile_fail
+//! # use std::time::Duration;
+//! # use dist_core::{testing::MemLink, Collectives, Group, ReduceOp, Tuning};
+//! # let link = MemLink::mesh(1).remove(0);
+//! # let g = Group::form(link, Tuning::default(), Duration::from_secs(1)).unwrap();
+//! let w = g.scope(|s| Ok(s.barrier()))?; // error: the handle borrows the scope
+//! # Ok::<(), dist_core::DistError>(())
+//! ```
+//!
+//! and a scope cannot be used from another thread (the order of its work is one thread's):
+//!
+//! ```compile_fail
+//! # use std::time::Duration;
+//! # use dist_core::{testing::MemLink, Collectives, Group, ReduceOp, Tuning};
+//! # let link = MemLink::mesh(1).remove(0);
+//! # let g = Group::form(link, Tuning::default(), Duration::from_secs(1)).unwrap();
+//! g.scope(|s| {
+//!     std::thread::scope(|t| {
+//!         t.spawn(|| s.barrier()); // error: `Scope` is not `Sync`
+//!     });
+//!     Ok(())
+//! })?;
+//! # Ok::<(), dist_core::DistError>(())
+//! ```
+//!
+//! The same programs without the offending line compile and run:
+//!
+//! ```
+//! # use std::time::Duration;
+//! # use dist_core::{testing::MemLink, Collectives, Group, ReduceOp, Tuning};
+//! # let link = MemLink::mesh(1).remove(0);
+//! # let g = Group::form(link, Tuning::default(), Duration::from_secs(1)).unwrap();
+//! let mut x = vec![1.0f32; 8];
+//! g.scope(|s| {
+//!     let w = s.all_reduce(&mut x, ReduceOp::Sum);
+//!     let x = w.wait()?; // the buffer back
+//!     x[0] = 2.0;
+//!     s.barrier().wait()
+//! })?;
+//! x[0] += 1.0; // the scope has ended
+//! # Ok::<(), dist_core::DistError>(())
+//! ```
+//!
 //! Where it runs: the group's collectives run in issue order on one executor thread of the
 //! group, its sends in issue order on a second and its receives in issue order on a third, so a
 //! receive waiting for its message holds up neither a send nor a collective. Different groups
@@ -82,6 +143,16 @@ impl<R> Slot<R> {
     fn lock(&self) -> MutexGuard<'_, State<R>> {
         // The state is replaced whole under the lock; a panic cannot leave half of it.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The error of a wait that finds no result (never, while the handle lives: it is the
+    /// only taker, and waits until the work has ended).
+    fn gone() -> DistError {
+        DistError::InvalidArgument {
+            rank: usize::MAX,
+            op: "wait for async work".into(),
+            reason: "its result was already taken".into(),
+        }
     }
 
     /// The work has ended with `r`; `also` runs before anyone waiting on this slot can see
@@ -152,10 +223,11 @@ impl<R: Send> Issued for Slot<R> {
 /// cancelled: the other ranks are part of the same collective). The result of a dropped
 /// handle's work is not lost: if it failed and nobody took the error, the scope returns it.
 /// Leaking a handle (`mem::forget`) is safe: its work still runs, and its scope waits for it.
+/// `'s` is the scope's own lifetime: a handle cannot outlive its scope.
 #[must_use = "work runs to its end whatever happens to the handle; wait on it for its result"]
-pub struct Work<'scope, R = ()> {
+pub struct Work<'s, R = ()> {
     slot: Option<Arc<Slot<R>>>,
-    _scope: PhantomData<&'scope ()>,
+    _scope: PhantomData<&'s ()>,
 }
 
 impl<R> std::fmt::Debug for Work<'_, R> {
@@ -166,8 +238,8 @@ impl<R> std::fmt::Debug for Work<'_, R> {
     }
 }
 
-impl<'scope, R> Work<'scope, R> {
-    pub(crate) fn new(slot: Arc<Slot<R>>) -> Work<'scope, R> {
+impl<'s, R> Work<'s, R> {
+    pub(crate) fn new(slot: Arc<Slot<R>>) -> Work<'s, R> {
         Work {
             slot: Some(slot),
             _scope: PhantomData,
@@ -178,14 +250,14 @@ impl<'scope, R> Work<'scope, R> {
     /// fills a buffer, that buffer (borrowed again for the rest of the scope), for the others
     /// `()`. A failed work's error: the same the blocking call would have returned.
     pub fn wait(mut self) -> Result<R> {
-        let slot = self
-            .slot
-            .take()
-            .expect("a handle keeps its slot until waited on");
+        let Some(slot) = self.slot.take() else {
+            return Err(Slot::<R>::gone());
+        };
         let mut st = slot.wait_until(None);
         match std::mem::replace(&mut *st, State::Taken) {
             State::Done(r) => r,
-            State::Running | State::Taken => unreachable!("waited until the work had ended"),
+            // A handle is the only taker while it lives, and it waits until the work ends.
+            State::Running | State::Taken => Err(Slot::<R>::gone()),
         }
     }
 

@@ -149,7 +149,7 @@ pub trait Collectives: Transport {
     /// See [`crate::work`] for an example and where the work runs.
     fn scope<'scope, R>(
         &'scope self,
-        f: impl FnOnce(&crate::Scope<'_, 'scope, Self::Link>) -> Result<R>,
+        f: impl for<'s> FnOnce(&'s crate::Scope<'s, 'scope, Self::Link>) -> Result<R>,
     ) -> Result<R> {
         crate::work::scope(self.group(), self.default_timeout(), f)
     }

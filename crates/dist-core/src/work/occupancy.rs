@@ -74,7 +74,7 @@ pub(crate) struct Executors {
 pub(crate) struct Occupancy {
     /// `token << 9 | kind << 1 | refused`, 0 when no call is inside.
     word: AtomicU64,
-    /// Async work queued and not yet finished.
+    /// Async collectives queued and not yet finished.
     pending: Mutex<usize>,
     drained: Condvar,
     executors: OnceLock<std::result::Result<Executors, String>>,
@@ -165,12 +165,12 @@ impl Occupancy {
         }
     }
 
-    /// One more piece of async work is queued.
+    /// One more async collective is queued.
     pub(crate) fn queued(&self) {
         *self.lock_pending() += 1;
     }
 
-    /// A piece of async work has finished.
+    /// An async collective has finished.
     pub(crate) fn finished(&self) {
         let mut p = self.lock_pending();
         *p = p.saturating_sub(1);
@@ -185,12 +185,12 @@ impl Occupancy {
         self.word.load(Ordering::Acquire) != 0
     }
 
-    /// The async work queued and not yet finished.
+    /// The async collectives queued and not yet finished.
     pub(crate) fn pending(&self) -> usize {
         *self.lock_pending()
     }
 
-    /// Waits until no async work is queued. Every piece ends by its own deadline, so this does.
+    /// Waits until no async collective is queued. Each ends by its own deadline, so this does.
     fn wait_drained(&self) {
         let mut p = self.lock_pending();
         while *p > 0 {

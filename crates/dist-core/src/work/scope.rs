@@ -84,7 +84,7 @@ impl Drop for Leave<'_> {
 pub(crate) fn scope<'scope, L: Link, R>(
     g: &'scope Group<L>,
     timeout: Duration,
-    f: impl FnOnce(&Scope<'_, 'scope, L>) -> Result<R>,
+    f: impl for<'s> FnOnce(&'s Scope<'s, 'scope, L>) -> Result<R>,
 ) -> Result<R> {
     let me = g.rank();
     let occupancy = g.occupancy();
@@ -125,8 +125,9 @@ pub(crate) fn scope<'scope, L: Link, R>(
     }
 }
 
-impl<'scope, L: Link> Scope<'_, 'scope, L> {
-    /// The async work issued on this scope's group and not yet ended.
+impl<'s, 'scope, L: Link> Scope<'s, 'scope, L> {
+    /// The async collectives queued on this scope's group and not yet ended (sends and
+    /// receives are not counted).
     pub fn pending(&self) -> usize {
         self.group.occupancy().pending()
     }
@@ -138,10 +139,10 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
 
     /// Queues `job` on `lane`; its handle.
     fn submit<R: Send + 'scope>(
-        &self,
+        &'s self,
         lane: Lane,
         job: impl FnOnce() -> Result<R> + Send + 'scope,
-    ) -> Work<'scope, R> {
+    ) -> Work<'s, R> {
         let slot = Arc::new(Slot::new());
         {
             let mut issued = self.issued.borrow_mut();
@@ -152,7 +153,12 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
             }
         }
         let (occupancy, rank) = (self.group.occupancy(), self.group.rank());
-        occupancy.queued();
+        // Only collectives are counted: a blocking collective waits for them (issue order),
+        // not for a receive that may wait for what a peer sends after that collective.
+        let counted = matches!(lane, Lane::Collectives);
+        if counted {
+            occupancy.queued();
+        }
         let done = slot.clone();
         self.lanes[lane as usize].spawn_fifo(move |_| {
             let r = executing(|| catch_unwind(AssertUnwindSafe(job)));
@@ -169,7 +175,11 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
             };
             // Whoever sees the work ended (a handle, or a blocking call waiting for the queue
             // to drain) sees both: the result, and the count without it.
-            done.complete(r, || occupancy.finished());
+            done.complete(r, || {
+                if counted {
+                    occupancy.finished();
+                }
+            });
             // The scope's end panics with it, as `std::thread::scope` does.
             if let Some(p) = panic {
                 resume_unwind(p);
@@ -179,9 +189,9 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
     }
 
     fn collective<R: Send + 'scope>(
-        &self,
+        &'s self,
         job: impl FnOnce(&'scope Group<L>, Duration) -> Result<R> + Send + 'scope,
-    ) -> Work<'scope, R> {
+    ) -> Work<'s, R> {
         let (g, t) = (self.group, self.timeout);
         self.submit(Lane::Collectives, move || job(g, t))
     }
@@ -189,50 +199,50 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
     /// [`Collectives::all_reduce`](crate::Collectives::all_reduce), async: `data` comes back
     /// reduced from [`Work::wait`].
     pub fn all_reduce<T: Element>(
-        &self,
+        &'s self,
         data: &'scope mut [T],
         op: ReduceOp,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::all_reduce(g, t, data, op).map(|()| data))
     }
 
     /// [`Collectives::all_reduce_into`](crate::Collectives::all_reduce_into), async.
     pub fn all_reduce_into<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         output: &'scope mut [T],
         op: ReduceOp,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::all_reduce_into(g, t, input, output, op).map(|()| output))
     }
 
     /// [`Collectives::broadcast`](crate::Collectives::broadcast), async.
     pub fn broadcast<T: Element>(
-        &self,
+        &'s self,
         data: &'scope mut [T],
         root: usize,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::broadcast(g, t, data, root).map(|()| data))
     }
 
     /// [`Collectives::reduce`](crate::Collectives::reduce), async.
     pub fn reduce<T: Element>(
-        &self,
+        &'s self,
         data: &'scope mut [T],
         op: ReduceOp,
         root: usize,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::reduce(g, t, data, op, root).map(|()| data))
     }
 
     /// [`Collectives::reduce_into`](crate::Collectives::reduce_into), async.
     pub fn reduce_into<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         output: &'scope mut [T],
         op: ReduceOp,
         root: usize,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| {
             ops::reduce_into(g, t, input, output, op, root).map(|()| output)
         })
@@ -240,20 +250,20 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
 
     /// [`Collectives::all_gather`](crate::Collectives::all_gather), async.
     pub fn all_gather<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         output: &'scope mut [T],
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::all_gather(g, t, input, output).map(|()| output))
     }
 
     /// [`Collectives::gather`](crate::Collectives::gather), async.
     pub fn gather<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         mut output: Option<&'scope mut [T]>,
         root: usize,
-    ) -> Work<'scope, Option<&'scope mut [T]>> {
+    ) -> Work<'s, Option<&'scope mut [T]>> {
         self.collective(move |g, t| {
             ops::gather(g, t, input, output.as_deref_mut(), root).map(|()| output)
         })
@@ -261,54 +271,54 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
 
     /// [`Collectives::scatter`](crate::Collectives::scatter), async.
     pub fn scatter<T: Element>(
-        &self,
+        &'s self,
         input: Option<&'scope [T]>,
         output: &'scope mut [T],
         root: usize,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::scatter(g, t, input, output, root).map(|()| output))
     }
 
     /// [`Collectives::reduce_scatter`](crate::Collectives::reduce_scatter), async.
     pub fn reduce_scatter<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         output: &'scope mut [T],
         op: ReduceOp,
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::reduce_scatter(g, t, input, output, op).map(|()| output))
     }
 
     /// [`Collectives::all_to_all`](crate::Collectives::all_to_all), async.
     pub fn all_to_all<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         output: &'scope mut [T],
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| ops::all_to_all(g, t, input, output).map(|()| output))
     }
 
     /// [`Collectives::all_to_all_v`](crate::Collectives::all_to_all_v), async.
     pub fn all_to_all_v<T: Element>(
-        &self,
+        &'s self,
         input: &'scope [T],
         send_counts: &'scope [usize],
         output: &'scope mut [T],
         recv_counts: &'scope [usize],
-    ) -> Work<'scope, &'scope mut [T]> {
+    ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| {
             ops::all_to_all_v(g, t, input, send_counts, output, recv_counts).map(|()| output)
         })
     }
 
     /// [`barrier`](crate::collectives::barrier), async: ends once every rank has entered it.
-    pub fn barrier(&self) -> Work<'scope> {
+    pub fn barrier(&'s self) -> Work<'s> {
         self.collective(ops::barrier)
     }
 
     /// Sends `data` to `dst` on `tag` (as [`Backend::send_tagged`]), after this scope's
     /// earlier sends.
-    pub fn isend(&self, data: &'scope [u8], dst: usize, tag: Tag) -> Work<'scope> {
+    pub fn isend(&'s self, data: &'scope [u8], dst: usize, tag: Tag) -> Work<'s> {
         let (g, t) = (self.group, self.timeout);
         self.submit(Lane::Sends, move || {
             let op = || format!("isend to {dst} (tag {tag}, {} bytes)", data.len());
@@ -321,11 +331,11 @@ impl<'scope, L: Link> Scope<'_, 'scope, L> {
     /// [`Backend::recv_tagged`]), after this scope's earlier receives; `buf` comes back from
     /// [`Work::wait`].
     pub fn irecv(
-        &self,
+        &'s self,
         buf: &'scope mut [u8],
         src: usize,
         tag: Tag,
-    ) -> Work<'scope, &'scope mut [u8]> {
+    ) -> Work<'s, &'scope mut [u8]> {
         let (g, t) = (self.group, self.timeout);
         self.submit(Lane::Recvs, move || {
             g.recv_tagged_timeout(buf, src, tag, t).map(|()| buf)
