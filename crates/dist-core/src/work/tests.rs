@@ -517,24 +517,29 @@ fn nested_scopes_on_one_thread_keep_issue_order() {
 /// sends the message only after that collective.
 #[test]
 fn a_blocking_collective_does_not_wait_for_queued_receives() {
-    let results = run_group(2, |_| Tuning::default(), TIMEOUT, |g| {
-        let me = g.rank();
-        let mut x = [val(me, 0)];
-        if me == 1 {
-            g.all_reduce(&mut x, ReduceOp::Sum)?;
-            g.send_tagged(&[9u8; 4], 0, Tag::user(2))?;
-        } else {
-            let mut inb = [0u8; 4];
-            g.scope(|s| {
-                let r = s.irecv(&mut inb, 1, Tag::user(2));
+    let results = run_group(
+        2,
+        |_| Tuning::default(),
+        TIMEOUT,
+        |g| {
+            let me = g.rank();
+            let mut x = [val(me, 0)];
+            if me == 1 {
                 g.all_reduce(&mut x, ReduceOp::Sum)?;
-                assert_eq!(r.wait()?, &[9u8; 4]);
-                Ok(())
-            })?;
-        }
-        assert_eq!(x[0], sum(2, 0));
-        Ok(())
-    });
+                g.send_tagged(&[9u8; 4], 0, Tag::user(2))?;
+            } else {
+                let mut inb = [0u8; 4];
+                g.scope(|s| {
+                    let r = s.irecv(&mut inb, 1, Tag::user(2));
+                    g.all_reduce(&mut x, ReduceOp::Sum)?;
+                    assert_eq!(r.wait()?, &[9u8; 4]);
+                    Ok(())
+                })?;
+            }
+            assert_eq!(x[0], sum(2, 0));
+            Ok(())
+        },
+    );
     for r in results {
         r.unwrap();
     }
