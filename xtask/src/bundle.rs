@@ -17,6 +17,7 @@ const BINS: &[&str] = &[
     "dist-perf",
     "dist-demo",
     "dist-p2p-bench",
+    "dist-overlap-bench",
 ];
 
 pub fn run(out: Option<PathBuf>) -> Result<()> {

@@ -40,6 +40,18 @@ enum Cmd {
     Test,
     /// Point-to-point latency and throughput of two ranks beside a plain socket pair.
     BenchP2p,
+    /// A bucketed all_reduce overlapped with compute: async against blocking, side by side.
+    BenchOverlap {
+        /// Number of ranks.
+        #[arg(short = 'n', long, default_value_t = 4)]
+        ranks: usize,
+        /// Rounds of each (their medians are printed).
+        #[arg(long, default_value_t = 11)]
+        rounds: usize,
+        /// Compute passes over each bucket (more: more compute to hide the all_reduces behind).
+        #[arg(long, default_value_t = 4)]
+        passes: usize,
+    },
     /// The nccl-tests table for one collective over a range of sizes.
     Perf(PerfArgs),
     /// Build an example in release mode and run it as N local ranks.
@@ -203,6 +215,21 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new(), None),
+        Cmd::BenchOverlap {
+            ranks,
+            rounds,
+            passes,
+        } => {
+            let args = [
+                "--rounds",
+                &rounds.to_string(),
+                "--passes",
+                &passes.to_string(),
+            ]
+            .map(String::from)
+            .to_vec();
+            launch_release("dist-overlap-bench", ranks, args, None)
+        }
         Cmd::Bundle { out } => bundle::run(out),
         Cmd::Perf(a) => {
             let bin = match a.backend.as_str() {

@@ -158,6 +158,23 @@ pub enum DistError {
         reason: String,
     },
 
+    /// Two threads called into one group at once: the later call is refused at once (and the
+    /// group aborted, so that no rank waits for it), and the earlier one fails with this too.
+    /// A group takes calls from one thread at a time; see
+    /// [`Collectives`](crate::Collectives).
+    #[error(
+        "rank {rank}: {op}: {detail}; a group takes collectives from one thread at a time \
+         (use a group per thread)"
+    )]
+    ConcurrentUse {
+        /// The rank reporting.
+        rank: usize,
+        /// This thread's call.
+        op: String,
+        /// What the other thread was doing.
+        detail: String,
+    },
+
     /// A configuration value or environment variable is missing or malformed.
     #[error("configuration error: {what}: {reason}")]
     Config {
@@ -208,7 +225,8 @@ impl DistError {
             | DistError::InvalidRank { op, .. }
             | DistError::InvalidArgument { op, .. }
             | DistError::CollectiveMismatch { op, .. }
-            | DistError::Aborted { op, .. } => Some(op),
+            | DistError::Aborted { op, .. }
+            | DistError::ConcurrentUse { op, .. } => Some(op),
             DistError::RendezvousFailed { .. }
             | DistError::HandshakeRefused { .. }
             | DistError::Config { .. }

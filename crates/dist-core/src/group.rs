@@ -11,6 +11,7 @@ use crate::backend::{Meta, Tag};
 use crate::collectives::AllReduceAlgorithm;
 use crate::error::{DistError, Result};
 use crate::link::{Link, PostedRecv};
+use crate::work::Occupancy;
 
 /// The ring collectives' default piece: small enough to stay in cache between its arrival and
 /// its reduction.
@@ -92,6 +93,11 @@ impl Tuning {
 /// The ranks of a [`Link`], as the collectives see them: what users call collectives on (through
 /// [`Collectives`](crate::Collectives), which every [`Transport`](crate::Transport) gets; a group
 /// is one, and so is a backend that owns one, such as `TcpBackend`).
+///
+/// A group takes collectives from one thread at a time, and async work
+/// ([`Collectives::scope`](crate::Collectives::scope)) from the thread that opened the scope;
+/// a call from a second thread while one is inside fails at once with
+/// [`DistError::ConcurrentUse`]. The rule in full is on [`Collectives`](crate::Collectives).
 pub struct Group<L: Link> {
     link: L,
     timeout: Duration,
@@ -106,6 +112,8 @@ pub struct Group<L: Link> {
     /// The all_reduce algorithm forced by [`Group::force_all_reduce`] (its code), 0 for the
     /// choice by size.
     forced_all_reduce: AtomicU8,
+    /// Which thread is inside a call, the async work queued, and the threads it runs on.
+    occupancy: Occupancy,
 }
 
 impl<L: Link> std::fmt::Debug for Group<L> {
@@ -191,6 +199,7 @@ impl<L: Link> Group<L> {
             abort_sent: AtomicBool::new(false),
             lane: OnceLock::new(),
             forced_all_reduce: AtomicU8::new(0),
+            occupancy: Occupancy::default(),
         }
     }
 
@@ -222,6 +231,12 @@ impl<L: Link> Group<L> {
     /// The collectives' default timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Which thread is inside a call on this group, and its async work
+    /// ([`crate::work`]).
+    pub(crate) fn occupancy(&self) -> &Occupancy {
+        &self.occupancy
     }
 
     /// The number of the collective this rank starts now (0 for the first).

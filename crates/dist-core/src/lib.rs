@@ -1,7 +1,8 @@
 //! Core types of `dist`: the [`Backend`] trait every transport implements, the [`DistError`]
 //! they all return, message [`Tag`]s, the element types and reduce operations, and the
 //! collectives, written once: a [`Group`] runs them over any [`Link`] (a transport's byte
-//! mover), and [`Collectives`] offers them on every [`Transport`]. [`testing`] has a link in
+//! mover), and [`Collectives`] offers them on every [`Transport`], blocking or as async
+//! [`work`] in a [`Scope`] (one thread at a time per group). [`testing`] has a link in
 //! memory, with faults to inject. This crate does no network I/O (the [`flight`] recorder
 //! writes its record to a file when asked).
 //!
@@ -33,6 +34,7 @@ pub mod subgroup;
 pub mod testing;
 mod types;
 mod within;
+pub mod work;
 
 pub use backend::{Backend, Meta, Tag};
 pub use collectives::{Collectives, Transport};
@@ -45,3 +47,4 @@ pub use objects::{MAX_OBJECT_BYTES, ObjectCollectives};
 pub use subgroup::{SplitLink, SubGroup, SubLink, Subgroups};
 pub use types::{DType, Element, ReduceOp};
 pub use within::{Timed, Within};
+pub use work::{Scope, Work};

@@ -16,6 +16,7 @@ mod hostile;
 mod hosts;
 mod p2p;
 mod uneven;
+mod work;
 
 use std::process::ExitCode;
 
@@ -155,6 +156,23 @@ const CASES: &[Case] = &[
         Ok(())
     })
     .only_at(&[3, 4, 6]),
+    Case::new("work_collectives", || {
+        work::collectives();
+        Ok(())
+    })
+    .variants(&[TWO_LANES]),
+    Case::new("work_bucketed_all_reduce", || {
+        work::bucketed();
+        Ok(())
+    }),
+    Case::new("work_p2p", || {
+        work::p2p();
+        Ok(())
+    }),
+    Case::new("work_threads", || {
+        work::threads();
+        Ok(())
+    }),
     Case::new("admission_flood", admission::flood),
     Case::new("flow_unexpected", flow::unexpected),
     Case::new("hostile_peer", hostile::peer),

@@ -273,29 +273,59 @@ pub(super) struct What {
 }
 
 /// Runs one collective of elements `T` on `g` with a deadline `timeout` from now: refuses at
-/// once if an earlier one aborted; records it in the link's flight recorder; on failure, tells
-/// every other rank, so that none of them waits for this one until its deadline.
+/// once if another thread is inside a call on `g` or an earlier one aborted (after this
+/// thread's queued async work, if it has a scope open on `g`); records it in the link's flight
+/// recorder; on failure, tells every other rank, so that none of them waits for this one until
+/// its deadline.
 pub(super) fn run<L: Link, T: Element, R>(
     g: &Group<L>,
     timeout: Duration,
     what: What,
     f: impl FnOnce(&Call<'_, L>) -> Result<R>,
 ) -> Result<R> {
+    let described = |seq: u64| Desc {
+        kind: what.kind as u8,
+        dtype: T::DTYPE as u8,
+        op: what.op.map_or(0, ReduceOp::code),
+        root: (what.root as u32) & 0x00ff_ffff,
+        seq: seq as u16,
+        count: what.count as u64,
+    };
+    let me = g.link().rank();
+    let entry = match g
+        .occupancy()
+        .enter(me, what.kind as u8, true, || described(0).describe())
+    {
+        Ok(entry) => entry,
+        Err(e) => {
+            // The other ranks must not wait for this call, and the call inside this group
+            // may be matched against this one elsewhere: every rank stops.
+            abort_all(g, &e);
+            return Err(e);
+        }
+    };
+    let r = run_entered::<L, T, R>(g, timeout, what, described, f);
+    if g.occupancy().leave(entry) && r.is_ok() {
+        let e = crate::work::Occupancy::refused_meanwhile(me, described(0).describe());
+        abort_all(g, &e);
+        return Err(e);
+    }
+    r
+}
+
+/// [`run`] once the call is inside the group.
+fn run_entered<L: Link, T: Element, R>(
+    g: &Group<L>,
+    timeout: Duration,
+    what: What,
+    described: impl Fn(u64) -> Desc,
+    f: impl FnOnce(&Call<'_, L>) -> Result<R>,
+) -> Result<R> {
     let What {
-        kind,
-        count,
-        op,
-        root,
+        kind, count, root, ..
     } = what;
     let seq = g.next_seq();
-    let desc = Desc {
-        kind: kind as u8,
-        dtype: T::DTYPE as u8,
-        op: op.map_or(0, ReduceOp::code),
-        root: (root as u32) & 0x00ff_ffff,
-        seq: seq as u16,
-        count: count as u64,
-    };
+    let desc = described(seq);
     // Numbered from 1 in the record (0 marks point-to-point operations there).
     let entry = g.link().flight().map(|f| {
         let info = OpInfo {
@@ -379,7 +409,7 @@ fn run_call<L: Link, R>(
 /// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
 /// one (a peer gone or unresponsive, or the origin of an abort passed on).
 /// An abort heard of is passed on as it came (its origin and the first error), not wrapped.
-pub(super) fn abort_all<L: Link>(g: &Group<L>, e: &DistError) {
+pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError) {
     match e {
         DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
             g.abort(COLLECTIVE_TAG, &e.to_string(), Some(*peer))

@@ -43,7 +43,7 @@ mod consts;
 mod desc;
 mod halving;
 mod lanes;
-mod ops;
+pub(crate) mod ops;
 mod pairwise;
 mod ring;
 mod scratch;
@@ -52,6 +52,7 @@ mod tree;
 mod uneven;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE};
+pub(crate) use call::abort_all;
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
 pub use select::{
@@ -105,14 +106,57 @@ pub trait Transport: Backend {
     }
 }
 
-/// The collectives, for every [`Transport`].
+/// The collectives, for every [`Transport`], blocking or async ([`Collectives::scope`]).
 ///
 /// All ranks must call the same collectives in the same order with matching arguments; a rank
 /// that does not is reported on every rank as
 /// [`DistError::CollectiveMismatch`](crate::DistError::CollectiveMismatch) (on the ranks that
 /// noticed) or [`DistError::Aborted`](crate::DistError::Aborted) (on the others). Each call
 /// waits at most the backend's default timeout.
+///
+/// # Threads
+///
+/// A group takes collectives from one thread at a time. The order of calls must be the same on
+/// every rank, and two threads racing on one group would order them differently on different
+/// ranks (two same-shaped all_reduces swapped would mix their data unnoticed), so a lock that
+/// serialised them would not be enough. The rule instead:
+///
+/// - A collective called while another thread is inside a call on the same group (a blocking
+///   collective, or an open [`scope`](Collectives::scope)) fails at once with
+///   [`DistError::ConcurrentUse`](crate::DistError::ConcurrentUse), naming the rank, the call
+///   and what the other thread is inside. It never waits for it.
+/// - The group is aborted with it, so that no rank waits for the refused call; the other
+///   thread's call fails too (with `ConcurrentUse` or `Aborted`), here and on every rank.
+///   Results of calls that ended around such an error are not to be used: a rank on which the
+///   two threads' calls did not overlap cannot tell, and may finish one of them matched
+///   against the other thread's call of a peer before the abort reaches it. The abort makes
+///   its next call fail.
+/// - A thread that has a scope open on the group may still call blocking collectives on it:
+///   such a call runs after the async collectives the thread has queued (issue order), on the
+///   calling thread.
+/// - Different groups (a backend and its sub-groups, say) are independent: one thread each
+///   may call at once.
+///
+/// Point-to-point messages ([`Backend::send_tagged`], [`Backend::recv_tagged`]) are not
+/// collectives: several threads may use them at once, on distinct tags.
 pub trait Collectives: Transport {
+    /// Opens a [`Scope`](crate::Scope) for async work on this group, runs `f` in it, and
+    /// waits for all of the scope's work before it returns (in the style of
+    /// `std::thread::scope`). Returns `f`'s result, or, if `f` succeeded, the error of the
+    /// first piece of work that failed without its handle taking the error (a handle dropped
+    /// or leaked). Each piece of work waits at most the backend's default timeout, from when
+    /// it starts to run. Fails at once with
+    /// [`DistError::ConcurrentUse`](crate::DistError::ConcurrentUse) if another thread is
+    /// inside a call on this group (see [Threads](Collectives#threads)).
+    ///
+    /// See [`crate::work`] for an example and where the work runs.
+    fn scope<'scope, R>(
+        &'scope self,
+        f: impl for<'s> FnOnce(&'s crate::Scope<'s, 'scope, Self::Link>) -> Result<R>,
+    ) -> Result<R> {
+        crate::work::scope(self.group(), self.default_timeout(), f)
+    }
+
     /// Reduces `data` over all ranks with `op`, in place: every rank ends with the result.
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         ops::all_reduce(self.group(), self.default_timeout(), data, op)

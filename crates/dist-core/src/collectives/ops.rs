@@ -78,7 +78,7 @@ fn reduce_on<T: Element, L: Link>(
     }
 }
 
-pub(super) fn all_reduce<T: Element, L: Link>(
+pub(crate) fn all_reduce<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     data: &mut [T],
@@ -88,7 +88,7 @@ pub(super) fn all_reduce<T: Element, L: Link>(
     run::<_, T, _>(g, t, w, |c| all_reduce_on(c, data, op))
 }
 
-pub(super) fn all_reduce_into<T: Element, L: Link>(
+pub(crate) fn all_reduce_into<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -103,7 +103,7 @@ pub(super) fn all_reduce_into<T: Element, L: Link>(
     })
 }
 
-pub(super) fn broadcast<T: Element, L: Link>(
+pub(crate) fn broadcast<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     data: &mut [T],
@@ -142,7 +142,7 @@ pub(super) fn broadcast<T: Element, L: Link>(
     })
 }
 
-pub(super) fn reduce<T: Element, L: Link>(
+pub(crate) fn reduce<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     data: &mut [T],
@@ -153,7 +153,7 @@ pub(super) fn reduce<T: Element, L: Link>(
     run::<_, T, _>(g, t, w, |c| reduce_on(c, data, op, root))
 }
 
-pub(super) fn reduce_into<T: Element, L: Link>(
+pub(crate) fn reduce_into<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -169,7 +169,7 @@ pub(super) fn reduce_into<T: Element, L: Link>(
     })
 }
 
-pub(super) fn all_gather<T: Element, L: Link>(
+pub(crate) fn all_gather<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -199,7 +199,7 @@ pub(super) fn all_gather<T: Element, L: Link>(
     })
 }
 
-pub(super) fn gather<T: Element, L: Link>(
+pub(crate) fn gather<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -210,7 +210,7 @@ pub(super) fn gather<T: Element, L: Link>(
     run::<_, T, _>(g, t, w, |c| super::pairwise::gather(c, input, output, root))
 }
 
-pub(super) fn scatter<T: Element, L: Link>(
+pub(crate) fn scatter<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: Option<&[T]>,
@@ -223,7 +223,7 @@ pub(super) fn scatter<T: Element, L: Link>(
     })
 }
 
-pub(super) fn reduce_scatter<T: Element, L: Link>(
+pub(crate) fn reduce_scatter<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -269,7 +269,7 @@ pub(super) fn reduce_scatter<T: Element, L: Link>(
     })
 }
 
-pub(super) fn all_to_all<T: Element, L: Link>(
+pub(crate) fn all_to_all<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -291,7 +291,7 @@ pub(super) fn all_to_all<T: Element, L: Link>(
     })
 }
 
-pub(super) fn all_to_all_v<T: Element, L: Link>(
+pub(crate) fn all_to_all_v<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -311,7 +311,7 @@ pub(super) fn all_to_all_v<T: Element, L: Link>(
 
 /// The dissemination barrier: in round k each rank signals rank + 2^k and waits for rank - 2^k;
 /// after ceil(log2 n) rounds each has heard from all.
-pub(super) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
+pub(crate) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
     run::<_, u8, ()>(g, t, what(Kind::Barrier, 0, None, 0), |c| {
         let mut d = 1;
         while d < c.n {
