@@ -303,7 +303,11 @@ impl Peer {
             writer: WriterLock::new(Writer::new(sock, shm.tx)),
             rx: Mutex::new(Rx {
                 sock: match shm.rx {
-                    Some(ring) => Source::Ring { sock: r, ring },
+                    Some(ring) => Source::Ring {
+                        sock: r,
+                        ring,
+                        io_turn: false,
+                    },
                     None => Source::Socket(r),
                 },
                 buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),

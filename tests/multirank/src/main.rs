@@ -14,6 +14,7 @@ mod flow;
 mod hostile;
 mod hosts;
 mod p2p;
+mod shm;
 
 use std::process::ExitCode;
 
@@ -121,6 +122,11 @@ const CASES: &[Case] = &[
 ];
 
 fn main() -> ExitCode {
-    let cases: Vec<Case> = CASES.iter().chain(hosts::CASES).copied().collect();
+    let cases: Vec<Case> = CASES
+        .iter()
+        .chain(hosts::CASES)
+        .chain(shm::CASES)
+        .copied()
+        .collect();
     dist_multirank::run_cases("dist-multirank", &cases)
 }

@@ -186,7 +186,15 @@ impl Peer {
     /// `None`: nothing was read, or a frame is held: go on to decide what to wait for.
     fn read_now(&self, rd: &mut Reading, rx: &Mutex<Rx>) -> Option<Plan> {
         let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = match self.progress(&mut r) {
+        // The I/O thread alone reads a ring's socket (its doorbells and its end).
+        if let Source::Ring { io_turn, .. } = &mut r.sock {
+            *io_turn = true;
+        }
+        let step = self.progress(&mut r);
+        if let Source::Ring { io_turn, .. } = &mut r.sock {
+            *io_turn = false;
+        }
+        let plan = match step {
             Step::Closed(cause) => {
                 self.shut(&mut r, cause);
                 return Some(Plan::Exit);

@@ -90,10 +90,13 @@ pub(super) fn would_block(e: &std::io::Error) -> bool {
 pub(super) enum Source {
     Socket(socket2::Socket),
     /// The peer's ring in shared memory; the socket carries only doorbell bytes (any value,
-    /// read and dropped) and the end of the stream.
+    /// read and dropped) and the end of the stream. Only the I/O thread reads the socket
+    /// (`io_turn` set around its reads): a spinning receiver that took a doorbell byte would
+    /// leave the I/O thread asleep on the socket with no doorbell to come.
     Ring {
         sock: socket2::Socket,
         ring: crate::shm::RxRing,
+        io_turn: bool,
     },
     #[cfg(test)]
     Script(Script),
@@ -126,7 +129,11 @@ impl Source {
 pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usize> {
     let sock = match sock {
         Source::Socket(s) => s,
-        Source::Ring { sock, ring } => return ring_recv(sock, ring, dst),
+        Source::Ring {
+            sock,
+            ring,
+            io_turn,
+        } => return ring_recv(sock, ring, *io_turn, dst),
         #[cfg(test)]
         Source::Script(s) => {
             let n = dst.len().min(s.available - s.read);
@@ -151,16 +158,21 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
 
 /// Receives into `dst` from the peer's ring without blocking: `WouldBlock` while it is empty
 /// and the connection open, `Ok(0)` once it is empty and the peer has closed the connection
-/// (the peer's last bytes were in the ring before it closed: they are read first). Doorbell
-/// bytes on the socket are read and dropped on the way.
+/// (the peer's last bytes were in the ring before it closed: they are read first). On the I/O
+/// thread (`io_turn`), doorbell bytes on the socket are read and dropped on the way; other
+/// threads leave the socket alone.
 fn ring_recv(
     sock: &socket2::Socket,
     ring: &mut crate::shm::RxRing,
+    io_turn: bool,
     dst: &mut [u8],
 ) -> std::io::Result<usize> {
     let n = ring.read(dst)?;
     if n > 0 || dst.is_empty() {
         return Ok(n);
+    }
+    if !io_turn {
+        return Err(std::io::ErrorKind::WouldBlock.into());
     }
     let mut bells = [MaybeUninit::<u8>::uninit(); 64];
     loop {

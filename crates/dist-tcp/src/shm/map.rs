@@ -149,7 +149,10 @@ impl Segment {
 
     /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]).
     pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(off.is_multiple_of(8) && off + 8 <= HEADER, "header offset {off}");
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= HEADER,
+            "header offset {off}"
+        );
         // SAFETY: the mapping is page aligned and at least HEADER bytes long, so `off` (a
         // multiple of 8 below HEADER, asserted above) is an aligned, live u64 for as long as
         // `self` (the borrow's lifetime). The other process may change it at any time, which
@@ -159,7 +162,10 @@ impl Segment {
 
     /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(off.is_multiple_of(4) && off + 4 <= HEADER, "header offset {off}");
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= HEADER,
+            "header offset {off}"
+        );
         // SAFETY: as in `u64_at`, for an aligned u32.
         unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
     }
