@@ -32,6 +32,8 @@ mod props;
 mod reader;
 mod recv;
 mod rx;
+#[cfg(test)]
+mod shm_tests;
 mod slots;
 #[cfg(test)]
 mod tests;

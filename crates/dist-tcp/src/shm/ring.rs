@@ -241,5 +241,14 @@ impl RxRing {
 }
 
 #[cfg(test)]
+impl RxRing {
+    /// Plays a hostile peer: publishes a write position beyond what the ring can hold.
+    pub(crate) fn corrupt_tail_for_test(&self) {
+        let bad = self.head + self.cap + 1;
+        self.seg.u64_at(OFF_TAIL).store(bad, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
 #[path = "ring_tests.rs"]
 mod tests;
