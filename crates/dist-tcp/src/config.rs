@@ -283,7 +283,8 @@ impl TcpConfig {
     /// Whether ranks of one host exchange frames through shared memory (default on;
     /// `DIST_SHM=0` turns it off): a ring per ordered pair of ranks in a sealed `memfd`, with
     /// the TCP connection kept for liveness. Both ranks of a pair must want it, and be on one
-    /// host: the same boot id and network namespace, and the same [`TcpConfig::host_id`].
+    /// host: the same boot id and network namespace, and the same [`TcpConfig::host_id`]. A
+    /// lazily formed job ([`Formation::Lazy`]) stays on TCP.
     pub fn shared_memory(mut self, on: bool) -> Self {
         self.shm = on;
         self
@@ -297,10 +298,11 @@ impl TcpConfig {
         self
     }
 
-    /// This rank's host identity for shared memory, or `None` when it is off (or the
-    /// identity cannot be read).
+    /// This rank's host identity for shared memory, or `None` when it is off, the job forms
+    /// lazily (its connections to rank 0 would give rank 0 a ring pair per rank of a large
+    /// job; every connection of such a job stays on TCP), or the identity cannot be read.
     pub(crate) fn shm_host(&self) -> Option<[u8; 32]> {
-        if !self.shm {
+        if !self.shm || matches!(self.formation_mode(), Formation::Lazy) {
             return None;
         }
         crate::shm::host_identity(self.host_id.as_deref())

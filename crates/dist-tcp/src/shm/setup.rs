@@ -375,6 +375,22 @@ mod tests {
         assert_ne!(Some(a), host_identity(Some("other")));
     }
 
+    /// A configuration wants shared memory by default, not with `shared_memory(false)`, and
+    /// not when the job forms lazily.
+    #[test]
+    fn which_configurations_offer_shared_memory() {
+        let c = crate::TcpConfig::new(0, 2, "127.0.0.1:1");
+        assert_eq!(c.shm_host(), host_identity(None));
+        assert!(c.clone().shared_memory(false).shm_host().is_none());
+        assert!(
+            c.clone()
+                .formation(crate::Formation::Lazy)
+                .shm_host()
+                .is_none()
+        );
+        assert_ne!(c.host_id("h1").shm_host(), host_identity(None));
+    }
+
     fn pair() -> (TcpStream, TcpStream) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
