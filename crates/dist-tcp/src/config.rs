@@ -91,6 +91,8 @@ pub struct TcpConfig {
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
     pub(crate) formation: Formation,
+    pub(crate) shm: bool,
+    pub(crate) host_id: Option<String>,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -113,6 +115,8 @@ impl std::fmt::Debug for TcpConfig {
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
             .field("formation", &self.formation)
+            .field("shm", &self.shm)
+            .field("host_id", &self.host_id)
             .finish()
     }
 }
@@ -139,6 +143,8 @@ impl TcpConfig {
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
             formation: Formation::Auto,
+            shm: true,
+            host_id: None,
         }
     }
 
@@ -194,6 +200,19 @@ impl TcpConfig {
         if let Some(d) = get("DIST_TRACE_DIR").filter(|d| !d.is_empty()) {
             cfg.trace_dir = Some(d.into());
         }
+        if let Some(v) = get("DIST_SHM") {
+            cfg.shm = match v.trim() {
+                "0" => false,
+                "1" => true,
+                _ => {
+                    return Err(DistError::Config {
+                        what: "DIST_SHM".into(),
+                        reason: format!("{v:?} is neither 0 nor 1"),
+                    });
+                }
+            };
+        }
+        cfg.host_id = get("DIST_HOST_ID").filter(|h| !h.is_empty());
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
         }
@@ -259,6 +278,34 @@ impl TcpConfig {
     pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.trace_dir = Some(dir.into());
         self
+    }
+
+    /// Whether ranks of one host exchange frames through shared memory (default on;
+    /// `DIST_SHM=0` turns it off): a ring per ordered pair of ranks in a sealed `memfd`, with
+    /// the TCP connection kept for liveness. Both ranks of a pair must want it, and be on one
+    /// host: the same boot id and network namespace, and the same [`TcpConfig::host_id`]. A
+    /// lazily formed job ([`Formation::Lazy`]) stays on TCP.
+    pub fn shared_memory(mut self, on: bool) -> Self {
+        self.shm = on;
+        self
+    }
+
+    /// A name for this rank's host that ranks compare, besides the boot id and network
+    /// namespace, before sharing memory (`DIST_HOST_ID`; tests simulate several hosts on one
+    /// machine with it). Default none.
+    pub fn host_id(mut self, id: impl Into<String>) -> Self {
+        self.host_id = Some(id.into());
+        self
+    }
+
+    /// This rank's host identity for shared memory, or `None` when it is off, the job forms
+    /// lazily (its connections to rank 0 would give rank 0 a ring pair per rank of a large
+    /// job; every connection of such a job stays on TCP), or the identity cannot be read.
+    pub(crate) fn shm_host(&self) -> Option<[u8; 32]> {
+        if !self.shm || matches!(self.formation_mode(), Formation::Lazy) {
+            return None;
+        }
+        crate::shm::host_identity(self.host_id.as_deref())
     }
 
     /// How the job forms (default [`Formation::Auto`]; `DIST_FORMATION`).

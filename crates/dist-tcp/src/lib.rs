@@ -37,6 +37,7 @@ mod link;
 mod liveness;
 mod peer;
 mod record;
+mod shm;
 mod sys;
 #[doc(hidden)]
 pub mod testing;
@@ -260,7 +261,16 @@ impl TcpBackend {
         let mut peers = Vec::with_capacity(cfg.world_size);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match (s, &mesh) {
-                (Some(s), _) => Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?,
+                (Some(s), _) => Peer::connected_shm(
+                    me,
+                    r,
+                    s,
+                    cfg.timeout,
+                    aborts.clone(),
+                    limits,
+                    cfg.shm_host(),
+                    Instant::now() + cfg.init_timeout,
+                )?,
                 (None, Some(m)) if r != me => Peer::unconnected(
                     me,
                     r,

@@ -32,6 +32,8 @@ mod props;
 mod reader;
 mod recv;
 mod rx;
+#[cfg(test)]
+mod shm_tests;
 mod slots;
 #[cfg(test)]
 mod tests;
@@ -100,6 +102,8 @@ struct Conn {
     rx: Mutex<Rx>,
     /// A handle to watch the socket with, and to shut the connection down.
     stream: TcpStream,
+    /// Whether frames to and from the peer go through shared memory.
+    shm: (bool, bool),
 }
 
 /// One peer: its connection (once attached), and the messages and receives waiting on it.
@@ -214,7 +218,8 @@ impl Peer {
         }
     }
 
-    /// A peer over `stream`, whose handshake is done.
+    /// A peer over `stream`, whose handshake is done (with no shared memory).
+    #[cfg(test)]
     pub(crate) fn connected(
         me: usize,
         rank: usize,
@@ -224,8 +229,41 @@ impl Peer {
         limits: Limits,
     ) -> Result<Peer> {
         let p = Peer::bare(me, rank, timeout, aborts, limits, None);
-        p.set_conn(stream)?;
+        p.set_conn(stream, crate::shm::Shm::default())?;
         Ok(p)
+    }
+
+    /// A peer over `stream`, whose handshake is done, after choosing shared memory for it with
+    /// the peer (`crate::shm::negotiate`; both sides must call this at the same point of the
+    /// stream, before any frame): `host` is this rank's host identity, `None` to decline.
+    // The connection's parts, and the choice of shared memory with its deadline.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connected_shm(
+        me: usize,
+        rank: usize,
+        stream: TcpStream,
+        timeout: Duration,
+        aborts: Arc<Aborts>,
+        limits: Limits,
+        host: Option<[u8; 32]>,
+        deadline: Instant,
+    ) -> Result<Peer> {
+        let shm = crate::shm::negotiate(&stream, me, rank, host, deadline).map_err(|cause| {
+            DistError::PeerGone {
+                rank: me,
+                peer: rank,
+                op: "choose shared memory for the connection".into(),
+                cause,
+            }
+        })?;
+        let p = Peer::bare(me, rank, timeout, aborts, limits, None);
+        p.set_conn(stream, shm)?;
+        Ok(p)
+    }
+
+    /// Whether frames to and from this peer go through shared memory (to, from).
+    pub(crate) fn shared_memory(&self) -> (bool, bool) {
+        self.conn.get().map_or((false, false), |c| c.shm)
     }
 
     /// The peer that is this rank itself: sends are copied to its own queue.
@@ -242,7 +280,7 @@ impl Peer {
 
     /// Makes the connection's parts from `stream` and sets them; an error if the peer already
     /// has a connection.
-    fn set_conn(&self, stream: TcpStream) -> Result<()> {
+    fn set_conn(&self, stream: TcpStream, shm: crate::shm::Shm) -> Result<()> {
         let (me, rank) = (self.me, self.rank);
         let io = |context: &str, source| DistError::Io {
             rank: me,
@@ -260,16 +298,20 @@ impl Peer {
         sock.set_write_timeout(Some(self.send_timeout))
             .map_err(|e| io("set send timeout", e))?;
         crate::sys::prepare(&sock).map_err(|e| io("prepare socket", e))?;
-        let r = stream.try_clone().map_err(|e| io("clone socket", e))?;
+        let r = socket2::Socket::from(stream.try_clone().map_err(|e| io("clone socket", e))?);
+        let shm_ways = (shm.tx.is_some(), shm.rx.is_some());
         let conn = Conn {
-            writer: WriterLock::new(Writer {
-                sock,
-                broken: None,
-                hb: [0; FRAME_HEADER_LEN],
-                hb_left: 0,
-            }),
+            shm: shm_ways,
+            writer: WriterLock::new(Writer::new(sock, shm.tx)),
             rx: Mutex::new(Rx {
-                sock: Source::Socket(socket2::Socket::from(r)),
+                sock: match shm.rx {
+                    Some(ring) => Source::Ring {
+                        sock: r,
+                        ring,
+                        io_turn: false,
+                    },
+                    None => Source::Socket(r),
+                },
                 buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),
                 lo: 0,
                 hi: 0,

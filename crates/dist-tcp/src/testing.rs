@@ -10,9 +10,25 @@ use crate::{TcpConfig, init};
 pub use crate::init::{Dialed, Formed, Mesh, OnIncoming};
 
 /// Joins the job `cfg` describes through the real rendezvous and handshake, eagerly whatever
-/// `cfg` says, and returns the connection to every other rank (`None` at this rank's own index), with no reader on them.
+/// `cfg` says, and returns the connection to every other rank (`None` at this rank's own
+/// index), with no reader on them. Like every rank, it first answers each peer's
+/// shared-memory offer (declining it), so frames written on the connections are read as such.
 pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
-    init::form(cfg)
+    let streams = init::form(cfg)?;
+    let deadline = std::time::Instant::now() + cfg.init_timeout;
+    for (peer, s) in streams.iter().enumerate() {
+        if let Some(s) = s {
+            crate::shm::negotiate(s, cfg.rank, peer, None, deadline).map_err(|cause| {
+                dist_core::DistError::PeerGone {
+                    rank: cfg.rank,
+                    peer,
+                    op: "answer the shared-memory offer".into(),
+                    cause,
+                }
+            })?;
+        }
+    }
+    Ok(streams)
 }
 
 /// Forms the job `cfg` describes lazily ([`Formation::Lazy`](crate::Formation), whatever `cfg`

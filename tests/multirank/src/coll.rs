@@ -202,6 +202,16 @@ macro_rules! dispatch {
     };
 }
 
+/// The reductions and the data movement of [`reductions_all`] and [`movement_all`] on `b`,
+/// and, with `large`, the cases of [`large_rings_all`]: every type.
+pub fn all_on(b: &TcpBackend, large: bool) {
+    each_type(b, &|b, d| dispatch!(d, reductions, b));
+    each_type(b, &|b, d| dispatch!(d, movement, b));
+    if large {
+        each_type(b, &|b, d| dispatch!(d, large_rings, b));
+    }
+}
+
 /// all_reduce, reduce (every root) and reduce_scatter: every type, every valid op, every count.
 pub fn reductions_all() {
     let b = join();

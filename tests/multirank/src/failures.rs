@@ -46,7 +46,9 @@ pub fn sigstop() -> Result<(), String> {
     victim_loop("STOP", PEER_TIMEOUT + Duration::from_secs(2))
 }
 
-fn victim_loop(signal: &str, bound: Duration) -> Result<(), String> {
+/// Rank 3 signalled with `signal` after [`BEFORE`] all_reduces of a loop: every survivor
+/// errors, naming rank 3, within `bound` of its last good all_reduce.
+pub fn victim_loop(signal: &str, bound: Duration) -> Result<(), String> {
     let n: usize = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -15,6 +15,7 @@ mod groups;
 mod hostile;
 mod hosts;
 mod p2p;
+mod shm;
 mod uneven;
 mod work;
 
@@ -179,6 +180,11 @@ const CASES: &[Case] = &[
 ];
 
 fn main() -> ExitCode {
-    let cases: Vec<Case> = CASES.iter().chain(hosts::CASES).copied().collect();
+    let cases: Vec<Case> = CASES
+        .iter()
+        .chain(hosts::CASES)
+        .chain(shm::CASES)
+        .copied()
+        .collect();
     dist_multirank::run_cases("dist-multirank", &cases)
 }

@@ -43,7 +43,7 @@ impl Peer {
         if self.loopback || self.is_connected() {
             return Ok(false);
         }
-        match self.set_conn(stream) {
+        match self.set_conn(stream, crate::shm::Shm::default()) {
             Ok(()) => {}
             Err(_) if self.is_connected() => return Ok(false),
             Err(e) => return Err(e),

@@ -2,8 +2,6 @@
 //! connection in one loop, `poll` for room on those whose socket is full, so that a peer that
 //! does not read holds up neither the others nor the thread past its deadline.
 
-use std::os::fd::AsRawFd;
-
 use super::*;
 
 /// How often a peer whose writer another send holds is tried again (a freed writer wakes no one
@@ -77,12 +75,16 @@ impl Peer {
                 let total = o.hb_rest.len() + header.len() + data.len();
                 match o.push(&header, data) {
                     Push::Done => false,
-                    Push::Blocked(fd) => {
+                    Push::Blocked(Some(fd)) => {
                         fds.push(libc::pollfd {
                             fd,
                             events: libc::POLLOUT,
                             revents: 0,
                         });
+                        true
+                    }
+                    Push::Blocked(None) => {
+                        busy = true;
                         true
                     }
                     Push::Failed(e) => {
@@ -125,8 +127,9 @@ impl Peer {
 enum Push {
     /// The frame is written (the writer is let go).
     Done,
-    /// The socket is full: wait for room on this fd.
-    Blocked(std::os::fd::RawFd),
+    /// The socket (or ring) is full: wait for room on this fd (a ring has none: look again
+    /// shortly).
+    Blocked(Option<std::os::fd::RawFd>),
     Failed(std::io::Error),
 }
 
@@ -152,17 +155,14 @@ impl Out<'_> {
                 *w = None;
                 return Push::Done;
             }
-            match g
-                .sock
-                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT)
-            {
+            match g.try_write(bufs) {
                 Ok(0) => return Push::Failed(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
                     *sent += n;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if would_block(&e) => return Push::Blocked(g.sock.as_raw_fd()),
+                Err(e) if would_block(&e) => return Push::Blocked(g.room_fd()),
                 Err(e) => return Push::Failed(e),
             }
         }

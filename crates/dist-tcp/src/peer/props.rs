@@ -43,12 +43,8 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
     // Writer and stream are never used here: unconnected sockets stand in for them.
     let sock = || socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
     let conn = Conn {
-        writer: WriterLock::new(Writer {
-            sock: sock(),
-            broken: None,
-            hb: [0; FRAME_HEADER_LEN],
-            hb_left: 0,
-        }),
+        writer: WriterLock::new(Writer::new(sock(), None)),
+        shm: (false, false),
         rx: Mutex::new(Rx {
             sock: Source::Script(Script {
                 bytes,

@@ -156,11 +156,12 @@ impl Peer {
             }
             // Wait until bytes (or the end of the stream) arrive; at most HOLD_RECHECK, in case
             // a spinner holds a frame back meanwhile.
-            rd.resume = Resume::Socket;
-            return Some(Plan::Wait {
-                read: true,
-                timer: Instant::now().checked_add(HOLD_RECHECK),
-            });
+            return Some(self.wait_bytes(
+                rd,
+                rx,
+                Resume::Socket,
+                Instant::now().checked_add(HOLD_RECHECK),
+            ));
         }
         let now = Instant::now();
         if st.events != rd.last_event.0 {
@@ -170,11 +171,8 @@ impl Peer {
             // heartbeat, an abort notice, the end of the stream), then drain them. A post
             // meanwhile needs no wake-up: its receiver spins on the socket itself, then wakes
             // this side before it sleeps, and bytes arriving end this wait.
-            rd.resume = Resume::Quiet;
-            return Some(Plan::Wait {
-                read: true,
-                timer: None,
-            });
+            drop(st);
+            return Some(self.wait_bytes(rd, rx, Resume::Quiet, None));
         }
         st.reader_sleeping = true;
         rd.resume = Resume::Drain;
@@ -188,7 +186,15 @@ impl Peer {
     /// `None`: nothing was read, or a frame is held: go on to decide what to wait for.
     fn read_now(&self, rd: &mut Reading, rx: &Mutex<Rx>) -> Option<Plan> {
         let mut r = rx.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = match self.progress(&mut r) {
+        // The I/O thread alone reads a ring's socket (its doorbells and its end).
+        if let Source::Ring { io_turn, .. } = &mut r.sock {
+            *io_turn = true;
+        }
+        let step = self.progress(&mut r);
+        if let Source::Ring { io_turn, .. } = &mut r.sock {
+            *io_turn = false;
+        }
+        let plan = match step {
             Step::Closed(cause) => {
                 self.shut(&mut r, cause);
                 return Some(Plan::Exit);
@@ -209,6 +215,27 @@ impl Peer {
         plan
     }
 
+    /// The plan to wait for bytes from the peer (and at most until `timer`), going on at
+    /// `resume`. From a ring, the producer is first asked for a doorbell byte on the socket;
+    /// if bytes are in the ring already, the turn comes back at once to read them instead.
+    fn wait_bytes(
+        &self,
+        rd: &mut Reading,
+        rx: &Mutex<Rx>,
+        resume: Resume,
+        timer: Option<Instant>,
+    ) -> Plan {
+        if let Source::Ring { ring, .. } = &rx.lock().unwrap_or_else(|p| p.into_inner()).sock {
+            // A corrupt ring (an error) is reported by the read that follows.
+            if ring.arm().unwrap_or(true) {
+                rd.resume = Resume::Socket;
+                return Plan::Again;
+            }
+        }
+        rd.resume = resume;
+        Plan::Wait { read: true, timer }
+    }
+
     /// Why a connection whose read side holds a frame back is dead, if it is: reset or shut in
     /// both directions, or shut by the peer before the held frame's payload fully arrived.
     fn held_hang_up(&self, r: &Rx) -> Option<String> {
@@ -223,7 +250,13 @@ impl Peer {
         if ev & crate::sys::PEER_SHUT != 0
             && let Frame::Held { header, .. } = &r.frame
         {
-            let have = crate::sys::unread(fd).unwrap_or(0) + (r.hi - r.lo);
+            let pending = match &r.sock {
+                Source::Ring { ring, .. } => ring
+                    .available()
+                    .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+                _ => crate::sys::unread(fd).unwrap_or(0),
+            };
+            let have = pending.saturating_add(r.hi - r.lo);
             if (have as u64) < header.len {
                 return Some("connection closed mid-message".into());
             }

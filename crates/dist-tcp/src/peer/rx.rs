@@ -89,6 +89,15 @@ pub(super) fn would_block(e: &std::io::Error) -> bool {
 /// What the read side reads: the socket or, in tests, a script of bytes.
 pub(super) enum Source {
     Socket(socket2::Socket),
+    /// The peer's ring in shared memory; the socket carries only doorbell bytes (any value,
+    /// read and dropped) and the end of the stream. Only the I/O thread reads the socket
+    /// (`io_turn` set around its reads): a spinning receiver that took a doorbell byte would
+    /// leave the I/O thread asleep on the socket with no doorbell to come.
+    Ring {
+        sock: socket2::Socket,
+        ring: crate::shm::RxRing,
+        io_turn: bool,
+    },
     #[cfg(test)]
     Script(Script),
 }
@@ -107,7 +116,7 @@ pub(super) struct Script {
 impl Source {
     pub(super) fn shutdown(&mut self) {
         match self {
-            Source::Socket(s) => {
+            Source::Socket(s) | Source::Ring { sock: s, .. } => {
                 let _ = s.shutdown(Shutdown::Both);
             }
             #[cfg(test)]
@@ -118,10 +127,13 @@ impl Source {
 
 /// Receives into `dst` without blocking.
 pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usize> {
-    // Outside tests `Source` has one variant; the match is the same code in both builds.
-    #[allow(clippy::infallible_destructuring_match)]
     let sock = match sock {
         Source::Socket(s) => s,
+        Source::Ring {
+            sock,
+            ring,
+            io_turn,
+        } => return ring_recv(sock, ring, *io_turn, dst),
         #[cfg(test)]
         Source::Script(s) => {
             let n = dst.len().min(s.available - s.read);
@@ -141,6 +153,41 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             r => return r,
         }
+    }
+}
+
+/// Receives into `dst` from the peer's ring without blocking: `WouldBlock` while it is empty
+/// and the connection open, `Ok(0)` once it is empty and the peer has closed the connection
+/// (the peer's last bytes were in the ring before it closed: they are read first). On the I/O
+/// thread (`io_turn`), doorbell bytes on the socket are read and dropped on the way; other
+/// threads leave the socket alone.
+fn ring_recv(
+    sock: &socket2::Socket,
+    ring: &mut crate::shm::RxRing,
+    io_turn: bool,
+    dst: &mut [u8],
+) -> std::io::Result<usize> {
+    let n = ring.read(dst)?;
+    if n > 0 || dst.is_empty() {
+        return Ok(n);
+    }
+    if !io_turn {
+        return Err(std::io::ErrorKind::WouldBlock.into());
+    }
+    let mut bells = [MaybeUninit::<u8>::uninit(); 64];
+    loop {
+        match sock.recv_with_flags(&mut bells, MSG_DONTWAIT) {
+            // The end of the stream: whatever the peer wrote before closing is in the ring.
+            Ok(0) => return ring.read(dst),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if would_block(&e) => break,
+            Err(e) => return Err(e),
+        }
+    }
+    match ring.read(dst)? {
+        0 => Err(std::io::ErrorKind::WouldBlock.into()),
+        n => Ok(n),
     }
 }
 

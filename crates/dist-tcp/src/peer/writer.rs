@@ -6,6 +6,9 @@ use super::*;
 
 pub(super) struct Writer {
     pub(super) sock: socket2::Socket,
+    /// The ring to the peer in shared memory, when the connection has one (`crate::shm`):
+    /// frames go there, and the socket only carries doorbell bytes and the end of the stream.
+    pub(super) ring: Option<crate::shm::TxRing>,
     pub(super) broken: Option<String>,
     /// A heartbeat frame, of which the last `hb_left` bytes are still to be written: heartbeats
     /// are written without blocking, and a part that did not fit goes out before the next frame.
@@ -13,16 +16,69 @@ pub(super) struct Writer {
     pub(super) hb_left: usize,
 }
 
+/// The longest a sender sleeps on a full ring before it looks at the connection again (a peer
+/// that died is seen by the socket hanging up, which wakes no futex).
+const RING_WAIT_SLICE: Duration = Duration::from_millis(50);
+
 impl Writer {
+    /// A writer over `sock`, with frames going to `ring` if given.
+    pub(super) fn new(sock: socket2::Socket, ring: Option<crate::shm::TxRing>) -> Writer {
+        Writer {
+            sock,
+            ring,
+            broken: None,
+            hb: [0; FRAME_HEADER_LEN],
+            hb_left: 0,
+        }
+    }
+
+    /// Writes what fits of `bufs` now, without blocking: to the ring (ringing the peer's
+    /// doorbell if it asked for one) or the socket. `WouldBlock` when nothing fits.
+    pub(super) fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        let Some(ring) = &mut self.ring else {
+            return self
+                .sock
+                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT);
+        };
+        let (n, bell) = ring.write_some(bufs)?;
+        if bell {
+            // One byte wakes the peer's I/O thread; a full socket holds doorbells already.
+            let _ = self.sock.send_with_flags(&[0], MSG_NOSIGNAL | MSG_DONTWAIT);
+        }
+        if n == 0 && bufs.iter().any(|b| !b.is_empty()) {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    }
+
+    /// Waits at most `limit` for room to write (a wake-up is no promise of room). On a ring, an
+    /// error once the connection has hung up (the peer died, or the read side shut it).
+    pub(super) fn wait_room(&self, limit: Duration) -> std::io::Result<()> {
+        let fd = self.sock.as_raw_fd();
+        let Some(ring) = &self.ring else {
+            return crate::sys::poll_write(fd, limit).map(drop);
+        };
+        if crate::sys::poll_read(fd, Duration::ZERO)? & crate::sys::HUNG_UP != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "connection closed while the shared-memory ring was full",
+            ));
+        }
+        ring.wait_room(limit.min(RING_WAIT_SLICE))
+    }
+
+    /// What to `poll` for room, when there is one (a ring has none: look again shortly).
+    pub(super) fn room_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.ring.is_none().then(|| self.sock.as_raw_fd())
+    }
+
     /// Writes what is left of a heartbeat without blocking: `Ok` with some of it left when the
     /// socket is full (the next frame's write sends the rest first).
     pub(super) fn push_heartbeat(&mut self) -> std::io::Result<()> {
         while self.hb_left > 0 {
             let from = FRAME_HEADER_LEN - self.hb_left;
-            match self
-                .sock
-                .send_with_flags(&self.hb[from..], MSG_NOSIGNAL | MSG_DONTWAIT)
-            {
+            let hb = self.hb;
+            match self.try_write(&[IoSlice::new(&hb[from..])]) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => self.hb_left -= n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -34,16 +90,17 @@ impl Writer {
     }
 }
 
-/// Writes all of `bufs` by `deadline`: non-blocking writes, and `poll` for room (at most until
-/// the deadline) whenever the socket is full. `SO_SNDTIMEO` would bound each write, not the whole.
+/// Writes all of `bufs` by `deadline`: non-blocking writes, and a wait for room (at most until
+/// the deadline) whenever the socket or ring is full. `SO_SNDTIMEO` would bound each write, not
+/// the whole.
 pub(super) fn write_all_vectored(
-    sock: &socket2::Socket,
+    w: &mut Writer,
     mut bufs: &mut [IoSlice<'_>],
     deadline: Instant,
     sent: &mut usize,
 ) -> std::io::Result<()> {
     while !bufs.is_empty() {
-        match sock.send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT) {
+        match w.try_write(bufs) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => {
                 IoSlice::advance_slices(&mut bufs, n);
@@ -55,7 +112,7 @@ pub(super) fn write_all_vectored(
                 if left.is_zero() {
                     return Err(std::io::ErrorKind::TimedOut.into());
                 }
-                crate::sys::poll_write(sock.as_raw_fd(), left)?;
+                w.wait_room(left)?;
             }
             Err(e) => return Err(e),
         }
@@ -206,7 +263,7 @@ impl Peer {
         let started = Instant::now();
         let mut sent = 0;
         let total = hb_rest.len() + header.len() + data.len();
-        let r = write_all_vectored(&w.sock, &mut bufs, deadline, &mut sent);
+        let r = write_all_vectored(&mut w, &mut bufs, deadline, &mut sent);
         w.hb_left = w.hb_left.saturating_sub(sent);
         r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total)))
     }
@@ -265,10 +322,7 @@ impl Peer {
                 break Ok(());
             }
             let mut moved = false;
-            match w
-                .sock
-                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT)
-            {
+            match w.try_write(bufs) {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
                     sent += n;
@@ -306,7 +360,7 @@ impl Peer {
                 // on the send (within the socket's send timeout).
                 spinning = None;
                 src.wake_reader(&src.lock());
-                break write_all_vectored(&w.sock, bufs, deadline, &mut sent);
+                break write_all_vectored(&mut w, bufs, deadline, &mut sent);
             }
             std::thread::yield_now();
         };
@@ -359,12 +413,7 @@ mod lock_tests {
     fn lock() -> WriterLock {
         let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
             .expect("a socket");
-        WriterLock::new(Writer {
-            sock,
-            broken: None,
-            hb: [0; FRAME_HEADER_LEN],
-            hb_left: 0,
-        })
+        WriterLock::new(Writer::new(sock, None))
     }
 
     #[test]

@@ -1,0 +1,254 @@
+//! The single-producer single-consumer byte ring of one ordered pair of ranks, in the
+//! producer's segment. Each side keeps its own position in private memory (the authoritative
+//! copy) and publishes it in the header for the other side; every value read from the header
+//! is read once into a local and checked against the ring's capacity (fixed, and kept locally,
+//! when the ring was made or mapped) before it is used, so a peer that scribbles on the header
+//! gets an error naming it, never an access outside the ring.
+//!
+//! Memory ordering (the argument in full is in `docs/architecture.md`, "Shared memory"):
+//! the producer copies bytes in, then stores its position with `Release`; the consumer loads it
+//! with `Acquire`, then copies the bytes out, then stores its own position with `Release`,
+//! which the producer loads with `Acquire` before reusing the space. The waits use the
+//! store-fence-load pattern on both sides (`SeqCst` fences), so a side about to sleep either
+//! sees the other's progress or is seen to be waiting and is woken.
+
+use std::io;
+use std::sync::atomic::{Ordering, fence};
+use std::time::Duration;
+
+use rustix::thread::futex;
+
+use super::map::{OFF_HEAD, OFF_RX_WAITING, OFF_SPACE_SEQ, OFF_TAIL, OFF_TX_WAITING, Segment};
+
+fn corrupt(peer: usize, what: String) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("corrupt shared-memory ring from peer {peer}: {what}"),
+    )
+}
+
+/// The producing end: this rank writes the bytes of its frames to the peer here.
+#[derive(Debug)]
+pub(crate) struct TxRing {
+    seg: Segment,
+    cap: u64,
+    /// Bytes written so far (the authoritative producer position).
+    tail: u64,
+    /// The consumer, for errors.
+    peer: usize,
+}
+
+/// The consuming end: this rank reads the peer's frames from here.
+#[derive(Debug)]
+pub(crate) struct RxRing {
+    seg: Segment,
+    cap: u64,
+    /// Bytes read so far (the authoritative consumer position).
+    head: u64,
+    /// The producer, for errors.
+    peer: usize,
+}
+
+/// Copies `src` into the ring's bytes at position `pos` (wrapping at `cap`).
+///
+/// # Safety
+/// `data` is the start of a live ring of `cap` bytes (a power of two) that this thread may
+/// write at positions `pos..pos + src.len()` (the space the consumer has given back), and
+/// `src.len() <= cap`.
+unsafe fn copy_in(data: *mut u8, cap: u64, pos: u64, src: &[u8]) {
+    let at = (pos & (cap - 1)) as usize;
+    let first = src.len().min(cap as usize - at);
+    // SAFETY: `at + first <= cap` and `src.len() - first <= cap`, within the ring (caller's
+    // contract); the ring is shared memory outside every Rust object, so it cannot overlap `src`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(at), first);
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, src.len() - first);
+    }
+}
+
+/// Copies the ring's bytes at position `pos` (wrapping at `cap`) into `dst`.
+///
+/// # Safety
+/// As [`copy_in`], for reading `pos..pos + dst.len()` (bytes the producer has published).
+unsafe fn copy_out(data: *const u8, cap: u64, pos: u64, dst: &mut [u8]) {
+    let at = (pos & (cap - 1)) as usize;
+    let first = dst.len().min(cap as usize - at);
+    // SAFETY: as in `copy_in`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.add(at), dst.as_mut_ptr(), first);
+        std::ptr::copy_nonoverlapping(data, dst.as_mut_ptr().add(first), dst.len() - first);
+    }
+}
+
+impl TxRing {
+    /// The producing end of `seg` (made by [`Segment::create`] with capacity `cap`).
+    pub(crate) fn new(seg: Segment, cap: u64, peer: usize) -> TxRing {
+        debug_assert_eq!(seg.len() as u64, super::map::HEADER as u64 + cap);
+        TxRing {
+            seg,
+            cap,
+            tail: 0,
+            peer,
+        }
+    }
+
+    /// The room left, from the consumer's published position (checked).
+    fn room(&self) -> io::Result<u64> {
+        let head = self.seg.u64_at(OFF_HEAD).load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > self.cap {
+            return Err(corrupt(
+                self.peer,
+                format!(
+                    "its read position {head} is not within the {} bytes behind this rank's \
+                     write position {}",
+                    self.cap, self.tail
+                ),
+            ));
+        }
+        Ok(self.cap - used)
+    }
+
+    /// Writes as much of `bufs` (in order) as fits now, without blocking. Returns the bytes
+    /// written (0 when the ring is full) and whether the consumer asked to be woken (the
+    /// caller then rings its doorbell).
+    pub(crate) fn write_some(
+        &mut self,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> io::Result<(usize, bool)> {
+        let mut room = self.room()?;
+        let start = self.tail;
+        for b in bufs {
+            if room == 0 {
+                break;
+            }
+            let n = (b.len() as u64).min(room);
+            // SAFETY: the consumer has given back `room` bytes from `tail` (checked against
+            // `cap` in `room`), and this `&mut self` is the ring's only producer.
+            unsafe { copy_in(self.seg.data(), self.cap, self.tail, &b[..n as usize]) };
+            self.tail += n;
+            room -= n;
+        }
+        let n = (self.tail - start) as usize;
+        if n == 0 {
+            return Ok((0, false));
+        }
+        self.seg
+            .u64_at(OFF_TAIL)
+            .store(self.tail, Ordering::Release);
+        // Store-fence-load against the consumer's `arm`: it either sees this position or we
+        // see its flag.
+        fence(Ordering::SeqCst);
+        let waiting = self.seg.u32_at(OFF_RX_WAITING);
+        let bell = waiting.load(Ordering::Relaxed) != 0 && waiting.swap(0, Ordering::Relaxed) != 0;
+        Ok((n, bell))
+    }
+
+    /// Sleeps until the consumer gives room back, at most `limit`; returns at once if there is
+    /// room already. A wake-up is not a promise of room: the caller looks again.
+    pub(crate) fn wait_room(&self, limit: Duration) -> io::Result<()> {
+        let seq_word = self.seg.u32_at(OFF_SPACE_SEQ);
+        let seq = seq_word.load(Ordering::Acquire);
+        self.seg.u32_at(OFF_TX_WAITING).store(1, Ordering::Relaxed);
+        // Store-fence-load against the consumer's `read`: it either sees our flag (and bumps
+        // the sequence, which makes the futex wait return at once) or we see its room.
+        fence(Ordering::SeqCst);
+        if self.room()? > 0 {
+            return Ok(());
+        }
+        let ts = rustix::time::Timespec {
+            tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
+            tv_nsec: i64::from(limit.subsec_nanos()),
+        };
+        match futex::wait(seq_word, futex::Flags::empty(), seq, Some(&ts)) {
+            Ok(()) => Ok(()),
+            Err(e)
+                if e == rustix::io::Errno::AGAIN
+                    || e == rustix::io::Errno::TIMEDOUT
+                    || e == rustix::io::Errno::INTR =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl RxRing {
+    /// The consuming end of `seg` (checked by [`Segment::open`] for capacity `cap`).
+    pub(crate) fn new(seg: Segment, cap: u64, peer: usize) -> RxRing {
+        debug_assert_eq!(seg.len() as u64, super::map::HEADER as u64 + cap);
+        RxRing {
+            seg,
+            cap,
+            head: 0,
+            peer,
+        }
+    }
+
+    /// The bytes published and not yet read (checked).
+    pub(crate) fn available(&self) -> io::Result<u64> {
+        let tail = self.seg.u64_at(OFF_TAIL).load(Ordering::Acquire);
+        let avail = tail.wrapping_sub(self.head);
+        if avail > self.cap {
+            return Err(corrupt(
+                self.peer,
+                format!(
+                    "its write position {tail} is not within the {} bytes ahead of this \
+                     rank's read position {}",
+                    self.cap, self.head
+                ),
+            ));
+        }
+        Ok(avail)
+    }
+
+    /// Reads up to `dst.len()` bytes; `Ok(0)` when the ring is empty. Wakes a producer that
+    /// waits for room.
+    pub(crate) fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+        let avail = self.available()?;
+        let n = (dst.len() as u64).min(avail) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        // SAFETY: the producer has published `avail` bytes from `head` (checked against `cap`
+        // in `available`), and this `&mut self` is the ring's only consumer.
+        unsafe { copy_out(self.seg.data(), self.cap, self.head, &mut dst[..n]) };
+        self.head += n as u64;
+        self.seg
+            .u64_at(OFF_HEAD)
+            .store(self.head, Ordering::Release);
+        fence(Ordering::SeqCst);
+        let waiting = self.seg.u32_at(OFF_TX_WAITING);
+        if waiting.load(Ordering::Relaxed) != 0 {
+            waiting.store(0, Ordering::Relaxed);
+            let seq = self.seg.u32_at(OFF_SPACE_SEQ);
+            seq.fetch_add(1, Ordering::Release);
+            // The producer is in another process: a shared (not private) futex.
+            let _ = futex::wake(seq, futex::Flags::empty(), u32::MAX >> 1);
+        }
+        Ok(n)
+    }
+
+    /// Asks the producer to ring the doorbell when it next writes; true if bytes are waiting
+    /// already (then no doorbell may come: the caller reads instead of sleeping).
+    pub(crate) fn arm(&self) -> io::Result<bool> {
+        self.seg.u32_at(OFF_RX_WAITING).store(1, Ordering::Relaxed);
+        // Store-fence-load against the producer's `write_some`.
+        fence(Ordering::SeqCst);
+        Ok(self.available()? > 0)
+    }
+}
+
+#[cfg(test)]
+impl RxRing {
+    /// Plays a hostile peer: publishes a write position beyond what the ring can hold.
+    pub(crate) fn corrupt_tail_for_test(&self) {
+        let bad = self.head + self.cap + 1;
+        self.seg.u64_at(OFF_TAIL).store(bad, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+#[path = "ring_tests.rs"]
+mod tests;

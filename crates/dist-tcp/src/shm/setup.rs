@@ -1,0 +1,453 @@
+//! Choosing shared memory for a connection, once its handshake is done and before any frame
+//! crosses it. Both sides run [`negotiate`] on the TCP stream at the same point:
+//!
+//! 1. Each sends an offer (96 bytes): whether it wants shared memory, its host identity (a hash
+//!    of the boot id, the network namespace and `DIST_HOST_ID`), its ring's capacity and, from
+//!    the lower rank, the name of an abstract Unix socket it listens on (no file) and a token.
+//! 2. If both want it and the identities match, the higher rank connects to that socket and
+//!    sends the token with its ring's `memfd` (`SCM_RIGHTS`); the lower rank checks the token
+//!    and answers with its own `memfd`. Each maps the peer's segment after checking it.
+//! 3. Each sends one byte over TCP: whether it mapped the peer's ring. A rank writes to its own
+//!    ring only if the peer mapped it, and reads the peer's only if it did: every failure in
+//!    step 2 leaves that direction on TCP, agreed by both sides.
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::net::TcpStream;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use sha2::{Digest, Sha256};
+
+use super::map::Segment;
+use super::{RxRing, TxRing};
+
+/// The capacity of each ring: enough for a 1 MiB piece of a pipelined collective in flight.
+pub(crate) const RING_CAP: u64 = 1 << 20;
+
+const OFFER_MAGIC: [u8; 8] = *b"dist-shO";
+const OFFER_LEN: usize = 96;
+const FLAG_WANTS: u32 = 1;
+
+/// A connection's shared-memory parts: the ring this rank writes (if the peer mapped it) and
+/// the peer's ring this rank reads (if it mapped it).
+#[derive(Debug, Default)]
+pub(crate) struct Shm {
+    pub(crate) tx: Option<TxRing>,
+    pub(crate) rx: Option<RxRing>,
+}
+
+/// What a rank says about itself in its offer.
+#[derive(Debug)]
+struct Offer {
+    wants: bool,
+    cap: u64,
+    host: [u8; 32],
+    nonce: [u8; 16],
+    token: [u8; 16],
+    rank: u64,
+}
+
+impl Offer {
+    fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut b = [0u8; OFFER_LEN];
+        b[..8].copy_from_slice(&OFFER_MAGIC);
+        let flags = if self.wants { FLAG_WANTS } else { 0 };
+        b[8..12].copy_from_slice(&flags.to_le_bytes());
+        b[16..24].copy_from_slice(&self.cap.to_le_bytes());
+        b[24..56].copy_from_slice(&self.host);
+        b[56..72].copy_from_slice(&self.nonce);
+        b[72..88].copy_from_slice(&self.token);
+        b[88..96].copy_from_slice(&self.rank.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; OFFER_LEN]) -> Result<Offer, String> {
+        if b[..8] != OFFER_MAGIC {
+            return Err("its first bytes after the handshake are not a shared-memory offer".into());
+        }
+        fn arr<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+            b[at..at + N].try_into().expect("slice of fixed length")
+        }
+        let flags = u32::from_le_bytes(arr(b, 8));
+        if flags & !FLAG_WANTS != 0 || b[12..16] != [0; 4] {
+            return Err(format!("shared-memory offer with unknown flags {flags:#x}"));
+        }
+        Ok(Offer {
+            wants: flags & FLAG_WANTS != 0,
+            cap: u64::from_le_bytes(arr(b, 16)),
+            host: arr(b, 24),
+            nonce: arr(b, 56),
+            token: arr(b, 72),
+            rank: u64::from_le_bytes(arr(b, 88)),
+        })
+    }
+}
+
+/// This host's identity as far as shared memory goes: the kernel's boot id and this process's
+/// network namespace (device and inode of `/proc/self/ns/net`), and `host_id` (the
+/// `DIST_HOST_ID` that simulates hosts in tests). `None` when either cannot be read.
+pub(crate) fn host_identity(host_id: Option<&str>) -> Option<[u8; 32]> {
+    use std::os::unix::fs::MetadataExt;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let ns = std::fs::metadata("/proc/self/ns/net").ok()?;
+    let mut h = Sha256::new();
+    h.update(b"dist shm host\0");
+    h.update(boot.trim().as_bytes());
+    h.update(format!("\0{}:{}\0", ns.dev(), ns.ino()).as_bytes());
+    h.update(host_id.unwrap_or("").as_bytes());
+    Some(h.finalize().into())
+}
+
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    let l = deadline.saturating_duration_since(Instant::now());
+    if l.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    Ok(l)
+}
+
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        s.set_read_timeout(Some(left(deadline)?))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn write_all_by(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    s.set_write_timeout(Some(left(deadline)?))?;
+    s.write_all(buf)
+}
+
+/// Runs the exchange above on `stream` (rank `me` and `peer`; `host` this rank's identity, or
+/// `None` to decline shared memory). An error is a failure of the TCP connection itself or of
+/// the protocol (the connection is unusable); a failure to set up shared memory is not: that
+/// direction stays on TCP.
+pub(crate) fn negotiate(
+    stream: &TcpStream,
+    me: usize,
+    peer: usize,
+    host: Option<[u8; 32]>,
+    deadline: Instant,
+) -> Result<Shm, String> {
+    let mut s = stream
+        .try_clone()
+        .map_err(|e| format!("clone socket: {e}"))?;
+    let mut nonce = [0u8; 16];
+    let mut token = [0u8; 16];
+    let mut listener = None;
+    if host.is_some() && me < peer {
+        getrandom::fill(&mut nonce)
+            .and_then(|()| getrandom::fill(&mut token))
+            .map_err(|e| format!("random bytes: {e}"))?;
+        listener = UnixListener::bind_addr(&abstract_addr(&nonce).map_err(|e| e.to_string())?)
+            .inspect_err(|e| tracing::debug!(me, peer, error = %e, "no shared-memory listener"))
+            .ok();
+    }
+    let mine = Offer {
+        wants: host.is_some() && (me > peer || listener.is_some()),
+        cap: RING_CAP,
+        host: host.unwrap_or([0; 32]),
+        nonce,
+        token,
+        rank: me as u64,
+    };
+    let tcp = |what: &str, e: std::io::Error| format!("{what} (shared-memory offer): {e}");
+    write_all_by(&mut s, &mine.encode(), deadline).map_err(|e| tcp("send", e))?;
+    let mut raw = [0u8; OFFER_LEN];
+    read_exact_by(&mut s, &mut raw, deadline).map_err(|e| tcp("receive", e))?;
+    let theirs = Offer::decode(&raw)?;
+    if theirs.rank != peer as u64 {
+        return Err(format!(
+            "shared-memory offer from rank {} on the connection of rank {peer}",
+            theirs.rank
+        ));
+    }
+    let mut shm = Shm::default();
+    let mut own = None;
+    if mine.wants && theirs.wants && mine.host == theirs.host {
+        match exchange(&s, me, peer, &mine, &theirs, listener.take(), deadline) {
+            Ok((seg, fd)) => {
+                own = Some(seg);
+                match Segment::open(&fd, theirs.cap) {
+                    Ok(seg) => shm.rx = Some(RxRing::new(seg, theirs.cap, peer)),
+                    Err(e) => tracing::warn!(me, peer, "peer's shared-memory ring refused: {e}"),
+                }
+            }
+            Err(e) => tracing::warn!(me, peer, "no shared memory with this peer: {e}"),
+        }
+    }
+    drop(listener);
+    let ok = [u8::from(shm.rx.is_some())];
+    write_all_by(&mut s, &ok, deadline).map_err(|e| tcp("send", e))?;
+    let mut theirs_ok = [0u8];
+    read_exact_by(&mut s, &mut theirs_ok, deadline).map_err(|e| tcp("receive", e))?;
+    match theirs_ok[0] {
+        0 => {}
+        1 => {
+            let Some(seg) = own else {
+                return Err("peer says it mapped a ring this rank never sent".into());
+            };
+            shm.tx = Some(TxRing::new(seg, RING_CAP, peer));
+        }
+        b => return Err(format!("shared-memory answer {b} is neither 0 nor 1")),
+    }
+    tracing::debug!(
+        me,
+        peer,
+        tx = shm.tx.is_some(),
+        rx = shm.rx.is_some(),
+        "shared memory"
+    );
+    Ok(shm)
+}
+
+fn abstract_addr(nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
+    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    SocketAddr::from_abstract_name(format!("dist-shm-{hex}"))
+}
+
+/// Step 2: passes this rank's new segment to the peer and receives the peer's descriptor.
+fn exchange(
+    tcp: &TcpStream,
+    me: usize,
+    peer: usize,
+    mine: &Offer,
+    theirs: &Offer,
+    listener: Option<UnixListener>,
+    deadline: Instant,
+) -> Result<(Segment, OwnedFd), String> {
+    let (fd, seg) = Segment::create(RING_CAP).map_err(|e| format!("memfd ring: {e}"))?;
+    let got = if me < peer {
+        let l = listener.ok_or("no listener")?;
+        let mut u = accept_peer(&l, tcp, deadline)?;
+        let fd_in = recv_fd(&mut u, &mut [0u8; 16], deadline, Some(&mine.token))?;
+        send_fd(&u, &[1], &fd, deadline)?;
+        fd_in
+    } else {
+        let u = UnixStream::connect_addr(&abstract_addr(&theirs.nonce).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("connect to the peer's socket: {e}"))?;
+        send_fd(&u, &theirs.token, &fd, deadline)?;
+        let mut u = u;
+        recv_fd(&mut u, &mut [0u8; 1], deadline, Some(&[1]))?
+    };
+    Ok((seg, got))
+}
+
+/// Accepts the first connection on `l` (its token is checked next: a stranger that connects
+/// first only costs this pair its shared memory), unless the peer gives up first (its answer
+/// arrives on `tcp`) or `deadline` passes.
+fn accept_peer(l: &UnixListener, tcp: &TcpStream, deadline: Instant) -> Result<UnixStream, String> {
+    l.set_nonblocking(true).map_err(|e| e.to_string())?;
+    loop {
+        match l.accept() {
+            Ok((u, _)) => {
+                u.set_nonblocking(false).map_err(|e| e.to_string())?;
+                return Ok(u);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("accept: {e}")),
+        }
+        let wait = left(deadline).map_err(|_| "the peer did not connect in time".to_string())?;
+        let mut fds = [
+            libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: tcp.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        crate::sys::poll_many(&mut fds, wait).map_err(|e| format!("poll: {e}"))?;
+        if fds[1].revents != 0 && fds[0].revents == 0 {
+            return Err("the peer gave up before connecting".into());
+        }
+    }
+}
+
+fn send_fd(u: &UnixStream, bytes: &[u8], fd: &OwnedFd, deadline: Instant) -> Result<(), String> {
+    u.set_write_timeout(Some(left(deadline).map_err(|e| e.to_string())?))
+        .map_err(|e| e.to_string())?;
+    let fds = [fd.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err("no room for the descriptor".into());
+    }
+    let n = rustix::net::sendmsg(u, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)
+        .map_err(|e| format!("send the ring: {e}"))?;
+    if n != bytes.len() {
+        return Err(format!("sent {n} of {} bytes with the ring", bytes.len()));
+    }
+    Ok(())
+}
+
+/// Receives `buf.len()` bytes with one descriptor; the bytes must equal `expect`.
+fn recv_fd(
+    u: &mut UnixStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    expect: Option<&[u8]>,
+) -> Result<OwnedFd, String> {
+    u.set_read_timeout(Some(left(deadline).map_err(|e| e.to_string())?))
+        .map_err(|e| e.to_string())?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let r = rustix::net::recvmsg(
+        &*u,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )
+    .map_err(|e| format!("receive the peer's ring: {e}"))?;
+    let mut fd = None;
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            for f in fds {
+                // Any descriptor beyond the first is closed here, unused.
+                fd.get_or_insert(f);
+            }
+        }
+    }
+    if r.bytes != buf.len() || expect.is_some_and(|x| x != &buf[..]) {
+        return Err(format!(
+            "unexpected answer ({} bytes) on the ring socket",
+            r.bytes
+        ));
+    }
+    fd.ok_or_else(|| "no descriptor came with the answer".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An offer decodes to what was encoded; a stray first byte or unknown flag is refused.
+    #[test]
+    fn offers_round_trip_and_garbage_is_refused() {
+        let o = Offer {
+            wants: true,
+            cap: RING_CAP,
+            host: [3; 32],
+            nonce: [4; 16],
+            token: [5; 16],
+            rank: 7,
+        };
+        let b = o.encode();
+        let d = Offer::decode(&b).unwrap();
+        assert!(d.wants && d.cap == RING_CAP && d.host == [3; 32] && d.rank == 7);
+        assert_eq!((d.nonce, d.token), ([4; 16], [5; 16]));
+        let mut bad = b;
+        bad[0] ^= 1;
+        assert!(
+            Offer::decode(&bad)
+                .unwrap_err()
+                .contains("not a shared-memory offer")
+        );
+        let mut bad = b;
+        bad[9] = 1;
+        assert!(Offer::decode(&bad).unwrap_err().contains("unknown flags"));
+    }
+
+    /// The identity is that of this host: the same twice, and `DIST_HOST_ID` changes it.
+    #[test]
+    fn host_identity_follows_the_simulated_host() {
+        let a = host_identity(None).expect("boot id and namespace readable");
+        assert_eq!(Some(a), host_identity(None));
+        assert_ne!(Some(a), host_identity(Some("other")));
+    }
+
+    /// A configuration wants shared memory by default, not with `shared_memory(false)`, and
+    /// not when the job forms lazily.
+    #[test]
+    fn which_configurations_offer_shared_memory() {
+        let c = crate::TcpConfig::new(0, 2, "127.0.0.1:1");
+        assert_eq!(c.shm_host(), host_identity(None));
+        assert!(c.clone().shared_memory(false).shm_host().is_none());
+        assert!(
+            c.clone()
+                .formation(crate::Formation::Lazy)
+                .shm_host()
+                .is_none()
+        );
+        assert_ne!(c.host_id("h1").shm_host(), host_identity(None));
+    }
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    fn both(ha: Option<[u8; 32]>, hb: Option<[u8; 32]>) -> (Shm, Shm) {
+        let (a, b) = pair();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        std::thread::scope(|s| {
+            let t = s.spawn(|| negotiate(&b, 3, 1, hb, deadline).unwrap());
+            let x = negotiate(&a, 1, 3, ha, deadline).unwrap();
+            (x, t.join().unwrap())
+        })
+    }
+
+    /// Two ranks of one host each get both rings, and bytes written by one arrive at the other.
+    #[test]
+    fn same_host_ranks_share_rings() {
+        let h = host_identity(None);
+        let (mut a, mut b) = both(h, h);
+        let (tx, rx) = (a.tx.as_mut().unwrap(), b.rx.as_mut().unwrap());
+        assert_eq!(tx.write_some(&[IoSlice::new(b"over shm")]).unwrap().0, 8);
+        let mut out = [0u8; 8];
+        assert_eq!(rx.read(&mut out).unwrap(), 8);
+        assert_eq!(&out, b"over shm");
+        assert!(a.rx.is_some() && b.tx.is_some());
+    }
+
+    /// Other hosts, or a rank that declines, get no ring in either direction, and both sides
+    /// agree.
+    #[test]
+    fn other_hosts_or_a_refusal_stay_on_tcp() {
+        for (ha, hb) in [
+            (host_identity(Some("a")), host_identity(Some("b"))),
+            (host_identity(None), None),
+            (None, host_identity(None)),
+        ] {
+            let (a, b) = both(ha, hb);
+            assert!(a.tx.is_none() && a.rx.is_none() && b.tx.is_none() && b.rx.is_none());
+        }
+    }
+
+    /// A peer that sends something other than an offer is a protocol error, not a hang.
+    #[test]
+    fn garbage_instead_of_an_offer_is_an_error() {
+        let (a, mut b) = pair();
+        b.write_all(&[0x55; OFFER_LEN]).unwrap();
+        let e = negotiate(
+            &a,
+            1,
+            3,
+            host_identity(None),
+            Instant::now() + Duration::from_secs(5),
+        )
+        .unwrap_err();
+        assert!(e.contains("not a shared-memory offer"), "{e}");
+    }
+}
