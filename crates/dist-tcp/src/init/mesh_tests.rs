@@ -335,38 +335,6 @@ fn dropping_the_mesh_closes_the_listener() {
     assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
 }
 
-/// 256 ranks form lazily as threads: each rank connects to rank 0 only, and formation costs
-/// a bounded number of threads per rank (its own and its accept thread; rank 0 a few
-/// handshake workers besides), where the eager mesh needs a thread per peer.
-#[test]
-fn a_few_hundred_ranks_form_lazily() {
-    const N: usize = 256;
-    let before = threads_now();
-    let (ranks, took) = lazy_job(N, None);
-    eprintln!("{N} ranks formed lazily (threads) in {took:.2?}");
-    let during = threads_now().saturating_sub(before);
-    // Each rank: its accept thread (the rank threads have ended); rank 0: none (no listener
-    // after formation); rank 0's handshake workers, until idle. Slack for the tests that run
-    // beside this one in the same process.
-    assert!(
-        during <= N + acceptor::HANDSHAKE_WORKERS + 32,
-        "{during} threads for {N} ranks"
-    );
-    for (r, rank) in ranks.iter().enumerate() {
-        let connected = rank.formed.streams.iter().filter(|s| s.is_some()).count();
-        assert_eq!(connected, if r == 0 { N - 1 } else { 1 }, "rank {r}");
-    }
-}
-
-fn threads_now() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// The peer layer shares one mesh between its threads (the dialing callers, the I/O thread).
 #[test]
 fn a_mesh_is_shared_between_threads() {
