@@ -113,6 +113,18 @@ mod occupancy;
 mod scope;
 
 pub(crate) use occupancy::Occupancy;
+
+thread_local! {
+    /// Set on the threads that run a group's async work.
+    static WORK_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is one of the threads that run groups' async work. A transport waiting
+/// for a message there should sleep rather than spin: the thread that issued the work is
+/// computing beside it, and a spinning wait would take that computation's core.
+pub fn on_work_thread() -> bool {
+    WORK_THREAD.get()
+}
 pub use scope::Scope;
 pub(crate) use scope::scope;
 

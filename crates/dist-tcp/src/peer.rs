@@ -353,7 +353,12 @@ impl Peer {
         self.spin_us.store(us, Ordering::Relaxed);
     }
 
+    /// How long a wait on this thread spins before it sleeps: not at all on a thread running
+    /// async work ([`dist_core::work::on_work_thread`]), whose caller computes beside it.
     fn spin_time(&self) -> Duration {
+        if dist_core::work::on_work_thread() {
+            return Duration::ZERO;
+        }
         Duration::from_micros(self.spin_us.load(Ordering::Relaxed))
     }
 

@@ -205,6 +205,7 @@ impl Occupancy {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(1)
                     .thread_name(move |_| format!("dist-{what}-{rank}"))
+                    .start_handler(|_| super::WORK_THREAD.set(true))
                     .build()
                     .map_err(|e| format!("{what} thread: {e}"))
             };

@@ -544,3 +544,34 @@ fn a_blocking_collective_does_not_wait_for_queued_receives() {
         r.unwrap();
     }
 }
+
+/// Async work runs on work threads ([`crate::work::on_work_thread`], which transports read to
+/// sleep instead of spinning there), the caller's own calls do not.
+#[test]
+fn async_work_runs_on_work_threads_and_blocking_calls_do_not() {
+    let links = MemLink::mesh(2);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    links[0].set_faults(move |e| {
+        if e.tag == Tag::user(5) {
+            record.lock().unwrap().push(crate::work::on_work_thread());
+        }
+        Delivery::Now
+    });
+    let results = run_links(links, |link| {
+        let g = form(link)?;
+        let mut b = [0u8; 1];
+        if g.rank() == 0 {
+            g.send_tagged(&[1], 1, Tag::user(5))?;
+            g.scope(|s| s.isend(&[2], 1, Tag::user(5)).wait())?;
+        } else {
+            g.recv_tagged(&mut b, 0, Tag::user(5))?;
+            g.recv_tagged(&mut b, 0, Tag::user(5))?;
+        }
+        Ok(crate::work::on_work_thread())
+    });
+    for r in results {
+        assert!(!r.unwrap(), "a caller's thread counted as a work thread");
+    }
+    assert_eq!(*seen.lock().unwrap(), [false, true]);
+}
