@@ -13,6 +13,7 @@ mod failures;
 mod flow;
 mod groups;
 mod hostile;
+mod hybrid_groups;
 mod hosts;
 mod p2p;
 mod uneven;
@@ -173,6 +174,7 @@ const CASES: &[Case] = &[
         work::threads();
         Ok(())
     }),
+    Case::new("hybrid_groups_host", hybrid_groups::grid).only_at(&[4]),
     Case::new("admission_flood", admission::flood),
     Case::new("flow_unexpected", flow::unexpected),
     Case::new("hostile_peer", hostile::peer),
