@@ -26,7 +26,11 @@ pub trait Buffer {
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::all_gather`].
-    fn all_gather<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()>;
+    fn all_gather<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()>;
     /// See [`HybridBackend::reduce_scatter`].
     fn reduce_scatter<H: Transport>(
         input: &Self,
@@ -35,7 +39,11 @@ pub trait Buffer {
         op: ReduceOp,
     ) -> Result<()>;
     /// See [`HybridBackend::all_to_all`].
-    fn all_to_all<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()>;
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()>;
     /// See [`HybridBackend::all_to_all_v`].
     fn all_to_all_v<H: Transport>(
         input: &Self,
@@ -121,7 +129,11 @@ impl<T: Element> Buffer for [T] {
         }
     }
 
-    fn all_gather<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()> {
+    fn all_gather<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         Ok(h.tcp.all_gather(input, output)?)
     }
 
@@ -134,7 +146,11 @@ impl<T: Element> Buffer for [T] {
         Ok(h.tcp.reduce_scatter(input, output, op)?)
     }
 
-    fn all_to_all<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()> {
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         Ok(h.tcp.all_to_all(input, output)?)
     }
 

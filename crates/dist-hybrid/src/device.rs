@@ -13,8 +13,8 @@
 //! call either way).
 
 use cudarc::driver::CudaSlice;
-use dist_core::{ReduceOp, Transport};
 use dist_core::collectives::Kind;
+use dist_core::{ReduceOp, Transport};
 use dist_nccl::{Communicator, NcclType};
 
 use crate::buffer::Buffer;
@@ -75,7 +75,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_gather<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()> {
+    fn all_gather<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         h.nccl_call::<T>(Kind::AllGather, input.len(), None, None, |c| {
             c.all_gather(input, output)
         })
@@ -93,7 +97,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_to_all<H: Transport>(input: &Self, output: &mut Self, h: &HybridBackend<H>) -> Result<()> {
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         h.nccl_call::<T>(Kind::AllToAll, input.len(), None, None, |c| {
             if native(c) || !input.len().is_multiple_of(c.size()) {
                 // NCCL's own call, or its refusal of a length that does not split evenly.

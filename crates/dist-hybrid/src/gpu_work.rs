@@ -19,10 +19,10 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use cudarc::driver::CudaSlice;
-use dist_core::{ReduceOp, Transport};
-use dist_tcp::TcpBackend;
 use dist_core::collectives::Kind;
+use dist_core::{ReduceOp, Transport};
 use dist_nccl::{NcclType, Work};
+use dist_tcp::TcpBackend;
 
 use crate::buffer::Buffer;
 use crate::{HybridBackend, Result};

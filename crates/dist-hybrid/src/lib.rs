@@ -343,7 +343,6 @@ impl HybridBackend {
             check_calls: check_from_env(),
         })
     }
-
 }
 
 impl<H: Transport> HybridBackend<H> {

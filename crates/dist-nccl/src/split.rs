@@ -50,7 +50,14 @@ impl Communicator {
         let nb = self.split_raw(color as i32, key, &cfg)?;
         let name = c_name(cfg.name.as_ref());
         let who = self.split_name(&cfg, &color.to_string());
-        Self::from_nonblocking(self.shared.nccl.clone(), self.ctx.clone(), nb, who, name, &cfg)
+        Self::from_nonblocking(
+            self.shared.nccl.clone(),
+            self.ctx.clone(),
+            nb,
+            who,
+            name,
+            &cfg,
+        )
     }
 
     /// Takes part in a split of this communicator without joining any of the communicators it

@@ -34,7 +34,11 @@ fn exercise(g: &HybridGroup, mates: &[usize], count: usize) {
         assert_eq!(block, &want[..], "all_gather block {j} on {mates:?}");
     }
     for (root, &world_root) in mates.iter().enumerate() {
-        let mut b = if me == root { mine.clone() } else { vec![-1.0; count] };
+        let mut b = if me == root {
+            mine.clone()
+        } else {
+            vec![-1.0; count]
+        };
         g.broadcast(&mut b[..], root)
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(
@@ -86,9 +90,7 @@ pub fn grid() -> Result<(), String> {
     let row_mates = [row * 2 + 1, row * 2];
     let mut cols = None;
     for c in 0..2 {
-        let g = h
-            .new_group(&[c, c + 2])
-            .unwrap_or_else(|e| panic!("{e}"));
+        let g = h.new_group(&[c, c + 2]).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(g.is_some(), c == col, "new_group({c}) on rank {me}");
         cols = cols.or(g);
     }

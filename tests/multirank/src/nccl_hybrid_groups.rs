@@ -69,7 +69,14 @@ fn exercise(g: &HybridGroup, mates: &[usize]) {
         .collect();
     assert_eq!(down(g, &all), want, "all_gather on {mates:?}");
     for (root, &world_root) in mates.iter().enumerate() {
-        let mut b = up(g, &if me == root { mine.clone() } else { vec![-1.0; K] });
+        let mut b = up(
+            g,
+            &if me == root {
+                mine.clone()
+            } else {
+                vec![-1.0; K]
+            },
+        );
         g.broadcast(&mut b, root).unwrap_or_else(|e| panic!("{e}"));
         let want: Vec<f32> = (0..K).map(|i| val(world_root, i)).collect();
         assert_eq!(down(g, &b), want, "broadcast from {root} on {mates:?}");
@@ -91,9 +98,7 @@ pub fn groups() -> Result<(), String> {
     let world: Vec<usize> = (0..n).collect();
     exercise(&one_by_two, &world);
     exercise(&two_by_one, &[me]);
-    let last = h
-        .new_group(&[n - 1])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let last = h.new_group(&[n - 1]).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(last.is_some(), me == n - 1, "new_group([{}])", n - 1);
     if let Some(g) = &last {
         exercise(g, &[me]);
