@@ -23,7 +23,9 @@
 //! broadcast, reduce, all_gather, reduce_scatter, all_to_all(_v), gather, scatter, the uneven
 //! all_gather_v, gather_v and scatter_v, and `send_to`/`recv_from` (TCP messages, or NCCL's
 //! point-to-point for device buffers). The `_async` variants on device buffers return a
-//! [`GpuWork`] to wait on while the host computes.
+//! [`GpuWork`] to wait on while the host computes; [`HybridBackend::scope`] runs async host
+//! work. [`HybridBackend::split`] and [`HybridBackend::new_group`] make [`HybridGroup`]s: a TCP
+//! sub-group beside an NCCL sub-communicator, with all of these calls.
 
 #![warn(missing_docs)]
 
