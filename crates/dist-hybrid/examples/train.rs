@@ -1,28 +1,31 @@
-//! A data-parallel training loop on `HybridBackend`: linear regression on synthetic data.
+//! A 2-D parallel training loop on `HybridBackend`: linear regression on synthetic data, its
+//! ranks laid out as a grid of tensor × data groups (`split`).
 //!
-//! Each rank holds its own shard of samples, computes the gradient of the squared error on it
-//! bucket by bucket, and all-reduces (averages) each bucket while it computes the next: over
-//! NCCL on a GPU when there is one (the bucket is enqueued on the communicator's stream), over
-//! TCP on a communication thread otherwise. Every rank applies the same update; rank 0 gathers
-//! each rank's loss and step time over TCP point-to-point and prints them. At the end every rank
-//! checks that all ranks hold bit-identical weights and that the loss fell, and fails otherwise.
+//! - **Tensor axis**: the ranks of a tensor group share one shard of samples and each owns a
+//!   slice of the weights; every step they all_gather the slices into the full weights that the
+//!   forward pass needs, and each updates only its own slice.
+//! - **Data axis**: the ranks of a data group own the same slice for different samples; they
+//!   average its gradient in 4 buckets, each all-reduced asynchronously while the next one is
+//!   computed: in a `dist-core` scope over TCP on CPUs, as `GpuWork` over NCCL on GPUs.
+//!
+//! 4 ranks are 2 × 2 (2 tensor ranks × 2 data ranks); 2 ranks (2 GPUs) are 1 × 2; any other
+//! world size is 1 × n. At the end every rank checks that its data group holds bit-identical
+//! slices, that every rank holds the same full weights, and that the loss fell, and fails
+//! otherwise.
 //!
 //!     cargo xtask run -n 4 --example train
-//!     torchrun --nproc-per-node 4 target/release/examples/train
+//!     torchrun --no-python --nproc-per-node 2 target/release/examples/train
 
-use std::time::Instant;
-
-use dist_core::{Backend, Collectives, ReduceOp, Tag};
-use dist_hybrid::HybridBackend;
+use dist_core::{Backend, Collectives, ReduceOp, Transport};
+use dist_hybrid::{HybridBackend, HybridGroup};
 
 const FEATURES: usize = 1 << 14;
 const SAMPLES_PER_RANK: usize = 256;
 const BUCKETS: usize = 4;
 const STEPS: usize = 40;
 /// Step size per sample: the data are scaled so that XXᵀ/N is close to the identity over the N
-/// samples of all ranks, so the step that fits in one iteration is about N.
+/// samples of all data ranks, so the step that fits in one iteration is about N.
 const LR_PER_SAMPLE: f32 = 0.5;
-const METRICS: Tag = Tag::user(100);
 
 /// A deterministic pseudo-random number in [-1, 1).
 fn noise(seed: u64) -> f32 {
@@ -71,12 +74,11 @@ fn residuals(s: &Shard, w: &[f32]) -> (Vec<f32>, f32) {
     (r, loss)
 }
 
-/// The local gradient's bucket `k`: Xᵀr / n over that bucket's features.
-fn bucket_grad(s: &Shard, r: &[f32], k: usize) -> Vec<f32> {
-    let per = FEATURES / BUCKETS;
-    let mut g = vec![0f32; per];
+/// The gradient over features `lo..hi`: Xᵀr / n, for those columns of X.
+fn grad(s: &Shard, r: &[f32], lo: usize, hi: usize) -> Vec<f32> {
+    let mut g = vec![0f32; hi - lo];
     for (i, ri) in r.iter().enumerate() {
-        let row = &s.x[i * FEATURES + k * per..i * FEATURES + (k + 1) * per];
+        let row = &s.x[i * FEATURES + lo..i * FEATURES + hi];
         for (gj, xj) in g.iter_mut().zip(row) {
             *gj += xj * ri;
         }
@@ -86,45 +88,94 @@ fn bucket_grad(s: &Shard, r: &[f32], k: usize) -> Vec<f32> {
     g
 }
 
-/// One step's gradient, averaged over ranks: buckets over NCCL as they are produced.
-fn step_gpu(h: &HybridBackend, s: &Shard, r: &[f32]) -> Vec<f32> {
-    let comm = h.nccl().expect("called with NCCL");
-    let stream = comm.stream();
-    let mut dev = Vec::with_capacity(BUCKETS);
-    for k in 0..BUCKETS {
-        let g = bucket_grad(s, r, k);
-        let mut d = stream.clone_htod(&g).unwrap_or_else(|e| panic!("{e}"));
-        // Enqueued; runs on the GPU while the next bucket is computed here.
-        h.all_reduce(&mut d, ReduceOp::Avg)
+/// The full weights from every tensor rank's slice: an all_gather over the tensor group, of
+/// device buffers on a GPU, of host slices otherwise.
+fn gather_weights(tensor: &HybridGroup, slice: &[f32]) -> Vec<f32> {
+    let mut full = vec![0f32; slice.len() * tensor.world_size()];
+    if let Some(comm) = tensor.nccl() {
+        let stream = comm.stream();
+        let mine = stream.clone_htod(slice).unwrap_or_else(|e| panic!("{e}"));
+        let mut all = stream.clone_htod(&full).unwrap_or_else(|e| panic!("{e}"));
+        tensor
+            .all_gather(&mine, &mut all)
             .unwrap_or_else(|e| panic!("{e}"));
-        dev.push(d);
+        tensor.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
+        full = stream.clone_dtoh(&all).unwrap_or_else(|e| panic!("{e}"));
+    } else {
+        tensor
+            .all_gather(slice, &mut full[..])
+            .unwrap_or_else(|e| panic!("{e}"));
     }
-    h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
-    dev.iter()
-        .flat_map(|d| stream.clone_dtoh(d).unwrap_or_else(|e| panic!("{e}")))
+    full
+}
+
+/// This rank's slice `lo..hi` of the gradient, averaged over the data group: computed in
+/// buckets, each all-reduced over NCCL (a `GpuWork`) while the host computes the next.
+fn averaged_grad_gpu(data: &HybridGroup, s: &Shard, r: &[f32], lo: usize, hi: usize) -> Vec<f32> {
+    let stream = data.nccl().expect("called with NCCL").stream();
+    let per = (hi - lo) / BUCKETS;
+    let mut buckets: Vec<_> = (0..BUCKETS)
+        .map(|_| {
+            stream
+                .alloc_zeros::<f32>(per)
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    let mut works = Vec::with_capacity(BUCKETS);
+    for (k, bucket) in buckets.iter_mut().enumerate() {
+        let g = grad(s, r, lo + k * per, lo + (k + 1) * per);
+        stream
+            .memcpy_htod(&g, bucket)
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Enqueued on the group's stream; the GPU reduces it while the next bucket is computed.
+        works.push(
+            data.all_reduce_async(bucket, ReduceOp::Avg)
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+    }
+    for w in works {
+        w.wait().unwrap_or_else(|e| panic!("{e}"));
+    }
+    buckets
+        .iter()
+        .flat_map(|b| stream.clone_dtoh(b).unwrap_or_else(|e| panic!("{e}")))
         .collect()
 }
 
-/// The same over TCP: a communication thread all-reduces bucket k while this one computes k+1.
-fn step_cpu(h: &HybridBackend, s: &Shard, r: &[f32]) -> Vec<f32> {
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<f32>>();
-    std::thread::scope(|scope| {
-        let comm = scope.spawn(move || {
-            let mut out = Vec::with_capacity(FEATURES);
-            for mut g in rx {
-                h.all_reduce(&mut g[..], ReduceOp::Avg)
-                    .unwrap_or_else(|e| panic!("{e}"));
-                out.extend_from_slice(&g);
-            }
-            out
-        });
-        for k in 0..BUCKETS {
-            tx.send(bucket_grad(s, r, k))
-                .expect("the communication thread is alive");
+/// The same over TCP: each bucket's all_reduce is async work in the data group's scope, run
+/// while this thread computes the next bucket; the scope ends when all four are done.
+fn averaged_grad_cpu(data: &HybridGroup, s: &Shard, r: &[f32], lo: usize, hi: usize) -> Vec<f32> {
+    let per = (hi - lo) / BUCKETS;
+    let mut buckets = vec![vec![0f32; per]; BUCKETS];
+    data.scope(|scope| {
+        let mut works = Vec::with_capacity(BUCKETS);
+        for (k, bucket) in buckets.iter_mut().enumerate() {
+            *bucket = grad(s, r, lo + k * per, lo + (k + 1) * per);
+            // Queued: the scope's thread reduces it while this one computes the next bucket.
+            works.push(scope.all_reduce(&mut bucket[..], ReduceOp::Avg));
         }
-        drop(tx);
-        comm.join().expect("the communication thread finished")
+        for w in works {
+            w.wait()?;
+        }
+        Ok(())
     })
+    .unwrap_or_else(|e| panic!("{e}"));
+    buckets.concat()
+}
+
+/// Whether every rank of `g` holds `x`, bit for bit: its elementwise min and max over `g`.
+fn same_everywhere<H: Transport>(g: &HybridBackend<H>, x: &[f32]) -> bool {
+    let (mut lo, mut hi) = (x.to_vec(), x.to_vec());
+    g.tcp()
+        .all_reduce(&mut lo, ReduceOp::Min)
+        .unwrap_or_else(|e| panic!("{e}"));
+    g.tcp()
+        .all_reduce(&mut hi, ReduceOp::Max)
+        .unwrap_or_else(|e| panic!("{e}"));
+    lo.iter()
+        .zip(&hi)
+        .zip(x)
+        .all(|((a, b), c)| a.to_bits() == c.to_bits() && b.to_bits() == c.to_bits())
 }
 
 fn main() {
@@ -137,83 +188,73 @@ fn main() {
         .try_init();
     let h = HybridBackend::from_env().unwrap_or_else(|e| panic!("{e}"));
     let (me, n) = (h.rank(), h.world_size());
+    // The grid: `tp` tensor ranks × `dp` data ranks, rank = d * tp + t.
+    let tp = if n == 4 { 2 } else { 1 };
+    let dp = n / tp;
+    let (t, d) = (me % tp, me / tp);
+    // Two collective splits over every rank: the tensor group of the ranks with this `d`, the
+    // data group of those with this `t`, each numbered by the other coordinate.
+    let tensor = h
+        .split(Some(d as u32), t as i64)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("every rank has a tensor group");
+    let data = h
+        .split(Some(t as u32), d as i64)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("every rank has a data group");
+    assert_eq!((tensor.rank(), data.rank()), (t, d));
     let on_gpu = h.nccl().is_some();
     if me == 0 {
         println!(
-            "training: {n} ranks, {FEATURES} parameters, {SAMPLES_PER_RANK} samples per rank, \
-             gradients over {}",
+            "training: {n} ranks as {tp} tensor x {dp} data, {FEATURES} parameters, \
+             {SAMPLES_PER_RANK} samples per data rank, over {}",
             if on_gpu { "NCCL (GPU)" } else { "TCP (CPU)" }
         );
     }
-    let data = shard(me);
-    let mut w = vec![0f32; FEATURES];
+    // The samples of this data rank (shared by its tensor group), this rank's slice of weights.
+    let samples = shard(d);
+    let per = FEATURES / tp;
+    let (lo, hi) = (t * per, (t + 1) * per);
+    let mut slice = vec![0f32; per];
+    let lr = LR_PER_SAMPLE * (SAMPLES_PER_RANK * dp) as f32;
     let mut first_loss = None;
     let mut loss = 0f32;
     for step in 0..STEPS {
-        let t = Instant::now();
-        let (r, local_loss) = residuals(&data, &w);
+        let w = gather_weights(&tensor, &slice);
+        let (r, local_loss) = residuals(&samples, &w);
         let g = if on_gpu {
-            step_gpu(&h, &data, &r)
+            averaged_grad_gpu(&data, &samples, &r, lo, hi)
         } else {
-            step_cpu(&h, &data, &r)
+            averaged_grad_cpu(&data, &samples, &r, lo, hi)
         };
-        let lr = LR_PER_SAMPLE * (SAMPLES_PER_RANK * n) as f32;
-        for (wi, gi) in w.iter_mut().zip(&g) {
+        for (wi, gi) in slice.iter_mut().zip(&g) {
             *wi -= lr * gi;
         }
-        let mut global = [local_loss];
-        h.tcp()
-            .all_reduce(&mut global, ReduceOp::Avg)
+        let mut mean = [local_loss];
+        data.tcp()
+            .all_reduce(&mut mean, ReduceOp::Avg)
             .unwrap_or_else(|e| panic!("{e}"));
-        loss = global[0];
+        loss = mean[0];
         first_loss.get_or_insert(loss);
-        // Metrics to rank 0 over TCP point-to-point.
-        let metrics = [local_loss, t.elapsed().as_secs_f32() * 1e3];
-        if me == 0 {
-            if step % 10 == 0 || step == STEPS - 1 {
-                let mut line = format!(
-                    "step {step:>3}  loss {loss:.6}  rank 0: {:.2} ms",
-                    metrics[1]
-                );
-                for src in 1..n {
-                    let mut m = [0u8; 8];
-                    h.recv_tagged(&mut m, src, METRICS)
-                        .unwrap_or_else(|e| panic!("{e}"));
-                    let ms = f32::from_le_bytes(m[4..].try_into().unwrap());
-                    line += &format!(", rank {src}: {ms:.2} ms");
-                }
-                println!("{line}");
-            } else {
-                for src in 1..n {
-                    h.recv_tagged(&mut [0u8; 8], src, METRICS)
-                        .unwrap_or_else(|e| panic!("{e}"));
-                }
-            }
-        } else {
-            let mut m = [0u8; 8];
-            m[..4].copy_from_slice(&metrics[0].to_le_bytes());
-            m[4..].copy_from_slice(&metrics[1].to_le_bytes());
-            h.send_tagged(&m, 0, METRICS)
-                .unwrap_or_else(|e| panic!("{e}"));
+        if me == 0 && (step % 10 == 0 || step == STEPS - 1) {
+            println!("step {step:>3}  loss {loss:.6}");
         }
     }
-    // Every rank must hold the same weights, bit for bit.
-    let mut lo = w.clone();
-    let mut hi = w.clone();
-    h.tcp().all_reduce(&mut lo, ReduceOp::Min).unwrap();
-    h.tcp().all_reduce(&mut hi, ReduceOp::Max).unwrap();
-    let same = lo
-        .iter()
-        .zip(&hi)
-        .zip(&w)
-        .all(|((a, b), c)| a.to_bits() == c.to_bits() && b.to_bits() == c.to_bits());
-    assert!(same, "rank {me}: the ranks' weights differ");
+    assert!(
+        same_everywhere(&data, &slice),
+        "rank {me}: the slices of data group {t} differ"
+    );
+    let w = gather_weights(&tensor, &slice);
+    assert!(
+        same_everywhere(&h, &w),
+        "rank {me}: the ranks' full weights differ"
+    );
     let first = first_loss.unwrap_or(loss);
     assert!(
         loss < first * 0.1,
-        "the loss did not fall: {first} -> {loss}"
+        "rank {me}: the loss did not fall: {first} -> {loss}"
     );
-    h.barrier().unwrap();
+    h.barrier().unwrap_or_else(|e| panic!("{e}"));
     if me == 0 {
         println!("ok: loss {first:.6} -> {loss:.6}; all {n} ranks hold identical weights");
     }

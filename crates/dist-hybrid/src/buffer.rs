@@ -4,7 +4,7 @@
 //! code calls one method whatever its data's place.
 
 use dist_core::collectives::COLLECTIVE_TAG;
-use dist_core::{Backend, Collectives, DistError, Element, ReduceOp, Tag, Transport};
+use dist_core::{Collectives, DistError, Element, ReduceOp, Tag, Transport};
 
 use crate::{HybridBackend, Result};
 
@@ -14,92 +14,100 @@ use crate::{HybridBackend, Result};
 /// buffers of one kind to a collective.
 pub trait Buffer {
     /// See [`HybridBackend::all_reduce`].
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()>;
+    fn all_reduce<H: Transport>(&mut self, h: &HybridBackend<H>, op: ReduceOp) -> Result<()>;
     /// See [`HybridBackend::broadcast`].
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()>;
+    fn broadcast<H: Transport>(&mut self, h: &HybridBackend<H>, root: usize) -> Result<()>;
     /// See [`HybridBackend::reduce`].
-    fn reduce(
+    fn reduce<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         op: ReduceOp,
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::all_gather`].
-    fn all_gather(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()>;
-    /// See [`HybridBackend::reduce_scatter`].
-    fn reduce_scatter(
+    fn all_gather<H: Transport>(
         input: &Self,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
+    ) -> Result<()>;
+    /// See [`HybridBackend::reduce_scatter`].
+    fn reduce_scatter<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
         op: ReduceOp,
     ) -> Result<()>;
     /// See [`HybridBackend::all_to_all`].
-    fn all_to_all(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()>;
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()>;
     /// See [`HybridBackend::all_to_all_v`].
-    fn all_to_all_v(
+    fn all_to_all_v<H: Transport>(
         input: &Self,
         send_counts: &[usize],
         output: &mut Self,
         recv_counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()>;
     /// See [`HybridBackend::gather`].
-    fn gather(
+    fn gather<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::scatter`].
-    fn scatter(
+    fn scatter<H: Transport>(
         input: Option<&Self>,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::all_gather_v`].
-    fn all_gather_v(
+    fn all_gather_v<H: Transport>(
         input: &Self,
         output: &mut Self,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()>;
     /// See [`HybridBackend::gather_v`].
-    fn gather_v(
+    fn gather_v<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::scatter_v`].
-    fn scatter_v(
+    fn scatter_v<H: Transport>(
         input: Option<&Self>,
         counts: &[usize],
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()>;
     /// See [`HybridBackend::send_to`].
-    fn send_to(&self, h: &HybridBackend, dst: usize) -> Result<()>;
+    fn send_to<H: Transport>(&self, h: &HybridBackend<H>, dst: usize) -> Result<()>;
     /// See [`HybridBackend::recv_from`].
-    fn recv_from(&mut self, h: &HybridBackend, src: usize) -> Result<()>;
+    fn recv_from<H: Transport>(&mut self, h: &HybridBackend<H>, src: usize) -> Result<()>;
 }
 
 impl<T: Element> Buffer for [T] {
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
+    fn all_reduce<H: Transport>(&mut self, h: &HybridBackend<H>, op: ReduceOp) -> Result<()> {
         Ok(h.tcp.all_reduce(self, op)?)
     }
 
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
+    fn broadcast<H: Transport>(&mut self, h: &HybridBackend<H>, root: usize) -> Result<()> {
         Ok(h.tcp.broadcast(self, root)?)
     }
 
-    fn reduce(
+    fn reduce<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
@@ -121,87 +129,95 @@ impl<T: Element> Buffer for [T] {
         }
     }
 
-    fn all_gather(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()> {
+    fn all_gather<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         Ok(h.tcp.all_gather(input, output)?)
     }
 
-    fn reduce_scatter(
+    fn reduce_scatter<H: Transport>(
         input: &Self,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         op: ReduceOp,
     ) -> Result<()> {
         Ok(h.tcp.reduce_scatter(input, output, op)?)
     }
 
-    fn all_to_all(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()> {
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         Ok(h.tcp.all_to_all(input, output)?)
     }
 
-    fn all_to_all_v(
+    fn all_to_all_v<H: Transport>(
         input: &Self,
         send_counts: &[usize],
         output: &mut Self,
         recv_counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()> {
         Ok(h.tcp
             .all_to_all_v(input, send_counts, output, recv_counts)?)
     }
 
-    fn gather(
+    fn gather<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         Ok(h.tcp.gather(input, output, root)?)
     }
 
-    fn scatter(
+    fn scatter<H: Transport>(
         input: Option<&Self>,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         Ok(h.tcp.scatter(input, output, root)?)
     }
 
-    fn all_gather_v(
+    fn all_gather_v<H: Transport>(
         input: &Self,
         output: &mut Self,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()> {
         Ok(h.tcp.all_gather_v(input, output, counts)?)
     }
 
-    fn gather_v(
+    fn gather_v<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         Ok(h.tcp.gather_v(input, output, counts, root)?)
     }
 
-    fn scatter_v(
+    fn scatter_v<H: Transport>(
         input: Option<&Self>,
         counts: &[usize],
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         Ok(h.tcp.scatter_v(input, counts, output, root)?)
     }
 
-    fn send_to(&self, h: &HybridBackend, dst: usize) -> Result<()> {
+    fn send_to<H: Transport>(&self, h: &HybridBackend<H>, dst: usize) -> Result<()> {
         Ok(h.tcp
             .send_tagged(bytemuck::cast_slice(self), dst, Tag::DEFAULT)?)
     }
 
-    fn recv_from(&mut self, h: &HybridBackend, src: usize) -> Result<()> {
+    fn recv_from<H: Transport>(&mut self, h: &HybridBackend<H>, src: usize) -> Result<()> {
         Ok(h.tcp
             .recv_tagged(bytemuck::cast_slice_mut(self), src, Tag::DEFAULT)?)
     }
@@ -212,7 +228,7 @@ impl<T: Element> Buffer for [T] {
 /// variants' [`crate::GpuWork`]). Every rank must make the same calls in the same order, with
 /// buffers of one kind; on NCCL a disagreement is found by the call check (see the type's
 /// docs) and aborts every rank with an error naming both calls.
-impl HybridBackend {
+impl<H: Transport> HybridBackend<H> {
     /// Reduces `buf` over all ranks with `op`, in place.
     pub fn all_reduce<B: Buffer + ?Sized>(&self, buf: &mut B, op: ReduceOp) -> Result<()> {
         buf.all_reduce(self, op)

@@ -13,8 +13,8 @@
 //! call either way).
 
 use cudarc::driver::CudaSlice;
-use dist_core::ReduceOp;
 use dist_core::collectives::Kind;
+use dist_core::{ReduceOp, Transport};
 use dist_nccl::{Communicator, NcclType};
 
 use crate::buffer::Buffer;
@@ -50,22 +50,22 @@ fn even(k: usize, n: usize) -> Vec<usize> {
 }
 
 impl<T: NcclType> Buffer for CudaSlice<T> {
-    fn all_reduce(&mut self, h: &HybridBackend, op: ReduceOp) -> Result<()> {
+    fn all_reduce<H: Transport>(&mut self, h: &HybridBackend<H>, op: ReduceOp) -> Result<()> {
         h.nccl_call::<T>(Kind::AllReduce, self.len(), Some(op.name()), None, |c| {
             c.all_reduce_in_place(self, op)
         })
     }
 
-    fn broadcast(&mut self, h: &HybridBackend, root: usize) -> Result<()> {
+    fn broadcast<H: Transport>(&mut self, h: &HybridBackend<H>, root: usize) -> Result<()> {
         h.nccl_call::<T>(Kind::Broadcast, self.len(), None, Some(root), |c| {
             c.broadcast(self, root)
         })
     }
 
-    fn reduce(
+    fn reduce<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
@@ -75,16 +75,20 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_gather(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()> {
+    fn all_gather<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         h.nccl_call::<T>(Kind::AllGather, input.len(), None, None, |c| {
             c.all_gather(input, output)
         })
     }
 
-    fn reduce_scatter(
+    fn reduce_scatter<H: Transport>(
         input: &Self,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         op: ReduceOp,
     ) -> Result<()> {
         let n = output.len();
@@ -93,7 +97,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_to_all(input: &Self, output: &mut Self, h: &HybridBackend) -> Result<()> {
+    fn all_to_all<H: Transport>(
+        input: &Self,
+        output: &mut Self,
+        h: &HybridBackend<H>,
+    ) -> Result<()> {
         h.nccl_call::<T>(Kind::AllToAll, input.len(), None, None, |c| {
             if native(c) || !input.len().is_multiple_of(c.size()) {
                 // NCCL's own call, or its refusal of a length that does not split evenly.
@@ -104,22 +112,22 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_to_all_v(
+    fn all_to_all_v<H: Transport>(
         input: &Self,
         send_counts: &[usize],
         output: &mut Self,
         recv_counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()> {
         h.nccl_call::<T>(Kind::AllToAllV, 0, None, None, |c| {
             c.all_to_all_v(input, send_counts, output, recv_counts)
         })
     }
 
-    fn gather(
+    fn gather<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         h.nccl_call::<T>(Kind::Gather, input.len(), None, Some(root), |c| {
@@ -130,10 +138,10 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn scatter(
+    fn scatter<H: Transport>(
         input: Option<&Self>,
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         h.nccl_call::<T>(Kind::Scatter, output.len(), None, Some(root), |c| {
@@ -145,11 +153,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn all_gather_v(
+    fn all_gather_v<H: Transport>(
         input: &Self,
         output: &mut Self,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
     ) -> Result<()> {
         let fp = fingerprint(counts);
         h.nccl_call::<T>(Kind::AllGatherV, total(counts), Some(&fp), None, |c| {
@@ -157,11 +165,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn gather_v(
+    fn gather_v<H: Transport>(
         input: &Self,
         output: Option<&mut Self>,
         counts: &[usize],
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         let fp = fingerprint(counts);
@@ -170,11 +178,11 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn scatter_v(
+    fn scatter_v<H: Transport>(
         input: Option<&Self>,
         counts: &[usize],
         output: &mut Self,
-        h: &HybridBackend,
+        h: &HybridBackend<H>,
         root: usize,
     ) -> Result<()> {
         let fp = fingerprint(counts);
@@ -183,16 +191,16 @@ impl<T: NcclType> Buffer for CudaSlice<T> {
         })
     }
 
-    fn send_to(&self, h: &HybridBackend, dst: usize) -> Result<()> {
+    fn send_to<H: Transport>(&self, h: &HybridBackend<H>, dst: usize) -> Result<()> {
         h.nccl_p2p::<T>("send", self.len(), dst, |c| c.send(self, dst))
     }
 
-    fn recv_from(&mut self, h: &HybridBackend, src: usize) -> Result<()> {
+    fn recv_from<H: Transport>(&mut self, h: &HybridBackend<H>, src: usize) -> Result<()> {
         h.nccl_p2p::<T>("recv", self.len(), src, |c| c.recv(self, src))
     }
 }
 
-impl HybridBackend {
+impl<H: Transport> HybridBackend<H> {
     /// Sends `send` to `dst` while receiving `recv` from `src`, device buffers over NCCL, fused
     /// in one NCCL group (so that two ranks exchanging with each other do not wait on each
     /// other's send). Enqueued on the communicator's stream.

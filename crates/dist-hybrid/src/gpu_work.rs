@@ -19,9 +19,10 @@ use std::marker::PhantomData;
 use std::time::Duration;
 
 use cudarc::driver::CudaSlice;
-use dist_core::ReduceOp;
 use dist_core::collectives::Kind;
+use dist_core::{ReduceOp, Transport};
 use dist_nccl::{NcclType, Work};
+use dist_tcp::TcpBackend;
 
 use crate::buffer::Buffer;
 use crate::{HybridBackend, Result};
@@ -65,15 +66,15 @@ use crate::{HybridBackend, Result};
 /// # }
 /// ```
 #[must_use = "an unwaited GpuWork does not say whether its work succeeded"]
-pub struct GpuWork<'a> {
-    h: &'a HybridBackend,
+pub struct GpuWork<'a, H: Transport = TcpBackend> {
+    h: &'a HybridBackend<H>,
     work: Work<'a>,
     /// The record's ticket of the call: a successful wait marks the calls up to it done.
     ticket: u64,
     _buffers: PhantomData<&'a mut ()>,
 }
 
-impl std::fmt::Debug for GpuWork<'_> {
+impl<H: Transport> std::fmt::Debug for GpuWork<'_, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -84,7 +85,7 @@ impl std::fmt::Debug for GpuWork<'_> {
     }
 }
 
-impl GpuWork<'_> {
+impl<H: Transport> GpuWork<'_, H> {
     /// The collective this handle follows.
     pub fn op(&self) -> &'static str {
         self.work.op()
@@ -111,10 +112,10 @@ impl GpuWork<'_> {
     }
 }
 
-impl HybridBackend {
+impl<H: Transport> HybridBackend<H> {
     /// The handle for the call just enqueued (named `op`), recorded on the communicator's
     /// stream.
-    fn work_after(&self, op: &'static str) -> Result<GpuWork<'_>> {
+    fn work_after(&self, op: &'static str) -> Result<GpuWork<'_, H>> {
         let c = self.need_nccl(op)?;
         let ticket = self.watch.as_ref().map_or(0, |w| w.last_ticket());
         let work = c.record_work(op).map_err(|e| self.explain_nccl(e))?;
@@ -148,7 +149,7 @@ impl HybridBackend {
         &'a self,
         buf: &'a mut CudaSlice<T>,
         op: ReduceOp,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         buf.all_reduce(self, op)?;
         self.work_after(Kind::AllReduce.name())
     }
@@ -158,7 +159,7 @@ impl HybridBackend {
         &'a self,
         buf: &'a mut CudaSlice<T>,
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         buf.broadcast(self, root)?;
         self.work_after(Kind::Broadcast.name())
     }
@@ -170,7 +171,7 @@ impl HybridBackend {
         output: Option<&'a mut CudaSlice<T>>,
         op: ReduceOp,
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.reduce(input, output, op, root)?;
         self.work_after(Kind::Reduce.name())
     }
@@ -180,7 +181,7 @@ impl HybridBackend {
         &'a self,
         input: &'a CudaSlice<T>,
         output: &'a mut CudaSlice<T>,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.all_gather(input, output)?;
         self.work_after(Kind::AllGather.name())
     }
@@ -191,7 +192,7 @@ impl HybridBackend {
         input: &'a CudaSlice<T>,
         output: &'a mut CudaSlice<T>,
         op: ReduceOp,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.reduce_scatter(input, output, op)?;
         self.work_after(Kind::ReduceScatter.name())
     }
@@ -201,7 +202,7 @@ impl HybridBackend {
         &'a self,
         input: &'a CudaSlice<T>,
         output: &'a mut CudaSlice<T>,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.all_to_all(input, output)?;
         self.work_after(Kind::AllToAll.name())
     }
@@ -212,7 +213,7 @@ impl HybridBackend {
         input: &'a CudaSlice<T>,
         output: &'a mut CudaSlice<T>,
         counts: &[usize],
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.all_gather_v(input, output, counts)?;
         self.work_after(Kind::AllGatherV.name())
     }
@@ -224,7 +225,7 @@ impl HybridBackend {
         send_counts: &[usize],
         output: &'a mut CudaSlice<T>,
         recv_counts: &[usize],
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.all_to_all_v(input, send_counts, output, recv_counts)?;
         self.work_after(Kind::AllToAllV.name())
     }
@@ -235,7 +236,7 @@ impl HybridBackend {
         input: &'a CudaSlice<T>,
         output: Option<&'a mut CudaSlice<T>>,
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.gather(input, output, root)?;
         self.work_after(Kind::Gather.name())
     }
@@ -246,7 +247,7 @@ impl HybridBackend {
         input: Option<&'a CudaSlice<T>>,
         output: &'a mut CudaSlice<T>,
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.scatter(input, output, root)?;
         self.work_after(Kind::Scatter.name())
     }
@@ -258,7 +259,7 @@ impl HybridBackend {
         output: Option<&'a mut CudaSlice<T>>,
         counts: &[usize],
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.gather_v(input, output, counts, root)?;
         self.work_after(Kind::GatherV.name())
     }
@@ -270,7 +271,7 @@ impl HybridBackend {
         counts: &[usize],
         output: &'a mut CudaSlice<T>,
         root: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.scatter_v(input, counts, output, root)?;
         self.work_after(Kind::ScatterV.name())
     }
@@ -280,7 +281,7 @@ impl HybridBackend {
         &'a self,
         buf: &'a CudaSlice<T>,
         dst: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.send_to(buf, dst)?;
         self.work_after("send")
     }
@@ -290,7 +291,7 @@ impl HybridBackend {
         &'a self,
         buf: &'a mut CudaSlice<T>,
         src: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.recv_from(buf, src)?;
         self.work_after("recv")
     }
@@ -302,7 +303,7 @@ impl HybridBackend {
         dst: usize,
         recv: &'a mut CudaSlice<T>,
         src: usize,
-    ) -> Result<GpuWork<'a>> {
+    ) -> Result<GpuWork<'a, H>> {
         self.send_recv(send, dst, recv, src)?;
         self.work_after("send_recv")
     }

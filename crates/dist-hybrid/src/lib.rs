@@ -23,7 +23,9 @@
 //! broadcast, reduce, all_gather, reduce_scatter, all_to_all(_v), gather, scatter, the uneven
 //! all_gather_v, gather_v and scatter_v, and `send_to`/`recv_from` (TCP messages, or NCCL's
 //! point-to-point for device buffers). The `_async` variants on device buffers return a
-//! [`GpuWork`] to wait on while the host computes.
+//! [`GpuWork`] to wait on while the host computes; [`HybridBackend::scope`] runs async host
+//! work. [`HybridBackend::split`] and [`HybridBackend::new_group`] make [`HybridGroup`]s: a TCP
+//! sub-group beside an NCCL sub-communicator, with all of these calls.
 
 #![warn(missing_docs)]
 
@@ -31,6 +33,7 @@ mod buffer;
 mod check;
 mod device;
 mod gpu_work;
+mod groups;
 mod host;
 mod watch;
 
@@ -39,12 +42,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
 use dist_core::collectives::Kind;
-use dist_core::{Backend, Collectives, DistError, Tag};
+use dist_core::{Backend, Collectives, DistError, Tag, Transport};
 use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
 
 pub use buffer::Buffer;
 pub use gpu_work::GpuWork;
+pub use groups::HybridGroup;
 pub use host::{HostId, LocalRanks, local_ranks};
 
 /// Everything that can go wrong in a hybrid backend.
@@ -123,8 +127,14 @@ pub enum GpuChoice {
 /// rank whose TCP connection closes, aborts the communicator on every rank with an error
 /// naming the ranks, the calls and the NCCL op in flight. `DIST_NCCL_CHECK=0` turns the
 /// comparison off (a dead rank is still reported).
-pub struct HybridBackend {
-    tcp: Arc<TcpBackend>,
+pub struct HybridBackend<H: Transport = TcpBackend> {
+    tcp: Arc<H>,
+    /// The whole job's TCP mesh (the same as `tcp` on the backend itself; a group's parent
+    /// mesh): where every rank's NCCL calls are is asked over it.
+    root: Arc<TcpBackend>,
+    /// Whether this is the job's own backend (not a group): its NCCL calls' positions are
+    /// the ones the TCP heartbeats carry.
+    whole_job: bool,
     nccl: Option<Communicator>,
     why_no_nccl: String,
     watch: Option<Arc<watch::Watch>>,
@@ -132,7 +142,7 @@ pub struct HybridBackend {
     check_calls: bool,
 }
 
-impl Drop for HybridBackend {
+impl<H: Transport> Drop for HybridBackend<H> {
     /// Stops the check's threads (within 2 s) before the communicator and the TCP mesh go.
     fn drop(&mut self) {
         if let Some(mut c) = self.checker.take() {
@@ -149,7 +159,7 @@ fn check_from_env() -> bool {
     )
 }
 
-impl std::fmt::Debug for HybridBackend {
+impl<H: Transport + std::fmt::Debug> std::fmt::Debug for HybridBackend<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HybridBackend")
             .field("tcp", &self.tcp)
@@ -282,8 +292,11 @@ impl HybridBackend {
             if !matches!(gpu, GpuChoice::None) {
                 tracing::warn!(rank = me, why = %why, "NCCL off, TCP only");
             }
+            let tcp = Arc::new(tcp);
             return Ok(HybridBackend {
-                tcp: Arc::new(tcp),
+                root: tcp.clone(),
+                whole_job: true,
+                tcp,
                 nccl: None,
                 why_no_nccl: why,
                 watch: None,
@@ -322,6 +335,8 @@ impl HybridBackend {
         let peer = watch::watch_peer_faults(&tcp, peer);
         let checker = check::Checker::start(tcp.clone(), fail, peer);
         Ok(HybridBackend {
+            root: tcp.clone(),
+            whole_job: true,
             tcp,
             nccl: Some(comm),
             why_no_nccl: String::new(),
@@ -330,10 +345,24 @@ impl HybridBackend {
             check_calls: check_from_env(),
         })
     }
+}
 
-    /// The TCP side.
-    pub fn tcp(&self) -> &TcpBackend {
+impl<H: Transport> HybridBackend<H> {
+    /// The TCP side: the whole job's mesh, or a group's sub-group of it.
+    pub fn tcp(&self) -> &H {
         &self.tcp
+    }
+
+    /// Opens a `dist-core` [`Scope`](dist_core::Scope) for async host work on the TCP side
+    /// (collectives on host buffers, sends and receives, each returning a
+    /// [`Work`](dist_core::Work) handle), as [`Collectives::scope`]: every piece of work has
+    /// ended when it returns. Device buffers' async calls are the `_async` methods
+    /// ([`GpuWork`]), which may be issued inside the scope.
+    pub fn scope<'scope, R>(
+        &'scope self,
+        f: impl for<'s> FnOnce(&'s dist_core::Scope<'s, 'scope, H::Link>) -> dist_core::Result<R>,
+    ) -> Result<R> {
+        Ok(self.tcp.scope(f)?)
     }
 
     /// The NCCL side, if formed.
@@ -370,14 +399,15 @@ impl HybridBackend {
         r.map_err(|e| self.explain_nccl(e))
     }
 
-    /// The hybrid's error for an NCCL error: a timeout says where every rank's NCCL calls are
-    /// (asked of the peers over TCP, within 200 ms).
+    /// The hybrid's error for an NCCL error: on the job's own backend, a timeout says where
+    /// every rank's NCCL calls are (asked of the peers over TCP, within 200 ms). A group's
+    /// calls are not in the positions the heartbeats carry, so its errors are NCCL's.
     pub(crate) fn explain_nccl(&self, e: NcclError) -> HybridError {
-        if !matches!(e, NcclError::Timeout { .. }) {
+        if !matches!(e, NcclError::Timeout { .. }) || !self.whole_job {
             return e.into();
         }
         let positions = self
-            .tcp
+            .root
             .positions_beside(std::time::Duration::from_millis(200));
         HybridError::NcclTimeout {
             rank: self.tcp.rank(),
@@ -486,7 +516,7 @@ impl HybridBackend {
 }
 
 /// Point-to-point messages and the barrier go over TCP.
-impl Backend for HybridBackend {
+impl<H: Transport> Backend for HybridBackend<H> {
     fn rank(&self) -> usize {
         self.tcp.rank()
     }

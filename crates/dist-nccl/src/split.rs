@@ -44,47 +44,74 @@ impl Communicator {
     /// the blocking communicator returned, once every rank has joined.
     #[doc(alias = "ncclCommSplit")]
     pub fn split(&self, color: u32, key: i32, cfg: CommConfig) -> Result<Communicator> {
-        const OP: &str = "split";
-        let nccl = self.shared.nccl.clone();
         if color > i32::MAX as u32 {
-            return Err(self.invalid(OP, format!("color {color} is over 2^31-1")));
+            return Err(self.invalid("split", format!("color {color} is over 2^31-1")));
         }
-        if crate::group::in_group() {
-            return Err(self.invalid(OP, "not inside a group".into()));
-        }
+        let nb = self.split_raw(color as i32, key, &cfg)?;
         let name = c_name(cfg.name.as_ref());
-        let who = format!(
+        let who = self.split_name(&cfg, &color.to_string());
+        Self::from_nonblocking(
+            self.shared.nccl.clone(),
+            self.ctx.clone(),
+            nb,
+            who,
+            name,
+            &cfg,
+        )
+    }
+
+    /// Takes part in a split of this communicator without joining any of the communicators it
+    /// makes (`NCCL_SPLIT_NOCOLOR`, MPI_UNDEFINED's meaning): what a rank outside every new
+    /// group calls while the others call [`Communicator::split`], since the split is collective
+    /// over this communicator. The same deadline and errors as [`Communicator::split`].
+    #[doc(alias = "NCCL_SPLIT_NOCOLOR")]
+    pub fn split_none(&self, cfg: CommConfig) -> Result<()> {
+        let nb = self.split_raw(dist_nccl_sys::NCCL_SPLIT_NOCOLOR, 0, &cfg)?;
+        debug_assert!(nb.is_null(), "NCCL made a communicator for no color");
+        Ok(())
+    }
+
+    fn split_name(&self, cfg: &CommConfig, color: &str) -> String {
+        format!(
             "nccl comm {}(split {color} of {})",
             cfg.name
                 .as_ref()
                 .map_or(String::new(), |x| format!("'{x}' ")),
             self.shared.who
-        );
-        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        )
+    }
+
+    /// `ncclCommSplit` on this communicator's nonblocking handle, within the init deadline:
+    /// the new nonblocking handle (null for `NCCL_SPLIT_NOCOLOR`). Aborts this communicator
+    /// where NCCL may still be using it after a failure.
+    fn split_raw(&self, color: i32, key: i32, cfg: &CommConfig) -> Result<ncclComm_t> {
+        const OP: &str = "split";
+        let nccl = self.shared.nccl.clone();
+        if crate::group::in_group() {
+            return Err(self.invalid(OP, "not inside a group".into()));
+        }
+        let name = c_name(cfg.name.as_ref());
+        let shown = if color == dist_nccl_sys::NCCL_SPLIT_NOCOLOR {
+            "no color".to_string()
+        } else {
+            color.to_string()
+        };
+        let who = self.split_name(cfg, &shown);
+        let mut conf = config(&nccl, cfg, name.as_ref(), false);
         // The parent's lock is held until the child is ready or given up on: NCCL's thread
         // uses the parent for the split meanwhile, so no other call may run on it.
         let mut st = self.shared.lock_for_call(OP)?;
         let parent = if st.nb.is_null() { st.comm } else { st.nb };
-        let nb = match split_handle(
-            &nccl,
-            parent,
-            &who,
-            color as i32,
-            key,
-            &mut conf,
-            cfg.init_timeout,
-        ) {
-            Ok(c) => c,
+        match split_handle(&nccl, parent, &who, color, key, &mut conf, cfg.init_timeout) {
+            Ok(c) => Ok(c),
             Err((e, poisoned)) => {
                 if poisoned {
                     self.shared
                         .abort_locked(&mut st, Abort::Error(e.to_string()));
                 }
-                return Err(e);
+                Err(e)
             }
-        };
-        drop(st);
-        Self::from_nonblocking(nccl, self.ctx.clone(), nb, who, name, &cfg)
+        }
     }
 
     /// The communicator made from `nb`, a ready nonblocking handle no one else has: `nb` itself
@@ -277,6 +304,13 @@ pub(crate) fn split_handle(
         return Err((e, true));
     }
     let child = slot.load(Ordering::Acquire);
+    if color == dist_nccl_sys::NCCL_SPLIT_NOCOLOR {
+        // This rank joins no new communicator: NCCL makes none for it.
+        if !child.is_null() {
+            abort_handle(nccl, child);
+        }
+        return Ok(std::ptr::null_mut());
+    }
     if child.is_null() {
         // NCCL is done with the split and made no handle.
         return Err((

@@ -14,6 +14,7 @@ mod flow;
 mod groups;
 mod hostile;
 mod hosts;
+mod hybrid_groups;
 mod p2p;
 mod shm;
 mod uneven;
@@ -174,6 +175,7 @@ const CASES: &[Case] = &[
         work::threads();
         Ok(())
     }),
+    Case::new("hybrid_groups_host", hybrid_groups::grid).only_at(&[4]),
     Case::new("admission_flood", admission::flood),
     Case::new("flow_unexpected", flow::unexpected),
     Case::new("hostile_peer", hostile::peer),

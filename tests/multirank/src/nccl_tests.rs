@@ -21,6 +21,7 @@ mod nccl_bounded;
 mod nccl_coll;
 mod nccl_failures;
 mod nccl_hybrid_coll;
+mod nccl_hybrid_groups;
 mod nccl_socket;
 
 struct Rig {
@@ -503,6 +504,7 @@ const CASES: &[Case] = &[
     gpu("hybrid_uneven_mismatch", nccl_hybrid_coll::uneven_mismatch),
     gpu("hybrid_gpu_work", nccl_hybrid_coll::work).variants(&[nccl_socket::SOCKET]),
     gpu("hybrid_gpu_work_timeout", nccl_hybrid_coll::work_timeout),
+    gpu("hybrid_groups_gpu", nccl_hybrid_groups::groups).variants(&[nccl_socket::SOCKET]),
 ];
 
 /// A GPU case: at 2 ranks unless asked for more, needing a CUDA device per rank (skipped, saying
