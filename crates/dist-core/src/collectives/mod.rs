@@ -49,7 +49,7 @@ mod ring;
 mod scratch;
 mod select;
 mod tree;
-mod uneven;
+pub(crate) mod uneven;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE};
 pub(crate) use call::abort_all;

@@ -79,7 +79,7 @@ fn what(kind: Kind, counts: &[usize], root: usize) -> What {
     }
 }
 
-pub(super) fn all_gather_v<T: Element, L: Link>(
+pub(crate) fn all_gather_v<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -98,7 +98,7 @@ pub(super) fn all_gather_v<T: Element, L: Link>(
     })
 }
 
-pub(super) fn gather_v<T: Element, L: Link>(
+pub(crate) fn gather_v<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: &[T],
@@ -125,7 +125,7 @@ pub(super) fn gather_v<T: Element, L: Link>(
     })
 }
 
-pub(super) fn scatter_v<T: Element, L: Link>(
+pub(crate) fn scatter_v<T: Element, L: Link>(
     g: &Group<L>,
     t: Duration,
     input: Option<&[T]>,

@@ -11,7 +11,7 @@ use rayon::ScopeFifo;
 use super::occupancy::{Entry, Occupancy, SCOPE_KIND, executing};
 use super::{Issued, Slot, Work};
 use crate::backend::{Backend, Tag};
-use crate::collectives::ops;
+use crate::collectives::{ops, uneven};
 use crate::error::{DistError, Result};
 use crate::group::Group;
 use crate::link::Link;
@@ -308,6 +308,44 @@ impl<'s, 'scope, L: Link> Scope<'s, 'scope, L> {
     ) -> Work<'s, &'scope mut [T]> {
         self.collective(move |g, t| {
             ops::all_to_all_v(g, t, input, send_counts, output, recv_counts).map(|()| output)
+        })
+    }
+
+    /// [`Collectives::all_gather_v`](crate::Collectives::all_gather_v), async.
+    pub fn all_gather_v<T: Element>(
+        &'s self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+        counts: &'scope [usize],
+    ) -> Work<'s, &'scope mut [T]> {
+        self.collective(move |g, t| {
+            uneven::all_gather_v(g, t, input, output, counts).map(|()| output)
+        })
+    }
+
+    /// [`Collectives::gather_v`](crate::Collectives::gather_v), async.
+    pub fn gather_v<T: Element>(
+        &'s self,
+        input: &'scope [T],
+        mut output: Option<&'scope mut [T]>,
+        counts: &'scope [usize],
+        root: usize,
+    ) -> Work<'s, Option<&'scope mut [T]>> {
+        self.collective(move |g, t| {
+            uneven::gather_v(g, t, input, output.as_deref_mut(), counts, root).map(|()| output)
+        })
+    }
+
+    /// [`Collectives::scatter_v`](crate::Collectives::scatter_v), async.
+    pub fn scatter_v<T: Element>(
+        &'s self,
+        input: Option<&'scope [T]>,
+        counts: &'scope [usize],
+        output: &'scope mut [T],
+        root: usize,
+    ) -> Work<'s, &'scope mut [T]> {
+        self.collective(move |g, t| {
+            uneven::scatter_v(g, t, input, counts, output, root).map(|()| output)
         })
     }
 

@@ -575,3 +575,44 @@ fn async_work_runs_on_work_threads_and_blocking_calls_do_not() {
     }
     assert_eq!(*seen.lock().unwrap(), [false, true]);
 }
+
+/// The uneven collectives, async: rank `r` contributes `r + 1` elements; each result is the
+/// blocking call's, computed here from the definition.
+#[test]
+fn async_uneven_collectives_give_the_blocking_result() {
+    for n in 1..=5 {
+        let results = run_group(
+            n,
+            |_| Tuning::default(),
+            TIMEOUT,
+            |g| {
+                let (me, n) = (g.rank(), g.world_size());
+                let counts: Vec<usize> = (0..n).map(|r| r + 1).collect();
+                let total: usize = counts.iter().sum();
+                let mine: Vec<i64> = (0..=me).map(|i| val(me, i)).collect();
+                // Block r of the gathered vector: rank r's r + 1 elements.
+                let gathered: Vec<i64> = (0..n)
+                    .flat_map(|r| (0..=r).map(move |i| val(r, i)))
+                    .collect();
+                let root = n - 1;
+                let (mut ag, mut ga, mut sc) = (vec![0; total], vec![0; total], vec![0; me + 1]);
+                g.scope(|s| {
+                    let w_ag = s.all_gather_v(&mine, &mut ag, &counts);
+                    let w_ga =
+                        s.gather_v(&mine, (me == root).then_some(&mut ga[..]), &counts, root);
+                    let w_sc = s.scatter_v((me == 0).then_some(&gathered[..]), &counts, &mut sc, 0);
+                    assert_eq!(w_ag.wait()?, &gathered[..], "all_gather_v");
+                    match w_ga.wait()? {
+                        Some(out) => assert_eq!(out, &gathered[..], "gather_v"),
+                        None => assert_ne!(me, root),
+                    }
+                    assert_eq!(w_sc.wait()?, &mine[..], "scatter_v");
+                    Ok(())
+                })
+            },
+        );
+        for r in results {
+            r.unwrap_or_else(|e| panic!("n={n}: {e}"));
+        }
+    }
+}
