@@ -37,7 +37,7 @@ where
     H: Transport<Link: SplitLink<Root = TcpLink>>,
 {
     /// MPI_Comm_split over this backend's (or group's) ranks, as
-    /// [`Subgroups::split`](dist_core::Subgroups::split): the ranks passing the same `color`
+    /// [`Subgroups::split`]: the ranks passing the same `color`
     /// form a group, ordered by `(key, rank here)`; a rank passing `None` takes part and gets
     /// `Ok(None)`. Collective: every rank here must call it, in the same order as its other
     /// collectives.
@@ -51,7 +51,7 @@ where
         self.with_sub_nccl(host)
     }
 
-    /// PyTorch's `new_group`, as [`Subgroups::new_group`](dist_core::Subgroups::new_group):
+    /// PyTorch's `new_group`, as [`Subgroups::new_group`]:
     /// every rank here passes the same list of distinct ranks; group rank `i` is `ranks[i]`,
     /// and the ranks not listed get `Ok(None)`. A bad or differing list is an error on every
     /// rank. The NCCL side as for [`HybridBackend::split`].
