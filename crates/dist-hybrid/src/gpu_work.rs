@@ -33,9 +33,10 @@ use crate::{HybridBackend, Result};
 /// [`GpuWork::wait`] and [`GpuWork::wait_timeout`] end as [`HybridBackend::synchronize_nccl`]
 /// does: done, or the communicator's failure (a dead peer, a mismatch found by the check, an
 /// abort), or a timeout that aborts the communicator and names where every rank's NCCL calls
-/// are. Dropping an unfinished handle neither waits nor cancels: the work goes on in stream
-/// order, later uses of its buffers come after it, and a failure shows at the next wait or
-/// synchronize.
+/// are. Dropping an unfinished handle waits for it as [`GpuWork::wait`] would (nothing is
+/// cancelled: the other ranks take part in the same call); a failure it finds stays on the
+/// communicator, so the next call, wait or synchronize reports it. A handle that is never
+/// dropped (`mem::forget`) does not wait, and is still sound: see the module's docs.
 ///
 /// Buckets of gradients all-reduced while the host computes:
 ///
@@ -68,7 +69,8 @@ use crate::{HybridBackend, Result};
 #[must_use = "an unwaited GpuWork does not say whether its work succeeded"]
 pub struct GpuWork<'a, H: Transport = TcpBackend> {
     h: &'a HybridBackend<H>,
-    work: Work<'a>,
+    /// `None` once waited on.
+    work: Option<Work<'a>>,
     /// The record's ticket of the call: a successful wait marks the calls up to it done.
     ticket: u64,
     _buffers: PhantomData<&'a mut ()>,
@@ -79,7 +81,7 @@ impl<H: Transport> std::fmt::Debug for GpuWork<'_, H> {
         write!(
             f,
             "GpuWork({} on rank {})",
-            self.work.op(),
+            self.op(),
             dist_core::Backend::rank(&*self.h.tcp)
         )
     }
@@ -88,27 +90,41 @@ impl<H: Transport> std::fmt::Debug for GpuWork<'_, H> {
 impl<H: Transport> GpuWork<'_, H> {
     /// The collective this handle follows.
     pub fn op(&self) -> &'static str {
-        self.work.op()
+        self.work.as_ref().map_or("(waited)", Work::op)
     }
 
     /// Whether the work has ended: completed, or failed (then [`GpuWork::wait`] says how).
     /// Never blocks.
     pub fn is_completed(&self) -> bool {
-        self.work.is_completed()
+        self.work.as_ref().is_none_or(Work::is_completed)
     }
 
     /// Waits for the work, within the NCCL timeout.
-    pub fn wait(self) -> Result<()> {
-        let (h, ticket) = (self.h, self.ticket);
-        h.work_outcome(ticket, self.work.wait())
+    pub fn wait(mut self) -> Result<()> {
+        match self.work.take() {
+            Some(work) => self.h.work_outcome(self.ticket, work.wait()),
+            None => Ok(()),
+        }
     }
 
     /// Waits for the work at most `timeout` (capped at the NCCL timeout); past it the
     /// communicator is aborted and this returns the timeout, naming where every rank's NCCL
     /// calls are.
-    pub fn wait_timeout(self, timeout: Duration) -> Result<()> {
-        let (h, ticket) = (self.h, self.ticket);
-        h.work_outcome(ticket, self.work.wait_timeout(timeout))
+    pub fn wait_timeout(mut self, timeout: Duration) -> Result<()> {
+        match self.work.take() {
+            Some(work) => self.h.work_outcome(self.ticket, work.wait_timeout(timeout)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<H: Transport> Drop for GpuWork<'_, H> {
+    /// Waits for work not waited on (see [`GpuWork`]); its error, if any, is recorded on the
+    /// communicator rather than lost.
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take() {
+            let _ = self.h.work_outcome(self.ticket, work.wait());
+        }
     }
 }
 
@@ -121,7 +137,7 @@ impl<H: Transport> HybridBackend<H> {
         let work = c.record_work(op).map_err(|e| self.explain_nccl(e))?;
         Ok(GpuWork {
             h: self,
-            work,
+            work: Some(work),
             ticket,
             _buffers: PhantomData,
         })

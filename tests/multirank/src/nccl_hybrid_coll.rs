@@ -306,7 +306,8 @@ fn host_reference(n: usize, b: usize, len: usize) -> Vec<f32> {
 
 /// GpuWork: a bucketed gradient all-reduce (4 buckets of 4 MiB of f32), each bucket's
 /// all_reduce_async issued and the host's compute done while it travels, then every handle
-/// waited on and every bucket checked; is_completed seen true after a wait; a forgotten
+/// waited on and every bucket checked; is_completed seen true after a wait; a dropped
+/// unfinished handle waits (the call before it has ended when the drop returns); a forgotten
 /// handle's buffer read afterwards holds the reduced values (cudarc orders the read after the
 /// work: the handle's drop never ran), and dropping that buffer is safe; then the other async
 /// calls, several in flight at once.
@@ -364,6 +365,20 @@ pub fn work() -> Result<(), String> {
         .unwrap_or_else(|e| panic!("{e}"));
     let want: f32 = (1..=n).map(|r| r as f32).sum();
     assert!(down(&h, &x).iter().all(|v| *v == want));
+    // Dropping an unfinished handle waits for it: the call enqueued before it (64 MiB) has
+    // ended once the drop returns.
+    let mut a = dev(&h, &vec![me as f32 + 1.0; 16 * LEN]);
+    let mut b = dev(&h, &vec![me as f32 + 1.0; LEN]);
+    h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
+    let first = h.all_reduce_async(&mut a, ReduceOp::Sum).unwrap();
+    drop(h.all_reduce_async(&mut b, ReduceOp::Sum).unwrap());
+    assert!(
+        first.is_completed(),
+        "rank {me}: dropping an unfinished handle did not wait for it"
+    );
+    first.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(down(&h, &a).iter().all(|v| *v == want));
+    assert!(down(&h, &b).iter().all(|v| *v == want));
     // A forgotten handle: the buffer's next use still comes after the work. Read on another
     // stream of the context, which cudarc makes wait for the buffer's write event.
     let mut y = dev(&h, &vec![me as f32 + 1.0; LEN]);
