@@ -16,6 +16,7 @@ use std::io;
 use std::sync::atomic::{Ordering, fence};
 use std::time::Duration;
 
+#[cfg(target_os = "linux")]
 use rustix::thread::futex;
 
 use super::map::{OFF_HEAD, OFF_RX_WAITING, OFF_SPACE_SEQ, OFF_TAIL, OFF_TX_WAITING, Segment};
@@ -156,23 +157,47 @@ impl TxRing {
         if self.room()? > 0 {
             return Ok(());
         }
-        let ts = rustix::time::Timespec {
-            tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
-            tv_nsec: i64::from(limit.subsec_nanos()),
-        };
-        match futex::wait(seq_word, futex::Flags::empty(), seq, Some(&ts)) {
-            Ok(()) => Ok(()),
-            Err(e)
-                if e == rustix::io::Errno::AGAIN
-                    || e == rustix::io::Errno::TIMEDOUT
-                    || e == rustix::io::Errno::INTR =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        wait_on(seq_word, seq, limit)
     }
 }
+
+/// Sleeps while `word` holds `seen`, at most `limit` (a wake-up, a timeout or an interruption
+/// all return `Ok`: the caller looks again).
+#[cfg(target_os = "linux")]
+fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) -> io::Result<()> {
+    let ts = rustix::time::Timespec {
+        tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
+        tv_nsec: i64::from(limit.subsec_nanos()),
+    };
+    match futex::wait(word, futex::Flags::empty(), seen, Some(&ts)) {
+        Ok(()) => Ok(()),
+        Err(e)
+            if e == rustix::io::Errno::AGAIN
+                || e == rustix::io::Errno::TIMEDOUT
+                || e == rustix::io::Errno::INTR =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Elsewhere there is no futex (and no shared memory: see `setup::abstract_addr`): a short
+/// sleep, after which the caller looks again.
+#[cfg(not(target_os = "linux"))]
+fn wait_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, limit: Duration) -> io::Result<()> {
+    std::thread::sleep(limit.min(Duration::from_millis(1)));
+    Ok(())
+}
+
+/// Wakes every waiter on `word` (the producer is in another process: a shared futex).
+#[cfg(target_os = "linux")]
+fn wake_all(word: &std::sync::atomic::AtomicU32) {
+    let _ = futex::wake(word, futex::Flags::empty(), u32::MAX >> 1);
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
 impl RxRing {
     /// The consuming end of `seg` (checked by [`Segment::open`] for capacity `cap`).
@@ -224,8 +249,7 @@ impl RxRing {
             waiting.store(0, Ordering::Relaxed);
             let seq = self.seg.u32_at(OFF_SPACE_SEQ);
             seq.fetch_add(1, Ordering::Release);
-            // The producer is in another process: a shared (not private) futex.
-            let _ = futex::wake(seq, futex::Flags::empty(), u32::MAX >> 1);
+            wake_all(seq);
         }
         Ok(n)
     }

@@ -15,6 +15,7 @@ use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+#[cfg(target_os = "linux")]
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
@@ -216,9 +217,20 @@ pub(crate) fn negotiate(
     Ok(shm)
 }
 
+#[cfg(target_os = "linux")]
 fn abstract_addr(nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
     let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
     SocketAddr::from_abstract_name(format!("dist-shm-{hex}"))
+}
+
+/// Abstract Unix sockets are Linux's; elsewhere there is no shared memory (`host_identity`
+/// reads Linux's `/proc` and is `None`, so no rank offers it), and this is never reached.
+#[cfg(not(target_os = "linux"))]
+fn abstract_addr(_nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "shared memory between ranks needs Linux (abstract Unix sockets)",
+    ))
 }
 
 /// Step 2: passes this rank's new segment to the peer and receives the peer's descriptor.
