@@ -297,7 +297,13 @@ impl<R> Drop for Work<'_, R> {
     /// Waits for the work to end (see [`Work`]).
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            drop(slot.wait_until(None));
+            let mut st = slot.wait_until(None);
+            // A success nobody will take is done with: marked taken, so that the scope prunes
+            // its slot (a long scope dropping its handles otherwise kept one per piece of
+            // work). A failure stays for the scope to return.
+            if matches!(*st, State::Done(Ok(_))) {
+                *st = State::Taken;
+            }
         }
     }
 }

@@ -132,6 +132,13 @@ impl<'s, 'scope, L: Link> Scope<'s, 'scope, L> {
         self.group.occupancy().pending()
     }
 
+    /// How many pieces of work the scope keeps track of now (tests: it must not grow with
+    /// handles dropped after their work succeeded).
+    #[cfg(test)]
+    pub(crate) fn tracked(&self) -> usize {
+        self.issued.borrow().len()
+    }
+
     /// The timeout each piece of this scope's work runs under (from when it starts to run).
     pub fn timeout(&self) -> Duration {
         self.timeout

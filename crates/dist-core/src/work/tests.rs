@@ -616,3 +616,34 @@ fn async_uneven_collectives_give_the_blocking_result() {
         }
     }
 }
+
+/// A long scope that drops its handles after their work succeeded keeps a bounded list of
+/// them (before the fix every dropped success stayed tracked: 1,000 sends, 1,000 slots).
+#[test]
+fn dropped_successes_are_not_tracked_forever() {
+    let results = run_group(
+        2,
+        |_| Tuning::default(),
+        TIMEOUT,
+        |g| {
+            if g.rank() == 0 {
+                g.scope(|s| {
+                    for _ in 0..1000 {
+                        drop(s.isend(&[1], 1, Tag::user(9)));
+                    }
+                    assert!(s.tracked() < 200, "{} slots tracked", s.tracked());
+                    Ok(())
+                })
+            } else {
+                let mut b = [0u8; 1];
+                for _ in 0..1000 {
+                    g.recv_tagged(&mut b, 0, Tag::user(9))?;
+                }
+                Ok(())
+            }
+        },
+    );
+    for r in results {
+        r.unwrap();
+    }
+}
