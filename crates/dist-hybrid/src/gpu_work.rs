@@ -119,11 +119,15 @@ impl<H: Transport> GpuWork<'_, H> {
 }
 
 impl<H: Transport> Drop for GpuWork<'_, H> {
-    /// Waits for work not waited on (see [`GpuWork`]); its error, if any, is recorded on the
-    /// communicator rather than lost.
+    /// Waits for work not waited on (see [`GpuWork`]), unless a panic is unwinding; its
+    /// error, if any, is recorded on the communicator rather than lost.
     fn drop(&mut self) {
         if let Some(work) = self.work.take() {
-            let _ = self.h.work_outcome(self.ticket, work.wait());
+            // Unwinding from a panic, the caller is not waiting for results: the work goes on
+            // in stream order (sound either way: see the module's docs).
+            if !std::thread::panicking() {
+                let _ = self.h.work_outcome(self.ticket, work.wait());
+            }
         }
     }
 }

@@ -78,8 +78,9 @@ impl Work<'_> {
         if self.comm.shared.doomed.get().is_some() {
             return true;
         }
-        // A CUDA error here is the communicator's failure too: `wait` reports it.
-        self.event.try_is_complete().unwrap_or(true)
+        // A CUDA error here is not a completion: `false` sends the caller to `wait`, which
+        // reports it.
+        self.event.try_is_complete().unwrap_or(false)
     }
 
     /// Waits until the work has completed, within the communicator's timeout; a failure of

@@ -291,7 +291,18 @@ impl<'a> Ops<'a> {
         let (has_send, has_recv) = (send.is_some(), recv.is_some());
         for m in moves.iter().filter(|m| m.count > 0) {
             if (m.send && !has_send) || (!m.send && !has_recv) {
-                return Err(self.invalid(op, "a block of a buffer not given".into()));
+                let (dir, way, buf) = if m.send {
+                    ("send", "to", "input")
+                } else {
+                    ("receive", "from", "output")
+                };
+                return Err(self.invalid(
+                    op,
+                    format!(
+                        "a {dir} of {} elements {way} peer {}, but no {buf} buffer was given",
+                        m.count, m.peer
+                    ),
+                ));
             }
         }
         self.launch(op, send, recv, |s, r, c, st| {
