@@ -259,6 +259,9 @@ impl TcpBackend {
         let spin = peer::spin_env().unwrap_or_else(|| config::default_spin(local, cores));
         tracing::debug!(rank = me, local, cores, ?spin, "receive spin");
         let mut peers = Vec::with_capacity(cfg.world_size);
+        // One deadline and one host identity for every peer's shared-memory exchange: a
+        // deadline per peer would let a slow rank hold formation for (n - 1) init timeouts.
+        let (shm_host, shm_by) = (cfg.shm_host(), Instant::now() + cfg.init_timeout);
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match (s, &mesh) {
                 (Some(s), _) => Peer::connected_shm(
@@ -268,8 +271,8 @@ impl TcpBackend {
                     cfg.timeout,
                     aborts.clone(),
                     limits,
-                    cfg.shm_host(),
-                    Instant::now() + cfg.init_timeout,
+                    shm_host,
+                    shm_by,
                 )?,
                 (None, Some(m)) if r != me => Peer::unconnected(
                     me,
