@@ -43,37 +43,47 @@ pub trait ObjectCollectives: Collectives {
     }
 
     /// Every rank's `data` (lengths may differ) to every rank, in rank order. The bytes travel
-    /// as one all_gather of blocks padded to the longest object, so all of them together
-    /// (the longest × the ranks) may be at most [`MAX_OBJECT_BYTES`]; past it every rank gets
-    /// an [`DistError::InvalidArgument`] naming the longest, the group still usable.
+    /// as one [`Collectives::all_gather_v`] of the objects as they are (no padding), so all of
+    /// them together may be at most [`MAX_OBJECT_BYTES`]; past it every rank gets an
+    /// [`DistError::InvalidArgument`] naming the total and the longest, the group still usable.
     fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let (me, n) = (self.rank(), self.world_size());
         let mut lens = vec![0u64; n];
         self.all_gather(&[data.len() as u64], &mut lens)
             .map_err(|e| e.with_op("all_gather_bytes (lengths)"))?;
-        let (longest, &max) = lens
+        let total = lens
             .iter()
-            .enumerate()
-            .max_by_key(|&(r, l)| (*l, std::cmp::Reverse(r)))
-            .unwrap_or((0, &0));
-        let block = usize::try_from(max)
-            .ok()
-            .filter(|b| b.checked_mul(n).is_some_and(|t| t <= MAX_OBJECT_BYTES))
-            .ok_or_else(|| DistError::InvalidArgument {
+            .try_fold(0u64, |t, &l| t.checked_add(l))
+            .filter(|&t| t <= MAX_OBJECT_BYTES as u64);
+        let Some(total) = total else {
+            let (longest, &max) = lens
+                .iter()
+                .enumerate()
+                .max_by_key(|&(r, l)| (*l, std::cmp::Reverse(r)))
+                .unwrap_or((0, &0));
+            let sum: u128 = lens.iter().map(|&l| u128::from(l)).sum();
+            return Err(DistError::InvalidArgument {
                 rank: me,
                 op: "all_gather_bytes".into(),
                 reason: format!(
-                    "rank {longest}'s object is {max} bytes: {n} blocks of it are more than \
-                     {MAX_OBJECT_BYTES}"
+                    "the {n} objects are {sum} bytes in all, more than {MAX_OBJECT_BYTES} \
+                     (rank {longest}'s object is the longest, {max} bytes)"
                 ),
-            })?;
-        let mut mine = data.to_vec();
-        mine.resize(block, 0);
-        let mut all = vec![0u8; block * n];
-        self.all_gather(&mine, &mut all)
+            });
+        };
+        // Every length is at most the total, which fits in memory's `usize` here.
+        let counts: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let mut all = vec![0u8; total as usize];
+        self.all_gather_v(data, &mut all, &counts)
             .map_err(|e| e.with_op("all_gather_bytes"))?;
-        Ok((0..n)
-            .map(|r| all[r * block..r * block + lens[r] as usize].to_vec())
+        let mut rest = all.as_slice();
+        Ok(counts
+            .iter()
+            .map(|&c| {
+                let (block, tail) = rest.split_at(c);
+                rest = tail;
+                block.to_vec()
+            })
             .collect())
     }
 }
@@ -128,10 +138,26 @@ mod tests {
             |g| {
                 let me = g.rank();
                 // Zeroed memory, made only on the rank that sends it (its pages untouched).
-                let big = vec![0u8; if me == 2 { MAX_OBJECT_BYTES / 2 } else { 0 }];
+                // One long object among empty ones travels unpadded: 3 blocks of it would be
+                // more than the limit, the objects themselves are not.
+                let half = vec![0u8; if me == 2 { MAX_OBJECT_BYTES / 2 } else { 0 }];
+                let all = g.all_gather_bytes(&half)?;
+                let lens: Vec<usize> = all.iter().map(Vec::len).collect();
+                assert_eq!(lens, [0, 0, MAX_OBJECT_BYTES / 2]);
+                drop(all);
+                let big = vec![
+                    0u8;
+                    if me == 0 {
+                        0
+                    } else {
+                        MAX_OBJECT_BYTES / 2 + me
+                    }
+                ];
                 let e = g.all_gather_bytes(&big).unwrap_err();
                 assert!(
-                    matches!(&e, DistError::InvalidArgument { reason, .. } if reason.contains("rank 2's object")),
+                    matches!(&e, DistError::InvalidArgument { reason, .. }
+                        if reason.contains("rank 2's object is the longest")
+                            && reason.contains(&format!("{} bytes in all", MAX_OBJECT_BYTES + 3))),
                     "{e}"
                 );
                 let huge = vec![0u8; if me == 1 { MAX_OBJECT_BYTES + 1 } else { 0 }];
