@@ -341,7 +341,8 @@ fn form_as_member(
         peer: root_desc.clone(),
         reason: what,
     };
-    let (head, entries) = tree::read_table(to_root, world, deadline, &waiting_for_table, &protocol)?;
+    let (head, entries) =
+        tree::read_table(to_root, world, deadline, &waiting_for_table, &protocol)?;
     let job_id = head.job_id;
 
     let mesh = match lazy {

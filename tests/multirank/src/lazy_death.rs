@@ -55,7 +55,10 @@ fn death_of(victim: usize) {
         }
         _ => false,
     };
-    assert!(names, "rank {me}: expected an error naming rank {victim}: {text}");
+    assert!(
+        names,
+        "rank {me}: expected an error naming rank {victim}: {text}"
+    );
     println!(
         "rank {me} (connected to {connected} peers): call {calls} failed after {took:.2?}: {text}"
     );

@@ -255,7 +255,11 @@ pub(super) fn serve_handshake(
     if let Gate::Mesh(links) = &r.gate
         && links.crosses_early(rank)
     {
-        return Err(refuse(&mut stream, Refusal::Crossed, crossed_reason(r.me, rank, from)));
+        return Err(refuse(
+            &mut stream,
+            Refusal::Crossed,
+            crossed_reason(r.me, rank, from),
+        ));
     }
     let server_nonce = nonce(r.me).map_err(|e| e.to_string())?;
     // The challenge: this side's nonce, and no proof yet.

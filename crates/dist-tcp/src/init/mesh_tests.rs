@@ -102,9 +102,8 @@ fn pairs_dial_each_other() {
     eprintln!("{N} ranks formed lazily in {took:.2?}");
     // Formation connected each rank to rank 0 and to its neighbours in the table's tree
     // (handed to `on_incoming`, as connections peers make), and no other pair.
-    let tree_edge = |a: usize, b: usize| {
-        a != 0 && b != 0 && (tree::parent(a) == b || tree::parent(b) == a)
-    };
+    let tree_edge =
+        |a: usize, b: usize| a != 0 && b != 0 && (tree::parent(a) == b || tree::parent(b) == a);
     let mut tree_streams: Vec<Vec<Option<TcpStream>>> = Vec::new();
     for (r, rank) in ranks.iter().enumerate() {
         let mut held: Vec<Option<TcpStream>> = (0..N).map(|_| None).collect();

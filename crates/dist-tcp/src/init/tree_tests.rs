@@ -58,7 +58,9 @@ fn a_forwarded_table_is_checked_against_rank_0() {
     assert!(e.contains("job 0x8, not rank 0's job 0x7"), "{e}");
     let e = tree::check_forwarded(&whole(7), &[a, a], 1, b, 7).unwrap_err();
     assert!(
-        e.contains("lists rank 1 at Some(127.0.0.1:4000), where rank 0 says it listens at 127.0.0.1:4001"),
+        e.contains(
+            "lists rank 1 at Some(127.0.0.1:4000), where rank 0 says it listens at 127.0.0.1:4001"
+        ),
         "{e}"
     );
     let part = TableHead {
@@ -68,7 +70,10 @@ fn a_forwarded_table_is_checked_against_rank_0() {
         count: 1,
     };
     let e = tree::check_forwarded(&part, &[b], 1, b, 7).unwrap_err();
-    assert!(e.contains("ranks 1..2 of the table of 2, not the whole"), "{e}");
+    assert!(
+        e.contains("ranks 1..2 of the table of 2, not the whole"),
+        "{e}"
+    );
 }
 
 /// A table whose head claims more ranks than the job has, or is cut short, is an error naming
@@ -97,7 +102,8 @@ fn reading_a_table_checks_what_the_head_claims() {
         .unwrap();
     let e = tree::read_table(&mut near, 4, by(), &io, &bad).unwrap_err();
     assert!(
-        e.to_string().contains("table has 1073741824 ranks, expected 4"),
+        e.to_string()
+            .contains("table has 1073741824 ranks, expected 4"),
         "{e}"
     );
     let (mut far, mut near) = pair();
@@ -107,7 +113,8 @@ fn reading_a_table_checks_what_the_head_claims() {
     drop(far);
     let e = tree::read_table(&mut near, 2, by(), &io, &bad).unwrap_err();
     assert!(
-        e.to_string().contains("connection closed after 20 of 38 bytes"),
+        e.to_string()
+            .contains("connection closed after 20 of 38 bytes"),
         "{e}"
     );
 }

@@ -118,7 +118,10 @@ fn table_parts_round_trip_and_ranges_past_the_world_are_errors() {
     bad[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(
         decode_table_head(&bad),
-        Err(DecodeError::BadField("table range end", 3 + u64::from(u32::MAX)))
+        Err(DecodeError::BadField(
+            "table range end",
+            3 + u64::from(u32::MAX)
+        ))
     );
     let past = encode_table_part(9, 4, 4, &[a]);
     assert_eq!(
