@@ -5,12 +5,14 @@
 //! workers (`acceptor.rs`). Every other rank connects to it (retrying with backoff until the init
 //! deadline, so ranks may start in any order), opens a listener of its own, and announces that
 //! listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each the table of
-//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank `j` then connects to every
-//! rank `0 < i < j`, whose listener accepts only that job's ranks above it, and reports `Ready`
-//! once all its connections are up. Lazy ([`Formation::Lazy`](crate::Formation::Lazy)): no rank dials; each starts its
-//! long-lived acceptor ([`Mesh`]) and reports `Ready` at once. Rank 0 reads the statuses on one
-//! thread (`status.rs`) and answers `Go` when every rank is ready, so that init returns on all
-//! ranks together, or fails on all of them with the first rank's error.
+//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank
+//! `j` then connects to every rank `0 < i < j`, whose listener accepts only that job's ranks
+//! above it, and reports `Ready` once all its connections are up. Lazy
+//! ([`Formation::Lazy`](crate::Formation::Lazy)): each rank starts its long-lived acceptor
+//! ([`Mesh`]); the table goes down a tree (`tree.rs`: a rank dials its parent for it and
+//! forwards it to its children), and a rank reports `Ready` once it has the table. Rank 0 reads
+//! the statuses on one thread (`status.rs`) and answers `Go` when every rank is ready, so that
+//! init returns on all ranks together, or fails on all of them with the first rank's error.
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;

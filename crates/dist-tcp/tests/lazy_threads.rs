@@ -37,7 +37,8 @@ fn threads_now() -> usize {
         .expect("/proc/self/status has a thread count")
 }
 
-/// 256 ranks form lazily as threads: each rank connects to rank 0 only, and formation costs
+/// 256 ranks form lazily as threads: each rank connects to rank 0 (and its neighbours in the
+/// table's tree, whose connections this test drops), and formation costs
 /// a bounded number of threads per rank (its accept thread; rank 0 a few handshake workers
 /// until they are idle), where the eager mesh needs a thread per peer.
 #[test]
