@@ -81,7 +81,7 @@ pub(crate) fn table_from_parent(
     world: usize,
     deadline: Instant,
 ) -> Result<(Vec<SocketAddr>, TcpStream)> {
-    let me = mesh.rank();
+    let (me, started) = (mesh.rank(), Instant::now());
     let who = format!("rank {parent} at {parent_addr} (this rank's parent in the table's tree)");
     let mut s = match mesh.dial(parent, deadline)? {
         Dialed::Stream(s) => s,
@@ -103,7 +103,7 @@ pub(crate) fn table_from_parent(
         joined: 0,
         world_size: world,
         missing: vec![parent],
-        waited: Duration::ZERO,
+        waited: started.elapsed(),
         detail: format!("no table from {who}: {e}"),
     };
     let (h, addrs) = read_table(&mut s, world, deadline, &io, &bad)?;
