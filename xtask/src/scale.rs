@@ -27,6 +27,10 @@ pub struct Args {
     /// `DIST_FORMATION=lazy` in the environment forms it lazily.
     #[arg(long)]
     pub form_only: bool,
+    /// Run this build of the `scale` example instead of building one (to compare two builds
+    /// side by side, alternating).
+    #[arg(long)]
+    pub program: Option<PathBuf>,
 }
 
 /// How often the supervisor looks at its children (exits, thread counts).
@@ -206,16 +210,21 @@ pub fn run(args: &Args) -> Result<()> {
     if args.ranks < 2 {
         bail!("scale needs at least 2 ranks (got {})", args.ranks);
     }
-    crate::cargo(&[
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "dist-tcp",
-        "--example",
-        "scale",
-    ])?;
-    let program = crate::release_dir().join("examples").join("scale");
+    let program = match &args.program {
+        Some(p) => p.clone(),
+        None => {
+            crate::cargo(&[
+                "build",
+                "--release",
+                "--quiet",
+                "-p",
+                "dist-tcp",
+                "--example",
+                "scale",
+            ])?;
+            crate::release_dir().join("examples").join("scale")
+        }
+    };
     let n = args.ranks;
     let timeout = Duration::from_secs(args.timeout);
     let dir = std::env::temp_dir().join(format!("dist-scale-{}", std::process::id()));

@@ -57,8 +57,9 @@ pub enum Formation {
     Auto,
     /// Every rank connects to every other at init, which returns once all are connected.
     Eager,
-    /// No connection but each rank's to rank 0 is made at init: init returns once every rank
-    /// has the table of listeners and its own listener is up, and each rank then connects to a
+    /// No connection but each rank's to rank 0 and to its neighbours in the tree the table of
+    /// listeners goes down is made at init: init returns once every rank has the table and
+    /// its own listener is up, and each rank then connects to a
     /// peer on first use, of a send or of a posted receive (its acceptor takes the peers'
     /// connections for the life of the backend). A rank hears directly only of the failures of
     /// the peers it is connected to (every one it has waited on) and of rank 0.

@@ -5,30 +5,31 @@
 //! workers (`acceptor.rs`). Every other rank connects to it (retrying with backoff until the init
 //! deadline, so ranks may start in any order), opens a listener of its own, and announces that
 //! listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each the table of
-//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank `j` then connects to every
-//! rank `0 < i < j`, whose listener accepts only that job's ranks above it, and reports `Ready`
-//! once all its connections are up. Lazy ([`Formation::Lazy`](crate::Formation::Lazy)): no rank dials; each starts its
-//! long-lived acceptor ([`Mesh`]) and reports `Ready` at once. Rank 0 reads the statuses on one
-//! thread (`status.rs`) and answers `Go` when every rank is ready, so that init returns on all
-//! ranks together, or fails on all of them with the first rank's error.
+//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank
+//! `j` then connects to every rank `0 < i < j`, whose listener accepts only that job's ranks
+//! above it, and reports `Ready` once all its connections are up. Lazy
+//! ([`Formation::Lazy`](crate::Formation::Lazy)): each rank starts its long-lived acceptor
+//! ([`Mesh`]); the table goes down a tree (`tree.rs`: a rank dials its parent for it and
+//! forwards it to its children), and a rank reports `Ready` once it has the table. Rank 0 reads
+//! the statuses on one thread (`status.rs`) and answers `Go` when every rank is ready, so that
+//! init returns on all ranks together, or fails on all of them with the first rank's error.
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::RecvTimeoutError;
 use dist_core::{DistError, Result};
 
 use crate::config::TcpConfig;
-use crate::wire::{
-    self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status, TABLE_ENTRY_LEN,
-    TABLE_HEAD_LEN,
-};
+use crate::wire::{self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status};
 
 mod acceptor;
 mod handshake;
 mod links;
 mod mesh;
 mod status;
+mod tree;
 
 use acceptor::Acceptor;
 use handshake::*;
@@ -99,7 +100,8 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
     let master = cfg.master_addr()?;
     let mut mesh = None;
     if me == 0 {
-        let (job_id, addrs) = form_as_root(cfg, master, started, deadline, &mut streams)?;
+        let (job_id, addrs) =
+            form_as_root(cfg, master, started, deadline, lazy.is_some(), &mut streams)?;
         if let Some(cb) = lazy {
             mesh = Some(Mesh::start(spec(job_id, addrs), None, |_| true, cb)?);
         }
@@ -165,6 +167,7 @@ fn form_as_root(
     master: SocketAddr,
     started: Instant,
     deadline: Instant,
+    lazy: bool,
     streams: &mut [Option<TcpStream>],
 ) -> Result<(u64, Vec<SocketAddr>)> {
     let world = cfg.world_size;
@@ -213,21 +216,32 @@ fn form_as_root(
         addrs[r] = SocketAddr::new(j.from.ip(), j.hello.listen_port);
     }
     let job_id = u64::from_le_bytes(nonce(0)?[..8].try_into().expect("8 bytes"));
+    // The whole table to every rank (eager), or down the tree (lazy): whole to rank 0's
+    // children, and to every other rank its parent's entry only (`tree.rs`).
     let table = wire::encode_table(job_id, &addrs);
     let mut conns: Vec<TcpStream> = Vec::with_capacity(world - 1);
-    let sending = Instant::now();
+    let (sending, mut bytes) = (Instant::now(), 0);
     for (r, j) in joined.into_iter().enumerate().skip(1) {
         let mut s = j.expect("every rank joined").stream;
-        write_by(&mut s, &table, deadline)
+        let p = tree::parent(r);
+        let part;
+        let message = if lazy && p != 0 {
+            part = wire::encode_table_part(job_id, world as u32, p as u32, &addrs[p..=p]);
+            &part
+        } else {
+            &table
+        };
+        bytes += message.len();
+        write_by(&mut s, message, deadline)
             .map_err(io_err(0, format!("send the table to rank {r}")))?;
         conns.push(s);
     }
     tracing::debug!(
         rank = 0,
         world,
-        bytes = table.len(),
+        bytes,
         elapsed = ?sending.elapsed(),
-        "table sent to every rank"
+        "table sent"
     );
     let failure = status::gather(&conns, deadline);
     let status = match &failure {
@@ -324,34 +338,66 @@ fn form_as_member(
         waited: started.elapsed(),
         detail: format!("no table from rank 0 (other ranks missing?): {e}"),
     };
-    let mut head = [0u8; TABLE_HEAD_LEN];
-    read_exact_by(to_root, &mut head, deadline).map_err(waiting_for_table)?;
     let protocol = |what: String| DistError::HandshakeRefused {
         rank: me,
         peer: root_desc.clone(),
         reason: what,
     };
-    let (job_id, n) =
-        wire::decode_table_head(&head).map_err(|e| protocol(format!("bad table: {e}")))?;
-    if n as usize != world {
-        return Err(protocol(format!("table has {n} ranks, expected {world}")));
-    }
-    let mut entries = vec![0u8; world * TABLE_ENTRY_LEN];
-    read_exact_by(to_root, &mut entries, deadline).map_err(waiting_for_table)?;
-    let addrs = wire::decode_table_entries(&entries, world)
-        .map_err(|e| protocol(format!("bad table: {e}")))?;
+    let (head, entries) =
+        tree::read_table(to_root, world, deadline, &waiting_for_table, &protocol)?;
+    let job_id = head.job_id;
 
     let mesh = match lazy {
-        // Lazy: the listener stays up for the life of the rank; nothing is dialed now.
-        Some((cb, spec)) => Some(Mesh::start(
-            spec(job_id, addrs),
-            Some(listener),
-            |r| r == 0,
-            cb,
-        )?),
+        // Lazy: the listener stays up for the life of the rank; only the tree is dialed now.
+        Some((cb, spec)) => {
+            let forward = Arc::new(tree::Forward::new(me, world, cfg.handshake_timeout, cb));
+            let parent = tree::parent(me);
+            let whole = head.is_whole();
+            if !whole && (head.first as usize != parent || head.count != 1) {
+                return Err(protocol(format!(
+                    "rank 0 sent ranks {}..{} of the table; rank {me} expects the whole table \
+                     or its parent's entry (rank {parent})",
+                    head.first,
+                    u64::from(head.first) + u64::from(head.count)
+                )));
+            }
+            let known = if whole {
+                entries.clone()
+            } else {
+                let mut a = vec![SocketAddr::from(([0, 0, 0, 0], 0)); world];
+                a[parent] = entries[0];
+                a
+            };
+            let f = forward.clone();
+            let mut mesh = Mesh::start(
+                spec(job_id, known),
+                Some(listener),
+                |r| r == 0,
+                Box::new(move |r, s| f.incoming(r, s)),
+            )?;
+            let addrs = if whole {
+                entries
+            } else {
+                let (addrs, s) =
+                    tree::table_from_parent(&mesh, parent, entries[0], job_id, world, deadline)?;
+                mesh.set_addrs(addrs.clone());
+                forward.hand_on(parent, s);
+                addrs
+            };
+            forward.publish(wire::encode_table(job_id, &addrs));
+            Some(mesh)
+        }
         None => {
+            if !head.is_whole() {
+                return Err(protocol(format!(
+                    "rank 0 sent ranks {}..{} of the table; an eager formation needs the \
+                     whole table (is rank 0 forming lazily? DIST_FORMATION must agree)",
+                    head.first,
+                    u64::from(head.first) + u64::from(head.count)
+                )));
+            }
             mesh_eagerly(
-                cfg, listener, &addrs, job_id, &hello, started, deadline, streams,
+                cfg, listener, &entries, job_id, &hello, started, deadline, streams,
             )?;
             None
         }
@@ -461,3 +507,5 @@ mod links_tests;
 mod mesh_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tree_tests;

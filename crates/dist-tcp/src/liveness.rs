@@ -129,6 +129,19 @@ pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, i
         prev = now;
         next = now + interval;
         s.tick(&mut last, now);
+        let took = now.elapsed();
+        if took > s.peer_timeout / 2 {
+            // On a host with far more runnable threads than cores, a round of heartbeats to
+            // many peers can outlast the peer timeout (docs/scale.md): say so, since the peers
+            // may then declare this rank unresponsive.
+            tracing::warn!(
+                rank = s.rank,
+                peers = s.peers.len() - 1,
+                ?took,
+                peer_timeout = ?s.peer_timeout,
+                "a round of heartbeats took over half the peer timeout (host overloaded?)"
+            );
+        }
     }
 }
 

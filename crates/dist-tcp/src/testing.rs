@@ -32,8 +32,9 @@ pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
 }
 
 /// Forms the job `cfg` describes lazily ([`Formation::Lazy`](crate::Formation), whatever `cfg`
-/// says): every rank connected to rank 0 only, each with its listener and acceptor up, with no
-/// peer layer on the connections; for the formation benchmarks and tests.
+/// says): every rank connected to rank 0 and to its neighbours in the tree the table of
+/// listeners goes down (those connections go to `on_incoming`), each with its listener and
+/// acceptor up, with no peer layer on the connections; for the formation benchmarks and tests.
 pub fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
     init::form_lazy(cfg, on_incoming)
 }

@@ -15,7 +15,7 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -33,8 +33,8 @@ pub const STATUS_LEN: usize = 4 + 4 + 2 + REASON_LEN;
 pub const FRAME_HEADER_LEN: usize = 40;
 /// Length of one rank's entry in the rendezvous table.
 pub const TABLE_ENTRY_LEN: usize = 19;
-/// Length of the rendezvous table's fixed part.
-pub const TABLE_HEAD_LEN: usize = 8 + 8 + 4;
+/// Length of the rendezvous table's fixed part ([`TableHead`]).
+pub const TABLE_HEAD_LEN: usize = 8 + 8 + 4 + 4 + 4;
 
 /// Why a connection sends its [`Hello`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -357,11 +357,44 @@ impl Status {
     }
 }
 
-/// Encodes the rendezvous table rank 0 sends each rank: the job id and every rank's listener.
+/// The fixed part of a rendezvous table: which entries of the job's table of listeners follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableHead {
+    /// The job id rank 0 handed out.
+    pub job_id: u64,
+    /// The number of ranks in the job.
+    pub world: u32,
+    /// The rank of the first entry that follows.
+    pub first: u32,
+    /// How many entries follow (those of ranks `first..first + count`).
+    pub count: u32,
+}
+
+impl TableHead {
+    /// Whether the entries that follow are the whole table.
+    pub fn is_whole(&self) -> bool {
+        self.first == 0 && self.count == self.world
+    }
+}
+
+/// Encodes the whole rendezvous table: the job id and every rank's listener.
 pub fn encode_table(job_id: u64, addrs: &[std::net::SocketAddr]) -> Vec<u8> {
+    encode_table_part(job_id, addrs.len() as u32, 0, addrs)
+}
+
+/// Encodes part of the rendezvous table of a job of `world` ranks: the listeners of ranks
+/// `first..first + addrs.len()`.
+pub fn encode_table_part(
+    job_id: u64,
+    world: u32,
+    first: u32,
+    addrs: &[std::net::SocketAddr],
+) -> Vec<u8> {
     let mut b = Vec::with_capacity(TABLE_HEAD_LEN + addrs.len() * TABLE_ENTRY_LEN);
     b.extend_from_slice(&MAGIC);
     b.extend_from_slice(&job_id.to_le_bytes());
+    b.extend_from_slice(&world.to_le_bytes());
+    b.extend_from_slice(&first.to_le_bytes());
     b.extend_from_slice(&(addrs.len() as u32).to_le_bytes());
     for a in addrs {
         let (family, ip) = match a.ip() {
@@ -375,11 +408,22 @@ pub fn encode_table(job_id: u64, addrs: &[std::net::SocketAddr]) -> Vec<u8> {
     b
 }
 
-/// Decodes the table's fixed part: the job id and the number of entries that follow.
-pub fn decode_table_head(buf: &[u8]) -> Result<(u64, u32), DecodeError> {
+/// Decodes the table's fixed part: the job id, the world size and which entries follow (a
+/// range past the world size is an error).
+pub fn decode_table_head(buf: &[u8]) -> Result<TableHead, DecodeError> {
     check_magic(buf)?;
     need(buf, TABLE_HEAD_LEN)?;
-    Ok((u64_at(buf, 8), u32_at(buf, 16)))
+    let head = TableHead {
+        job_id: u64_at(buf, 8),
+        world: u32_at(buf, 16),
+        first: u32_at(buf, 20),
+        count: u32_at(buf, 24),
+    };
+    let end = u64::from(head.first) + u64::from(head.count);
+    if end > u64::from(head.world) {
+        return Err(DecodeError::BadField("table range end", end));
+    }
+    Ok(head)
 }
 
 /// Decodes the table's entries.

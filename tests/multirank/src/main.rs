@@ -15,6 +15,7 @@ mod groups;
 mod hostile;
 mod hosts;
 mod hybrid_groups;
+mod lazy_death;
 mod p2p;
 mod shm;
 mod uneven;
@@ -28,6 +29,13 @@ use dist_multirank::{Case, TWO_LANES, Variant};
 const GRID_TWO_LANES: Variant = Variant {
     sizes: &[8],
     ..TWO_LANES
+};
+
+/// Lazy connections at a world size that would form eagerly by default.
+const LAZY: Variant = Variant {
+    name: "lazy",
+    sizes: &[8],
+    env: &[("DIST_FORMATION", "lazy")],
 };
 
 /// A budget for queued messages (64 KiB) smaller than the conveniences' large message, which
@@ -127,6 +135,19 @@ const CASES: &[Case] = &[
     Case::new("coll_uneven", uneven::uneven).sizes(&[2, 3, 4, 5, 6, 7, 8]),
     Case::new("coll_uneven_mismatch", uneven::uneven_mismatch).sizes(&[2, 3, 5]),
     Case::new("fail_sigkill", failures::sigkill).only_at(&[4]),
+    // At 65 ranks the job is lazy by default.
+    Case::new("lazy_last_rank_dies", || {
+        lazy_death::last_rank_dies();
+        Ok(())
+    })
+    .sizes(&[65])
+    .variants(&[LAZY]),
+    Case::new("lazy_rank0_dies", || {
+        lazy_death::rank0_dies();
+        Ok(())
+    })
+    .sizes(&[65])
+    .variants(&[LAZY]),
     Case::new("fail_sigstop", failures::sigstop).only_at(&[4]),
     Case::new("fail_barrier_vs_all_reduce", || {
         failures::barrier_vs_all_reduce();

@@ -249,6 +249,18 @@ pub(super) fn serve_handshake(
             ),
         ));
     }
+    // Both ranks dialing each other: the higher rank's connection loses. Refused before the
+    // challenge when that is already plain, which saves the proofs and a round trip of a
+    // connection that cannot win; refusing needs no proof, as it changes nothing here.
+    if let Gate::Mesh(links) = &r.gate
+        && links.crosses_early(rank)
+    {
+        return Err(refuse(
+            &mut stream,
+            Refusal::Crossed,
+            crossed_reason(r.me, rank, from),
+        ));
+    }
     let server_nonce = nonce(r.me).map_err(|e| e.to_string())?;
     // The challenge: this side's nonce, and no proof yet.
     write_by(
@@ -294,11 +306,7 @@ pub(super) fn serve_handshake(
                 return Err(refuse(
                     &mut stream,
                     Refusal::Crossed,
-                    format!(
-                        "crossed: rank {} is connecting to rank {rank} too, and the lower \
-                         rank's connection wins ({from})",
-                        r.me
-                    ),
+                    crossed_reason(r.me, rank, from),
                 ));
             }
             Verdict::Duplicate => {
@@ -346,6 +354,13 @@ pub(super) fn serve_handshake(
         }
     }
     Ok(())
+}
+
+fn crossed_reason(me: usize, rank: usize, from: SocketAddr) -> String {
+    format!(
+        "crossed: rank {me} is connecting to rank {rank} too, and the lower rank's connection \
+         wins ({from})"
+    )
 }
 
 /// How a connecting handshake failed.

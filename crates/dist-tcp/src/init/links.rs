@@ -118,6 +118,14 @@ pub(crate) fn on_hello(me: usize, peer: usize, link: &mut Link) -> Verdict {
     }
 }
 
+/// Whether rank `me`'s acceptor can refuse `peer`'s connection as crossed as soon as its hello
+/// has passed the checks, before the challenge: this rank is dialing the higher `peer` itself.
+/// Changes nothing (a crossed refusal never does), so it needs no proof of the secret first;
+/// [`on_hello`] decides again at the verdict for connections that pass here.
+pub(crate) fn crosses_early(me: usize, peer: usize, link: Link) -> bool {
+    peer > me && matches!(link, Link::Dialing { .. })
+}
+
 /// The acceptor has sent its verdict on an accepted connection (`ok`), or failed to.
 pub(crate) fn on_verdict_sent(link: &mut Link, ok: bool) -> Deliver {
     match (*link, ok) {
@@ -250,6 +258,11 @@ impl Links {
     /// The acceptor's decision on `peer`'s connection (see [`on_hello`]).
     pub(crate) fn decide(&self, peer: usize) -> Verdict {
         on_hello(self.me, peer, &mut self.lock().links[peer])
+    }
+
+    /// Whether `peer`'s connection can be refused as crossed at once (see [`crosses_early`]).
+    pub(crate) fn crosses_early(&self, peer: usize) -> bool {
+        crosses_early(self.me, peer, self.get(peer))
     }
 
     /// The verdict on an accepted connection went out with `stream`, or could not (`None`).

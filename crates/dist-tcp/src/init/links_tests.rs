@@ -278,10 +278,19 @@ fn the_decision_table() {
         (Connected, 3, Verdict::Duplicate, Connected),
     ];
     for (before, peer, verdict, after) in cases {
+        // Refusing early is refusing at the hello what the verdict would refuse, changing
+        // nothing: the interleavings above, which decide at any moment after the hello,
+        // cover it.
+        if crosses_early(5, peer, before) {
+            assert_eq!((verdict, after), (Verdict::Crossed, before), "{before:?}");
+        }
         let mut l = before;
         assert_eq!(on_hello(5, peer, &mut l), verdict, "{before:?} from {peer}");
         assert_eq!(l, after, "{before:?} from {peer}");
     }
+    assert!(crosses_early(5, 9, Dialing { accepting: false }));
+    assert!(!crosses_early(5, 3, Dialing { accepting: false }));
+    assert!(!crosses_early(5, 9, Idle));
 }
 
 /// A dialer that gives up while the peer's connection is being accepted leaves it to the

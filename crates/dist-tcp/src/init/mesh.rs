@@ -113,6 +113,12 @@ impl Mesh {
         })
     }
 
+    /// Sets the table of listeners, once it has arrived (a lazy rank whose table comes down the
+    /// tree starts its mesh knowing only its parent's listener).
+    pub(crate) fn set_addrs(&mut self, addrs: Vec<SocketAddr>) {
+        self.addrs = addrs;
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.me

@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
@@ -56,6 +56,18 @@ fn lazy_job(n: usize, secret: Option<&[u8]>) -> (Vec<Rank>, Duration) {
     (ranks, t.elapsed())
 }
 
+/// Whether `mesh` is connected to `peer` by `within` from now.
+fn connected_within(mesh: &Mesh, peer: usize, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while !mesh.is_connected(peer) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
 fn ping(s: &mut TcpStream, from: usize) {
     let h = FrameHeader {
         kind: FrameKind::Data,
@@ -88,26 +100,57 @@ fn pairs_dial_each_other() {
     const N: usize = 16;
     let (ranks, took) = lazy_job(N, Some(KEY));
     eprintln!("{N} ranks formed lazily in {took:.2?}");
+    // Formation connected each rank to rank 0 and to its neighbours in the table's tree
+    // (handed to `on_incoming`, as connections peers make), and no other pair.
+    let tree_edge =
+        |a: usize, b: usize| a != 0 && b != 0 && (tree::parent(a) == b || tree::parent(b) == a);
+    let mut tree_streams: Vec<Vec<Option<TcpStream>>> = Vec::new();
     for (r, rank) in ranks.iter().enumerate() {
-        for p in 0..N {
-            let formed_with = r == p || r == 0 || p == 0;
-            assert_eq!(rank.formed.mesh.is_connected(p), formed_with, "{r} to {p}");
-            assert_eq!(rank.formed.streams[p].is_some(), formed_with && r != p);
+        let mut held: Vec<Option<TcpStream>> = (0..N).map(|_| None).collect();
+        for _ in (0..N).filter(|p| tree_edge(r, *p)) {
+            let (p, s) = rank
+                .incoming
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("rank {r}: a tree connection missing: {e}"));
+            assert!(tree_edge(r, p), "rank {r}: a connection from {p}");
+            assert!(held[p].replace(s).is_none(), "rank {r}: two from {p}");
         }
+        for p in 0..N {
+            let formed_with = r == p || r == 0 || p == 0 || tree_edge(r, p);
+            // A tree connection's link turns connected once `on_incoming` has returned, which
+            // may be just after the stream arrived above.
+            let connected = if tree_edge(r, p) {
+                connected_within(&rank.formed.mesh, p, Duration::from_secs(20))
+            } else {
+                rank.formed.mesh.is_connected(p)
+            };
+            assert_eq!(connected, formed_with, "{r} to {p}");
+            let rendezvous = (r == 0 || p == 0) && r != p;
+            assert_eq!(rank.formed.streams[p].is_some(), rendezvous);
+        }
+        tree_streams.push(held);
     }
+    let tree_streams = Arc::new(Mutex::new(tree_streams));
     let ranks = Arc::new(ranks);
     let go = Arc::new(Barrier::new(N));
     let crossed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let threads: Vec<_> = (0..N)
         .map(|me| {
             let (ranks, go, crossed) = (ranks.clone(), go.clone(), crossed.clone());
+            let tree = std::mem::take(&mut tree_streams.lock().unwrap()[me]);
             std::thread::spawn(move || {
                 let rank = &ranks[me];
-                let mut held: Vec<Option<TcpStream>> = (0..N).map(|_| None).collect();
+                let mut held = tree;
                 for k in 1..N {
                     let peer = me ^ k;
                     go.wait();
                     if peer == 0 || me == 0 {
+                        continue;
+                    }
+                    if let Some(s) = held[peer].as_mut() {
+                        // Connected at formation (the tree): the connection carries frames.
+                        ping(s, me);
+                        assert_eq!(pong(s), peer as u64, "rank {me} from {peer} (tree)");
                         continue;
                     }
                     let deadline = Instant::now() + Duration::from_secs(20);

@@ -407,7 +407,7 @@ fn table_unicast_to_1023_ranks() {
             std::thread::Builder::new()
                 .stack_size(64 << 10)
                 .spawn(move || {
-                    let mut b = vec![0u8; TABLE_HEAD_LEN + 1024 * TABLE_ENTRY_LEN];
+                    let mut b = vec![0u8; wire::TABLE_HEAD_LEN + 1024 * wire::TABLE_ENTRY_LEN];
                     s.read_exact(&mut b).unwrap();
                 })
                 .unwrap()

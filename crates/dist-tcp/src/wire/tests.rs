@@ -74,13 +74,60 @@ fn table_round_trips_v4_and_v6() {
         "10.1.2.3:1".parse().unwrap(),
     ];
     let b = encode_table(42, &addrs);
-    assert_eq!(decode_table_head(&b).unwrap(), (42, 3));
+    let head = decode_table_head(&b).unwrap();
+    assert_eq!(
+        head,
+        TableHead {
+            job_id: 42,
+            world: 3,
+            first: 0,
+            count: 3
+        }
+    );
+    assert!(head.is_whole());
     assert_eq!(
         decode_table_entries(&b[TABLE_HEAD_LEN..], 3).unwrap(),
         addrs
     );
     assert!(decode_table_entries(&b[TABLE_HEAD_LEN..b.len() - 1], 3).is_err());
     assert!(decode_table_head(&b[..10]).is_err());
+}
+
+/// A part of the table says which ranks it holds; a range past the world size is an error
+/// (naming the range's end), whatever the count claims, and nothing overflows.
+#[test]
+fn table_parts_round_trip_and_ranges_past_the_world_are_errors() {
+    let a: std::net::SocketAddr = "10.0.0.7:4242".parse().unwrap();
+    let b = encode_table_part(9, 1024, 513, &[a]);
+    let head = decode_table_head(&b).unwrap();
+    assert_eq!(
+        head,
+        TableHead {
+            job_id: 9,
+            world: 1024,
+            first: 513,
+            count: 1
+        }
+    );
+    assert!(!head.is_whole());
+    assert_eq!(
+        decode_table_entries(&b[TABLE_HEAD_LEN..], 1).unwrap(),
+        vec![a]
+    );
+    let mut bad = encode_table_part(9, 4, 3, &[a]);
+    bad[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(
+        decode_table_head(&bad),
+        Err(DecodeError::BadField(
+            "table range end",
+            3 + u64::from(u32::MAX)
+        ))
+    );
+    let past = encode_table_part(9, 4, 4, &[a]);
+    assert_eq!(
+        decode_table_head(&past),
+        Err(DecodeError::BadField("table range end", 5))
+    );
 }
 
 #[test]
@@ -313,7 +360,8 @@ mod props {
         ) {
             let b = encode_table(job, &addrs);
             let n = addrs.len();
-            prop_assert_eq!(decode_table_head(&b), Ok((job, n as u32)));
+            let whole = TableHead { job_id: job, world: n as u32, first: 0, count: n as u32 };
+            prop_assert_eq!(decode_table_head(&b), Ok(whole));
             let entries = &b[TABLE_HEAD_LEN..];
             let got = decode_table_entries(entries, n).expect("decodes");
             prop_assert_eq!(got, addrs);
