@@ -1,6 +1,7 @@
 //! Point-to-point benchmark between ranks 0 and 1, beside a plain socket pair measured in the
 //! same run: median one-way latency of small messages (ping-pong), and streaming throughput of
-//! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`.
+//! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`;
+//! `--latency-only` skips the throughput part.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -56,6 +57,7 @@ fn main() {
         }
     };
     plain.set_nodelay(true).unwrap();
+    let latency_only = std::env::args().any(|a| a == "--latency-only");
     let b = dist_multirank::join();
     let peer = 1 - me;
     let tag = Tag::user(1);
@@ -82,6 +84,17 @@ fn main() {
             }
         });
         let (lat_plain, lat_dist) = (median(p) / 2.0, median(d) / 2.0);
+        if latency_only {
+            if me == 0 {
+                println!(
+                    "round {round}: latency plain {:.2} us, dist {:.2} us",
+                    lat_plain * 1e6,
+                    lat_dist * 1e6
+                );
+            }
+            results.push((lat_plain, lat_dist, f64::NAN, f64::NAN));
+            continue;
+        }
         // Throughput, plain pair then dist.
         let mut big = vec![1u8; STREAM_BYTES];
         let mut ack = [0u8; 1];
@@ -134,10 +147,12 @@ fn main() {
             ld * 1e6,
             ld / lp
         );
-        println!(
-            "| streaming throughput, 64 MiB messages | {bp:.2} GB/s | {bd:.2} GB/s | {:.2} |",
-            bd / bp
-        );
+        if !latency_only {
+            println!(
+                "| streaming throughput, 64 MiB messages | {bp:.2} GB/s | {bd:.2} GB/s | {:.2} |",
+                bd / bp
+            );
+        }
     }
     b.barrier().unwrap();
 }

@@ -30,6 +30,14 @@ pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
     }
 }
 
+/// Whether a spinning receiver keeps its core between looks (a busy pause) rather than yielding
+/// it: only while the job's ranks on this host (`local`) are at most its cores (`cores`), so
+/// that no rank of the job waits for a core that a spinner holds. A yield costs a system call
+/// per look, and on a host with other work a trip through the scheduler.
+pub(crate) fn busy_spin(local: usize, cores: usize) -> bool {
+    local <= cores
+}
+
 /// The ranks of this job on this host: `LOCAL_WORLD_SIZE` (as torchrun sets it) if it is a
 /// positive number, else `counted` (this rank and the peers connected from this host's address).
 pub(crate) fn local_ranks(get: impl Fn(&str) -> Option<String>, counted: usize) -> usize {

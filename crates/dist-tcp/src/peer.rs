@@ -43,7 +43,7 @@ pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
 pub(crate) use connect::ConnectHook;
 pub(crate) use io::IoThread;
-use recv::Spinning;
+use recv::{Pace, Spinning};
 pub use recv::TcpRecv;
 pub(crate) use recv::spin_env;
 use rx::*;
@@ -136,6 +136,9 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     /// How long a receiver spins on this peer before it sleeps, in µs ([`Peer::set_spin`]).
     spin_us: AtomicU64,
+    /// Whether a spin keeps its core between looks (this rank's host has a core per rank of the
+    /// job on it) instead of yielding it ([`Peer::set_spin`], `recv.rs`'s `Pace`).
+    spin_busy: AtomicBool,
     /// How many turns the I/O thread has given this peer's state (tests count its wake-ups).
     #[cfg(test)]
     reader_turns: AtomicU64,
@@ -200,6 +203,7 @@ impl Peer {
             io_woken: AtomicBool::new(false),
             spinners: AtomicUsize::new(0),
             spin_us: AtomicU64::new(spin_env().unwrap_or(SPIN).as_micros() as u64),
+            spin_busy: AtomicBool::new(false),
             #[cfg(test)]
             reader_turns: AtomicU64::new(0),
             on_abort: OnceLock::new(),
@@ -302,12 +306,12 @@ impl Peer {
         let shm_ways = (shm.tx.is_some(), shm.rx.is_some());
         let conn = Conn {
             shm: shm_ways,
-            writer: WriterLock::new(Writer::new(sock, shm.tx)),
+            writer: WriterLock::new(Writer::new(sock, shm.tx.map(|t| t.for_rank(me)))),
             rx: Mutex::new(Rx {
                 sock: match shm.rx {
                     Some(ring) => Source::Ring {
                         sock: r,
-                        ring,
+                        ring: ring.for_rank(me),
                         io_turn: false,
                     },
                     None => Source::Socket(r),
@@ -347,10 +351,17 @@ impl Peer {
         self.conn.get().is_some()
     }
 
-    /// Sets how long a receiver spins on this peer before it sleeps.
-    pub(crate) fn set_spin(&self, d: Duration) {
+    /// Sets how long a receiver spins on this peer before it sleeps, and whether it keeps its
+    /// core meanwhile (`busy`) or yields it between looks.
+    pub(crate) fn set_spin(&self, d: Duration, busy: bool) {
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         self.spin_us.store(us, Ordering::Relaxed);
+        self.spin_busy.store(busy, Ordering::Relaxed);
+    }
+
+    /// How a spin on this peer that ends at `until` paces its looks.
+    fn pace(&self, until: Instant) -> Pace {
+        Pace::new(self.spin_busy.load(Ordering::Relaxed), until)
     }
 
     /// How long a wait on this thread spins before it sleeps: not at all on a thread running

@@ -52,16 +52,26 @@ impl Writer {
     }
 
     /// Waits at most `limit` for room to write (a wake-up is no promise of room). On a ring, an
-    /// error once the connection has hung up (the peer died, or the read side shut it).
+    /// error once the connection has hung up (the read side shut it) or the peer has shut its
+    /// side (it died: the kernel closed its socket; or it is closing its backend and will
+    /// receive nothing more): either way nobody will make room.
     pub(super) fn wait_room(&self, limit: Duration) -> std::io::Result<()> {
         let fd = self.sock.as_raw_fd();
         let Some(ring) = &self.ring else {
             return crate::sys::poll_write(fd, limit).map(drop);
         };
-        if crate::sys::poll_read(fd, Duration::ZERO)? & crate::sys::HUNG_UP != 0 {
+        let ev = crate::sys::poll_read(fd, Duration::ZERO)?;
+        if ev & crate::sys::HUNG_UP != 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::BrokenPipe,
                 "connection closed while the shared-memory ring was full",
+            ));
+        }
+        if ev & crate::sys::PEER_SHUT != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the peer shut its side of the connection (it died or is closing) while the \
+                 shared-memory ring to it was full",
             ));
         }
         ring.wait_room(limit.min(RING_WAIT_SLICE))
@@ -314,6 +324,8 @@ impl Peer {
         let mut sent = 0;
         let started = Instant::now();
         let spin = src.spin_time();
+        let busy = src.spin_busy.load(Ordering::Relaxed);
+        let mut apart = false;
         let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
@@ -337,6 +349,7 @@ impl Peer {
                     Step::Closed(cause) => src.shut(&mut r, cause),
                     Step::Idle | Step::Held(..) => {}
                 }
+                apart = r.sock.peer_apart();
                 drop(r);
                 received = src
                     .lock()
@@ -362,7 +375,12 @@ impl Peer {
                 src.wake_reader(&src.lock());
                 break write_all_vectored(&mut w, bufs, deadline, &mut sent);
             }
-            std::thread::yield_now();
+            // As `recv.rs`'s `Pace`: keep the core only while the sender runs elsewhere.
+            if busy && apart {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         };
         drop(spinning);
         w.hb_left = w.hb_left.saturating_sub(sent);
