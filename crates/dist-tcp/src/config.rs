@@ -682,6 +682,16 @@ mod tests {
         assert!(!format!("{c:?}").contains("hunter2"));
     }
 
+    /// A spinner keeps its core only while every rank of the job on this host has one.
+    #[test]
+    fn a_spin_keeps_its_core_only_with_a_core_per_rank() {
+        assert!(busy_spin(1, 1));
+        assert!(busy_spin(2, 2));
+        assert!(!busy_spin(3, 2));
+        assert!(!busy_spin(4, 2));
+        assert!(busy_spin(4, 16));
+    }
+
     /// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond
     /// (measured: `docs/benchmarks.md`, "Spinning and oversubscription"); `LOCAL_WORLD_SIZE`
     /// counts the ranks when set to a positive number.

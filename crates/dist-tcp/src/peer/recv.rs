@@ -413,3 +413,31 @@ pub(crate) fn spin_env() -> Option<Duration> {
             .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
     })
 }
+
+#[cfg(test)]
+mod pace_tests {
+    use super::*;
+
+    /// Every manner of pacing ends at its deadline, not before, and a past deadline ends it at
+    /// the next look.
+    #[test]
+    fn a_pace_ends_at_its_deadline_in_every_manner() {
+        for (busy, apart) in [(true, true), (true, false), (false, true), (false, false)] {
+            let t = Instant::now();
+            let limit = Duration::from_millis(3);
+            let mut pace = Pace::new(busy, t + limit);
+            while pace.next(apart) {}
+            let took = t.elapsed();
+            assert!(took >= limit, "{busy} {apart}: ended after {took:?}");
+            assert!(took < Duration::from_secs(2), "{busy} {apart}: {took:?}");
+            assert!(pace.looks() > 1, "{busy} {apart}: looked once");
+            let mut past = Pace::new(busy, Instant::now());
+            // A busy pace reads the clock every LOOKS_PER_CLOCK looks: at most that many more.
+            let mut looks = 0;
+            while past.next(apart) {
+                looks += 1;
+                assert!(looks < LOOKS_PER_CLOCK, "{busy} {apart}: went past its deadline");
+            }
+        }
+    }
+}
