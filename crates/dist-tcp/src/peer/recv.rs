@@ -436,7 +436,10 @@ mod pace_tests {
             let mut looks = 0;
             while past.next(apart) {
                 looks += 1;
-                assert!(looks < LOOKS_PER_CLOCK, "{busy} {apart}: went past its deadline");
+                assert!(
+                    looks < LOOKS_PER_CLOCK,
+                    "{busy} {apart}: went past its deadline"
+                );
             }
         }
     }

@@ -120,7 +120,14 @@ fn a_sender_on_a_full_ring_sees_its_peer_die_within_a_second() {
     let (r, took) = std::thread::scope(|s| {
         let sender = s.spawn(|| {
             let t = Instant::now();
-            let r = p1.send(FrameKind::Data, 3, &data, [0; 16], &|| "send".into(), deadline);
+            let r = p1.send(
+                FrameKind::Data,
+                3,
+                &data,
+                [0; 16],
+                &|| "send".into(),
+                deadline,
+            );
             (r, t.elapsed())
         });
         // Rank 0 dies: the kernel closes its socket (its ring stays mapped on this side).

@@ -288,7 +288,10 @@ fn the_producer_publishes_its_cpu() {
     write_all(&mut tx, b"x");
     let after = this_cpu();
     let cpu = rx.producer_cpu().expect("published with the write");
-    assert!(cpu == before || cpu == after, "{cpu} not {before} or {after}");
+    assert!(
+        cpu == before || cpu == after,
+        "{cpu} not {before} or {after}"
+    );
     let evil = Segment::open(&fd, CAP).unwrap();
     evil.u32_at(crate::shm::map::OFF_TX_CPU)
         .store(u32::MAX, Ordering::SeqCst);
