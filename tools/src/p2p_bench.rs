@@ -19,6 +19,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The CPU this process's main thread last ran on (field 39 of `/proc/self/stat`), where
+/// there is one: where the scheduler placed the two ranks decides much of a small message's
+/// latency (on one CPU every round trip takes two context switches).
+fn last_cpu() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(36)?.parse().ok()
+}
+
 /// Ping-pong `iters` times; returns each round trip's time.
 fn pingpong(iters: usize, mut one: impl FnMut()) -> Vec<f64> {
     for _ in 0..1000 {
@@ -84,6 +93,23 @@ fn main() {
             }
         });
         let (lat_plain, lat_dist) = (median(p) / 2.0, median(d) / 2.0);
+        // Where the two ranks ran at the end of the dist ping-pong (u64::MAX: unknown).
+        let mut cpus = last_cpu().unwrap_or(u64::MAX).to_le_bytes();
+        if me == 1 {
+            b.send_tagged(&cpus, 0, tag).unwrap();
+        } else {
+            let mine = cpus;
+            b.recv_tagged(&mut cpus, 1, tag).unwrap();
+            let show = |c: [u8; 8]| match u64::from_le_bytes(c) {
+                u64::MAX => "?".to_string(),
+                c => c.to_string(),
+            };
+            println!(
+                "round {round}: ranks 0 and 1 last ran on CPUs {} and {}",
+                show(mine),
+                show(cpus)
+            );
+        }
         if latency_only {
             if me == 0 {
                 println!(
