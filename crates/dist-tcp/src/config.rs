@@ -30,14 +30,6 @@ pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
     }
 }
 
-/// Whether a spinning receiver keeps its core between looks (a busy pause) rather than yielding
-/// it: only while the job's ranks on this host (`local`) are at most its cores (`cores`), so
-/// that no rank of the job waits for a core that a spinner holds. A yield costs a system call
-/// per look, and on a host with other work a trip through the scheduler.
-pub(crate) fn busy_spin(local: usize, cores: usize) -> bool {
-    local <= cores
-}
-
 /// The ranks of this job on this host: `LOCAL_WORLD_SIZE` (as torchrun sets it) if it is a
 /// positive number, else `counted` (this rank and the peers connected from this host's address).
 pub(crate) fn local_ranks(get: impl Fn(&str) -> Option<String>, counted: usize) -> usize {
@@ -680,16 +672,6 @@ mod tests {
     fn debug_hides_the_secret() {
         let c = TcpConfig::new(0, 1, "x:1").secret("hunter2");
         assert!(!format!("{c:?}").contains("hunter2"));
-    }
-
-    /// A spinner keeps its core only while every rank of the job on this host has one.
-    #[test]
-    fn a_spin_keeps_its_core_only_with_a_core_per_rank() {
-        assert!(busy_spin(1, 1));
-        assert!(busy_spin(2, 2));
-        assert!(!busy_spin(3, 2));
-        assert!(!busy_spin(4, 2));
-        assert!(busy_spin(4, 16));
     }
 
     /// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond

@@ -257,8 +257,7 @@ impl TcpBackend {
         let local = config::local_ranks(|k| std::env::var(k).ok(), 1 + same_host);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let spin = peer::spin_env().unwrap_or_else(|| config::default_spin(local, cores));
-        let busy = config::busy_spin(local, cores);
-        tracing::debug!(rank = me, local, cores, ?spin, busy, "receive spin");
+        tracing::debug!(rank = me, local, cores, ?spin, "receive spin");
         let mut peers = Vec::with_capacity(cfg.world_size);
         // One deadline and one host identity for every peer's shared-memory exchange: a
         // deadline per peer would let a slow rank hold formation for (n - 1) init timeouts.
@@ -287,7 +286,7 @@ impl TcpBackend {
             }));
         }
         for p in &peers {
-            p.set_spin(spin, busy);
+            p.set_spin(spin);
         }
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {

@@ -43,9 +43,9 @@ pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
 pub(crate) use connect::ConnectHook;
 pub(crate) use io::IoThread;
+use recv::Spinning;
 pub use recv::TcpRecv;
 pub(crate) use recv::spin_env;
-use recv::{Pace, Spinning};
 use rx::*;
 use slots::*;
 use writer::*;
@@ -136,9 +136,6 @@ pub(crate) struct Peer {
     spinners: AtomicUsize,
     /// How long a receiver spins on this peer before it sleeps, in µs ([`Peer::set_spin`]).
     spin_us: AtomicU64,
-    /// Whether a spin keeps its core between looks (this rank's host has a core per rank of the
-    /// job on it) instead of yielding it ([`Peer::set_spin`], `recv.rs`'s `Pace`).
-    spin_busy: AtomicBool,
     /// How many turns the I/O thread has given this peer's state (tests count its wake-ups).
     #[cfg(test)]
     reader_turns: AtomicU64,
@@ -203,7 +200,6 @@ impl Peer {
             io_woken: AtomicBool::new(false),
             spinners: AtomicUsize::new(0),
             spin_us: AtomicU64::new(spin_env().unwrap_or(SPIN).as_micros() as u64),
-            spin_busy: AtomicBool::new(false),
             #[cfg(test)]
             reader_turns: AtomicU64::new(0),
             on_abort: OnceLock::new(),
@@ -351,17 +347,10 @@ impl Peer {
         self.conn.get().is_some()
     }
 
-    /// Sets how long a receiver spins on this peer before it sleeps, and whether it keeps its
-    /// core meanwhile (`busy`) or yields it between looks.
-    pub(crate) fn set_spin(&self, d: Duration, busy: bool) {
+    /// Sets how long a receiver spins on this peer before it sleeps.
+    pub(crate) fn set_spin(&self, d: Duration) {
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         self.spin_us.store(us, Ordering::Relaxed);
-        self.spin_busy.store(busy, Ordering::Relaxed);
-    }
-
-    /// How a spin on this peer that ends at `until` paces its looks.
-    fn pace(&self, until: Instant) -> Pace {
-        Pace::new(self.spin_busy.load(Ordering::Relaxed), until)
     }
 
     /// How long a wait on this thread spins before it sleeps: not at all on a thread running

@@ -9,7 +9,7 @@ mod map;
 mod ring;
 mod setup;
 
-pub(crate) use ring::{RxRing, TxRing, this_cpu};
+pub(crate) use ring::{RxRing, TxRing};
 pub(crate) use setup::{Shm, host_identity, negotiate};
 
 impl crate::TcpBackend {

@@ -26,54 +26,6 @@ impl Drop for Spinning<'_> {
     }
 }
 
-/// How many looks a busy spin takes between two readings of the clock (a reading costs about
-/// as much as a look at an empty ring).
-const LOOKS_PER_CLOCK: u32 = 16;
-
-/// Paces a spin loop between its looks, until a deadline. Between two looks it either keeps
-/// the core with a busy pause ([`std::hint::spin_loop`]) or yields it (`sched_yield`). A yield
-/// costs a system call and, on a host with other work, a trip through the scheduler per look
-/// (measured on a 2-core host, most of an 8-byte message's latency); a busy pause on the core
-/// the sender needs holds the message back for the whole spin. So it pauses busily only when
-/// the rank may keep its core (`busy`: its host has a core per rank of the job on it) and the
-/// sender is known to run on another CPU (`apart`, asked afresh at each look); else it yields.
-pub(super) struct Pace {
-    busy: bool,
-    until: Instant,
-    looks: u32,
-}
-
-impl Pace {
-    pub(super) fn new(busy: bool, until: Instant) -> Pace {
-        Pace {
-            busy,
-            until,
-            looks: 0,
-        }
-    }
-
-    /// Waits before the next look; false (at once) once the deadline has passed. `apart`: the
-    /// sender runs on another CPU (`Source::peer_apart`).
-    pub(super) fn next(&mut self, apart: bool) -> bool {
-        self.looks = self.looks.wrapping_add(1);
-        if self.busy && apart {
-            std::hint::spin_loop();
-            return !self.looks.is_multiple_of(LOOKS_PER_CLOCK) || Instant::now() < self.until;
-        }
-        if Instant::now() >= self.until {
-            return false;
-        }
-        std::thread::yield_now();
-        true
-    }
-
-    /// How many looks it has paced.
-    #[cfg(test)]
-    pub(super) fn looks(&self) -> u32 {
-        self.looks
-    }
-}
-
 /// How a posted receive stands.
 enum PostState {
     /// It ended at once (a queued message taken, or the connection already closed).
@@ -357,23 +309,21 @@ impl Peer {
     fn spin(&self, id: u64, until: Instant) {
         let Some(rx) = self.rx() else { return };
         let _spinning = Spinning::new(&self.spinners);
-        let mut pace = self.pace(until);
-        let mut apart = false;
         loop {
-            if let Ok(mut r) = rx.try_lock() {
-                if let Step::Closed(cause) = self.progress(&mut r) {
-                    self.shut(&mut r, cause);
-                }
-                apart = r.sock.peer_apart();
+            if let Ok(mut r) = rx.try_lock()
+                && let Step::Closed(cause) = self.progress(&mut r)
+            {
+                self.shut(&mut r, cause);
             }
             let done = self
                 .lock()
                 .posted
                 .iter()
                 .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
-            if done || !pace.next(apart) {
+            if done || Instant::now() >= until {
                 break;
             }
+            std::thread::yield_now();
         }
     }
 
@@ -412,35 +362,4 @@ pub(crate) fn spin_env() -> Option<Duration> {
             .and_then(|v| v.trim().parse().ok())
             .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
     })
-}
-
-#[cfg(test)]
-mod pace_tests {
-    use super::*;
-
-    /// Every manner of pacing ends at its deadline, not before, and a past deadline ends it at
-    /// the next look.
-    #[test]
-    fn a_pace_ends_at_its_deadline_in_every_manner() {
-        for (busy, apart) in [(true, true), (true, false), (false, true), (false, false)] {
-            let t = Instant::now();
-            let limit = Duration::from_millis(3);
-            let mut pace = Pace::new(busy, t + limit);
-            while pace.next(apart) {}
-            let took = t.elapsed();
-            assert!(took >= limit, "{busy} {apart}: ended after {took:?}");
-            assert!(took < Duration::from_secs(2), "{busy} {apart}: {took:?}");
-            assert!(pace.looks() > 1, "{busy} {apart}: looked once");
-            let mut past = Pace::new(busy, Instant::now());
-            // A busy pace reads the clock every LOOKS_PER_CLOCK looks: at most that many more.
-            let mut looks = 0;
-            while past.next(apart) {
-                looks += 1;
-                assert!(
-                    looks < LOOKS_PER_CLOCK,
-                    "{busy} {apart}: went past its deadline"
-                );
-            }
-        }
-    }
 }

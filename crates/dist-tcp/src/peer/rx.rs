@@ -114,17 +114,6 @@ pub(super) struct Script {
 }
 
 impl Source {
-    /// Whether the peer is known to run on another CPU than this thread: its ring says where
-    /// it last wrote from, and that is not here. A socket says nothing: `false`.
-    pub(super) fn peer_apart(&self) -> bool {
-        match self {
-            Source::Ring { ring, .. } => ring
-                .producer_cpu()
-                .is_some_and(|c| c != crate::shm::this_cpu()),
-            _ => false,
-        }
-    }
-
     pub(super) fn shutdown(&mut self) {
         match self {
             Source::Socket(s) | Source::Ring { sock: s, .. } => {

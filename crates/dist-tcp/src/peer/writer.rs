@@ -324,8 +324,6 @@ impl Peer {
         let mut sent = 0;
         let started = Instant::now();
         let spin = src.spin_time();
-        let busy = src.spin_busy.load(Ordering::Relaxed);
-        let mut apart = false;
         let mut spinning = Some(Spinning::new(&src.spinners));
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
@@ -349,7 +347,6 @@ impl Peer {
                     Step::Closed(cause) => src.shut(&mut r, cause),
                     Step::Idle | Step::Held(..) => {}
                 }
-                apart = r.sock.peer_apart();
                 drop(r);
                 received = src
                     .lock()
@@ -375,12 +372,7 @@ impl Peer {
                 src.wake_reader(&src.lock());
                 break write_all_vectored(&mut w, bufs, deadline, &mut sent);
             }
-            // As `recv.rs`'s `Pace`: keep the core only while the sender runs elsewhere.
-            if busy && apart {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            std::thread::yield_now();
         };
         drop(spinning);
         w.hb_left = w.hb_left.saturating_sub(sent);

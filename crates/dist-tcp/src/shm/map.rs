@@ -12,14 +12,13 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
 /// The header in front of the ring's bytes: magic, version, capacity, then the producer's
-/// position (with the CPU it last wrote from), the consumer's (with its waiting flag), and the
-/// producer's futex word, each on a cache line of its own.
+/// position, the consumer's (with its waiting flag), and the producer's futex word, each on a
+/// cache line of its own.
 pub(crate) const HEADER: usize = 256;
 const OFF_MAGIC: usize = 0;
 const OFF_VERSION: usize = 8;
 const OFF_CAP: usize = 16;
 pub(crate) const OFF_TAIL: usize = 64;
-pub(crate) const OFF_TX_CPU: usize = 72;
 pub(crate) const OFF_HEAD: usize = 128;
 pub(crate) const OFF_RX_WAITING: usize = 136;
 pub(crate) const OFF_SPACE_SEQ: usize = 192;
@@ -28,7 +27,7 @@ pub(crate) const OFF_TX_WAITING: usize = 196;
 /// `dist-shm` in ASCII, little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-shm");
 /// The layout's version.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 1;
 /// The smallest and largest ring a peer may offer.
 pub(crate) const MIN_CAP: u64 = 4 << 10;
 pub(crate) const MAX_CAP: u64 = 64 << 20;

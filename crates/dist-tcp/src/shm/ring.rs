@@ -19,9 +19,7 @@ use std::time::Duration;
 #[cfg(target_os = "linux")]
 use rustix::thread::futex;
 
-use super::map::{
-    OFF_HEAD, OFF_RX_WAITING, OFF_SPACE_SEQ, OFF_TAIL, OFF_TX_CPU, OFF_TX_WAITING, Segment,
-};
+use super::map::{OFF_HEAD, OFF_RX_WAITING, OFF_SPACE_SEQ, OFF_TAIL, OFF_TX_WAITING, Segment};
 
 /// The error for a position the peer published that this side cannot accept: names this rank
 /// (`me`, once known), the peer, the operation (`op`) and what was wrong (`what`).
@@ -172,10 +170,6 @@ impl TxRing {
         self.seg
             .u64_at(OFF_TAIL)
             .store(self.tail, Ordering::Release);
-        // A hint for a spinning consumer (`RxRing::producer_cpu`), on the line it reads anyway.
-        self.seg
-            .u32_at(OFF_TX_CPU)
-            .store(this_cpu().saturating_add(1), Ordering::Relaxed);
         // Store-fence-load against the consumer's `arm`: it either sees this position or we
         // see its flag.
         fence(Ordering::SeqCst);
@@ -198,18 +192,6 @@ impl TxRing {
         }
         wait_on(seq_word, seq, limit)
     }
-}
-
-/// The CPU this thread runs on now (a hint: it may move at any time).
-#[cfg(target_os = "linux")]
-pub(crate) fn this_cpu() -> u32 {
-    u32::try_from(rustix::thread::sched_getcpu()).unwrap_or(u32::MAX - 1)
-}
-
-/// Elsewhere: unknown (no shared memory there either).
-#[cfg(not(target_os = "linux"))]
-pub(crate) fn this_cpu() -> u32 {
-    u32::MAX - 1
 }
 
 /// Sleeps while `word` holds `seen`, at most `limit` (a wake-up, a timeout or an interruption
@@ -317,16 +299,6 @@ impl RxRing {
             wake_all(seq);
         }
         Ok(n)
-    }
-
-    /// The CPU the producer last wrote from, as it published it (`None` before its first
-    /// write). Only a hint for pacing a spin (`peer/recv.rs`, `Pace`): a peer may publish any
-    /// value here, and nothing but that choice depends on it.
-    pub(crate) fn producer_cpu(&self) -> Option<u32> {
-        self.seg
-            .u32_at(OFF_TX_CPU)
-            .load(Ordering::Relaxed)
-            .checked_sub(1)
     }
 
     /// Asks the producer to ring the doorbell when it next writes; true if bytes are waiting

@@ -277,23 +277,3 @@ fn open_refuses_what_could_fault_or_lie() {
     .unwrap();
     assert!(Segment::open(&bad, CAP).unwrap_err().contains("magic"));
 }
-
-/// The producer publishes the CPU it wrote from (a hint for the consumer's spin); before its
-/// first write there is none, and whatever a hostile peer writes there is only a number.
-#[test]
-fn the_producer_publishes_its_cpu() {
-    let (mut tx, rx, fd) = pair(CAP);
-    assert_eq!(rx.producer_cpu(), None);
-    let before = this_cpu();
-    write_all(&mut tx, b"x");
-    let after = this_cpu();
-    let cpu = rx.producer_cpu().expect("published with the write");
-    assert!(
-        cpu == before || cpu == after,
-        "{cpu} not {before} or {after}"
-    );
-    let evil = Segment::open(&fd, CAP).unwrap();
-    evil.u32_at(crate::shm::map::OFF_TX_CPU)
-        .store(u32::MAX, Ordering::SeqCst);
-    assert_eq!(rx.producer_cpu(), Some(u32::MAX - 1));
-}
