@@ -1,6 +1,7 @@
 //! Point-to-point benchmark between ranks 0 and 1, beside a plain socket pair measured in the
 //! same run: median one-way latency of small messages (ping-pong), and streaming throughput of
-//! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`.
+//! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`;
+//! `--latency-only` skips the throughput part.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -16,6 +17,15 @@ const ROUNDS: usize = 5;
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The CPU this process's main thread last ran on (field 39 of `/proc/self/stat`), where
+/// there is one: where the scheduler placed the two ranks decides much of a small message's
+/// latency (on one CPU every round trip takes two context switches).
+fn last_cpu() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(36)?.parse().ok()
 }
 
 /// Ping-pong `iters` times; returns each round trip's time.
@@ -56,6 +66,7 @@ fn main() {
         }
     };
     plain.set_nodelay(true).unwrap();
+    let latency_only = std::env::args().any(|a| a == "--latency-only");
     let b = dist_multirank::join();
     let peer = 1 - me;
     let tag = Tag::user(1);
@@ -82,6 +93,34 @@ fn main() {
             }
         });
         let (lat_plain, lat_dist) = (median(p) / 2.0, median(d) / 2.0);
+        // Where the two ranks ran at the end of the dist ping-pong (u64::MAX: unknown).
+        let mut cpus = last_cpu().unwrap_or(u64::MAX).to_le_bytes();
+        if me == 1 {
+            b.send_tagged(&cpus, 0, tag).unwrap();
+        } else {
+            let mine = cpus;
+            b.recv_tagged(&mut cpus, 1, tag).unwrap();
+            let show = |c: [u8; 8]| match u64::from_le_bytes(c) {
+                u64::MAX => "?".to_string(),
+                c => c.to_string(),
+            };
+            println!(
+                "round {round}: ranks 0 and 1 last ran on CPUs {} and {}",
+                show(mine),
+                show(cpus)
+            );
+        }
+        if latency_only {
+            if me == 0 {
+                println!(
+                    "round {round}: latency plain {:.2} us, dist {:.2} us",
+                    lat_plain * 1e6,
+                    lat_dist * 1e6
+                );
+            }
+            results.push((lat_plain, lat_dist, f64::NAN, f64::NAN));
+            continue;
+        }
         // Throughput, plain pair then dist.
         let mut big = vec![1u8; STREAM_BYTES];
         let mut ack = [0u8; 1];
@@ -134,10 +173,12 @@ fn main() {
             ld * 1e6,
             ld / lp
         );
-        println!(
-            "| streaming throughput, 64 MiB messages | {bp:.2} GB/s | {bd:.2} GB/s | {:.2} |",
-            bd / bp
-        );
+        if !latency_only {
+            println!(
+                "| streaming throughput, 64 MiB messages | {bp:.2} GB/s | {bd:.2} GB/s | {:.2} |",
+                bd / bp
+            );
+        }
     }
     b.barrier().unwrap();
 }

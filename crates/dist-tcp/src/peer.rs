@@ -302,12 +302,12 @@ impl Peer {
         let shm_ways = (shm.tx.is_some(), shm.rx.is_some());
         let conn = Conn {
             shm: shm_ways,
-            writer: WriterLock::new(Writer::new(sock, shm.tx)),
+            writer: WriterLock::new(Writer::new(sock, shm.tx.map(|t| t.for_rank(me)))),
             rx: Mutex::new(Rx {
                 sock: match shm.rx {
                     Some(ring) => Source::Ring {
                         sock: r,
-                        ring,
+                        ring: ring.for_rank(me),
                         io_turn: false,
                     },
                     None => Source::Socket(r),

@@ -5,8 +5,14 @@
 use super::*;
 
 /// How often a peer whose writer another send holds is tried again (a freed writer wakes no one
-/// outside its own waiters).
+/// outside its own waiters), and a full ring when other peers are waited for too.
 const BUSY_RETRY: Duration = Duration::from_millis(1);
+
+#[cfg(test)]
+thread_local! {
+    /// Passes of [`Peer::send_to_all`]'s loop on this thread (tests count its wake-ups).
+    pub(super) static SEND_TO_ALL_PASSES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 /// One peer's frame on its way.
 struct Out<'a> {
@@ -54,7 +60,11 @@ impl Peer {
             .collect();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         while !left.is_empty() {
+            #[cfg(test)]
+            SEND_TO_ALL_PASSES.with(|p| p.set(p.get() + 1));
+            // A writer held by another send, or a full ring: neither has a descriptor to poll.
             let mut busy = false;
+            let mut rings = 0usize;
             fds.clear();
             left.retain_mut(|o| {
                 let Some(writer) = o.peer.writer() else {
@@ -85,6 +95,7 @@ impl Peer {
                     }
                     Push::Blocked(None) => {
                         busy = true;
+                        rings += 1;
                         true
                     }
                     Push::Failed(e) => {
@@ -114,6 +125,20 @@ impl Peer {
                 break;
             }
             let mut wait = deadline - now;
+            if let [o] = &mut left[..]
+                && rings == 1
+                && fds.is_empty()
+            {
+                // The one frame left waits for room in a ring: sleep on the ring's own wake-up
+                // (the consumer's read), which also sees the peer hang up.
+                let total = o.hb_rest.len() + header.len() + data.len();
+                let waited = o.w.as_ref().map_or(Ok(()), |w| w.wait_room(wait));
+                if let Err(e) = waited {
+                    o.fail(e, &op, total);
+                    break;
+                }
+                continue;
+            }
             if busy {
                 wait = wait.min(BUSY_RETRY);
             }

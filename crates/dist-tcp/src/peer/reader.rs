@@ -252,7 +252,7 @@ impl Peer {
         {
             let pending = match &r.sock {
                 Source::Ring { ring, .. } => ring
-                    .available()
+                    .available(&|| "checking a held frame".into())
                     .map_or(0, |n| usize::try_from(n).unwrap_or(usize::MAX)),
                 _ => crate::sys::unread(fd).unwrap_or(0),
             };

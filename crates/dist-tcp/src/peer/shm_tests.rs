@@ -4,11 +4,21 @@
 
 use std::net::TcpListener;
 
+use crate::shm::RxRing;
+
 use super::*;
 
 /// Rank 0's view of rank 1 (driven by an I/O thread) and rank 1's view of rank 0, both over
 /// shared memory.
 fn pair() -> (Arc<Peer>, Arc<Peer>, IoThread) {
+    let (p0, p1) = pair_unwatched();
+    let io = IoThread::spawn("test-io".into()).unwrap();
+    io.adopt(&p0);
+    (p0, p1, io)
+}
+
+/// As [`pair`], with no I/O thread: nothing reads either ring unless the test does.
+fn pair_unwatched() -> (Arc<Peer>, Arc<Peer>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (b, _) = l.accept().unwrap();
@@ -27,10 +37,7 @@ fn pair() -> (Arc<Peer>, Arc<Peer>, IoThread) {
         let t = sc.spawn(|| make(1, 0, b));
         (make(0, 1, a), t.join().unwrap())
     });
-    let (p0, p1) = (Arc::new(p0), Arc::new(p1));
-    let io = IoThread::spawn("test-io".into()).unwrap();
-    io.adopt(&p0);
-    (p0, p1, io)
+    (Arc::new(p0), Arc::new(p1))
 }
 
 fn send(p: &Peer, tag: u64, data: &[u8]) -> Result<()> {
@@ -78,11 +85,117 @@ fn a_corrupt_ring_header_is_an_error_naming_the_peer() {
     let e = p0.recv(&mut b, 2, deadline, &|| "recv".into()).unwrap_err();
     match &e {
         DistError::PeerGone { peer: 1, cause, .. } => {
+            // This rank, the peer, the operation, and the positions against the capacity.
             assert!(
-                cause.contains("corrupt shared-memory ring from peer 1"),
+                cause.contains("rank 0: corrupt shared-memory ring from peer 1 while reading"),
                 "{e}"
-            )
+            );
+            assert!(
+                cause.contains("bytes ahead of this rank's read position")
+                    && cause.contains("at most the ring's"),
+                "{e}"
+            );
         }
         other => panic!("expected PeerGone, got {other}"),
     }
+}
+
+/// Runs `f` on rank 0's end of the ring from rank 1.
+fn with_ring<T>(p0: &Peer, f: impl FnOnce(&mut RxRing) -> T) -> T {
+    match &mut p0.rx().unwrap().lock().unwrap().sock {
+        Source::Ring { ring, .. } => f(ring),
+        _ => panic!("not over shared memory"),
+    }
+}
+
+/// A sender waiting for room in a full ring to a peer that dies fails within a second with
+/// `PeerGone` naming the peer (the room wait used to look only for a connection hung up in both
+/// directions, which a dead peer's end of stream is not: the send waited out its deadline).
+#[test]
+fn a_sender_on_a_full_ring_sees_its_peer_die_within_a_second() {
+    let (p0, p1) = pair_unwatched();
+    // More than the ring holds, and nobody reads it.
+    let data = vec![1u8; 4 << 20];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (r, took) = std::thread::scope(|s| {
+        let sender = s.spawn(|| {
+            let t = Instant::now();
+            let r = p1.send(
+                FrameKind::Data,
+                3,
+                &data,
+                [0; 16],
+                &|| "send".into(),
+                deadline,
+            );
+            (r, t.elapsed())
+        });
+        // Rank 0 dies: the kernel closes its socket (its ring stays mapped on this side).
+        p0.shutdown(Shutdown::Both);
+        sender.join().unwrap()
+    });
+    assert!(took < Duration::from_secs(1), "took {took:?}: {r:?}");
+    match r {
+        Err(DistError::PeerGone {
+            rank: 1,
+            peer: 0,
+            cause,
+            ..
+        }) => assert!(cause.contains("shared-memory ring"), "{cause}"),
+        other => panic!("expected PeerGone from peer 0, got {other:?}"),
+    }
+}
+
+/// An abort notice to a peer whose ring is full sleeps on the ring's wake-up, not in 1 ms
+/// polls: the notice's loop takes a few passes however long the ring stays full.
+#[test]
+fn a_notice_to_a_full_ring_waits_on_the_ring() {
+    let (p0, p1) = pair_unwatched();
+    // Fill the ring from rank 1 with raw bytes (nobody parses them here).
+    {
+        let mut w = p1.writer().unwrap().lock_by(Instant::now()).unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        loop {
+            match w.try_write(&[IoSlice::new(&chunk)]) {
+                Ok(_) => {}
+                Err(e) if would_block(&e) => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Make room once the notice's sender waits for it (or after 200 ms, when it polls
+            // instead: then its passes show it).
+            let t = Instant::now();
+            while !with_ring(&p0, |r| r.producer_waiting_for_test())
+                && t.elapsed() < Duration::from_millis(200)
+            {
+                std::thread::yield_now();
+            }
+            if t.elapsed() < Duration::from_millis(200) {
+                // Seen waiting: let it sleep a while on the futex before the room comes.
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let mut buf = vec![0u8; 64 << 10];
+            let n = with_ring(&p0, |r| r.read(&mut buf)).unwrap();
+            assert!(n > 0);
+        });
+        super::notices::SEND_TO_ALL_PASSES.with(|p| p.set(0));
+        let t = Instant::now();
+        Peer::send_to_all(
+            &[&p1],
+            FrameKind::Abort,
+            Tag::system(2).to_wire(),
+            b"stop",
+            [0; 16],
+            t + Duration::from_secs(5),
+            &|r| format!("abort notice to {r}"),
+        );
+        let passes = super::notices::SEND_TO_ALL_PASSES.with(std::cell::Cell::get);
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(passes <= 5, "{passes} passes of the notice's loop");
+    });
+    // Written whole: the ring holds the notice's frame after the bytes read.
+    assert!(with_ring(&p0, |r| r.available(&String::new)).unwrap() > 0);
 }

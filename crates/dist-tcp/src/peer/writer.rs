@@ -52,16 +52,26 @@ impl Writer {
     }
 
     /// Waits at most `limit` for room to write (a wake-up is no promise of room). On a ring, an
-    /// error once the connection has hung up (the peer died, or the read side shut it).
+    /// error once the connection has hung up (the read side shut it) or the peer has shut its
+    /// side (it died: the kernel closed its socket; or it is closing its backend and will
+    /// receive nothing more): either way nobody will make room.
     pub(super) fn wait_room(&self, limit: Duration) -> std::io::Result<()> {
         let fd = self.sock.as_raw_fd();
         let Some(ring) = &self.ring else {
             return crate::sys::poll_write(fd, limit).map(drop);
         };
-        if crate::sys::poll_read(fd, Duration::ZERO)? & crate::sys::HUNG_UP != 0 {
+        let ev = crate::sys::poll_read(fd, Duration::ZERO)?;
+        if ev & crate::sys::HUNG_UP != 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::BrokenPipe,
                 "connection closed while the shared-memory ring was full",
+            ));
+        }
+        if ev & crate::sys::PEER_SHUT != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the peer shut its side of the connection (it died or is closing) while the \
+                 shared-memory ring to it was full",
             ));
         }
         ring.wait_room(limit.min(RING_WAIT_SLICE))

@@ -21,11 +21,23 @@ use rustix::thread::futex;
 
 use super::map::{OFF_HEAD, OFF_RX_WAITING, OFF_SPACE_SEQ, OFF_TAIL, OFF_TX_WAITING, Segment};
 
-fn corrupt(peer: usize, what: String) -> io::Error {
+/// The error for a position the peer published that this side cannot accept: names this rank
+/// (`me`, once known), the peer, the operation (`op`) and what was wrong (`what`).
+fn corrupt(me: Option<usize>, peer: usize, op: &str, what: String) -> io::Error {
+    let me = me.map_or_else(|| "this rank".to_string(), |r| format!("rank {r}"));
     io::Error::new(
         io::ErrorKind::InvalidData,
-        format!("corrupt shared-memory ring from peer {peer}: {what}"),
+        format!("{me}: corrupt shared-memory ring from peer {peer} while {op}: {what}"),
     )
+}
+
+/// How far position `a` is from `b`, in words: "N bytes ahead of" or "N bytes behind".
+fn distance(a: u64, b: u64) -> String {
+    if a >= b {
+        format!("{} bytes ahead of", a - b)
+    } else {
+        format!("{} bytes behind", b - a)
+    }
 }
 
 /// The producing end: this rank writes the bytes of its frames to the peer here.
@@ -37,6 +49,8 @@ pub(crate) struct TxRing {
     tail: u64,
     /// The consumer, for errors.
     peer: usize,
+    /// This rank, for errors (set by [`TxRing::for_rank`]).
+    me: Option<usize>,
 }
 
 /// The consuming end: this rank reads the peer's frames from here.
@@ -48,6 +62,8 @@ pub(crate) struct RxRing {
     head: u64,
     /// The producer, for errors.
     peer: usize,
+    /// This rank, for errors (set by [`RxRing::for_rank`]).
+    me: Option<usize>,
 }
 
 /// Copies `src` into the ring's bytes at position `pos` (wrapping at `cap`).
@@ -90,20 +106,34 @@ impl TxRing {
             cap,
             tail: 0,
             peer,
+            me: None,
         }
     }
 
-    /// The room left, from the consumer's published position (checked).
-    fn room(&self) -> io::Result<u64> {
+    /// The same ring, naming this rank (`me`) in its errors.
+    pub(crate) fn for_rank(self, me: usize) -> TxRing {
+        TxRing {
+            me: Some(me),
+            ..self
+        }
+    }
+
+    /// The room left, from the consumer's published position (checked); `op` names what this
+    /// side is doing, for the error.
+    fn room(&self, op: &dyn Fn() -> String) -> io::Result<u64> {
         let head = self.seg.u64_at(OFF_HEAD).load(Ordering::Acquire);
         let used = self.tail.wrapping_sub(head);
         if used > self.cap {
             return Err(corrupt(
+                self.me,
                 self.peer,
+                &op(),
                 format!(
-                    "its read position {head} is not within the {} bytes behind this rank's \
-                     write position {}",
-                    self.cap, self.tail
+                    "its read position {head} is {} this rank's write position {}, which may be \
+                     at most the ring's {} bytes ahead of it",
+                    distance(head, self.tail),
+                    self.tail,
+                    self.cap
                 ),
             ));
         }
@@ -117,7 +147,10 @@ impl TxRing {
         &mut self,
         bufs: &[std::io::IoSlice<'_>],
     ) -> io::Result<(usize, bool)> {
-        let mut room = self.room()?;
+        let mut room = self.room(&|| {
+            let n: usize = bufs.iter().map(|b| b.len()).sum();
+            format!("writing {n} bytes to it")
+        })?;
         let start = self.tail;
         for b in bufs {
             if room == 0 {
@@ -154,7 +187,7 @@ impl TxRing {
         // Store-fence-load against the consumer's `read`: it either sees our flag (and bumps
         // the sequence, which makes the futex wait return at once) or we see its room.
         fence(Ordering::SeqCst);
-        if self.room()? > 0 {
+        if self.room(&|| "waiting for room in it".into())? > 0 {
             return Ok(());
         }
         wait_on(seq_word, seq, limit)
@@ -208,20 +241,34 @@ impl RxRing {
             cap,
             head: 0,
             peer,
+            me: None,
         }
     }
 
-    /// The bytes published and not yet read (checked).
-    pub(crate) fn available(&self) -> io::Result<u64> {
+    /// The same ring, naming this rank (`me`) in its errors.
+    pub(crate) fn for_rank(self, me: usize) -> RxRing {
+        RxRing {
+            me: Some(me),
+            ..self
+        }
+    }
+
+    /// The bytes published and not yet read (checked); `op` names what this side is doing,
+    /// for the error.
+    pub(crate) fn available(&self, op: &dyn Fn() -> String) -> io::Result<u64> {
         let tail = self.seg.u64_at(OFF_TAIL).load(Ordering::Acquire);
         let avail = tail.wrapping_sub(self.head);
         if avail > self.cap {
             return Err(corrupt(
+                self.me,
                 self.peer,
+                &op(),
                 format!(
-                    "its write position {tail} is not within the {} bytes ahead of this \
-                     rank's read position {}",
-                    self.cap, self.head
+                    "its write position {tail} is {} this rank's read position {}; it may be at \
+                     most the ring's {} bytes ahead",
+                    distance(tail, self.head),
+                    self.head,
+                    self.cap
                 ),
             ));
         }
@@ -231,7 +278,7 @@ impl RxRing {
     /// Reads up to `dst.len()` bytes; `Ok(0)` when the ring is empty. Wakes a producer that
     /// waits for room.
     pub(crate) fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
-        let avail = self.available()?;
+        let avail = self.available(&|| format!("reading up to {} bytes from it", dst.len()))?;
         let n = (dst.len() as u64).min(avail) as usize;
         if n == 0 {
             return Ok(0);
@@ -260,12 +307,17 @@ impl RxRing {
         self.seg.u32_at(OFF_RX_WAITING).store(1, Ordering::Relaxed);
         // Store-fence-load against the producer's `write_some`.
         fence(Ordering::SeqCst);
-        Ok(self.available()? > 0)
+        Ok(self.available(&|| "asking it for a doorbell".into())? > 0)
     }
 }
 
 #[cfg(test)]
 impl RxRing {
+    /// Whether the producer waits for room now (its flag is up).
+    pub(crate) fn producer_waiting_for_test(&self) -> bool {
+        self.seg.u32_at(OFF_TX_WAITING).load(Ordering::SeqCst) != 0
+    }
+
     /// Plays a hostile peer: publishes a write position beyond what the ring can hold.
     pub(crate) fn corrupt_tail_for_test(&self) {
         let bad = self.head + self.cap + 1;

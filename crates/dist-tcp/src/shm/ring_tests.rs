@@ -82,7 +82,7 @@ fn waiting_on_a_full_ring_ends_at_the_limit() {
         waited >= Duration::from_millis(90) && waited < Duration::from_secs(2),
         "{waited:?}"
     );
-    assert_eq!(tx.room().unwrap(), 0);
+    assert_eq!(tx.room(&String::new).unwrap(), 0);
 }
 
 /// A producer asleep on a full ring is woken by the consumer's read, long before its limit.
@@ -93,10 +93,10 @@ fn a_read_wakes_the_waiting_producer() {
     std::thread::scope(|s| {
         let waiter = s.spawn(move || {
             let t = Instant::now();
-            while tx.room().unwrap() == 0 && t.elapsed() < Duration::from_secs(20) {
+            while tx.room(&String::new).unwrap() == 0 && t.elapsed() < Duration::from_secs(20) {
                 tx.wait_room(Duration::from_secs(20)).unwrap();
             }
-            (tx.room().unwrap(), t.elapsed())
+            (tx.room(&String::new).unwrap(), t.elapsed())
         });
         // Read once the producer is asleep (either order is correct: a read before it sleeps
         // leaves room it sees before sleeping).
@@ -172,11 +172,13 @@ fn two_threads_move_checked_bytes() {
     });
 }
 
-/// A peer that writes a position beyond the ring into the header gets an error naming it, on
-/// either side, and nothing is copied.
+/// A peer that writes a position beyond the ring into the header gets an error naming this
+/// rank, the peer, the operation and both positions against the capacity, on either side, and
+/// nothing is copied.
 #[test]
 fn a_corrupt_position_is_an_error_naming_the_peer() {
-    let (mut tx, mut rx, fd) = pair(CAP);
+    let (tx, rx, fd) = pair(CAP);
+    let (mut tx, mut rx) = (tx.for_rank(0), rx.for_rank(1));
     let evil = Segment::open(&fd, CAP).unwrap();
     write_all(&mut tx, b"hello");
     // The producer's position, as the consumer reads it: far past what the ring can hold.
@@ -184,7 +186,16 @@ fn a_corrupt_position_is_an_error_naming_the_peer() {
     let mut out = [7u8; 16];
     let e = rx.read(&mut out).unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::InvalidData);
-    assert!(e.to_string().contains("from peer 0"), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "rank 1: corrupt shared-memory ring from peer 0 while reading up to 16 bytes from \
+             it: its write position {} is {} bytes ahead of this rank's read position 0; it may \
+             be at most the ring's {CAP} bytes ahead",
+            5 + CAP + 1,
+            5 + CAP + 1
+        )
+    );
     assert_eq!(out, [7u8; 16], "nothing copied");
     // Behind the consumer (a position that went backwards) is as wrong.
     evil.u64_at(OFF_TAIL).store(0, Ordering::SeqCst);
@@ -198,7 +209,14 @@ fn a_corrupt_position_is_an_error_naming_the_peer() {
     // Ahead of what was ever written.
     evil.u64_at(OFF_HEAD).store(15, Ordering::SeqCst);
     let e = tx.write_some(&[IoSlice::new(b"x")]).unwrap_err();
-    assert!(e.to_string().contains("from peer 1"), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "rank 0: corrupt shared-memory ring from peer 1 while writing 1 bytes to it: its \
+             read position 15 is 10 bytes ahead of this rank's write position 5, which may be \
+             at most the ring's {CAP} bytes ahead of it"
+        )
+    );
     assert!(tx.wait_room(Duration::from_millis(1)).is_err());
 }
 
