@@ -1,7 +1,8 @@
 //! Point-to-point benchmark between ranks 0 and 1, beside a plain socket pair measured in the
 //! same run: median one-way latency of small messages (ping-pong), and streaming throughput of
 //! large messages (one direction, acknowledged at the end). Run by `cargo xtask bench-p2p`;
-//! `--latency-only` skips the throughput part.
+//! `--latency-only` skips the throughput part; `--pin` pins rank r, before any of its threads
+//! starts, to the r-th CPU it may run on (Linux; elsewhere it says it cannot).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -42,11 +43,41 @@ fn pingpong(iters: usize, mut one: impl FnMut()) -> Vec<f64> {
         .collect()
 }
 
+/// Pins this thread (and so every thread it starts later) to the `rank`-th CPU of those it may
+/// run on; returns that CPU.
+#[cfg(target_os = "linux")]
+fn pin(rank: usize) -> Result<usize, String> {
+    use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+    let allowed = sched_getaffinity(None).map_err(|e| format!("sched_getaffinity: {e}"))?;
+    let cpu = (0..CpuSet::MAX_CPU)
+        .filter(|&c| allowed.is_set(c))
+        .nth(rank)
+        .ok_or_else(|| format!("rank {rank}: only {} CPUs allowed", allowed.count()))?;
+    let mut one = CpuSet::new();
+    one.set(cpu);
+    sched_setaffinity(None, &one).map_err(|e| format!("sched_setaffinity({cpu}): {e}"))?;
+    Ok(cpu)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pin(_rank: usize) -> Result<usize, String> {
+    Err("pinning is implemented on Linux only".into())
+}
+
 fn main() {
     dist_multirank::init_logging();
     let cfg = dist_multirank::config();
     let (me, n) = (cfg.rank(), cfg.world_size());
     assert!(n == 2, "run with exactly 2 ranks");
+    if std::env::args().any(|a| a == "--pin") {
+        match pin(me) {
+            Ok(cpu) => println!("rank {me}: pinned to CPU {cpu}"),
+            Err(e) => {
+                eprintln!("dist-p2p-bench: --pin: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     let port: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
     // The plain pair: rank 1 listens on MASTER_PORT + 1, rank 0 connects.
     let mut plain = if me == 1 {

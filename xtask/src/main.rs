@@ -39,7 +39,15 @@ enum Cmd {
     /// Every test: formatting, clippy, unit tests and the multi-rank tests.
     Test,
     /// Point-to-point latency and throughput of two ranks beside a plain socket pair.
-    BenchP2p,
+    BenchP2p {
+        /// Pin rank r (all its threads) to the r-th CPU this process may run on, as `mpirun`
+        /// binds two ranks to cores by default; unpinned, the scheduler may put both on one.
+        #[arg(long)]
+        pin: bool,
+        /// Latency only, no throughput rounds.
+        #[arg(long)]
+        latency_only: bool,
+    },
     /// A bucketed all_reduce overlapped with compute: async against blocking, side by side.
     BenchOverlap {
         /// Number of ranks.
@@ -214,7 +222,16 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
-        Cmd::BenchP2p => launch_release("dist-p2p-bench", 2, Vec::new(), None),
+        Cmd::BenchP2p { pin, latency_only } => {
+            let mut args = Vec::new();
+            if pin {
+                args.push("--pin".to_string());
+            }
+            if latency_only {
+                args.push("--latency-only".to_string());
+            }
+            launch_release("dist-p2p-bench", 2, args, None)
+        }
         Cmd::BenchOverlap {
             ranks,
             rounds,
