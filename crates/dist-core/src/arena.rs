@@ -100,7 +100,5 @@ pub trait HostArena: Send + Sync {
 /// The ranks of `hosts` on `me`'s host, in rank order.
 pub fn host_ranks(hosts: &[usize], me: usize) -> Vec<usize> {
     let h = hosts.get(me).copied();
-    (0..hosts.len())
-        .filter(|&r| Some(hosts[r]) == h)
-        .collect()
+    (0..hosts.len()).filter(|&r| Some(hosts[r]) == h).collect()
 }

@@ -222,8 +222,9 @@ impl<L: Link> Group<L> {
         AllReduceAlgorithm::from_code(self.forced_all_reduce.load(Ordering::Relaxed))
     }
 
-    /// Whether the ranks agreed to run all_reduce on the link's host arena, once they have.
-    pub(crate) fn arena_agreed(&self) -> Option<bool> {
+    /// Whether this group runs its all_reduces on the link's host arena
+    /// ([`Link::arena`]): `None` until its first all_reduce, on which the ranks agree.
+    pub fn arena_in_use(&self) -> Option<bool> {
         match self.arena_agreed.load(Ordering::Acquire) {
             0 => None,
             x => Some(x == 2),

@@ -450,7 +450,9 @@ impl Link for MemLink {
     }
 
     fn arena(&self) -> Option<&dyn crate::arena::HostArena> {
-        self.arena.as_ref().map(|a| a as &dyn crate::arena::HostArena)
+        self.arena
+            .as_ref()
+            .map(|a| a as &dyn crate::arena::HostArena)
     }
 }
 

@@ -250,14 +250,15 @@ impl Peer {
         arena: Option<&crate::shm::ArenaSetup>,
         deadline: Instant,
     ) -> Result<Peer> {
-        let shm = crate::shm::negotiate(&stream, me, rank, host, arena, deadline).map_err(|cause| {
-            DistError::PeerGone {
-                rank: me,
-                peer: rank,
-                op: "choose shared memory for the connection".into(),
-                cause,
-            }
-        })?;
+        let shm =
+            crate::shm::negotiate(&stream, me, rank, host, arena, deadline).map_err(|cause| {
+                DistError::PeerGone {
+                    rank: me,
+                    peer: rank,
+                    op: "choose shared memory for the connection".into(),
+                    cause,
+                }
+            })?;
         let p = Peer::bare(me, rank, timeout, aborts, limits, None);
         p.set_conn(stream, shm)?;
         Ok(p)

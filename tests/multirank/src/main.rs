@@ -17,6 +17,7 @@ mod hosts;
 mod hybrid_groups;
 mod p2p;
 mod shm;
+mod shm_arena;
 mod uneven;
 mod work;
 
@@ -186,6 +187,7 @@ fn main() -> ExitCode {
         .iter()
         .chain(hosts::CASES)
         .chain(shm::CASES)
+        .chain(shm_arena::CASES)
         .copied()
         .collect();
     dist_multirank::run_cases("dist-multirank", &cases)

@@ -44,18 +44,20 @@ const CHUNK: usize = 16 << 10;
 /// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's
 /// first all_reduce, by an all_reduce of every rank's vote (its arena complete, the host
 /// layout and slot size it sees) over the group's messages; the answer is kept in the group.
-/// Every rank of a link that offers an arena takes part, so every rank decides alike.
+/// Every rank of a link that offers an arena takes part, so every rank decides alike. Only a
+/// group whose ranks all share one host uses it.
 pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool> {
-    if let Some(known) = c.g.arena_agreed() {
+    if let Some(known) = c.g.arena_in_use() {
         return Ok(known);
     }
     let v = vote(a);
     let mut x = [v, !v];
     super::tree::all_reduce_doubling(c, &mut x, ReduceOp::Min)?;
     // x[0] is the least vote, !x[1] the greatest: equal only if every rank voted alike.
+    // Every rank on one host (a job of several hosts runs over messages).
     let hosts = a.hosts();
-    let shares = (0..hosts.len()).any(|r| hosts[r + 1..].contains(&hosts[r]));
-    let yes = x[0] == !x[1] && x[0] != 0 && shares;
+    let one_host = hosts.len() == c.n && hosts.iter().all(|h| *h == hosts[0]);
+    let yes = x[0] == !x[1] && x[0] != 0 && one_host;
     c.g.set_arena_agreed(yes);
     Ok(yes)
 }
@@ -134,7 +136,13 @@ impl<L: Link> Host<'_, '_, L> {
 
     /// Copies `piece` into this rank's slot and publishes it (with the call's descriptor on its
     /// first piece), then waits for every peer's input and checks their descriptors.
-    fn put_and_gather<T: Element>(&self, piece: &[T], k: u32, slot: usize, first: bool) -> Result<()> {
+    fn put_and_gather<T: Element>(
+        &self,
+        piece: &[T],
+        k: u32,
+        slot: usize,
+        first: bool,
+    ) -> Result<()> {
         let (c, a) = (self.c, self.a);
         a.write(slot, 0, bytes(piece))
             .map_err(|e| e.map_op(|_| c.op_text()))?;
@@ -162,7 +170,13 @@ impl<L: Link> Host<'_, '_, L> {
     /// `acc` (a part of this rank's piece at element `at`, holding this rank's input) becomes
     /// the reduction of every local rank's input there, in rank order, read from their slots
     /// `slot` in chunks.
-    fn reduce_range<T: Element>(&self, acc: &mut [T], at: usize, slot: usize, op: ReduceOp) -> Result<()> {
+    fn reduce_range<T: Element>(
+        &self,
+        acc: &mut [T],
+        at: usize,
+        slot: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
         let (c, a) = (self.c, self.a);
         let size = std::mem::size_of::<T>();
         let chunk = (CHUNK / size).max(1);
@@ -261,7 +275,7 @@ pub(super) fn wait_word<L: Link>(
     let mut turns = 0u32;
     while !reached(v)? {
         turns = turns.wrapping_add(1);
-        if turns % 64 == 0 && started.elapsed() >= spin {
+        if turns.is_multiple_of(64) && started.elapsed() >= spin {
             return sleep_until(c, a, owner, word, v, started, &reached);
         }
         std::hint::spin_loop();
@@ -312,7 +326,11 @@ fn sleep_until<L: Link>(
         if left.is_zero() {
             return Err(DistError::Timeout {
                 rank: c.me,
-                op: format!("{} (its {} word on the host arena)", c.op_text(), word.name()),
+                op: format!(
+                    "{} (its {} word on the host arena)",
+                    c.op_text(),
+                    word.name()
+                ),
                 peer: owner,
                 waited: started.elapsed(),
             });

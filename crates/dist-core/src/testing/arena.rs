@@ -154,8 +154,9 @@ impl HostArena for MemArena {
     }
 
     fn call(&self, owner: usize) -> Meta {
-        self.local(owner)
-            .map_or([0; 16], |p| *p.call.lock().unwrap_or_else(|p| p.into_inner()))
+        self.local(owner).map_or([0; 16], |p| {
+            *p.call.lock().unwrap_or_else(|p| p.into_inner())
+        })
     }
 
     fn publish(&self, word: ArenaWord, value: u32) {

@@ -170,7 +170,14 @@ impl TcpArena {
         }
     }
 
-    fn out_of_range(&self, what: &str, owner: usize, slot: usize, offset: usize, len: usize) -> DistError {
+    fn out_of_range(
+        &self,
+        what: &str,
+        owner: usize,
+        slot: usize,
+        offset: usize,
+        len: usize,
+    ) -> DistError {
         DistError::InvalidArgument {
             rank: self.me,
             op: format!("{what} the host arena"),
@@ -231,7 +238,8 @@ impl HostArena for TcpArena {
     }
 
     fn call(&self, owner: usize) -> Meta {
-        self.mapping(owner).map_or([0; 16], |m| load_meta(m, OFF_CALL))
+        self.mapping(owner)
+            .map_or([0; 16], |m| load_meta(m, OFF_CALL))
     }
 
     fn publish(&self, word: ArenaWord, value: u32) {
@@ -273,14 +281,14 @@ impl HostArena for TcpArena {
 
     fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {
         match self.peers.get(owner) {
-            Some(p) if !p.is_open() => Err(p.unresponsive(op()).unwrap_or_else(|| {
-                DistError::PeerGone {
+            Some(p) if !p.is_open() => {
+                Err(p.unresponsive(op()).unwrap_or_else(|| DistError::PeerGone {
                     rank: self.me,
                     peer: owner,
                     op: op(),
                     cause: "its connection closed".into(),
-                }
-            })),
+                }))
+            }
             _ => Ok(()),
         }
     }

@@ -137,9 +137,8 @@ impl Mapping {
         // object; `len` is the file's size, which its seals keep (set by `create` before
         // mapping, checked by `open`), so every byte stays backed. It is owned by the returned
         // value and unmapped only by its `Drop`. (Test: `arena_tests::segments_round_trip`.)
-        let p = unsafe {
-            rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)?
-        };
+        let p =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)? };
         let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
         Ok(Mapping {
             ptr,
@@ -151,7 +150,10 @@ impl Mapping {
 
     /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]).
     pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(off.is_multiple_of(8) && off + 8 <= HEADER, "header offset {off}");
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= HEADER,
+            "header offset {off}"
+        );
         // SAFETY: the mapping is page aligned and longer than HEADER, so `off` (checked above)
         // is an aligned, live u64 for the borrow's lifetime. The owner may change it at any
         // time, which atomics allow; a read-only mapping is only ever loaded from (every store
@@ -161,7 +163,10 @@ impl Mapping {
 
     /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(off.is_multiple_of(4) && off + 4 <= HEADER, "header offset {off}");
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= HEADER,
+            "header offset {off}"
+        );
         // SAFETY: as in `u64_at`, for an aligned u32.
         unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
     }

@@ -99,8 +99,13 @@ fn hostile_segments_are_refused() {
     assert!(e.contains("rank 1"), "{e}");
     assert!(Mapping::open(&fd, ARENA_SLOT / 2, 1).is_err());
     assert!(Mapping::open(&fd, 3, 1).is_err());
-    own.u64_at(0).store(MAGIC ^ 1, std::sync::atomic::Ordering::SeqCst);
-    assert!(Mapping::open(&fd, ARENA_SLOT, 1).unwrap_err().contains("arena header"));
+    own.u64_at(0)
+        .store(MAGIC ^ 1, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        Mapping::open(&fd, ARENA_SLOT, 1)
+            .unwrap_err()
+            .contains("arena header")
+    );
     // A read-only mapping refuses writes.
     let (fd, _own) = Mapping::create(ARENA_SLOT, 1).unwrap();
     let theirs = Mapping::open(&fd, ARENA_SLOT, 1).unwrap();

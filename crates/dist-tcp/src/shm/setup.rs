@@ -28,8 +28,8 @@ use rustix::net::{
 };
 use sha2::{Digest, Sha256};
 
-use super::map::Segment;
 use super::arena::ArenaSetup;
+use super::map::Segment;
 use super::{RxRing, TxRing};
 
 /// The capacity of each ring: enough for a 1 MiB piece of a pipelined collective in flight.
@@ -191,7 +191,16 @@ pub(crate) fn negotiate(
     let mut arena_mapped = false;
     if mine.wants && theirs.wants && mine.host == theirs.host {
         let arena_fd = arena.and_then(ArenaSetup::fd);
-        match exchange(&s, me, peer, &mine, &theirs, listener.take(), arena_fd, deadline) {
+        match exchange(
+            &s,
+            me,
+            peer,
+            &mine,
+            &theirs,
+            listener.take(),
+            arena_fd,
+            deadline,
+        ) {
             Ok((seg, fd, their_arena)) => {
                 own = Some(seg);
                 match Segment::open(&fd, theirs.cap) {
