@@ -37,6 +37,9 @@ use super::scratch::{bytes, bytes_mut, segment, with_scratch};
 /// The longest sleep of an arena wait between checks of the peer, aborts and the deadline.
 pub const SLICE: Duration = Duration::from_millis(50);
 
+/// How long a wait yields its core, after its spin, before it sleeps.
+const YIELD: Duration = Duration::from_micros(100);
+
 /// The bytes reduced at a time from a peer's slot (copied first into a buffer that stays in
 /// the cache: no reference into memory another process writes is ever made).
 const CHUNK: usize = 16 << 10;
@@ -276,9 +279,19 @@ pub(super) fn wait_word<L: Link>(
     while !reached(v)? {
         turns = turns.wrapping_add(1);
         if turns.is_multiple_of(64) && started.elapsed() >= spin {
-            return sleep_until(c, a, owner, word, v, started, &reached);
+            break;
         }
         std::hint::spin_loop();
+        v = a.load(owner, word);
+    }
+    // Then give the core away a few times (on a host with more ranks than cores, the peer
+    // waited for may need it), before sleeping.
+    let yielded = Instant::now();
+    while !reached(v)? {
+        if yielded.elapsed() >= YIELD {
+            return sleep_until(c, a, owner, word, v, started, &reached);
+        }
+        std::thread::yield_now();
         v = a.load(owner, word);
     }
     Ok(())
