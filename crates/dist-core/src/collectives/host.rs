@@ -47,8 +47,8 @@ const CHUNK: usize = 16 << 10;
 /// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's
 /// first all_reduce, by an all_reduce of every rank's vote (its arena complete, the host
 /// layout and slot size it sees) over the group's messages; the answer is kept in the group.
-/// Every rank of a link that offers an arena takes part, so every rank decides alike. Only a
-/// group whose ranks all share one host uses it.
+/// Every rank of a link that offers an arena takes part, so every rank decides alike. A group
+/// uses it if some host has two of its ranks or more.
 pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool> {
     if let Some(known) = c.g.arena_in_use() {
         return Ok(known);
@@ -57,10 +57,10 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
     let mut x = [v, !v];
     super::tree::all_reduce_doubling(c, &mut x, ReduceOp::Min)?;
     // x[0] is the least vote, !x[1] the greatest: equal only if every rank voted alike.
-    // Every rank on one host (a job of several hosts runs over messages).
+    // Some host with two ranks or more (else the arena saves nothing).
     let hosts = a.hosts();
-    let one_host = hosts.len() == c.n && hosts.iter().all(|h| *h == hosts[0]);
-    let yes = x[0] == !x[1] && x[0] != 0 && one_host;
+    let shared = hosts.len() == c.n && (0..c.n).any(|r| hosts[r + 1..].contains(&hosts[r]));
+    let yes = x[0] == !x[1] && x[0] != 0 && shared;
     c.g.set_arena_agreed(yes);
     Ok(yes)
 }
@@ -91,9 +91,28 @@ struct Host<'a, 'c, L: Link> {
     a: &'a dyn HostArena,
     local: &'a [usize],
     pos: usize,
+    /// Whether the reduction is the group's whole (then `Avg` is scaled here).
+    whole: bool,
 }
 
-/// all_reduce of `data` in place over the arena, every rank of the group on this host.
+impl<'a, 'c, L: Link> Host<'a, 'c, L> {
+    fn new(c: &'a Call<'c, L>, a: &'a dyn HostArena, local: &'a [usize]) -> Result<Self> {
+        let pos = local
+            .iter()
+            .position(|&r| r == c.me)
+            .ok_or_else(|| c.invalid(format!("rank {} is not among its host's ranks", c.me)))?;
+        Ok(Host {
+            c,
+            a,
+            local,
+            pos,
+            whole: local.len() == c.n,
+        })
+    }
+}
+
+/// all_reduce of `data` in place over the arena among the ranks of this host (`local`): the
+/// group's result if they are all of its ranks, else the host's part (no `Avg` scaling).
 pub(super) fn all_reduce_host<T: Element, L: Link>(
     c: &Call<'_, L>,
     a: &dyn HostArena,
@@ -101,11 +120,7 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     data: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let pos = local
-        .iter()
-        .position(|&r| r == c.me)
-        .ok_or_else(|| c.invalid(format!("rank {} is not among its host's ranks", c.me)))?;
-    let h = Host { c, a, local, pos };
+    let h = Host::new(c, a, local)?;
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {
@@ -146,9 +161,22 @@ impl<L: Link> Host<'_, '_, L> {
         slot: usize,
         first: bool,
     ) -> Result<()> {
+        self.announce(Some(piece), k, slot, first)
+    }
+
+    /// [`Host::put_and_gather`], with `piece` written only if given.
+    fn announce<T: Element>(
+        &self,
+        piece: Option<&[T]>,
+        k: u32,
+        slot: usize,
+        first: bool,
+    ) -> Result<()> {
         let (c, a) = (self.c, self.a);
-        a.write(slot, 0, bytes(piece))
-            .map_err(|e| e.map_op(|_| c.op_text()))?;
+        if let Some(piece) = piece {
+            a.write(slot, 0, bytes(piece))
+                .map_err(|e| e.map_op(|_| c.op_text()))?;
+        }
         if first {
             a.set_meta(slot, c.meta());
         }
@@ -218,7 +246,9 @@ impl<L: Link> Host<'_, '_, L> {
         let (k, slot) = self.next_piece();
         self.put_and_gather(piece, k, slot, first)?;
         self.reduce_range(piece, 0, slot, op)?;
-        finish(piece, op, self.c.n);
+        if self.whole {
+            finish(piece, op, self.c.n);
+        }
         self.a.publish(ArenaWord::Reduced, k.wrapping_add(1));
         Ok(())
     }
@@ -234,7 +264,9 @@ impl<L: Link> Host<'_, '_, L> {
         let size = std::mem::size_of::<T>();
         let mine = &mut piece[share.clone()];
         self.reduce_range(mine, share.start, slot, op)?;
-        finish(mine, op, c.n);
+        if self.whole {
+            finish(mine, op, c.n);
+        }
         a.write(slot, share.start * size, bytes(mine))
             .map_err(|e| e.map_op(|_| c.op_text()))?;
         a.publish(ArenaWord::Reduced, k.wrapping_add(1));
@@ -251,6 +283,99 @@ impl<L: Link> Host<'_, '_, L> {
                 .map_err(|e| e.map_op(|_| c.op_text()))?;
         }
         Ok(())
+    }
+}
+
+/// all_reduce of `data` for a group over several hosts: within each host on the arena (every
+/// rank gets its host's part), then between one leader per host (its lowest rank) over
+/// messages, by a ring reduce-scatter and all-gather, and from each leader to the other ranks
+/// of its host on the arena.
+pub(super) fn all_reduce_hosts<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let hosts = a.hosts();
+    let local = crate::arena::host_ranks(hosts, c.me);
+    let h = Host::new(c, a, &local)?;
+    if local.len() > 1 {
+        all_reduce_host(c, a, &local, data, op)?;
+    }
+    if h.pos == 0 {
+        let leaders: Vec<usize> = (0..c.n)
+            .filter(|&r| !hosts[..r].contains(&hosts[r]))
+            .collect();
+        leaders_ring(c, &leaders, data, op)?;
+        finish(data, op, c.n);
+    }
+    if local.len() > 1 {
+        h.broadcast_from_leader(data)?;
+    }
+    Ok(())
+}
+
+/// all_reduce of `data` among `leaders` (this rank one of them) over messages: ring
+/// reduce-scatter, then ring all-gather, one segment per leader.
+fn leaders_ring<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    leaders: &[usize],
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let m = leaders.len();
+    let Some(p) = leaders.iter().position(|&r| r == c.me) else {
+        return Err(c.invalid(format!("rank {} is no host's leader", c.me)));
+    };
+    if m < 2 {
+        return Ok(());
+    }
+    let (right, left) = (leaders[(p + 1) % m], leaders[(p + m - 1) % m]);
+    let len = data.len();
+    let longest = (0..m).map(|i| segment(len, m, i).len()).max().unwrap_or(0);
+    with_scratch::<T, _>(longest, |tmp| {
+        for s in 0..m - 1 {
+            let send = segment(len, m, (p + m - s) % m);
+            let recv = segment(len, m, (p + 2 * m - s - 1) % m);
+            let inb = &mut tmp[..recv.len()];
+            c.send_recv(bytes(&data[send]), right, bytes_mut(inb), left)?;
+            c.reduce(&mut data[recv], inb, op)?;
+        }
+        for s in 0..m - 1 {
+            let send = segment(len, m, (p + 1 + m - s) % m);
+            let recv = segment(len, m, (p + m - s) % m);
+            let inb = &mut tmp[..recv.len()];
+            c.send_recv(bytes(&data[send]), right, bytes_mut(inb), left)?;
+            data[recv].copy_from_slice(inb);
+        }
+        Ok(())
+    })
+}
+
+impl<L: Link> Host<'_, '_, L> {
+    /// The leader's (position 0's) `data` to every rank of the host, in pieces: the leader
+    /// writes each into its slot, every rank announces the piece and waits for the others,
+    /// then copies it out of the leader's slot.
+    fn broadcast_from_leader<T: Element>(&self, data: &mut [T]) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let per_piece = (a.slot_len() / std::mem::size_of::<T>()).max(1);
+        let mut start = 0;
+        loop {
+            let end = (start + per_piece).min(data.len());
+            let piece = &mut data[start..end];
+            let (k, slot) = self.next_piece();
+            let leader = self.pos == 0;
+            self.announce(leader.then_some(&*piece), k, slot, false)?;
+            if !leader {
+                a.read(self.local[0], slot, 0, bytes_mut(piece))
+                    .map_err(|e| e.map_op(|_| c.op_text()))?;
+            }
+            a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+            start = end;
+            if start >= data.len() {
+                return Ok(());
+            }
+        }
     }
 }
 

@@ -307,11 +307,51 @@ fn mismatched_calls_are_reported() {
     }
 }
 
-/// One rank whose arena is incomplete: every rank falls back to messages, and the results are
-/// right. A job of several hosts runs its all_reduces over messages too.
+/// Jobs of several hosts (in any order of ranks, hosts of one rank among them): all_reduce
+/// within each host on the arena, between the hosts' leaders over messages, back on the arena;
+/// every op, several element types, counts over several pieces.
 #[test]
-fn an_incomplete_arena_or_several_hosts_fall_back_to_messages() {
-    for (hosts, incomplete) in [(vec![0; 4], Some(2)), (vec![0, 0, 1, 1, 1], None)] {
+fn hierarchical_all_reduce_over_several_hosts() {
+    fn check<E: Element>(g: &Group<MemLink>, n: usize) -> Result<()> {
+        for op in ops_for::<E>() {
+            for count in counts::<E>(SLOT) {
+                let mut x = inputs::<E>(op, g.rank(), count);
+                g.all_reduce(&mut x, op)?;
+                let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());
+                same(g, &what, &x, &reduced::<E>(op, n, count))?;
+            }
+        }
+        Ok(())
+    }
+    for hosts in [
+        vec![0, 0, 1, 1],
+        vec![0, 0, 1, 1, 1],
+        vec![2, 1, 1, 2, 0, 2, 1],
+        vec![0, 0, 0, 1],
+        vec![5, 5, 5, 5, 9, 9, 9, 9, 7],
+    ] {
+        let n = hosts.len();
+        let results = run_links(MemLink::mesh_on_hosts(&hosts, SLOT), |l| {
+            let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+            check::<f32>(&g, n)?;
+            check::<i64>(&g, n)?;
+            check::<u8>(&g, n)?;
+            assert_eq!(g.arena_in_use(), Some(true));
+            Ok(())
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            if let Err(e) = res {
+                panic!("hosts {hosts:?}, rank {r}: {e}");
+            }
+        }
+    }
+}
+
+/// One rank whose arena is incomplete: every rank falls back to messages, and the results are
+/// right. So does a job in which no two ranks share a host.
+#[test]
+fn an_incomplete_arena_or_no_shared_host_falls_back_to_messages() {
+    for (hosts, incomplete) in [(vec![0; 4], Some(2)), (vec![0, 1, 2, 3], None)] {
         let links = MemLink::mesh_on_hosts(&hosts, SLOT);
         if let Some(r) = incomplete {
             links[r].set_arena_incomplete();
