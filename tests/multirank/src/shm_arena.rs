@@ -16,7 +16,15 @@ pub const CASES: &[Case] = &[
         .variants(&[NO_SHM]),
     Case::new("shm_arena_hosts", several_hosts).sizes(&[4, 5]),
     Case::new("shm_arena_mismatch", mismatch).sizes(&[3]),
+    Case::new("shm_arena_sigkill", sigkill).only_at(&[4]),
 ];
+
+/// Rank 3 killed with SIGKILL in the middle of a loop of 8 MiB all_reduces on the arena (each
+/// split into shares, over 8 pieces): every survivor errors within 1 s of its last good one,
+/// naming rank 3.
+fn sigkill() -> Result<(), String> {
+    crate::failures::victim_loop_of("KILL", std::time::Duration::from_secs(1), 2 << 20)
+}
 
 const NO_SHM: Variant = Variant {
     name: "shm0",
