@@ -76,7 +76,8 @@ pub trait HostArena: Send + Sync {
     fn set_call(&self, meta: Meta);
 
     /// The descriptor rank `owner` last published with [`HostArena::set_call`] (zeros for
-    /// none, or a rank not on this host).
+    /// none, for a rank not on this host, or while the owner is writing it: never half of one
+    /// and half of another).
     fn call(&self, owner: usize) -> Meta;
 
     /// Stores `value` in this rank's word `word` (a release store: the slot bytes written

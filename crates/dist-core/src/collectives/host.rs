@@ -190,7 +190,10 @@ impl<L: Link> Host<'_, '_, L> {
                         rank: c.me,
                         op: c.op_text(),
                         peer: q,
-                        detail: c.desc().differences(&Desc::decode(&theirs)),
+                        detail: format!(
+                            "{} (its descriptor on the host arena)",
+                            c.desc().differences(&Desc::decode(&theirs))
+                        ),
                     });
                 }
             }
@@ -449,15 +452,16 @@ fn sleep_until<L: Link>(
         let now = a.call(owner);
         let same_number = now != [0; 16] && Desc::decode(&now).seq == c.desc().seq;
         let sent = link.peek(owner, COLLECTIVE_TAG).map(|(_, m)| m);
-        if let Some(m) = sent
-            .filter(|m| *m != c.meta())
-            .or((same_number && now != c.meta()).then_some(now))
-        {
+        let found = match sent.filter(|m| *m != c.meta()) {
+            Some(m) => Some((m, "its message")),
+            None => (same_number && now != c.meta()).then_some((now, "the collective it is in")),
+        };
+        if let Some((m, how)) = found {
             return Err(DistError::CollectiveMismatch {
                 rank: c.me,
                 op: c.op_text(),
                 peer: owner,
-                detail: c.desc().differences(&Desc::decode(&m)),
+                detail: format!("{} ({how})", c.desc().differences(&Desc::decode(&m))),
             });
         }
         let left = c.deadline().saturating_duration_since(Instant::now());

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use dist_core::{ArenaWord, DistError, HostArena, Meta, Result};
 
-use super::arena_map::{Mapping, OFF_ASLEEP, OFF_CALL, OFF_META, OFF_WORDS};
+use super::arena_map::{Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_WORDS};
 use crate::peer::Peer;
 
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce.
@@ -231,15 +231,33 @@ impl HostArena for TcpArena {
             .map_or([0; 16], |m| load_meta(m, OFF_META + 16 * (slot % 2)))
     }
 
+    /// Written under a sequence lock: a peer reads it at any time (a descriptor half old and
+    /// half new would look like a mismatched call).
     fn set_call(&self, meta: Meta) {
         if let Some(m) = &self.own {
+            let seq = m.u32_at(OFF_CALL_SEQ);
+            let s = seq.load(Ordering::Relaxed);
+            seq.store(s.wrapping_add(1), Ordering::Relaxed);
+            fence(Ordering::Release);
             store_meta(m, OFF_CALL, meta);
+            seq.store(s.wrapping_add(2), Ordering::Release);
         }
     }
 
+    /// Zeros (no descriptor) while the owner is writing it.
     fn call(&self, owner: usize) -> Meta {
-        self.mapping(owner)
-            .map_or([0; 16], |m| load_meta(m, OFF_CALL))
+        self.mapping(owner).map_or([0; 16], |m| {
+            let seq = m.u32_at(OFF_CALL_SEQ);
+            let before = seq.load(Ordering::Acquire);
+            let meta = load_meta(m, OFF_CALL);
+            fence(Ordering::Acquire);
+            let after = seq.load(Ordering::Relaxed);
+            if before == after && before.is_multiple_of(2) {
+                meta
+            } else {
+                [0; 16]
+            }
+        })
     }
 
     fn publish(&self, word: ArenaWord, value: u32) {

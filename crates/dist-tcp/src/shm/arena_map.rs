@@ -27,6 +27,8 @@ pub(crate) const OFF_ASLEEP: usize = 192;
 /// The descriptor beside slot 0 (slot 1's follows), then the current call's.
 pub(crate) const OFF_META: usize = 256;
 pub(crate) const OFF_CALL: usize = 288;
+/// The sequence lock of the current call's descriptor (odd while it is being written).
+pub(crate) const OFF_CALL_SEQ: usize = 304;
 
 /// `dist-are` in ASCII, little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-are");

@@ -56,6 +56,33 @@ fn segments_round_trip() {
     assert_eq!(b.load(0, ArenaWord::Reduced), 5);
 }
 
+/// A peer reading the call descriptor while its owner rewrites it gets a whole descriptor or
+/// none, never half of one and half of another (a torn one looked like a mismatched call:
+/// `coll_reductions::n8` failed with "count 70001 vs 0" under load).
+#[test]
+fn call_descriptors_are_never_torn() {
+    let (a, b) = pair();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..200_000u64 {
+                let mut m = [0u8; 16];
+                m[..8].copy_from_slice(&i.to_le_bytes());
+                m[8..].copy_from_slice(&i.to_le_bytes());
+                a.set_call(m);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let mut whole = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            let m = b.call(0);
+            assert_eq!(m[..8], m[8..], "a torn descriptor");
+            whole += 1;
+        }
+        assert!(whole > 0);
+    });
+}
+
 /// Accesses past a slot, to a third slot, or to a rank with no mapping are errors.
 #[test]
 fn out_of_range_accesses_are_refused() {
