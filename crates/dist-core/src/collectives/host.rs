@@ -190,10 +190,7 @@ impl<L: Link> Host<'_, '_, L> {
                         rank: c.me,
                         op: c.op_text(),
                         peer: q,
-                        detail: format!(
-                            "{} (its descriptor on the host arena)",
-                            c.desc().differences(&Desc::decode(&theirs))
-                        ),
+                        detail: c.desc().differences(&Desc::decode(&theirs)),
                     });
                 }
             }
@@ -453,15 +450,15 @@ fn sleep_until<L: Link>(
         let same_number = now != [0; 16] && Desc::decode(&now).seq == c.desc().seq;
         let sent = link.peek(owner, COLLECTIVE_TAG).map(|(_, m)| m);
         let found = match sent.filter(|m| *m != c.meta()) {
-            Some(m) => Some((m, "its message")),
-            None => (same_number && now != c.meta()).then_some((now, "the collective it is in")),
+            Some(m) => Some(m),
+            None => (same_number && now != c.meta()).then_some(now),
         };
-        if let Some((m, how)) = found {
+        if let Some(m) = found {
             return Err(DistError::CollectiveMismatch {
                 rank: c.me,
                 op: c.op_text(),
                 peer: owner,
-                detail: format!("{} ({how})", c.desc().differences(&Desc::decode(&m))),
+                detail: c.desc().differences(&Desc::decode(&m)),
             });
         }
         let left = c.deadline().saturating_duration_since(Instant::now());
