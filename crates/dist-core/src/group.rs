@@ -114,6 +114,9 @@ pub struct Group<L: Link> {
     forced_all_reduce: AtomicU8,
     /// Which thread is inside a call, the async work queued, and the threads it runs on.
     occupancy: Occupancy,
+    /// Whether the group's all_reduces run on the link's host arena: 0 not agreed yet, 1 no,
+    /// 2 yes (see `collectives/host.rs`).
+    arena_agreed: AtomicU8,
 }
 
 impl<L: Link> std::fmt::Debug for Group<L> {
@@ -200,6 +203,7 @@ impl<L: Link> Group<L> {
             lane: OnceLock::new(),
             forced_all_reduce: AtomicU8::new(0),
             occupancy: Occupancy::default(),
+            arena_agreed: AtomicU8::new(0),
         }
     }
 
@@ -216,6 +220,20 @@ impl<L: Link> Group<L> {
     /// The all_reduce algorithm forced by [`Group::force_all_reduce`], if any.
     pub fn forced_all_reduce(&self) -> Option<AllReduceAlgorithm> {
         AllReduceAlgorithm::from_code(self.forced_all_reduce.load(Ordering::Relaxed))
+    }
+
+    /// Whether this group runs its all_reduces on the link's host arena
+    /// ([`Link::arena`]): `None` until its first all_reduce, on which the ranks agree.
+    pub fn arena_in_use(&self) -> Option<bool> {
+        match self.arena_agreed.load(Ordering::Acquire) {
+            0 => None,
+            x => Some(x == 2),
+        }
+    }
+
+    pub(crate) fn set_arena_agreed(&self, yes: bool) {
+        self.arena_agreed
+            .store(if yes { 2 } else { 1 }, Ordering::Release);
     }
 
     /// The link the group moves its bytes over.

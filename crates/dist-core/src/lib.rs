@@ -21,6 +21,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod arena;
 mod backend;
 pub mod collectives;
 mod deadline;
@@ -36,6 +37,7 @@ mod types;
 mod within;
 pub mod work;
 
+pub use arena::{ArenaWord, HostArena};
 pub use backend::{Backend, Meta, Tag};
 pub use collectives::{Collectives, Transport};
 pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};

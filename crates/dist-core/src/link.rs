@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use crate::arena::HostArena;
 use crate::backend::{Meta, Tag};
 use crate::error::Result;
 use crate::flight::FlightRecorder;
@@ -84,6 +85,13 @@ pub trait Link: Send + Sync {
     fn positions(&self) -> Option<String> {
         None
     }
+
+    /// The memory this rank shares with the other ranks of its host, if the link offers it
+    /// ([`HostArena`]). Every rank of one link must answer alike (all `Some` or all `None`):
+    /// the group then agrees, on its first all_reduce, whether to use it.
+    fn arena(&self) -> Option<&dyn HostArena> {
+        None
+    }
 }
 
 /// A receive posted with [`Link::post`].
@@ -147,5 +155,9 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
 
     fn positions(&self) -> Option<String> {
         (**self).positions()
+    }
+
+    fn arena(&self) -> Option<&dyn HostArena> {
+        (**self).arena()
     }
 }

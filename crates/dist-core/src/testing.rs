@@ -116,7 +116,11 @@ impl Mesh {
 pub struct MemLink {
     me: usize,
     mesh: Arc<Mesh>,
+    /// The host arena, for links made by [`MemLink::mesh_on_hosts`].
+    arena: Option<arena::MemArena>,
 }
+
+mod arena;
 
 impl std::fmt::Debug for MemLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,8 +150,41 @@ impl MemLink {
             .map(|me| MemLink {
                 me,
                 mesh: mesh.clone(),
+                arena: None,
             })
             .collect()
+    }
+
+    /// The ends of a new link whose rank `r` sits on host `hosts[r]` and shares a host arena
+    /// ([`Link::arena`]) of slots of `slot_len` bytes with the ranks of its host.
+    pub fn mesh_on_hosts(hosts: &[usize], slot_len: usize) -> Vec<MemLink> {
+        let arenas = Arc::new(arena::Arenas::new(hosts, slot_len));
+        MemLink::mesh(hosts.len())
+            .into_iter()
+            .map(|mut l| {
+                l.arena = Some(arena::MemArena {
+                    me: l.me,
+                    arenas: arenas.clone(),
+                    mesh: l.mesh.clone(),
+                });
+                l
+            })
+            .collect()
+    }
+
+    /// Plays a hostile peer: this rank publishes `value` as its arena word `word` (no-op
+    /// without an arena).
+    pub fn scribble_arena(&self, word: crate::arena::ArenaWord, value: u32) {
+        if let Some(a) = &self.arena {
+            a.scribble(word, value);
+        }
+    }
+
+    /// This rank's arena says it did not map every peer's ([`HostArena::complete`](crate::HostArena::complete)).
+    pub fn set_arena_incomplete(&self) {
+        if let Some(a) = &self.arena {
+            a.set_incomplete();
+        }
     }
 
     /// This rank dies: the waits of the others on it fail with
@@ -156,6 +193,9 @@ impl MemLink {
     pub fn kill(&self) {
         self.mesh.ranks[self.me].dead.store(true, Ordering::Release);
         self.mesh.wake_all();
+        if let Some(a) = &self.arena {
+            a.wake();
+        }
     }
 
     /// Decides the fate of every message sent from now on, on every rank of the link.
@@ -407,6 +447,12 @@ impl Link for MemLink {
             .map(|(r, rank)| (r, rank.flight.position()))
             .collect();
         Some(describe_positions(&all))
+    }
+
+    fn arena(&self) -> Option<&dyn crate::arena::HostArena> {
+        self.arena
+            .as_ref()
+            .map(|a| a as &dyn crate::arena::HostArena)
     }
 }
 

@@ -130,6 +130,8 @@ struct Shared {
     beside: OnceLock<record::BesideSource>,
     /// Woken when a heartbeat arrives while some thread gathers positions (see `record.rs`).
     beats: record::BeatWait,
+    /// The memory shared with the ranks of this host, on a job formed at init.
+    arena: Option<shm::TcpArena>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -262,6 +264,10 @@ impl TcpBackend {
         // One deadline and one host identity for every peer's shared-memory exchange: a
         // deadline per peer would let a slow rank hold formation for (n - 1) init timeouts.
         let (shm_host, shm_by) = (cfg.shm_host(), Instant::now() + cfg.init_timeout);
+        // The host arena, on jobs formed at init (a lazily formed job has none: every rank
+        // answers alike, as `Link::arena` asks).
+        let arena_setup = (mesh.is_none() && cfg!(target_os = "linux"))
+            .then(|| shm::ArenaSetup::new(me, cfg.world_size, shm_host));
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match (s, &mesh) {
                 (Some(s), _) => Peer::connected_shm(
@@ -272,6 +278,7 @@ impl TcpBackend {
                     aborts.clone(),
                     limits,
                     shm_host,
+                    arena_setup.as_ref(),
                     shm_by,
                 )?,
                 (None, Some(m)) if r != me => Peer::unconnected(
@@ -288,6 +295,7 @@ impl TcpBackend {
         for p in &peers {
             p.set_spin(spin);
         }
+        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin));
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,
@@ -306,6 +314,7 @@ impl TcpBackend {
             trace_lock: std::sync::Mutex::new(()),
             beside: OnceLock::new(),
             beats: record::BeatWait::default(),
+            arena,
         });
         let io =
             peer::IoThread::spawn(format!("dist-io-{me}")).map_err(|source| DistError::Io {

@@ -152,6 +152,15 @@ impl Link for TcpLink {
     fn positions(&self) -> Option<String> {
         Some(self.0.positions_text())
     }
+
+    /// The host arena of a job formed at init (also where shared memory is off: it then
+    /// says it is incomplete, and the group runs its collectives over messages).
+    fn arena(&self) -> Option<&dyn dist_core::HostArena> {
+        self.0
+            .arena
+            .as_ref()
+            .map(|a| a as &dyn dist_core::HostArena)
+    }
 }
 
 /// The root of a [`TcpBackend`](crate::TcpBackend)'s sub-groups ([`dist_core::Subgroups`]):

@@ -235,7 +235,8 @@ impl Peer {
 
     /// A peer over `stream`, whose handshake is done, after choosing shared memory for it with
     /// the peer (`crate::shm::negotiate`; both sides must call this at the same point of the
-    /// stream, before any frame): `host` is this rank's host identity, `None` to decline.
+    /// stream, before any frame): `host` is this rank's host identity, `None` to decline;
+    /// `arena` the host arena's setup, which learns the peer's part.
     // The connection's parts, and the choice of shared memory with its deadline.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn connected_shm(
@@ -246,16 +247,18 @@ impl Peer {
         aborts: Arc<Aborts>,
         limits: Limits,
         host: Option<[u8; 32]>,
+        arena: Option<&crate::shm::ArenaSetup>,
         deadline: Instant,
     ) -> Result<Peer> {
-        let shm = crate::shm::negotiate(&stream, me, rank, host, deadline).map_err(|cause| {
-            DistError::PeerGone {
-                rank: me,
-                peer: rank,
-                op: "choose shared memory for the connection".into(),
-                cause,
-            }
-        })?;
+        let shm =
+            crate::shm::negotiate(&stream, me, rank, host, arena, deadline).map_err(|cause| {
+                DistError::PeerGone {
+                    rank: me,
+                    peer: rank,
+                    op: "choose shared memory for the connection".into(),
+                    cause,
+                }
+            })?;
         let p = Peer::bare(me, rank, timeout, aborts, limits, None);
         p.set_conn(stream, shm)?;
         Ok(p)

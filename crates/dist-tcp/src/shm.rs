@@ -2,13 +2,17 @@
 //! `memfd` of the sending rank, passed to the receiving rank with `SCM_RIGHTS` when the
 //! connection is made (`setup.rs`). The frames that would cross the TCP connection go through
 //! the ring instead, and the TCP connection stays as the liveness channel and the doorbell:
-//! a rank whose I/O thread sleeps asks for a byte on it when data arrives. See
-//! `docs/architecture.md`, "Shared memory".
+//! a rank whose I/O thread sleeps asks for a byte on it when data arrives. Each rank also owns
+//! a host arena (`arena.rs`), a segment its host's peers map read-only, on which the
+//! collectives read each other's buffers in place. See `docs/architecture.md`, "Shared memory".
 
+mod arena;
+mod arena_map;
 mod map;
 mod ring;
 mod setup;
 
+pub(crate) use arena::{ArenaSetup, TcpArena};
 pub(crate) use ring::{RxRing, TxRing};
 pub(crate) use setup::{Shm, host_identity, negotiate};
 

@@ -18,7 +18,7 @@ pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
     let deadline = std::time::Instant::now() + cfg.init_timeout;
     for (peer, s) in streams.iter().enumerate() {
         if let Some(s) = s {
-            crate::shm::negotiate(s, cfg.rank, peer, None, deadline).map_err(|cause| {
+            crate::shm::negotiate(s, cfg.rank, peer, None, None, deadline).map_err(|cause| {
                 dist_core::DistError::PeerGone {
                     rank: cfg.rank,
                     peer,

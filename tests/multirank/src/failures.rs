@@ -49,6 +49,11 @@ pub fn sigstop() -> Result<(), String> {
 /// Rank 3 signalled with `signal` after [`BEFORE`] all_reduces of a loop: every survivor
 /// errors, naming rank 3, within `bound` of its last good all_reduce.
 pub fn victim_loop(signal: &str, bound: Duration) -> Result<(), String> {
+    victim_loop_of(signal, bound, 1024)
+}
+
+/// [`victim_loop`] with all_reduces of `count` floats.
+pub fn victim_loop_of(signal: &str, bound: Duration, count: usize) -> Result<(), String> {
     let n: usize = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -80,7 +85,7 @@ pub fn victim_loop(signal: &str, bound: Duration) -> Result<(), String> {
         u32::from_le_bytes(pid)
     });
     b.barrier().unwrap();
-    let mut x = vec![1.0f32; 1024];
+    let mut x = vec![1.0f32; count];
     let start = Instant::now();
     let mut last_ok = Instant::now();
     let mut k = 0u64;

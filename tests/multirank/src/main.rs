@@ -18,6 +18,7 @@ mod hybrid_groups;
 mod lazy_death;
 mod p2p;
 mod shm;
+mod shm_arena;
 mod uneven;
 mod work;
 
@@ -207,6 +208,7 @@ fn main() -> ExitCode {
         .iter()
         .chain(hosts::CASES)
         .chain(shm::CASES)
+        .chain(shm_arena::CASES)
         .copied()
         .collect();
     dist_multirank::run_cases("dist-multirank", &cases)

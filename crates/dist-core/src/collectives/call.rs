@@ -38,6 +38,21 @@ impl<L: Link> Call<'_, L> {
         self.desc.describe()
     }
 
+    /// The call's descriptor, as its messages carry it.
+    pub(super) fn meta(&self) -> Meta {
+        self.meta
+    }
+
+    /// The call's descriptor.
+    pub(super) fn desc(&self) -> &Desc {
+        &self.desc
+    }
+
+    /// The call's deadline.
+    pub(super) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
     fn link(&self) -> &L {
         self.g.link()
     }
@@ -383,6 +398,9 @@ fn run_call<L: Link, R>(
             origin,
             reason,
         });
+    }
+    if let Some(a) = link.arena() {
+        a.set_call(call.meta);
     }
     let mut r = f(&call);
     if r.is_ok()

@@ -42,5 +42,9 @@ pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
 /// broadcast runs two chains only from here (on 32 cores, 8 MiB: 4.7 GB/s with one chain, 4.1
 /// with two; 16 MiB: even; 32 and 64 MiB: 3.9 and 3.6 with one, 4.4 and 4.3 with two).
 pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
+/// An all_reduce on a host arena up to this many bytes has every rank reduce the whole buffer
+/// (one wait per call); larger ones split each piece into one share per rank
+/// (`collectives/host.rs`).
+pub const HOST_SPLIT_MIN: usize = 32 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;

@@ -42,6 +42,7 @@ mod chain;
 mod consts;
 mod desc;
 mod halving;
+mod host;
 mod lanes;
 pub(crate) mod ops;
 mod pairwise;
@@ -55,6 +56,7 @@ pub use crate::group::{GROUP_TAG, RING_PIECE};
 pub(crate) use call::abort_all;
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
+pub use host::SLICE as HOST_WAIT_SLICE;
 pub use select::{
     AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
 };

@@ -44,6 +44,17 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
     if c.n == 1 {
         return Ok(());
     }
+    if c.g.forced_all_reduce().is_none()
+        && let Some(a) = c.g.link().arena()
+        && super::host::agreed(c, a)?
+    {
+        let local = crate::arena::host_ranks(a.hosts(), c.me);
+        return if local.len() == c.n {
+            super::host::all_reduce_host(c, a, &local, data, op)
+        } else {
+            super::host::all_reduce_hosts(c, a, data, op)
+        };
+    }
     let algorithm = c.g.forced_all_reduce().unwrap_or_else(|| {
         let bytes = std::mem::size_of_val(data);
         all_reduce_algorithm(c.n, data.len(), bytes, c.g.tuning().lanes)

@@ -31,7 +31,7 @@ fn pair_unwatched() -> (Arc<Peer>, Arc<Peer>) {
     let make = |me, rank, s| {
         let aborts = Arc::new(Aborts::default());
         let t = Duration::from_secs(10);
-        Peer::connected_shm(me, rank, s, t, aborts, limits, host, deadline).unwrap()
+        Peer::connected_shm(me, rank, s, t, aborts, limits, host, None, deadline).unwrap()
     };
     let (p0, p1) = std::thread::scope(|sc| {
         let t = sc.spawn(|| make(1, 0, b));

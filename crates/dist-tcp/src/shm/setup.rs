@@ -7,9 +7,11 @@
 //! 2. If both want it and the identities match, the higher rank connects to that socket and
 //!    sends the token with its ring's `memfd` (`SCM_RIGHTS`); the lower rank checks the token
 //!    and answers with its own `memfd`. Each maps the peer's segment after checking it.
-//! 3. Each sends one byte over TCP: whether it mapped the peer's ring. A rank writes to its own
-//!    ring only if the peer mapped it, and reads the peer's only if it did: every failure in
-//!    step 2 leaves that direction on TCP, agreed by both sides.
+//!    With the ring's `memfd` goes the rank's host arena's (`arena.rs`), when it has one.
+//! 3. Each sends one byte over TCP: whether it mapped the peer's ring (bit 0) and its arena
+//!    (bit 1). A rank writes to its own ring only if the peer mapped it, and reads the peer's
+//!    only if it did: every failure in step 2 leaves that direction on TCP, agreed by both
+//!    sides. The arena of a pair counts only where both mapped the other's.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
@@ -26,6 +28,7 @@ use rustix::net::{
 };
 use sha2::{Digest, Sha256};
 
+use super::arena::ArenaSetup;
 use super::map::Segment;
 use super::{RxRing, TxRing};
 
@@ -135,14 +138,16 @@ fn write_all_by(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> std::io::Re
 }
 
 /// Runs the exchange above on `stream` (rank `me` and `peer`; `host` this rank's identity, or
-/// `None` to decline shared memory). An error is a failure of the TCP connection itself or of
-/// the protocol (the connection is unusable); a failure to set up shared memory is not: that
-/// direction stays on TCP.
+/// `None` to decline shared memory; `arena` the host arena's setup, which learns the peer's
+/// host and segment). An error is a failure of the TCP connection itself or of the protocol
+/// (the connection is unusable); a failure to set up shared memory is not: that direction
+/// stays on TCP.
 pub(crate) fn negotiate(
     stream: &TcpStream,
     me: usize,
     peer: usize,
     host: Option<[u8; 32]>,
+    arena: Option<&ArenaSetup>,
     deadline: Instant,
 ) -> Result<Shm, String> {
     let mut s = stream
@@ -178,34 +183,57 @@ pub(crate) fn negotiate(
             theirs.rank
         ));
     }
+    if let Some(a) = arena {
+        a.note_host(peer, theirs.wants.then_some(theirs.host));
+    }
     let mut shm = Shm::default();
     let mut own = None;
+    let mut arena_mapped = false;
     if mine.wants && theirs.wants && mine.host == theirs.host {
-        match exchange(&s, me, peer, &mine, &theirs, listener.take(), deadline) {
-            Ok((seg, fd)) => {
+        let arena_fd = arena.and_then(ArenaSetup::fd);
+        match exchange(
+            &s,
+            me,
+            peer,
+            &mine,
+            &theirs,
+            listener.take(),
+            arena_fd,
+            deadline,
+        ) {
+            Ok((seg, fd, their_arena)) => {
                 own = Some(seg);
                 match Segment::open(&fd, theirs.cap) {
                     Ok(seg) => shm.rx = Some(RxRing::new(seg, theirs.cap, peer)),
                     Err(e) => tracing::warn!(me, peer, "peer's shared-memory ring refused: {e}"),
+                }
+                if let (Some(a), Some(fd)) = (arena, their_arena) {
+                    arena_mapped = a.map_peer(peer, &fd);
                 }
             }
             Err(e) => tracing::warn!(me, peer, "no shared memory with this peer: {e}"),
         }
     }
     drop(listener);
-    let ok = [u8::from(shm.rx.is_some())];
+    let ok = [u8::from(shm.rx.is_some()) | (u8::from(arena_mapped) << 1)];
     write_all_by(&mut s, &ok, deadline).map_err(|e| tcp("send", e))?;
     let mut theirs_ok = [0u8];
     read_exact_by(&mut s, &mut theirs_ok, deadline).map_err(|e| tcp("receive", e))?;
-    match theirs_ok[0] {
-        0 => {}
-        1 => {
-            let Some(seg) = own else {
-                return Err("peer says it mapped a ring this rank never sent".into());
-            };
-            shm.tx = Some(TxRing::new(seg, RING_CAP, peer));
+    let b = theirs_ok[0];
+    if b > 3 {
+        return Err(format!("shared-memory answer {b} is not one of 0 to 3"));
+    }
+    if b & 1 != 0 {
+        let Some(seg) = own else {
+            return Err("peer says it mapped a ring this rank never sent".into());
+        };
+        shm.tx = Some(TxRing::new(seg, RING_CAP, peer));
+    }
+    if b & 2 != 0 {
+        match arena {
+            Some(a) if a.fd().is_some() && mine.wants => a.note_mapped_mine(peer),
+            _ => return Err("peer says it mapped a host arena this rank never sent".into()),
         }
-        b => return Err(format!("shared-memory answer {b} is neither 0 nor 1")),
     }
     tracing::debug!(
         me,
@@ -233,7 +261,10 @@ fn abstract_addr(_nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
     ))
 }
 
-/// Step 2: passes this rank's new segment to the peer and receives the peer's descriptor.
+/// Step 2: passes this rank's new segment (and its arena's, `arena`) to the peer and receives
+/// the peer's descriptors: its ring's, and its arena's if it sent one.
+// The exchange's two ends, its descriptors and its deadline.
+#[allow(clippy::too_many_arguments)]
 fn exchange(
     tcp: &TcpStream,
     me: usize,
@@ -241,23 +272,24 @@ fn exchange(
     mine: &Offer,
     theirs: &Offer,
     listener: Option<UnixListener>,
+    arena: Option<&OwnedFd>,
     deadline: Instant,
-) -> Result<(Segment, OwnedFd), String> {
+) -> Result<(Segment, OwnedFd, Option<OwnedFd>), String> {
     let (fd, seg) = Segment::create(RING_CAP).map_err(|e| format!("memfd ring: {e}"))?;
-    let got = if me < peer {
+    let (got, their_arena) = if me < peer {
         let l = listener.ok_or("no listener")?;
         let mut u = accept_peer(&l, tcp, deadline)?;
-        let fd_in = recv_fd(&mut u, &mut [0u8; 16], deadline, Some(&mine.token))?;
-        send_fd(&u, &[1], &fd, deadline)?;
-        fd_in
+        let fds_in = recv_fd(&mut u, &mut [0u8; 16], deadline, Some(&mine.token))?;
+        send_fd(&u, &[1], &fd, arena, deadline)?;
+        fds_in
     } else {
         let u = UnixStream::connect_addr(&abstract_addr(&theirs.nonce).map_err(|e| e.to_string())?)
             .map_err(|e| format!("connect to the peer's socket: {e}"))?;
-        send_fd(&u, &theirs.token, &fd, deadline)?;
+        send_fd(&u, &theirs.token, &fd, arena, deadline)?;
         let mut u = u;
         recv_fd(&mut u, &mut [0u8; 1], deadline, Some(&[1]))?
     };
-    Ok((seg, got))
+    Ok((seg, got, their_arena))
 }
 
 /// Accepts the first connection on `l` (its token is checked next: a stranger that connects
@@ -295,11 +327,19 @@ fn accept_peer(l: &UnixListener, tcp: &TcpStream, deadline: Instant) -> Result<U
     }
 }
 
-fn send_fd(u: &UnixStream, bytes: &[u8], fd: &OwnedFd, deadline: Instant) -> Result<(), String> {
+/// Sends `bytes` with the ring's descriptor `fd` and, if given, the arena's `arena`.
+fn send_fd(
+    u: &UnixStream,
+    bytes: &[u8],
+    fd: &OwnedFd,
+    arena: Option<&OwnedFd>,
+    deadline: Instant,
+) -> Result<(), String> {
     u.set_write_timeout(Some(left(deadline).map_err(|e| e.to_string())?))
         .map_err(|e| e.to_string())?;
-    let fds = [fd.as_fd()];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let all = [Some(fd.as_fd()), arena.map(|a| a.as_fd())];
+    let fds: Vec<_> = all.into_iter().flatten().collect();
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err("no room for the descriptor".into());
@@ -312,16 +352,17 @@ fn send_fd(u: &UnixStream, bytes: &[u8], fd: &OwnedFd, deadline: Instant) -> Res
     Ok(())
 }
 
-/// Receives `buf.len()` bytes with one descriptor; the bytes must equal `expect`.
+/// Receives `buf.len()` bytes with one descriptor (the ring's) and maybe a second (the
+/// arena's); the bytes must equal `expect`.
 fn recv_fd(
     u: &mut UnixStream,
     buf: &mut [u8],
     deadline: Instant,
     expect: Option<&[u8]>,
-) -> Result<OwnedFd, String> {
+) -> Result<(OwnedFd, Option<OwnedFd>), String> {
     u.set_read_timeout(Some(left(deadline).map_err(|e| e.to_string())?))
         .map_err(|e| e.to_string())?;
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let r = rustix::net::recvmsg(
         &*u,
@@ -330,22 +371,23 @@ fn recv_fd(
         RecvFlags::CMSG_CLOEXEC,
     )
     .map_err(|e| format!("receive the peer's ring: {e}"))?;
-    let mut fd = None;
+    let mut got = Vec::new();
     for m in control.drain() {
         if let RecvAncillaryMessage::ScmRights(fds) = m {
-            for f in fds {
-                // Any descriptor beyond the first is closed here, unused.
-                fd.get_or_insert(f);
-            }
+            // Any descriptor beyond the second is closed here, unused.
+            got.extend(fds.take(2 - got.len().min(2)));
         }
     }
+    let mut got = got.into_iter();
+    let (fd, arena) = (got.next(), got.next());
     if r.bytes != buf.len() || expect.is_some_and(|x| x != &buf[..]) {
         return Err(format!(
             "unexpected answer ({} bytes) on the ring socket",
             r.bytes
         ));
     }
-    fd.ok_or_else(|| "no descriptor came with the answer".to_string())
+    fd.map(|f| (f, arena))
+        .ok_or_else(|| "no descriptor came with the answer".to_string())
 }
 
 #[cfg(test)]
@@ -414,8 +456,8 @@ mod tests {
         let (a, b) = pair();
         let deadline = Instant::now() + Duration::from_secs(10);
         std::thread::scope(|s| {
-            let t = s.spawn(|| negotiate(&b, 3, 1, hb, deadline).unwrap());
-            let x = negotiate(&a, 1, 3, ha, deadline).unwrap();
+            let t = s.spawn(|| negotiate(&b, 3, 1, hb, None, deadline).unwrap());
+            let x = negotiate(&a, 1, 3, ha, None, deadline).unwrap();
             (x, t.join().unwrap())
         })
     }
@@ -457,6 +499,7 @@ mod tests {
             1,
             3,
             host_identity(None),
+            None,
             Instant::now() + Duration::from_secs(5),
         )
         .unwrap_err();

@@ -10,6 +10,7 @@ use crate::{DType, DistError, Tuning, Within};
 
 mod faults;
 mod halving;
+mod host;
 mod matrix;
 mod uneven;
 

@@ -1,0 +1,516 @@
+//! all_reduce over a host arena ([`HostArena`]), for a group whose ranks all share one host:
+//! peers' buffers are read in place, through the arena, instead of passing messages.
+//!
+//! The buffer goes in pieces of at most one slot. For piece k (counted over every arena
+//! collective of the group, the same on every rank) each rank copies its input into its slot
+//! `k % 2` and publishes `Input = k + 1`, then waits for every peer's `Input`:
+//! - small buffers (up to [`HOST_SPLIT_MIN`]): every rank reduces all n inputs, in rank order,
+//!   into its buffer and publishes `Reduced = k + 1` (read done). One wait per call.
+//! - larger: rank i reduces share i of the piece (1/n of it) reading every peer's slot in
+//!   place, in rank order, writes the result over its own share in its slot and publishes
+//!   `Reduced = k + 1`; then every rank copies every other share out once that rank's
+//!   `Reduced` says it is there.
+//!
+//! Each element is reduced by one rank only, always in rank order, so every rank gets bitwise
+//! the same result. A slot is written again two pieces later, only after every peer published
+//! `Input` of the piece between, which it does after it read the slot: no piece overwrites one
+//! still being read. The first piece of each call publishes the call's descriptor beside its
+//! slot, and every rank compares its peers' with its own: a mismatched call is reported as
+//! every collective's is. A peer's word is checked against what the protocol allows (one piece
+//! behind, or at most one ahead for `Input`): anything else is a corrupt arena, an error naming
+//! that peer. Waits spin for the arena's spin time, then sleep in slices of [`SLICE`] until the
+//! call's deadline, checking between slices whether the peer is gone, an abort has come, or
+//! the peer sent a message of another collective (a mismatched call on the TCP path).
+
+use std::time::{Duration, Instant};
+
+use crate::arena::{ArenaWord, HostArena};
+use crate::error::{DistError, Result};
+use crate::link::Link;
+use crate::types::{Element, ReduceOp};
+
+use super::call::{Call, finish};
+use super::consts::{COLLECTIVE_TAG, HOST_SPLIT_MIN};
+use super::desc::Desc;
+use super::scratch::{bytes, bytes_mut, segment, with_scratch};
+
+/// The longest sleep of an arena wait between checks of the peer, aborts and the deadline.
+pub const SLICE: Duration = Duration::from_millis(50);
+
+/// How long a wait yields its core, after its spin, before it sleeps.
+const YIELD: Duration = Duration::from_micros(100);
+
+/// The bytes reduced at a time from a peer's slot (copied first into a buffer that stays in
+/// the cache: no reference into memory another process writes is ever made).
+const CHUNK: usize = 16 << 10;
+
+/// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's
+/// first all_reduce, by an all_reduce of every rank's vote (its arena complete, the host
+/// layout and slot size it sees) over the group's messages; the answer is kept in the group.
+/// Every rank of a link that offers an arena takes part, so every rank decides alike. A group
+/// uses it if some host has two of its ranks or more.
+pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool> {
+    if let Some(known) = c.g.arena_in_use() {
+        return Ok(known);
+    }
+    let v = vote(a);
+    let mut x = [v, !v];
+    super::tree::all_reduce_doubling(c, &mut x, ReduceOp::Min)?;
+    // x[0] is the least vote, !x[1] the greatest: equal only if every rank voted alike.
+    // Some host with two ranks or more (else the arena saves nothing).
+    let hosts = a.hosts();
+    let shared = hosts.len() == c.n && (0..c.n).any(|r| hosts[r + 1..].contains(&hosts[r]));
+    let yes = x[0] == !x[1] && x[0] != 0 && shared;
+    c.g.set_arena_agreed(yes);
+    Ok(yes)
+}
+
+/// A rank's vote: 0 if its arena is incomplete, else a hash (never 0) of the host layout and
+/// the slot size.
+fn vote(a: &dyn HostArena) -> u64 {
+    if !a.complete() {
+        return 0;
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(a.slot_len() as u64);
+    for &host in a.hosts() {
+        eat(host as u64);
+    }
+    h | 1
+}
+
+/// The arena part of a call: the arena, the host's ranks (`local`, in rank order: all of the
+/// group's here) and this rank's place among them.
+struct Host<'a, 'c, L: Link> {
+    c: &'a Call<'c, L>,
+    a: &'a dyn HostArena,
+    local: &'a [usize],
+    pos: usize,
+    /// Whether the reduction is the group's whole (then `Avg` is scaled here).
+    whole: bool,
+}
+
+impl<'a, 'c, L: Link> Host<'a, 'c, L> {
+    fn new(c: &'a Call<'c, L>, a: &'a dyn HostArena, local: &'a [usize]) -> Result<Self> {
+        let pos = local
+            .iter()
+            .position(|&r| r == c.me)
+            .ok_or_else(|| c.invalid(format!("rank {} is not among its host's ranks", c.me)))?;
+        Ok(Host {
+            c,
+            a,
+            local,
+            pos,
+            whole: local.len() == c.n,
+        })
+    }
+}
+
+/// all_reduce of `data` in place over the arena among the ranks of this host (`local`): the
+/// group's result if they are all of its ranks, else the host's part (no `Avg` scaling).
+pub(super) fn all_reduce_host<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    local: &[usize],
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let h = Host::new(c, a, local)?;
+    let size = std::mem::size_of::<T>();
+    let per_piece = a.slot_len() / size;
+    if per_piece == 0 {
+        return Err(c.invalid(format!("arena slots of {} bytes", a.slot_len())));
+    }
+    let split = std::mem::size_of_val(data) > HOST_SPLIT_MIN.min(a.slot_len());
+    let mut first = true;
+    let mut start = 0;
+    loop {
+        let end = (start + per_piece).min(data.len());
+        let piece = &mut data[start..end];
+        if split {
+            h.piece_split(piece, op, first)?;
+        } else {
+            h.piece_whole(piece, op, first)?;
+        }
+        first = false;
+        start = end;
+        if start >= data.len() {
+            return Ok(());
+        }
+    }
+}
+
+impl<L: Link> Host<'_, '_, L> {
+    /// The number of this piece (this rank's `Input` word so far) and its slot.
+    fn next_piece(&self) -> (u32, usize) {
+        let k = self.a.load(self.c.me, ArenaWord::Input);
+        (k, (k % 2) as usize)
+    }
+
+    /// Copies `piece` into this rank's slot and publishes it (with the call's descriptor on its
+    /// first piece), then waits for every peer's input and checks their descriptors.
+    fn put_and_gather<T: Element>(
+        &self,
+        piece: &[T],
+        k: u32,
+        slot: usize,
+        first: bool,
+    ) -> Result<()> {
+        self.announce(Some(piece), k, slot, first)
+    }
+
+    /// [`Host::put_and_gather`], with `piece` written only if given.
+    fn announce<T: Element>(
+        &self,
+        piece: Option<&[T]>,
+        k: u32,
+        slot: usize,
+        first: bool,
+    ) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        if let Some(piece) = piece {
+            a.write(slot, 0, bytes(piece))
+                .map_err(|e| e.map_op(|_| c.op_text()))?;
+        }
+        if first {
+            a.set_meta(slot, c.meta());
+        }
+        a.publish(ArenaWord::Input, k.wrapping_add(1));
+        for &q in self.local.iter().filter(|&&q| q != c.me) {
+            wait_word(c, a, q, ArenaWord::Input, k.wrapping_add(1))?;
+            if first {
+                let theirs = a.meta(q, slot);
+                if theirs != c.meta() {
+                    return Err(DistError::CollectiveMismatch {
+                        rank: c.me,
+                        op: c.op_text(),
+                        peer: q,
+                        detail: c.desc().differences(&Desc::decode(&theirs)),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `acc` (a part of this rank's piece at element `at`, holding this rank's input) becomes
+    /// the reduction of every local rank's input there, in rank order, read from their slots
+    /// `slot` in chunks.
+    fn reduce_range<T: Element>(
+        &self,
+        acc: &mut [T],
+        at: usize,
+        slot: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let size = std::mem::size_of::<T>();
+        let chunk = (CHUNK / size).max(1);
+        with_scratch::<T, _>(2 * chunk.min(acc.len().max(1)), |scratch| {
+            let (mine, theirs) = scratch.split_at_mut(scratch.len() / 2);
+            let mut done = 0;
+            while done < acc.len() {
+                let len = chunk.min(acc.len() - done);
+                let out = &mut acc[done..done + len];
+                let off = (at + done) * size;
+                let mine = &mut mine[..len];
+                let theirs = &mut theirs[..len];
+                mine.copy_from_slice(out);
+                for (i, &q) in self.local.iter().enumerate() {
+                    let src: &[T] = if i == self.pos {
+                        mine
+                    } else {
+                        a.read(q, slot, off, bytes_mut(theirs))
+                            .map_err(|e| e.map_op(|_| c.op_text()))?;
+                        theirs
+                    };
+                    if i == 0 {
+                        out.copy_from_slice(src);
+                    } else {
+                        c.reduce(out, src, op)?;
+                    }
+                }
+                done += len;
+            }
+            Ok(())
+        })
+    }
+
+    /// A piece that every rank reduces whole: one wait for every input, then the reduction.
+    fn piece_whole<T: Element>(&self, piece: &mut [T], op: ReduceOp, first: bool) -> Result<()> {
+        let (k, slot) = self.next_piece();
+        self.put_and_gather(piece, k, slot, first)?;
+        self.reduce_range(piece, 0, slot, op)?;
+        if self.whole {
+            finish(piece, op, self.c.n);
+        }
+        self.a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+        Ok(())
+    }
+
+    /// A piece split into shares: this rank reduces its own, publishes it in its slot, and
+    /// copies the others' out of their slots.
+    fn piece_split<T: Element>(&self, piece: &mut [T], op: ReduceOp, first: bool) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let (k, slot) = self.next_piece();
+        self.put_and_gather(piece, k, slot, first)?;
+        let m = self.local.len();
+        let share = segment(piece.len(), m, self.pos);
+        let size = std::mem::size_of::<T>();
+        let mine = &mut piece[share.clone()];
+        self.reduce_range(mine, share.start, slot, op)?;
+        if self.whole {
+            finish(mine, op, c.n);
+        }
+        a.write(slot, share.start * size, bytes(mine))
+            .map_err(|e| e.map_op(|_| c.op_text()))?;
+        a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+        for (i, &q) in self.local.iter().enumerate() {
+            if i == self.pos {
+                continue;
+            }
+            let theirs = segment(piece.len(), m, i);
+            if theirs.is_empty() {
+                continue;
+            }
+            wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
+            a.read(q, slot, theirs.start * size, bytes_mut(&mut piece[theirs]))
+                .map_err(|e| e.map_op(|_| c.op_text()))?;
+        }
+        Ok(())
+    }
+}
+
+/// all_reduce of `data` for a group over several hosts: within each host on the arena (every
+/// rank gets its host's part), then between one leader per host (its lowest rank) over
+/// messages, by a ring reduce-scatter and all-gather, and from each leader to the other ranks
+/// of its host on the arena.
+pub(super) fn all_reduce_hosts<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let hosts = a.hosts();
+    let local = crate::arena::host_ranks(hosts, c.me);
+    let h = Host::new(c, a, &local)?;
+    if local.len() > 1 {
+        all_reduce_host(c, a, &local, data, op)?;
+    }
+    if h.pos == 0 {
+        let leaders: Vec<usize> = (0..c.n)
+            .filter(|&r| !hosts[..r].contains(&hosts[r]))
+            .collect();
+        leaders_ring(c, &leaders, data, op)?;
+        finish(data, op, c.n);
+    }
+    if local.len() > 1 {
+        h.broadcast_from_leader(data)?;
+    }
+    Ok(())
+}
+
+/// all_reduce of `data` among `leaders` (this rank one of them) over messages: ring
+/// reduce-scatter, then ring all-gather, one segment per leader.
+fn leaders_ring<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    leaders: &[usize],
+    data: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let m = leaders.len();
+    let Some(p) = leaders.iter().position(|&r| r == c.me) else {
+        return Err(c.invalid(format!("rank {} is no host's leader", c.me)));
+    };
+    if m < 2 {
+        return Ok(());
+    }
+    let (right, left) = (leaders[(p + 1) % m], leaders[(p + m - 1) % m]);
+    let len = data.len();
+    let longest = (0..m).map(|i| segment(len, m, i).len()).max().unwrap_or(0);
+    with_scratch::<T, _>(longest, |tmp| {
+        for s in 0..m - 1 {
+            let send = segment(len, m, (p + m - s) % m);
+            let recv = segment(len, m, (p + 2 * m - s - 1) % m);
+            let inb = &mut tmp[..recv.len()];
+            c.send_recv(bytes(&data[send]), right, bytes_mut(inb), left)?;
+            c.reduce(&mut data[recv], inb, op)?;
+        }
+        for s in 0..m - 1 {
+            let send = segment(len, m, (p + 1 + m - s) % m);
+            let recv = segment(len, m, (p + m - s) % m);
+            let inb = &mut tmp[..recv.len()];
+            c.send_recv(bytes(&data[send]), right, bytes_mut(inb), left)?;
+            data[recv].copy_from_slice(inb);
+        }
+        Ok(())
+    })
+}
+
+impl<L: Link> Host<'_, '_, L> {
+    /// The leader's (position 0's) `data` to every rank of the host, in pieces: the leader
+    /// writes each into its slot, every rank announces the piece and waits for the others,
+    /// then copies it out of the leader's slot.
+    fn broadcast_from_leader<T: Element>(&self, data: &mut [T]) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let per_piece = (a.slot_len() / std::mem::size_of::<T>()).max(1);
+        let mut start = 0;
+        loop {
+            let end = (start + per_piece).min(data.len());
+            let piece = &mut data[start..end];
+            let (k, slot) = self.next_piece();
+            let leader = self.pos == 0;
+            self.announce(leader.then_some(&*piece), k, slot, false)?;
+            if !leader {
+                a.read(self.local[0], slot, 0, bytes_mut(piece))
+                    .map_err(|e| e.map_op(|_| c.op_text()))?;
+            }
+            a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+            start = end;
+            if start >= data.len() {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Waits until rank `owner`'s `word` reaches `target` (by the call's deadline). The values the
+/// protocol allows: `target - 1` (not yet), `target`, and for `Input` `target + 1` (the peer
+/// has published the next piece already). Anything else is a corrupt arena: an error naming
+/// `owner`.
+pub(super) fn wait_word<L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    owner: usize,
+    word: ArenaWord,
+    target: u32,
+) -> Result<()> {
+    let ahead = match word {
+        ArenaWord::Input => 1,
+        ArenaWord::Reduced => 0,
+    };
+    let reached = |v: u32| -> Result<bool> {
+        word_reached(v, target, ahead).ok_or_else(|| corrupt(c, owner, word, v, target, ahead))
+    };
+    let started = Instant::now();
+    let spin = a.spin();
+    let mut v = a.load(owner, word);
+    let mut turns = 0u32;
+    while !reached(v)? {
+        turns = turns.wrapping_add(1);
+        if turns.is_multiple_of(64) && started.elapsed() >= spin {
+            break;
+        }
+        std::hint::spin_loop();
+        v = a.load(owner, word);
+    }
+    // Then give the core away a few times (on a host with more ranks than cores, the peer
+    // waited for may need it), before sleeping.
+    let yielded = Instant::now();
+    while !reached(v)? {
+        if yielded.elapsed() >= YIELD {
+            return sleep_until(c, a, owner, word, v, started, &reached);
+        }
+        std::thread::yield_now();
+        v = a.load(owner, word);
+    }
+    Ok(())
+}
+
+/// The sleeping part of [`wait_word`]: slices of [`SLICE`] at most, with the checks between.
+fn sleep_until<L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    owner: usize,
+    word: ArenaWord,
+    mut v: u32,
+    started: Instant,
+    reached: &dyn Fn(u32) -> Result<bool>,
+) -> Result<()> {
+    let link = c.g.link();
+    loop {
+        if let Some((origin, reason)) = link.abort_notice() {
+            return Err(DistError::Aborted {
+                rank: c.me,
+                op: c.op_text(),
+                origin,
+                reason,
+            });
+        }
+        a.check_peer(owner, &|| c.op_text())?;
+        // A peer in another collective of the same number (which it says in the arena), or
+        // one that sends that collective's messages: a mismatch. A peer still in an earlier
+        // collective is late, not mismatched.
+        let now = a.call(owner);
+        let same_number = now != [0; 16] && Desc::decode(&now).seq == c.desc().seq;
+        let sent = link.peek(owner, COLLECTIVE_TAG).map(|(_, m)| m);
+        let found = match sent.filter(|m| *m != c.meta()) {
+            Some(m) => Some(m),
+            None => (same_number && now != c.meta()).then_some(now),
+        };
+        if let Some(m) = found {
+            return Err(DistError::CollectiveMismatch {
+                rank: c.me,
+                op: c.op_text(),
+                peer: owner,
+                detail: c.desc().differences(&Desc::decode(&m)),
+            });
+        }
+        let left = c.deadline().saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(DistError::Timeout {
+                rank: c.me,
+                op: format!(
+                    "{} (its {} word on the host arena)",
+                    c.op_text(),
+                    word.name()
+                ),
+                peer: owner,
+                waited: started.elapsed(),
+            });
+        }
+        a.sleep(owner, word, v, left.min(SLICE));
+        v = a.load(owner, word);
+        if reached(v)? {
+            return Ok(());
+        }
+    }
+}
+
+/// Whether a peer's word `v` has reached `target`: `Some(false)` for `target - 1` (not yet),
+/// `Some(true)` from `target` to `target + ahead`, `None` for any other value (not one the
+/// protocol allows: a corrupt arena). Wrapping at 2³².
+pub(super) fn word_reached(v: u32, target: u32, ahead: u32) -> Option<bool> {
+    match v.wrapping_sub(target.wrapping_sub(1)) {
+        0 => Some(false),
+        d if d <= 1 + ahead => Some(true),
+        _ => None,
+    }
+}
+
+fn corrupt<L: Link>(
+    c: &Call<'_, L>,
+    owner: usize,
+    word: ArenaWord,
+    v: u32,
+    target: u32,
+    ahead: u32,
+) -> DistError {
+    DistError::PeerGone {
+        rank: c.me,
+        peer: owner,
+        op: c.op_text(),
+        cause: format!(
+            "corrupt host arena: its {} word is {v}, where this rank waits for {target} \
+             (possible: {} to {})",
+            word.name(),
+            target.wrapping_sub(1),
+            target.wrapping_add(ahead)
+        ),
+    }
+}

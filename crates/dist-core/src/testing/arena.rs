@@ -1,0 +1,192 @@
+//! A [`HostArena`] in memory for [`MemLink`](super::MemLink)s made by
+//! [`MemLink::mesh_on_hosts`](super::MemLink::mesh_on_hosts): every rank's slots behind a lock,
+//! its words atomics, a condition variable to sleep on; with faults to inject (a word set to
+//! any value, an arena that is incomplete on one rank). A rank killed with
+//! [`MemLink::kill`](super::MemLink::kill) is gone for [`HostArena::check_peer`].
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::Duration;
+
+use crate::arena::{ArenaWord, HostArena};
+use crate::backend::Meta;
+use crate::error::{DistError, Result};
+
+/// One rank's part of the arenas.
+struct Part {
+    slots: RwLock<Vec<u8>>,
+    words: [AtomicU32; 2],
+    meta: Mutex<[Meta; 2]>,
+    call: Mutex<Meta>,
+    complete: AtomicBool,
+}
+
+/// The arenas of every rank of one in-memory link.
+pub(super) struct Arenas {
+    hosts: Vec<usize>,
+    slot_len: usize,
+    parts: Vec<Part>,
+    /// Held to publish and to decide to sleep; sleepers wait on `cond`.
+    lock: Mutex<()>,
+    cond: Condvar,
+}
+
+impl Arenas {
+    pub(super) fn new(hosts: &[usize], slot_len: usize) -> Arenas {
+        Arenas {
+            hosts: hosts.to_vec(),
+            slot_len,
+            parts: (0..hosts.len())
+                .map(|_| Part {
+                    slots: RwLock::new(vec![0; 2 * slot_len]),
+                    words: [AtomicU32::new(0), AtomicU32::new(0)],
+                    meta: Mutex::new([[0; 16]; 2]),
+                    call: Mutex::new([0; 16]),
+                    complete: AtomicBool::new(true),
+                })
+                .collect(),
+            lock: Mutex::new(()),
+            cond: Condvar::new(),
+        }
+    }
+}
+
+/// One rank's view of the in-memory arenas.
+#[derive(Clone)]
+pub(super) struct MemArena {
+    pub(super) me: usize,
+    pub(super) arenas: Arc<Arenas>,
+    pub(super) mesh: Arc<super::Mesh>,
+}
+
+impl MemArena {
+    fn local(&self, owner: usize) -> Option<&Part> {
+        let h = &self.arenas.hosts;
+        (owner < h.len() && h[owner] == h[self.me]).then(|| &self.arenas.parts[owner])
+    }
+
+    fn bounds(&self, owner: usize, slot: usize, offset: usize, len: usize) -> Result<&Part> {
+        let part = self.local(owner);
+        let end = offset.checked_add(len);
+        match (part, end) {
+            (Some(p), Some(end)) if slot < 2 && end <= self.arenas.slot_len => Ok(p),
+            _ => Err(DistError::InvalidArgument {
+                rank: self.me,
+                op: "host arena access".into(),
+                reason: format!(
+                    "{len} bytes at {offset} of slot {slot} of rank {owner}: outside its \
+                     slots of {} bytes on this host",
+                    self.arenas.slot_len
+                ),
+            }),
+        }
+    }
+
+    pub(super) fn scribble(&self, word: ArenaWord, value: u32) {
+        self.publish(word, value);
+    }
+
+    pub(super) fn set_incomplete(&self) {
+        self.arenas.parts[self.me]
+            .complete
+            .store(false, Ordering::Release);
+    }
+
+    /// Wakes every sleeper (after a death, so that it looks at once).
+    pub(super) fn wake(&self) {
+        let _held = self.arenas.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.arenas.cond.notify_all();
+    }
+}
+
+impl HostArena for MemArena {
+    fn hosts(&self) -> &[usize] {
+        &self.arenas.hosts
+    }
+
+    fn complete(&self) -> bool {
+        self.arenas.parts[self.me].complete.load(Ordering::Acquire)
+    }
+
+    fn slot_len(&self) -> usize {
+        self.arenas.slot_len
+    }
+
+    fn spin(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
+        let p = self.bounds(self.me, slot, offset, data.len())?;
+        let at = slot * self.arenas.slot_len + offset;
+        let mut s = p.slots.write().unwrap_or_else(|p| p.into_inner());
+        s[at..at + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn read(&self, owner: usize, slot: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let p = self.bounds(owner, slot, offset, dst.len())?;
+        let at = slot * self.arenas.slot_len + offset;
+        let s = p.slots.read().unwrap_or_else(|p| p.into_inner());
+        dst.copy_from_slice(&s[at..at + dst.len()]);
+        Ok(())
+    }
+
+    fn set_meta(&self, slot: usize, meta: Meta) {
+        let mut m = self.arenas.parts[self.me]
+            .meta
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        m[slot % 2] = meta;
+    }
+
+    fn meta(&self, owner: usize, slot: usize) -> Meta {
+        self.local(owner).map_or([0; 16], |p| {
+            p.meta.lock().unwrap_or_else(|p| p.into_inner())[slot % 2]
+        })
+    }
+
+    fn set_call(&self, meta: Meta) {
+        *self.arenas.parts[self.me]
+            .call
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = meta;
+    }
+
+    fn call(&self, owner: usize) -> Meta {
+        self.local(owner).map_or([0; 16], |p| {
+            *p.call.lock().unwrap_or_else(|p| p.into_inner())
+        })
+    }
+
+    fn publish(&self, word: ArenaWord, value: u32) {
+        let _held = self.arenas.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.arenas.parts[self.me].words[word as usize].store(value, Ordering::Release);
+        self.arenas.cond.notify_all();
+    }
+
+    fn load(&self, owner: usize, word: ArenaWord) -> u32 {
+        self.local(owner)
+            .map_or(0, |p| p.words[word as usize].load(Ordering::Acquire))
+    }
+
+    fn sleep(&self, owner: usize, word: ArenaWord, seen: u32, limit: Duration) {
+        let held = self.arenas.lock.lock().unwrap_or_else(|p| p.into_inner());
+        if self.load(owner, word) != seen || self.mesh.ranks[owner].dead.load(Ordering::Acquire) {
+            return;
+        }
+        let _ = self.arenas.cond.wait_timeout(held, limit);
+    }
+
+    fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {
+        if self.mesh.ranks[owner].dead.load(Ordering::Acquire) {
+            return Err(DistError::PeerGone {
+                rank: self.me,
+                peer: owner,
+                op: op(),
+                cause: "the rank died (in-memory link)".into(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,357 @@
+//! The host arena of a [`TcpBackend`](crate::TcpBackend) ([`dist_core::HostArena`]): one
+//! segment per rank (`arena_map.rs`), made before the connections, whose descriptor travels
+//! with the ring's in each same-host pair's exchange (`setup.rs`); each rank maps its own
+//! read-write and its host's peers' read-only. [`ArenaSetup`] gathers, while the connections
+//! form, each peer's host and mapping; [`ArenaSetup::finish`] makes the arena.
+//!
+//! Waking: a rank about to sleep on a peer's word sets its own asleep flag, then (after a
+//! `SeqCst` fence) looks at the word once more and sleeps on it with a futex; a rank that
+//! publishes a word stores it, fences, and wakes the word's sleepers if any peer's asleep flag
+//! is set. One of the two always sees the other (store-fence-load on both sides). A peer's
+//! death is its TCP connection closing ([`HostArena::check_peer`]).
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{Ordering, fence};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dist_core::{ArenaWord, DistError, HostArena, Meta, Result};
+
+use super::arena_map::{Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_WORDS};
+use crate::peer::Peer;
+
+/// The bytes of each of a rank's two slots: the piece of a large all_reduce.
+pub(crate) const ARENA_SLOT: u64 = 1 << 20;
+
+/// What the setup of the connections learns of one peer, for the arena.
+#[derive(Debug, Default)]
+struct PeerPart {
+    /// Its host identity, if it offered shared memory.
+    host: Option<[u8; 32]>,
+    /// Its segment, mapped read-only.
+    map: Option<Mapping>,
+    /// It mapped this rank's segment too.
+    mapped_mine: bool,
+}
+
+/// The arena's parts, gathered while the connections form.
+#[derive(Debug)]
+pub(crate) struct ArenaSetup {
+    me: usize,
+    host: Option<[u8; 32]>,
+    own: Option<(OwnedFd, Mapping)>,
+    peers: Mutex<Vec<PeerPart>>,
+}
+
+impl ArenaSetup {
+    /// The setup of rank `me` of `world` on host `host` (`None`: no shared memory): makes this
+    /// rank's segment, unless shared memory is off or the segment cannot be made (then every
+    /// rank runs its collectives over messages: the group agrees on it).
+    pub(crate) fn new(me: usize, world: usize, host: Option<[u8; 32]>) -> ArenaSetup {
+        let own = host.and_then(|_| {
+            Mapping::create(ARENA_SLOT, me)
+                .inspect_err(|e| tracing::warn!(me, "no host arena: {e}"))
+                .ok()
+        });
+        ArenaSetup {
+            me,
+            host,
+            own,
+            peers: Mutex::new((0..world).map(|_| PeerPart::default()).collect()),
+        }
+    }
+
+    fn parts(&self) -> std::sync::MutexGuard<'_, Vec<PeerPart>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This rank's segment's descriptor, to pass to its host's peers.
+    pub(crate) fn fd(&self) -> Option<&OwnedFd> {
+        self.own.as_ref().map(|(fd, _)| fd)
+    }
+
+    /// Peer `peer`'s host identity, as its offer said (`None`: it offered no shared memory).
+    pub(crate) fn note_host(&self, peer: usize, host: Option<[u8; 32]>) {
+        if let Some(p) = self.parts().get_mut(peer) {
+            p.host = host;
+        }
+    }
+
+    /// Maps the segment `peer` passed (checked first); whether it could.
+    pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd) -> bool {
+        match Mapping::open(fd, ARENA_SLOT, peer) {
+            Ok(m) => {
+                if let Some(p) = self.parts().get_mut(peer) {
+                    p.map = Some(m);
+                    return true;
+                }
+                false
+            }
+            Err(e) => {
+                tracing::warn!(me = self.me, peer, "peer's host arena refused: {e}");
+                false
+            }
+        }
+    }
+
+    /// `peer` mapped this rank's segment.
+    pub(crate) fn note_mapped_mine(&self, peer: usize) {
+        if let Some(p) = self.parts().get_mut(peer) {
+            p.mapped_mine = true;
+        }
+    }
+
+    /// The arena, once every connection is made; `peers` are the backend's (for their
+    /// liveness), `spin` how long a wait spins before it sleeps.
+    pub(crate) fn finish(self, peers: Vec<Arc<Peer>>, spin: Duration) -> TcpArena {
+        let me = self.me;
+        let mut parts = self.peers.into_inner().unwrap_or_else(|p| p.into_inner());
+        let key = |r: usize| if r == me { self.host } else { parts[r].host };
+        let keys: Vec<_> = (0..parts.len()).map(key).collect();
+        // A rank's host: the first rank with its identity (a rank without one: its own).
+        let hosts: Vec<usize> = (0..keys.len())
+            .map(|r| match keys[r] {
+                Some(k) => (0..=r).find(|&q| keys[q] == Some(k)).unwrap_or(r),
+                None => r,
+            })
+            .collect();
+        let local: Vec<usize> = dist_core::arena::host_ranks(&hosts, me);
+        let complete = self.own.is_some()
+            && local
+                .iter()
+                .filter(|&&r| r != me)
+                .all(|&r| parts[r].map.is_some() && parts[r].mapped_mine);
+        let maps = parts
+            .iter_mut()
+            .enumerate()
+            .map(|(r, p)| p.map.take().filter(|_| hosts[r] == hosts[me] && r != me))
+            .collect();
+        TcpArena {
+            me,
+            hosts,
+            local,
+            complete,
+            own: self.own.map(|(_, m)| m),
+            maps,
+            peers,
+            spin,
+        }
+    }
+}
+
+/// The host arena of a backend: its own segment, its host's peers' (read-only), their liveness.
+pub(crate) struct TcpArena {
+    me: usize,
+    hosts: Vec<usize>,
+    local: Vec<usize>,
+    complete: bool,
+    own: Option<Mapping>,
+    /// Each peer of this host's segment, by rank (`None` elsewhere).
+    maps: Vec<Option<Mapping>>,
+    peers: Vec<Arc<Peer>>,
+    spin: Duration,
+}
+
+impl std::fmt::Debug for TcpArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpArena")
+            .field("hosts", &self.hosts)
+            .field("complete", &self.complete)
+            .finish()
+    }
+}
+
+impl TcpArena {
+    fn mapping(&self, owner: usize) -> Option<&Mapping> {
+        if owner == self.me {
+            self.own.as_ref()
+        } else {
+            self.maps.get(owner)?.as_ref()
+        }
+    }
+
+    fn out_of_range(
+        &self,
+        what: &str,
+        owner: usize,
+        slot: usize,
+        offset: usize,
+        len: usize,
+    ) -> DistError {
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: format!("{what} the host arena"),
+            reason: format!(
+                "{len} bytes at {offset} of slot {slot} of rank {owner}: not within a mapped \
+                 segment's slots of {ARENA_SLOT} bytes"
+            ),
+        }
+    }
+}
+
+impl HostArena for TcpArena {
+    fn hosts(&self) -> &[usize] {
+        &self.hosts
+    }
+
+    fn complete(&self) -> bool {
+        self.complete
+    }
+
+    fn slot_len(&self) -> usize {
+        ARENA_SLOT as usize
+    }
+
+    fn spin(&self) -> Duration {
+        self.spin
+    }
+
+    fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
+        match &self.own {
+            Some(m) if m.write(slot, offset, data) => Ok(()),
+            _ => Err(self.out_of_range("write to", self.me, slot, offset, data.len())),
+        }
+    }
+
+    fn read(&self, owner: usize, slot: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        match self.mapping(owner) {
+            Some(m) if m.read(slot, offset, dst) => Ok(()),
+            _ => Err(self.out_of_range("read from", owner, slot, offset, dst.len())),
+        }
+    }
+
+    fn set_meta(&self, slot: usize, meta: Meta) {
+        if let Some(m) = &self.own {
+            store_meta(m, OFF_META + 16 * (slot % 2), meta);
+        }
+    }
+
+    fn meta(&self, owner: usize, slot: usize) -> Meta {
+        self.mapping(owner)
+            .map_or([0; 16], |m| load_meta(m, OFF_META + 16 * (slot % 2)))
+    }
+
+    /// Written under a sequence lock: a peer reads it at any time (a descriptor half old and
+    /// half new would look like a mismatched call).
+    fn set_call(&self, meta: Meta) {
+        if let Some(m) = &self.own {
+            let seq = m.u32_at(OFF_CALL_SEQ);
+            let s = seq.load(Ordering::Relaxed);
+            seq.store(s.wrapping_add(1), Ordering::Relaxed);
+            fence(Ordering::Release);
+            store_meta(m, OFF_CALL, meta);
+            seq.store(s.wrapping_add(2), Ordering::Release);
+        }
+    }
+
+    /// Zeros (no descriptor) while the owner is writing it.
+    fn call(&self, owner: usize) -> Meta {
+        self.mapping(owner).map_or([0; 16], |m| {
+            let seq = m.u32_at(OFF_CALL_SEQ);
+            let before = seq.load(Ordering::Acquire);
+            let meta = load_meta(m, OFF_CALL);
+            fence(Ordering::Acquire);
+            let after = seq.load(Ordering::Relaxed);
+            if before == after && before.is_multiple_of(2) {
+                meta
+            } else {
+                [0; 16]
+            }
+        })
+    }
+
+    fn publish(&self, word: ArenaWord, value: u32) {
+        let Some(own) = &self.own else { return };
+        let w = own.u32_at(OFF_WORDS[word as usize]);
+        w.store(value, Ordering::Release);
+        // Store-fence-load against a sleeper's `sleep`.
+        fence(Ordering::SeqCst);
+        let asleep = self
+            .local
+            .iter()
+            .filter_map(|&r| self.maps.get(r)?.as_ref())
+            .any(|m| m.u32_at(OFF_ASLEEP).load(Ordering::Relaxed) != 0);
+        if asleep {
+            wake_all(w);
+        }
+    }
+
+    fn load(&self, owner: usize, word: ArenaWord) -> u32 {
+        self.mapping(owner).map_or(0, |m| {
+            m.u32_at(OFF_WORDS[word as usize]).load(Ordering::Acquire)
+        })
+    }
+
+    fn sleep(&self, owner: usize, word: ArenaWord, seen: u32, limit: Duration) {
+        let (Some(own), Some(m)) = (&self.own, self.mapping(owner)) else {
+            std::thread::sleep(limit.min(Duration::from_millis(1)));
+            return;
+        };
+        let flag = own.u32_at(OFF_ASLEEP);
+        flag.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let w = m.u32_at(OFF_WORDS[word as usize]);
+        if w.load(Ordering::Acquire) == seen {
+            wait_on(w, seen, limit);
+        }
+        flag.store(0, Ordering::Relaxed);
+    }
+
+    fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {
+        match self.peers.get(owner) {
+            Some(p) if !p.is_open() => {
+                Err(p.unresponsive(op()).unwrap_or_else(|| DistError::PeerGone {
+                    rank: self.me,
+                    peer: owner,
+                    op: op(),
+                    cause: "its connection closed".into(),
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn store_meta(m: &Mapping, off: usize, meta: Meta) {
+    let (a, b) = meta.split_at(8);
+    let word = |x: &[u8]| u64::from_le_bytes(x.try_into().expect("eight bytes"));
+    m.u64_at(off).store(word(a), Ordering::Relaxed);
+    m.u64_at(off + 8).store(word(b), Ordering::Relaxed);
+}
+
+fn load_meta(m: &Mapping, off: usize) -> Meta {
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&m.u64_at(off).load(Ordering::Acquire).to_le_bytes());
+    out[8..].copy_from_slice(&m.u64_at(off + 8).load(Ordering::Acquire).to_le_bytes());
+    out
+}
+
+/// Sleeps while `word` holds `seen`, at most `limit` (any return: the caller looks again).
+#[cfg(target_os = "linux")]
+fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) {
+    use rustix::thread::futex;
+    let ts = rustix::time::Timespec {
+        tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
+        tv_nsec: i64::from(limit.subsec_nanos()),
+    };
+    let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&ts));
+}
+
+/// Elsewhere there is no arena (no rank offers shared memory): a short sleep.
+#[cfg(not(target_os = "linux"))]
+fn wait_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, limit: Duration) {
+    std::thread::sleep(limit.min(Duration::from_millis(1)));
+}
+
+#[cfg(target_os = "linux")]
+fn wake_all(word: &std::sync::atomic::AtomicU32) {
+    use rustix::thread::futex;
+    let _ = futex::wake(word, futex::Flags::empty(), u32::MAX >> 1);
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
+
+#[cfg(test)]
+#[path = "arena_tests.rs"]
+mod tests;

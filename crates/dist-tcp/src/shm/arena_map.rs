@@ -1,0 +1,222 @@
+//! A host arena's segment (see `arena.rs`): a sealed `memfd` of a header page and two slots,
+//! mapped read-write by the rank that made it ([`Mapping::create`]) and read-only by the peers
+//! it was passed to ([`Mapping::open`]), which check everything that could make an access fault
+//! before they map it: the size, and the seals that keep it.
+//!
+//! The header: magic, version, the owner's rank and the slot size; then, each on a cache line
+//! of its own, the input word, the reduced word, and the owner's asleep flag (it sleeps on a
+//! peer's word); the descriptors beside each slot and of the current call.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+/// The header's length; the slots follow it.
+pub(crate) const HEADER: usize = 4096;
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_RANK: usize = 12;
+const OFF_SLOT: usize = 16;
+/// The words, by [`dist_core::ArenaWord`] as index.
+pub(crate) const OFF_WORDS: [usize; 2] = [64, 128];
+pub(crate) const OFF_ASLEEP: usize = 192;
+/// The descriptor beside slot 0 (slot 1's follows), then the current call's.
+pub(crate) const OFF_META: usize = 256;
+pub(crate) const OFF_CALL: usize = 288;
+/// The sequence lock of the current call's descriptor (odd while it is being written).
+pub(crate) const OFF_CALL_SEQ: usize = 304;
+
+/// `dist-are` in ASCII, little-endian.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-are");
+pub(crate) const VERSION: u32 = 1;
+/// The slot sizes a peer may offer: powers of two in this range.
+pub(crate) const MIN_SLOT: u64 = 4 << 10;
+pub(crate) const MAX_SLOT: u64 = 64 << 20;
+
+fn required_seals() -> SealFlags {
+    SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
+}
+
+/// A shared mapping of an arena segment, unmapped on drop.
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    slot: usize,
+    writable: bool,
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("slot", &self.slot)
+            .field("writable", &self.writable)
+            .finish()
+    }
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value, touched only through atomics
+// (the header) and raw byte copies (the slots), never through references to its bytes, so
+// moving or sharing the value between threads races on nothing Rust relies on.
+unsafe impl Send for Mapping {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// A new segment with slots of `slot` bytes (a power of two within the limits), its header
+    /// written, sealed and mapped read-write; with the descriptor to pass to the peers.
+    pub(crate) fn create(slot: u64, rank: usize) -> io::Result<(OwnedFd, Mapping)> {
+        if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("arena slots of {slot} bytes"),
+            ));
+        }
+        let fd = rustix::fs::memfd_create(
+            "dist-shm-arena",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        let len = HEADER as u64 + 2 * slot;
+        rustix::fs::ftruncate(&fd, len)?;
+        rustix::fs::fcntl_add_seals(&fd, required_seals())?;
+        let m = Mapping::map(&fd, len as usize, slot as usize, true)?;
+        m.u64_at(OFF_SLOT).store(slot, Ordering::Relaxed);
+        m.u32_at(OFF_RANK).store(rank as u32, Ordering::Relaxed);
+        m.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        m.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        Ok((fd, m))
+    }
+
+    /// Maps, read-only, the segment rank `peer` passed, after checking that it is a sealed
+    /// file of a header and two slots of `slot` bytes whose header says so and names `peer`.
+    pub(crate) fn open(fd: &OwnedFd, slot: u64, peer: usize) -> Result<Mapping, String> {
+        if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
+            return Err(format!("arena slots of {slot} bytes"));
+        }
+        let st = rustix::fs::fstat(fd).map_err(|e| format!("fstat: {e}"))?;
+        let want = HEADER as u64 + 2 * slot;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+            || st.st_size as u64 != want
+        {
+            return Err(format!(
+                "arena segment is not a file of {want} bytes (size {})",
+                st.st_size
+            ));
+        }
+        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("get seals: {e}"))?;
+        if !seals.contains(required_seals()) {
+            return Err(format!(
+                "arena segment is not sealed against resizing ({seals:?})"
+            ));
+        }
+        let m = Mapping::map(fd, want as usize, slot as usize, false)
+            .map_err(|e| format!("mmap: {e}"))?;
+        let (magic, version, rank, hslot) = (
+            m.u64_at(OFF_MAGIC).load(Ordering::Acquire),
+            m.u32_at(OFF_VERSION).load(Ordering::Acquire),
+            m.u32_at(OFF_RANK).load(Ordering::Acquire),
+            m.u64_at(OFF_SLOT).load(Ordering::Acquire),
+        );
+        if magic != MAGIC || version != VERSION || rank as usize != peer || hslot != slot {
+            return Err(format!(
+                "arena header: magic {magic:#x}, version {version}, rank {rank}, slots of \
+                 {hslot} bytes (expected {MAGIC:#x}, {VERSION}, {peer}, {slot})"
+            ));
+        }
+        Ok(m)
+    }
+
+    fn map(fd: &impl AsFd, len: usize, slot: usize, writable: bool) -> io::Result<Mapping> {
+        let prot = if writable {
+            ProtFlags::READ | ProtFlags::WRITE
+        } else {
+            ProtFlags::READ
+        };
+        // SAFETY: a fresh mapping chosen by the kernel (null hint), so it overlaps no Rust
+        // object; `len` is the file's size, which its seals keep (set by `create` before
+        // mapping, checked by `open`), so every byte stays backed. It is owned by the returned
+        // value and unmapped only by its `Drop`. (Test: `arena_tests::segments_round_trip`.)
+        let p =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)? };
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(Mapping {
+            ptr,
+            len,
+            slot,
+            writable,
+        })
+    }
+
+    /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]).
+    pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= HEADER,
+            "header offset {off}"
+        );
+        // SAFETY: the mapping is page aligned and longer than HEADER, so `off` (checked above)
+        // is an aligned, live u64 for the borrow's lifetime. The owner may change it at any
+        // time, which atomics allow; a read-only mapping is only ever loaded from (every store
+        // goes through `own`, asserted writable).
+        unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+    }
+
+    /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
+    pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= HEADER,
+            "header offset {off}"
+        );
+        // SAFETY: as in `u64_at`, for an aligned u32.
+        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+    }
+
+    /// Whether `len` bytes at `offset` of slot `slot` lie within the slots.
+    fn within(&self, slot: usize, offset: usize, len: usize) -> bool {
+        slot < 2 && offset.checked_add(len).is_some_and(|end| end <= self.slot)
+    }
+
+    /// Copies `data` into slot `slot` at `offset`; false (nothing copied) if it does not fit
+    /// or the mapping is read-only.
+    pub(crate) fn write(&self, slot: usize, offset: usize, data: &[u8]) -> bool {
+        if !self.writable || !self.within(slot, offset, data.len()) {
+            return false;
+        }
+        // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
+        // `len` bytes; the mapping is writable and shared memory outside every Rust object, so
+        // it cannot overlap `data`. Only this rank writes its segment. (Test:
+        // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`.)
+        unsafe {
+            let at = self.ptr.as_ptr().add(HEADER + slot * self.slot + offset);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
+        }
+        true
+    }
+
+    /// Copies slot `slot`'s bytes at `offset` into `dst`; false (nothing copied) if out of
+    /// range.
+    pub(crate) fn read(&self, slot: usize, offset: usize, dst: &mut [u8]) -> bool {
+        if !self.within(slot, offset, dst.len()) {
+            return false;
+        }
+        // SAFETY: as in `write`, for reading: the range is within the mapping. The owner may
+        // write these bytes meanwhile only if it breaks the protocol; the copy is then of
+        // whatever bytes are there (plain bytes, valid for every element type), never a
+        // reference into the mapping.
+        unsafe {
+            let at = self.ptr.as_ptr().add(HEADER + slot * self.slot + offset);
+            std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len());
+        }
+        true
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `map`, unmapped only here, and
+        // no reference into it outlives `self` (the atomics borrow `self`).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}

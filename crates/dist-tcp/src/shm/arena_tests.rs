@@ -1,0 +1,159 @@
+//! The host arena's segments and their checks: a peer's segment is mapped only when it is what
+//! it claims (size, seals, header); every access out of range is an error; words and slots
+//! written by one rank are read by the other, and a sleeper is woken by a publish.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dist_core::{ArenaWord, HostArena};
+
+use super::super::arena_map::{HEADER, MAGIC, Mapping};
+use super::*;
+
+/// Two ranks of one host, each with the other's segment mapped.
+fn pair() -> (TcpArena, TcpArena) {
+    let host = Some([9u8; 32]);
+    let (a, b) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
+    for (x, y, peer) in [(&a, &b, 1), (&b, &a, 0)] {
+        x.note_host(peer, host);
+        assert!(x.map_peer(peer, y.fd().unwrap()));
+        y.note_mapped_mine(1 - peer);
+    }
+    let spin = Duration::from_micros(10);
+    (a.finish(Vec::new(), spin), b.finish(Vec::new(), spin))
+}
+
+/// Slots and words written by one rank are read by the other, bounds are checked, and a
+/// sleeper on a word is woken by its publish.
+#[test]
+fn segments_round_trip() {
+    let (a, b) = pair();
+    assert!(a.complete() && b.complete());
+    assert_eq!(a.hosts(), &[0, 0]);
+    a.write(1, 100, b"arena bytes").unwrap();
+    let mut out = [0u8; 11];
+    b.read(0, 1, 100, &mut out).unwrap();
+    assert_eq!(&out, b"arena bytes");
+    a.read(0, 1, 100, &mut out).unwrap();
+    assert_eq!(&out, b"arena bytes");
+    a.set_meta(1, [7; 16]);
+    a.set_call([8; 16]);
+    assert_eq!((b.meta(0, 1), b.call(0)), ([7; 16], [8; 16]));
+    assert_eq!(b.load(0, ArenaWord::Input), 0);
+    std::thread::scope(|s| {
+        let t = Instant::now();
+        let sleeper = s.spawn(|| {
+            while b.load(0, ArenaWord::Reduced) != 5 {
+                b.sleep(0, ArenaWord::Reduced, 0, Duration::from_secs(20));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        a.publish(ArenaWord::Reduced, 5);
+        sleeper.join().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    });
+    assert_eq!(b.load(0, ArenaWord::Reduced), 5);
+}
+
+/// A peer reading the call descriptor while its owner rewrites it gets a whole descriptor or
+/// none, never half of one and half of another (a torn one looked like a mismatched call:
+/// `coll_reductions::n8` failed with "count 70001 vs 0" under load).
+#[test]
+fn call_descriptors_are_never_torn() {
+    let (a, b) = pair();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for i in 0..200_000u64 {
+                let mut m = [0u8; 16];
+                m[..8].copy_from_slice(&i.to_le_bytes());
+                m[8..].copy_from_slice(&i.to_le_bytes());
+                a.set_call(m);
+            }
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let mut whole = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            let m = b.call(0);
+            assert_eq!(m[..8], m[8..], "a torn descriptor");
+            whole += 1;
+        }
+        assert!(whole > 0);
+    });
+}
+
+/// Accesses past a slot, to a third slot, or to a rank with no mapping are errors.
+#[test]
+fn out_of_range_accesses_are_refused() {
+    let (a, b) = pair();
+    let slot = ARENA_SLOT as usize;
+    let mut buf = [0u8; 16];
+    assert!(b.read(0, 0, slot - 8, &mut buf).is_err());
+    assert!(b.read(0, 2, 0, &mut buf).is_err());
+    assert!(b.read(0, 0, usize::MAX - 4, &mut buf).is_err());
+    assert!(b.read(7, 0, 0, &mut buf).is_err());
+    assert!(a.write(0, slot - 15, &buf).is_err());
+    assert!(a.write(0, slot - 16, &buf).is_ok());
+    assert_eq!(b.load(9, ArenaWord::Input), 0);
+}
+
+fn memfd(len: u64, seal: bool) -> OwnedFd {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create("test", MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    if seal {
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .unwrap();
+    }
+    fd
+}
+
+/// A peer's segment of the wrong size, unsealed, with a corrupt header or naming another rank
+/// is refused, with a reason.
+#[test]
+fn hostile_segments_are_refused() {
+    let len = HEADER as u64 + 2 * ARENA_SLOT;
+    let e = Mapping::open(&memfd(len - 1, true), ARENA_SLOT, 1).unwrap_err();
+    assert!(e.contains("not a file of"), "{e}");
+    let e = Mapping::open(&memfd(len, false), ARENA_SLOT, 1).unwrap_err();
+    assert!(e.contains("not sealed"), "{e}");
+    let e = Mapping::open(&memfd(len, true), ARENA_SLOT, 1).unwrap_err();
+    assert!(e.contains("magic 0x0"), "{e}");
+    let (fd, own) = Mapping::create(ARENA_SLOT, 1).unwrap();
+    assert!(Mapping::open(&fd, ARENA_SLOT, 1).is_ok());
+    let e = Mapping::open(&fd, ARENA_SLOT, 2).unwrap_err();
+    assert!(e.contains("rank 1"), "{e}");
+    assert!(Mapping::open(&fd, ARENA_SLOT / 2, 1).is_err());
+    assert!(Mapping::open(&fd, 3, 1).is_err());
+    own.u64_at(0)
+        .store(MAGIC ^ 1, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        Mapping::open(&fd, ARENA_SLOT, 1)
+            .unwrap_err()
+            .contains("arena header")
+    );
+    // A read-only mapping refuses writes.
+    let (fd, _own) = Mapping::create(ARENA_SLOT, 1).unwrap();
+    let theirs = Mapping::open(&fd, ARENA_SLOT, 1).unwrap();
+    assert!(!theirs.write(0, 0, b"x"));
+}
+
+/// A rank whose peer did not map its segment (or without one) says its arena is incomplete;
+/// ranks of other hosts are on hosts of their own.
+#[test]
+fn incomplete_arenas_and_other_hosts() {
+    let host = Some([9u8; 32]);
+    let a = ArenaSetup::new(0, 3, host);
+    let b = ArenaSetup::new(1, 3, host);
+    a.note_host(1, host);
+    a.note_host(2, Some([1u8; 32]));
+    assert!(a.map_peer(1, b.fd().unwrap()));
+    // Rank 1 never says it mapped rank 0's segment.
+    let a = a.finish(Vec::<Arc<crate::peer::Peer>>::new(), Duration::ZERO);
+    assert!(!a.complete());
+    assert_eq!(a.hosts(), &[0, 0, 2]);
+    let off = ArenaSetup::new(0, 2, None).finish(Vec::new(), Duration::ZERO);
+    assert!(!off.complete());
+    assert_eq!(off.hosts(), &[0, 1]);
+}

@@ -1,0 +1,133 @@
+//! all_reduce on the host arena (issue 15, point 3): results checked at every world size from
+//! 2 to 8 at counts around the split threshold and the slot's pieces, with the group on the
+//! arena exactly when shared memory is on; a job of several hosts (simulated by
+//! `DIST_HOST_ID`) on the hierarchical all_reduce; and after a mismatch, an error on every
+//! rank rather than a hang.
+
+use dist_core::collectives::{Collectives, HOST_SPLIT_MIN, Transport};
+use dist_core::{Backend, DistError, ReduceOp};
+use dist_multirank::{Case, Variant, config};
+use dist_tcp::TcpBackend;
+
+/// The cases, registered in `main.rs`.
+pub const CASES: &[Case] = &[
+    Case::new("shm_arena", arena)
+        .sizes(&[2, 3, 4, 5, 6, 7, 8])
+        .variants(&[NO_SHM]),
+    Case::new("shm_arena_hosts", several_hosts).sizes(&[4, 5]),
+    Case::new("shm_arena_mismatch", mismatch).sizes(&[3]),
+    Case::new("shm_arena_sigkill", sigkill).only_at(&[4]),
+];
+
+/// Rank 3 killed with SIGKILL in the middle of a loop of 8 MiB all_reduces on the arena (each
+/// split into shares, over 8 pieces): every survivor errors within 1 s of its last good one,
+/// naming rank 3.
+fn sigkill() -> Result<(), String> {
+    crate::failures::victim_loop_of("KILL", std::time::Duration::from_secs(1), 2 << 20)
+}
+
+const NO_SHM: Variant = Variant {
+    name: "shm0",
+    sizes: &[3],
+    env: &[("DIST_SHM", "0")],
+};
+
+/// The arena's slot (one piece), as `dist-tcp` makes it.
+const SLOT: usize = 1 << 20;
+
+fn shm_on() -> bool {
+    std::env::var("DIST_SHM").map_or(true, |v| v != "0")
+}
+
+/// Rank `r`'s element `i`: small integers, exact in f32 in any order.
+fn value(r: usize, i: usize) -> f32 {
+    ((r * 7 + i * 3) % 11) as f32
+}
+
+/// all_reduce (sum, max; f32, and i64 out of place) at counts around the thresholds, every
+/// element checked.
+fn check_sizes(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    let per = SLOT / 4;
+    let split = HOST_SPLIT_MIN / 4;
+    for count in [
+        1,
+        2,
+        7,
+        split - 1,
+        split,
+        split + 1,
+        per - 1,
+        per,
+        per + 1,
+        3 * per + 5,
+    ] {
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let mut x: Vec<f32> = (0..count).map(|i| value(me, i)).collect();
+            b.all_reduce(&mut x, op).unwrap_or_else(|e| panic!("{e}"));
+            for (i, got) in x.iter().enumerate() {
+                let all = (0..n).map(|r| value(r, i));
+                let want = match op {
+                    ReduceOp::Sum => all.sum::<f32>(),
+                    _ => all.fold(f32::MIN, f32::max),
+                };
+                assert_eq!(*got, want, "rank {me}: {op:?} of {count}: element {i}");
+            }
+        }
+        let input: Vec<i64> = (0..count).map(|i| (me * count + i) as i64).collect();
+        let mut out = vec![0i64; count];
+        b.all_reduce_into(&input, &mut out, ReduceOp::Sum)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (i, got) in out.iter().enumerate() {
+            let want: i64 = (0..n).map(|r| (r * count + i) as i64).sum();
+            assert_eq!(*got, want, "rank {me}: i64 sum of {count}: element {i}");
+        }
+    }
+}
+
+/// Every rank on one host: the group runs on the arena (over messages with `DIST_SHM=0`).
+fn arena() -> Result<(), String> {
+    let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
+    check_sizes(&b);
+    assert_eq!(
+        b.group().arena_in_use(),
+        Some(shm_on()),
+        "rank {}: arena in use",
+        b.rank()
+    );
+    b.barrier().unwrap();
+    Ok(())
+}
+
+/// Ranks 2k and 2k + 1 on one simulated host (at 5 ranks the last one alone): the group runs
+/// the hierarchical all_reduce, with the right results.
+fn several_hosts() -> Result<(), String> {
+    let me: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    let cfg = config().host_id(format!("simulated-{}", me / 2));
+    let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
+    check_sizes(&b);
+    assert_eq!(b.group().arena_in_use(), Some(true), "rank {me}");
+    b.barrier().unwrap();
+    Ok(())
+}
+
+/// A count that differs on one rank: every rank errors (a mismatch, or the abort it causes),
+/// none hangs.
+fn mismatch() -> Result<(), String> {
+    let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
+    let me = b.rank();
+    b.all_reduce(&mut [1.0f32], ReduceOp::Sum).unwrap();
+    let count = if me == 1 { 100 } else { 99 };
+    let e = b
+        .all_reduce(&mut vec![1.0f32; count], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DistError::CollectiveMismatch { .. } | DistError::Aborted { .. }
+        ),
+        "rank {me}: {e}"
+    );
+    println!("rank {me}: {e}");
+    Ok(())
+}
