@@ -15,7 +15,7 @@ for i in $(seq "$rounds"); do
     cargo xtask perf --op all_reduce -n "$ranks" -b "$lo" -e "$hi" -f 2 --check >"$out/dist.$i" 2>&1
     benches/peers/run-openmpi.sh -n "$ranks" -b "$lo" -e "$hi" -f 2 >"$out/mpi.$i" 2>&1
 done
-python3 - "$out" "$rounds" "$ranks" <<'PY'
+python3 - "$out" "$rounds" "$ranks" "${DIST_SHM:-1}" <<'PY'
 import statistics, sys
 d, rounds = sys.argv[1], int(sys.argv[2])
 def load(prefix):
@@ -29,7 +29,12 @@ def load(prefix):
 dist, mpi = load("dist"), load("mpi")
 ranks = int(sys.argv[3])
 # dist_core::collectives::select, for one lane (this script's machines have fewer than 8 cores).
-algo = lambda b: ("recursive doubling" if b <= 64 * 1024 or b // 4 < ranks
+# With shared memory on (DIST_SHM unset or 1) the ranks of this one host all_reduce on the host
+# arena (dist_core::collectives::host): whole up to 32 KiB, in shares from there.
+arena = sys.argv[4] != "0"
+algo = lambda b: (("host arena, every rank reduces all" if b <= 32 * 1024
+                   else "host arena, a share per rank") if arena
+                  else "recursive doubling" if b <= 64 * 1024 or b // 4 < ranks
                   else "ring RS+AG, 256 KiB pieces" if ranks < 8 or b // ranks >= 512 * 1024
                   else "recursive halving and doubling")
 print("| bytes | dist µs | Open MPI µs | time ratio (MPI/dist) | dist busbw GB/s | Open MPI busbw GB/s | busbw ratio (dist/MPI) | dist verified | dist algorithm |")

@@ -5,6 +5,7 @@ dist used at each size (read from the tuning its perf header prints).
 
     python3 benches/peers/gloo_table.py DIR ROUNDS RANKS
 """
+import os
 import re
 import statistics
 import sys
@@ -15,6 +16,10 @@ TWO_RINGS_MIN = 2 << 20
 HALVING_MIN_RANKS = 8
 TWO_RINGS_MAX_RANKS = 16
 RING_SHARE_MIN = 512 << 10
+# With shared memory on (DIST_SHM unset or 1), ranks of this one host all_reduce on the host
+# arena (dist_core::collectives::host): every rank reduces the whole buffer up to
+# HOST_SPLIT_MIN, a share each above.
+HOST_SPLIT_MIN = 32 << 10
 
 
 def load(d, prefix, rounds):
@@ -35,7 +40,12 @@ def main():
     m = re.search(r"ring pieces of (\d+) KiB, (\d+) lane", head)
     piece, lanes = (int(m.group(1)), int(m.group(2))) if m else (256, 1)
 
+    arena = os.environ.get("DIST_SHM", "1") != "0"
+
     def algo(b):
+        if arena:
+            return ("host arena, every rank reduces all" if b <= HOST_SPLIT_MIN
+                    else "host arena, a share per rank")
         if b <= ALL_REDUCE_RING_MIN or b // 4 < ranks:
             return "recursive doubling"
         two = lanes >= 2 and ranks >= 3 and b >= TWO_RINGS_MIN
