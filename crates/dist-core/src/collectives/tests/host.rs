@@ -200,12 +200,22 @@ fn a_corrupt_word_is_an_error_naming_the_peer() {
     // A peer whose input word jumps ahead.
     for word in [ArenaWord::Input] {
         let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
+        // Rank 1 plays the corrupt peer: it scribbles on its word and stays connected, out of
+        // the call, until rank 0 has its error (run in the call, its own view of the scribbled
+        // word would make it blame the others first, at random).
+        let done = crate::Tag::user(9);
         let results = errors_of(links, |g| {
             if g.rank() == 1 {
                 g.link().scribble_arena(word, 1000);
+                g.barrier()?;
+                return g.recv_tagged(&mut [0u8; 1], 0, done);
             }
             g.barrier()?;
-            g.all_reduce(&mut vec![1.0f64; 4000], ReduceOp::Sum)
+            let r = g.all_reduce(&mut vec![1.0f64; 4000], ReduceOp::Sum);
+            if g.rank() == 0 {
+                g.send_tagged(&[1u8], 1, done)?;
+            }
+            r
         });
         for r in [0, 2] {
             let e = results[r].as_ref().unwrap_err();
