@@ -17,9 +17,11 @@ HALVING_MIN_RANKS = 8
 TWO_RINGS_MAX_RANKS = 16
 RING_SHARE_MIN = 512 << 10
 # With shared memory on (DIST_SHM unset or 1), ranks of this one host all_reduce on the host
-# arena (dist_core::collectives::host): every rank reduces the whole buffer up to
-# HOST_SPLIT_MIN, a share each above.
+# arena (dist_core::collectives::host) up to HOST_ARENA_MAX: every rank reduces the whole buffer
+# up to HOST_SPLIT_MIN, a share each above; larger buffers take the algorithms below, over the
+# shared-memory rings.
 HOST_SPLIT_MIN = 32 << 10
+HOST_ARENA_MAX = 512 << 10
 
 
 def load(d, prefix, rounds):
@@ -43,7 +45,7 @@ def main():
     arena = os.environ.get("DIST_SHM", "1") != "0"
 
     def algo(b):
-        if arena:
+        if arena and b <= HOST_ARENA_MAX:
             return ("host arena, every rank reduces all" if b <= HOST_SPLIT_MIN
                     else "host arena, a share per rank")
         if b <= ALL_REDUCE_RING_MIN or b // 4 < ranks:
