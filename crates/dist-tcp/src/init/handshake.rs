@@ -448,9 +448,21 @@ pub(super) fn client_handshake(
     // proof at once on a listener that is running, so the client waits for it past its own
     // deadline by up to `verdict_grace`.
     let verdict_by = deadline.max(Instant::now() + verdict_grace);
-    let verdict = read_exact_by(stream, &mut buf, verdict_by)
-        .map_err(|e| e.to_string())
-        .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}")));
+    let verdict = match read_exact_by(stream, &mut buf, verdict_by) {
+        // The listener closed the connection instead of answering: it gave up on this
+        // handshake (past its handshake timeout, on a loaded host) and holds nothing of it, so
+        // connecting again is safe.
+        Err(e) if closed(&e) => {
+            return Err(Failed::TurnedAway(DistError::HandshakeRefused {
+                rank: me,
+                peer: peer.to_string(),
+                reason: format!("no verdict: the listener closed the connection ({e})"),
+            }));
+        }
+        r => r
+            .map_err(|e| e.to_string())
+            .and_then(|()| Reply::decode(&buf).map_err(|e| format!("malformed verdict: {e}"))),
+    };
     match verdict {
         Ok(v) if v.refusal == Some(Refusal::Crossed) => Err(crossed(v.reason)),
         Ok(v) if v.refusal.is_some() => Err(refused(v.reason)),

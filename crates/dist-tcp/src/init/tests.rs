@@ -206,6 +206,40 @@ fn a_verdict_after_the_deadline_is_awaited_within_the_grace() {
     run(Duration::from_secs(10)).expect("with grace the late verdict is taken");
 }
 
+/// A listener that closes the connection after the proof instead of answering (it gave up on
+/// the handshake, as rank 0 does past its handshake timeout under load) turns the client away:
+/// it connects again, where it used to give up (`admission_flood::n8` failed so in CI).
+#[test]
+fn a_connection_closed_instead_of_a_verdict_is_turned_away() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; HELLO_LEN + NONCE_LEN];
+        s.read_exact(&mut b[..HELLO_LEN]).unwrap();
+        s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
+            .unwrap();
+        s.read_exact(&mut b[HELLO_LEN..]).unwrap();
+        drop(s);
+    });
+    let mut s = raw(addr);
+    let r = client_handshake(
+        &mut s,
+        &mesh_hello(3, false),
+        None,
+        1,
+        Instant::now() + Duration::from_secs(10),
+        Duration::ZERO,
+        3,
+        "x",
+    );
+    fake.join().unwrap();
+    match r {
+        Err(Failed::TurnedAway(e)) => assert!(e.to_string().contains("no verdict"), "{e}"),
+        other => panic!("a closed connection should turn the client away, got {other:?}"),
+    }
+}
+
 /// Open connections a listener holds: `false` for one it has closed.
 fn still_open(s: &TcpStream) -> bool {
     s.set_nonblocking(true).unwrap();
