@@ -38,7 +38,14 @@ pub(crate) const MIN_SLOT: u64 = 4 << 10;
 pub(crate) const MAX_SLOT: u64 = 64 << 20;
 
 fn required_seals() -> SealFlags {
-    SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
+    // FUTURE_WRITE (Linux): no mapping made after the seal may write (the owner maps its own
+    // before sealing), so a peer holding the descriptor can only read the segment. Shared
+    // memory is off on other systems.
+    #[cfg(target_os = "linux")]
+    let future_write = SealFlags::FUTURE_WRITE;
+    #[cfg(not(target_os = "linux"))]
+    let future_write = SealFlags::empty();
+    SealFlags::SHRINK | SealFlags::GROW | future_write | SealFlags::SEAL
 }
 
 /// A shared mapping of an arena segment, unmapped on drop.
@@ -81,8 +88,9 @@ impl Mapping {
         )?;
         let len = HEADER as u64 + 2 * slot;
         rustix::fs::ftruncate(&fd, len)?;
-        rustix::fs::fcntl_add_seals(&fd, required_seals())?;
+        // Mapped writable before the seals: after them no writable mapping can be made.
         let m = Mapping::map(&fd, len as usize, slot as usize, true)?;
+        rustix::fs::fcntl_add_seals(&fd, required_seals())?;
         m.u64_at(OFF_SLOT).store(slot, Ordering::Relaxed);
         m.u32_at(OFF_RANK).store(rank as u32, Ordering::Relaxed);
         m.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
@@ -96,6 +104,15 @@ impl Mapping {
         if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
             return Err(format!("arena slots of {slot} bytes"));
         }
+        // The seals first: once sealed against resizing, the size checked next cannot change
+        // under the mapping (a peer shrinking the file between the two checks would make our
+        // reads past its end fault with SIGBUS).
+        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("get seals: {e}"))?;
+        if !seals.contains(required_seals()) {
+            return Err(format!(
+                "arena segment is not sealed against resizing and writing ({seals:?})"
+            ));
+        }
         let st = rustix::fs::fstat(fd).map_err(|e| format!("fstat: {e}"))?;
         let want = HEADER as u64 + 2 * slot;
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
@@ -104,12 +121,6 @@ impl Mapping {
             return Err(format!(
                 "arena segment is not a file of {want} bytes (size {})",
                 st.st_size
-            ));
-        }
-        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("get seals: {e}"))?;
-        if !seals.contains(required_seals()) {
-            return Err(format!(
-                "arena segment is not sealed against resizing ({seals:?})"
             ));
         }
         let m = Mapping::map(fd, want as usize, slot as usize, false)

@@ -103,8 +103,15 @@ fn memfd(len: u64, seal: bool) -> OwnedFd {
     let fd = rustix::fs::memfd_create("test", MemfdFlags::ALLOW_SEALING).unwrap();
     rustix::fs::ftruncate(&fd, len).unwrap();
     if seal {
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
-            .unwrap();
+        #[cfg(target_os = "linux")]
+        let future_write = SealFlags::FUTURE_WRITE;
+        #[cfg(not(target_os = "linux"))]
+        let future_write = SealFlags::empty();
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            SealFlags::SHRINK | SealFlags::GROW | future_write | SealFlags::SEAL,
+        )
+        .unwrap();
     }
     fd
 }
@@ -120,8 +127,19 @@ fn hostile_segments_are_refused() {
     assert!(e.contains("not sealed"), "{e}");
     let e = Mapping::open(&memfd(len, true), ARENA_SLOT, 1).unwrap_err();
     assert!(e.contains("magic 0x0"), "{e}");
+    // Sealed against resizing but still writable by whoever holds it: refused.
+    let writable = memfd(len, false);
+    rustix::fs::fcntl_add_seals(
+        &writable,
+        rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL,
+    )
+    .unwrap();
+    let e = Mapping::open(&writable, ARENA_SLOT, 1).unwrap_err();
+    assert!(e.contains("not sealed"), "{e}");
     let (fd, own) = Mapping::create(ARENA_SLOT, 1).unwrap();
     assert!(Mapping::open(&fd, ARENA_SLOT, 1).is_ok());
+    // A peer holding our descriptor cannot write our segment.
+    assert!(rustix::io::pwrite(&fd, &[1u8], 0).is_err());
     let e = Mapping::open(&fd, ARENA_SLOT, 2).unwrap_err();
     assert!(e.contains("rank 1"), "{e}");
     assert!(Mapping::open(&fd, ARENA_SLOT / 2, 1).is_err());
