@@ -49,8 +49,9 @@ pub const HOST_SPLIT_MIN: usize = 32 << 10;
 /// An all_reduce runs on the host arena up to this many bytes; larger ones run the message
 /// algorithms (over the shared-memory rings between ranks of one host), whose pipelined
 /// pieces measured faster there: 4 ranks on 2 cores, 1 MiB 0.92-0.96 ms on the rings against
-/// 1.43-1.77 ms on the arena (512 KiB even); 4 ranks on 32 cores, 4 and 16 MiB 2.2x and 1.7x
-/// Gloo on the arena, against 2.6x and 3.0x on the rings (`docs/benchmarks.md`).
+/// 1.43-1.77 ms on the arena (512 KiB even); 4 ranks on 32 cores (two runs of one session), 4
+/// and 16 MiB 1,080 and 4,427 us on the arena against 1,075 and 3,373 us on the rings, though
+/// 1 MiB 272 us on the arena against 379 on the rings (`docs/benchmarks.md`, "Session 6").
 pub const HOST_ARENA_MAX: usize = 512 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
