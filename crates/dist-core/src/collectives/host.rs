@@ -405,7 +405,7 @@ pub(super) fn wait_word<L: Link>(
     let mut v = a.load(owner, word);
     while !reached(v)? {
         if started.elapsed() >= until {
-            return sleep_until(c, a, owner, word, v, started, &reached);
+            return sleep_until(c, a, owner, (word, target), v, started, &reached);
         }
         std::thread::yield_now();
         v = a.load(owner, word);
@@ -418,7 +418,7 @@ fn sleep_until<L: Link>(
     c: &Call<'_, L>,
     a: &dyn HostArena,
     owner: usize,
-    word: ArenaWord,
+    (word, target): (ArenaWord, u32),
     mut v: u32,
     started: Instant,
     reached: &dyn Fn(u32) -> Result<bool>,
@@ -457,7 +457,7 @@ fn sleep_until<L: Link>(
             return Err(DistError::Timeout {
                 rank: c.me,
                 op: format!(
-                    "{} (its {} word on the host arena)",
+                    "{} (its {} word on the host arena, at {v}, waited for {target})",
                     c.op_text(),
                     word.name()
                 ),

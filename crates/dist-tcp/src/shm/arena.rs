@@ -326,21 +326,15 @@ fn load_meta(m: &Mapping, off: usize) -> Meta {
     out
 }
 
-/// Sleeps while `word` holds `seen`, at most `limit` (any return: the caller looks again).
-#[cfg(target_os = "linux")]
+/// Sleeps while `word` holds `seen`, at most `limit` (any return: the caller looks again), on
+/// the rings' futex wait; should the futex itself fail (not a timeout, an interruption or a
+/// changed value: say a seccomp filter refuses it), a 1 ms sleep instead, so that the caller's
+/// loop until its deadline does not turn into a busy one.
 fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) {
-    use rustix::thread::futex;
-    let ts = rustix::time::Timespec {
-        tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
-        tv_nsec: i64::from(limit.subsec_nanos()),
-    };
-    let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&ts));
-}
-
-/// Elsewhere there is no arena (no rank offers shared memory): a short sleep.
-#[cfg(not(target_os = "linux"))]
-fn wait_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, limit: Duration) {
-    std::thread::sleep(limit.min(Duration::from_millis(1)));
+    if let Err(e) = super::ring::wait_on(word, seen, limit) {
+        tracing::debug!(error = %e, "host arena: futex wait failed; sleeping 1 ms instead");
+        std::thread::sleep(limit.min(Duration::from_millis(1)));
+    }
 }
 
 #[cfg(target_os = "linux")]

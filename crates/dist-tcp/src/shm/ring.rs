@@ -197,7 +197,11 @@ impl TxRing {
 /// Sleeps while `word` holds `seen`, at most `limit` (a wake-up, a timeout or an interruption
 /// all return `Ok`: the caller looks again).
 #[cfg(target_os = "linux")]
-fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) -> io::Result<()> {
+pub(super) fn wait_on(
+    word: &std::sync::atomic::AtomicU32,
+    seen: u32,
+    limit: Duration,
+) -> io::Result<()> {
     let ts = rustix::time::Timespec {
         tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
         tv_nsec: i64::from(limit.subsec_nanos()),
@@ -218,7 +222,11 @@ fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) -> i
 /// Elsewhere there is no futex (and no shared memory: see `setup::abstract_addr`): a short
 /// sleep, after which the caller looks again.
 #[cfg(not(target_os = "linux"))]
-fn wait_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, limit: Duration) -> io::Result<()> {
+pub(super) fn wait_on(
+    _word: &std::sync::atomic::AtomicU32,
+    _seen: u32,
+    limit: Duration,
+) -> io::Result<()> {
     std::thread::sleep(limit.min(Duration::from_millis(1)));
     Ok(())
 }

@@ -170,6 +170,7 @@ fn a_rank_that_never_publishes_is_named_by_the_timeout() {
             DistError::Timeout { peer, op, .. } => {
                 assert_eq!(*peer, 2, "rank {r}: {op}");
                 assert!(op.contains("host arena"), "{op}");
+                assert!(op.contains("at 1, waited for 2"), "{op}");
             }
             DistError::Aborted { .. } => {}
             e => panic!("rank {r}: {e}"),
