@@ -45,6 +45,10 @@ pub trait HostArena: Send + Sync {
     /// host); the same on every rank. A rank that shares no memory has a host of its own.
     fn hosts(&self) -> &[usize];
 
+    /// The ranks of this rank's host, in rank order ([`host_ranks`] of [`HostArena::hosts`]
+    /// for this rank), kept so that a call does not work them out again.
+    fn local(&self) -> &[usize];
+
     /// Whether this rank has mapped the arena of every other rank of its host (and they its
     /// own). It may differ between ranks: the group agrees on it before using the arena.
     fn complete(&self) -> bool;

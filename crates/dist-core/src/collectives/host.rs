@@ -297,10 +297,10 @@ pub(super) fn all_reduce_hosts<T: Element, L: Link>(
     op: ReduceOp,
 ) -> Result<()> {
     let hosts = a.hosts();
-    let local = crate::arena::host_ranks(hosts, c.me);
-    let h = Host::new(c, a, &local)?;
+    let local = a.local();
+    let h = Host::new(c, a, local)?;
     if local.len() > 1 {
-        all_reduce_host(c, a, &local, data, op)?;
+        all_reduce_host(c, a, local, data, op)?;
     }
     if h.pos == 0 {
         let leaders: Vec<usize> = (0..c.n)

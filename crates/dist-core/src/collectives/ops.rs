@@ -50,9 +50,9 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
         && let Some(a) = c.g.link().arena()
         && super::host::agreed(c, a)?
     {
-        let local = crate::arena::host_ranks(a.hosts(), c.me);
+        let local = a.local();
         return if local.len() == c.n {
-            super::host::all_reduce_host(c, a, &local, data, op)
+            super::host::all_reduce_host(c, a, local, data, op)
         } else {
             super::host::all_reduce_hosts(c, a, data, op)
         };

@@ -24,6 +24,8 @@ struct Part {
 /// The arenas of every rank of one in-memory link.
 pub(super) struct Arenas {
     hosts: Vec<usize>,
+    /// Each rank's host's ranks, in rank order.
+    locals: Vec<Vec<usize>>,
     slot_len: usize,
     parts: Vec<Part>,
     /// Held to publish and to decide to sleep; sleepers wait on `cond`.
@@ -35,6 +37,9 @@ impl Arenas {
     pub(super) fn new(hosts: &[usize], slot_len: usize) -> Arenas {
         Arenas {
             hosts: hosts.to_vec(),
+            locals: (0..hosts.len())
+                .map(|r| crate::arena::host_ranks(hosts, r))
+                .collect(),
             slot_len,
             parts: (0..hosts.len())
                 .map(|_| Part {
@@ -102,6 +107,10 @@ impl MemArena {
 impl HostArena for MemArena {
     fn hosts(&self) -> &[usize] {
         &self.arenas.hosts
+    }
+
+    fn local(&self) -> &[usize] {
+        &self.arenas.locals[self.me]
     }
 
     fn complete(&self) -> bool {

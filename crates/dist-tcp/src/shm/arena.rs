@@ -194,6 +194,10 @@ impl HostArena for TcpArena {
         &self.hosts
     }
 
+    fn local(&self) -> &[usize] {
+        &self.local
+    }
+
     fn complete(&self) -> bool {
         self.complete
     }
