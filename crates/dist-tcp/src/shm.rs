@@ -11,6 +11,7 @@ mod arena_map;
 mod map;
 mod ring;
 mod setup;
+mod shared_map;
 
 pub(crate) use arena::{ArenaSetup, TcpArena};
 pub(crate) use ring::{RxRing, TxRing};

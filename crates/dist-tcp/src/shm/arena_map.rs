@@ -9,11 +9,11 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags};
-use rustix::mm::{MapFlags, ProtFlags};
+
+use super::shared_map::{SharedMap, check_sealed};
 
 /// The header's length; the slots follow it.
 pub(crate) const HEADER: usize = 4096;
@@ -48,29 +48,20 @@ fn required_seals() -> SealFlags {
     SealFlags::SHRINK | SealFlags::GROW | future_write | SealFlags::SEAL
 }
 
-/// A shared mapping of an arena segment, unmapped on drop.
+/// A shared mapping of an arena segment: read-write for its owner, read-only for a peer.
 pub(crate) struct Mapping {
-    ptr: NonNull<u8>,
-    len: usize,
+    map: SharedMap,
     slot: usize,
-    writable: bool,
 }
 
 impl std::fmt::Debug for Mapping {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Mapping")
             .field("slot", &self.slot)
-            .field("writable", &self.writable)
+            .field("writable", &self.map.writable())
             .finish()
     }
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value, touched only through atomics
-// (the header) and raw byte copies (the slots), never through references to its bytes, so
-// moving or sharing the value between threads races on nothing Rust relies on.
-unsafe impl Send for Mapping {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// A new segment with slots of `slot` bytes (a power of two within the limits), its header
@@ -104,25 +95,8 @@ impl Mapping {
         if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
             return Err(format!("arena slots of {slot} bytes"));
         }
-        // The seals first: once sealed against resizing, the size checked next cannot change
-        // under the mapping (a peer shrinking the file between the two checks would make our
-        // reads past its end fault with SIGBUS).
-        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("get seals: {e}"))?;
-        if !seals.contains(required_seals()) {
-            return Err(format!(
-                "arena segment is not sealed against resizing and writing ({seals:?})"
-            ));
-        }
-        let st = rustix::fs::fstat(fd).map_err(|e| format!("fstat: {e}"))?;
         let want = HEADER as u64 + 2 * slot;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-            || st.st_size as u64 != want
-        {
-            return Err(format!(
-                "arena segment is not a file of {want} bytes (size {})",
-                st.st_size
-            ));
-        }
+        check_sealed(fd, want, required_seals(), "arena segment")?;
         let m = Mapping::map(fd, want as usize, slot as usize, false)
             .map_err(|e| format!("mmap: {e}"))?;
         let (magic, version, rank, hslot) = (
@@ -141,47 +115,25 @@ impl Mapping {
     }
 
     fn map(fd: &impl AsFd, len: usize, slot: usize, writable: bool) -> io::Result<Mapping> {
-        let prot = if writable {
-            ProtFlags::READ | ProtFlags::WRITE
-        } else {
-            ProtFlags::READ
-        };
-        // SAFETY: a fresh mapping chosen by the kernel (null hint), so it overlaps no Rust
-        // object; `len` is the file's size, which its seals keep (set by `create` before
-        // mapping, checked by `open`), so every byte stays backed. It is owned by the returned
-        // value and unmapped only by its `Drop`. (Test: `arena_tests::segments_round_trip`.)
-        let p =
-            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)? };
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
-        Ok(Mapping {
-            ptr,
-            len,
-            slot,
-            writable,
-        })
+        // SAFETY: `len` is the file's size, which its seals keep: `create` maps the file it
+        // made and seals it before any peer sees it (nothing resizes it in between); `open`
+        // maps only after `check_sealed`. (Tests: `arena_tests::segments_round_trip`,
+        // `hostile_segments_are_refused`.)
+        let map = unsafe { SharedMap::new(fd, len, writable)? };
+        Ok(Mapping { map, slot })
     }
 
-    /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]).
+    /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]). A store is only
+    /// ever made on the owner's writable mapping.
     pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(
-            off.is_multiple_of(8) && off + 8 <= HEADER,
-            "header offset {off}"
-        );
-        // SAFETY: the mapping is page aligned and longer than HEADER, so `off` (checked above)
-        // is an aligned, live u64 for the borrow's lifetime. The owner may change it at any
-        // time, which atomics allow; a read-only mapping is only ever loaded from (every store
-        // goes through `own`, asserted writable).
-        unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        assert!(off + 8 <= HEADER, "header offset {off}");
+        self.map.u64_at(off)
     }
 
     /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(
-            off.is_multiple_of(4) && off + 4 <= HEADER,
-            "header offset {off}"
-        );
-        // SAFETY: as in `u64_at`, for an aligned u32.
-        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        assert!(off + 4 <= HEADER, "header offset {off}");
+        self.map.u32_at(off)
     }
 
     /// Whether `len` bytes at `offset` of slot `slot` lie within the slots.
@@ -192,7 +144,7 @@ impl Mapping {
     /// Copies `data` into slot `slot` at `offset`; false (nothing copied) if it does not fit
     /// or the mapping is read-only.
     pub(crate) fn write(&self, slot: usize, offset: usize, data: &[u8]) -> bool {
-        if !self.writable || !self.within(slot, offset, data.len()) {
+        if !self.map.writable() || !self.within(slot, offset, data.len()) {
             return false;
         }
         // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
@@ -200,7 +152,7 @@ impl Mapping {
         // it cannot overlap `data`. Only this rank writes its segment. (Test:
         // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`.)
         unsafe {
-            let at = self.ptr.as_ptr().add(HEADER + slot * self.slot + offset);
+            let at = self.map.ptr().add(HEADER + slot * self.slot + offset);
             std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
         }
         true
@@ -217,17 +169,9 @@ impl Mapping {
         // whatever bytes are there (plain bytes, valid for every element type), never a
         // reference into the mapping.
         unsafe {
-            let at = self.ptr.as_ptr().add(HEADER + slot * self.slot + offset);
+            let at = self.map.ptr().add(HEADER + slot * self.slot + offset);
             std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len());
         }
         true
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly the mapping made in `map`, unmapped only here, and
-        // no reference into it outlives `self` (the atomics borrow `self`).
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }

@@ -5,11 +5,11 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use rustix::fs::{MemfdFlags, SealFlags};
-use rustix::mm::{MapFlags, ProtFlags};
+
+use super::shared_map::{SharedMap, check_sealed};
 
 /// The header in front of the ring's bytes: magic, version, capacity, then the producer's
 /// position, the consumer's (with its waiting flag), and the producer's futex word, each on a
@@ -38,25 +38,18 @@ fn required_seals() -> SealFlags {
     SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
 }
 
-/// A shared mapping of a segment: `len` bytes at `ptr`, unmapped on drop.
+/// A shared mapping of a segment (read-write on both sides: the consumer writes its position).
 pub(crate) struct Segment {
-    ptr: NonNull<u8>,
-    len: usize,
+    map: SharedMap,
 }
 
 impl std::fmt::Debug for Segment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Segment").field("len", &self.len).finish()
+        f.debug_struct("Segment")
+            .field("len", &self.map.len())
+            .finish()
     }
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value; it is touched only through
-// atomics (the header) and raw byte copies (the ring, by the one producer or one consumer that
-// owns the `TxRing`/`RxRing` holding it, behind `&mut`), never through references to its bytes,
-// so sharing or moving the value between threads races on nothing Rust relies on.
-unsafe impl Send for Segment {}
-// SAFETY: as for `Send`: `&Segment` gives only atomic access to the header and raw pointers.
-unsafe impl Sync for Segment {}
 
 impl Segment {
     /// A new segment of `HEADER + cap` bytes with its header written, sealed, and mapped; with
@@ -96,22 +89,8 @@ impl Segment {
                 "offered ring of {cap} bytes: not a power of two from {MIN_CAP} to {MAX_CAP}"
             ));
         }
-        let st = rustix::fs::fstat(fd).map_err(|e| format!("fstat: {e}"))?;
         let want = HEADER as u64 + cap;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
-            || st.st_size as u64 != want
-        {
-            return Err(format!(
-                "segment is not a file of {want} bytes (size {})",
-                st.st_size
-            ));
-        }
-        let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("get seals: {e}"))?;
-        if !seals.contains(required_seals()) {
-            return Err(format!(
-                "segment is not sealed against resizing ({seals:?})"
-            ));
-        }
+        check_sealed(fd, want, required_seals(), "segment")?;
         let seg = Segment::map(fd, want as usize).map_err(|e| format!("mmap: {e}"))?;
         let ord = std::sync::atomic::Ordering::Acquire;
         let (magic, version, hcap) = (
@@ -129,63 +108,32 @@ impl Segment {
     }
 
     fn map(fd: &impl AsFd, len: usize) -> io::Result<Segment> {
-        // SAFETY: a fresh mapping chosen by the kernel (null hint), so it overlaps no Rust
-        // object; `len` is the file's size, which its seals keep (checked by `open`, set by
-        // `create` before mapping), so every byte of the mapping stays backed. The mapping is
-        // owned by the returned value and unmapped only by its `Drop`.
-        let p = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )?
-        };
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
-        Ok(Segment { ptr, len })
+        // SAFETY: `len` is the file's size, which its seals keep: set by `create` before it
+        // maps, checked by `open` (`check_sealed`) before it maps.
+        let map = unsafe { SharedMap::new(fd, len, true)? };
+        Ok(Segment { map })
     }
 
     /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]).
     pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(
-            off.is_multiple_of(8) && off + 8 <= HEADER,
-            "header offset {off}"
-        );
-        // SAFETY: the mapping is page aligned and at least HEADER bytes long, so `off` (a
-        // multiple of 8 below HEADER, asserted above) is an aligned, live u64 for as long as
-        // `self` (the borrow's lifetime). The other process may change it at any time, which
-        // atomics allow; nothing reads it non-atomically.
-        unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        assert!(off + 8 <= HEADER, "header offset {off}");
+        self.map.u64_at(off)
     }
 
     /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(
-            off.is_multiple_of(4) && off + 4 <= HEADER,
-            "header offset {off}"
-        );
-        // SAFETY: as in `u64_at`, for an aligned u32.
-        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        assert!(off + 4 <= HEADER, "header offset {off}");
+        self.map.u32_at(off)
     }
 
     /// The first byte of the ring (after the header); `len() - HEADER` bytes follow.
     pub(crate) fn data(&self) -> *mut u8 {
         // SAFETY: the mapping is longer than HEADER (`create` and `open` check cap ≥ MIN_CAP).
-        unsafe { self.ptr.as_ptr().add(HEADER) }
+        unsafe { self.map.ptr().add(HEADER) }
     }
 
     /// The mapping's length in bytes.
     pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`len` are exactly the mapping made in `map`, unmapped only here; the
-        // rings that use it hold it by value (or `Arc`), so nothing refers to it after this.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        self.map.len()
     }
 }

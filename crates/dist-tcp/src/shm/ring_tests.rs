@@ -277,3 +277,15 @@ fn open_refuses_what_could_fault_or_lie() {
     .unwrap();
     assert!(Segment::open(&bad, CAP).unwrap_err().contains("magic"));
 }
+
+/// A peer's segment is checked for its seals before its size: an unsealed file is refused as
+/// unsealed whatever its size (its size, checked first, could change before the seals were
+/// looked at; a file shrunk under the mapping makes reads fault with `SIGBUS`).
+#[test]
+fn open_checks_the_seals_before_the_size() {
+    use rustix::fs::MemfdFlags;
+    let fd = rustix::fs::memfd_create("test", MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&fd, 2 * CAP).unwrap();
+    let e = Segment::open(&fd, CAP).unwrap_err();
+    assert!(e.contains("not sealed"), "{e}");
+}
