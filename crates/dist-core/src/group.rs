@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Meta, Tag};
-use crate::collectives::AllReduceAlgorithm;
+use crate::collectives::{AllReduceAlgorithm, HOST_ARENA_MAX};
 use crate::error::{DistError, Result};
 use crate::link::{Link, PostedRecv};
 use crate::work::Occupancy;
@@ -23,6 +23,9 @@ pub const GROUP_TAG: Tag = Tag::system(4);
 /// The meta that marks a group's forming message.
 const FORMING: Meta = *b"dist-group-tune\0";
 
+/// The bytes of rank 0's tuning in the forming message.
+const TUNING_BYTES: usize = 12;
+
 /// How the collectives cut their messages. Every rank of a group must cut the same way, or
 /// their message sizes (and tags) would not match: [`Group::form`] makes rank 0's the group's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,14 +35,19 @@ pub struct Tuning {
     /// How many rings (or chains) a large all_reduce, reduce_scatter, all_gather or broadcast
     /// runs at once, each on its own thread (1 or 2).
     pub lanes: u32,
+    /// The largest all_reduce, in KiB, that runs on the link's host arena where the group has
+    /// one (0: none does; at most [`Tuning::MAX_ARENA_KB`]); larger ones run the message
+    /// algorithms.
+    pub arena_max_kb: u32,
 }
 
 impl Default for Tuning {
-    /// Pieces of [`RING_PIECE`], one lane.
+    /// Pieces of [`RING_PIECE`], one lane, the arena up to [`HOST_ARENA_MAX`].
     fn default() -> Tuning {
         Tuning {
             ring_piece_kb: (RING_PIECE >> 10) as u32,
             lanes: 1,
+            arena_max_kb: (HOST_ARENA_MAX >> 10) as u32,
         }
     }
 }
@@ -49,6 +57,8 @@ impl Tuning {
     pub const MAX_PIECE_KB: u32 = 64 << 10;
     /// The most lanes.
     pub const MAX_LANES: u32 = 2;
+    /// The largest arena limit: 1 GiB.
+    pub const MAX_ARENA_KB: u32 = 1 << 20;
 
     /// Why this tuning cannot be used, or `None` when it can.
     pub fn problem(&self) -> Option<String> {
@@ -66,6 +76,13 @@ impl Tuning {
                 Self::MAX_LANES
             ));
         }
+        if self.arena_max_kb > Self::MAX_ARENA_KB {
+            return Some(format!(
+                "an arena limit of {} KiB is over {} KiB",
+                self.arena_max_kb,
+                Self::MAX_ARENA_KB
+            ));
+        }
         None
     }
 
@@ -74,18 +91,25 @@ impl Tuning {
         (self.ring_piece_kb as usize) << 10
     }
 
-    fn encode(&self) -> [u8; 8] {
-        let mut b = [0u8; 8];
+    /// The largest all_reduce on the host arena, in bytes.
+    pub fn arena_max(&self) -> usize {
+        (self.arena_max_kb as usize) << 10
+    }
+
+    fn encode(&self) -> [u8; TUNING_BYTES] {
+        let mut b = [0u8; TUNING_BYTES];
         b[..4].copy_from_slice(&self.ring_piece_kb.to_le_bytes());
-        b[4..].copy_from_slice(&self.lanes.to_le_bytes());
+        b[4..8].copy_from_slice(&self.lanes.to_le_bytes());
+        b[8..].copy_from_slice(&self.arena_max_kb.to_le_bytes());
         b
     }
 
-    fn decode(b: &[u8; 8]) -> Tuning {
+    fn decode(b: &[u8; TUNING_BYTES]) -> Tuning {
         let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         Tuning {
             ring_piece_kb: word(0),
             lanes: word(4),
+            arena_max_kb: word(8),
         }
     }
 }
@@ -160,7 +184,7 @@ impl<L: Link> Group<L> {
             }
             local
         } else {
-            let mut b = [0u8; 8];
+            let mut b = [0u8; TUNING_BYTES];
             // SAFETY: the handle is waited on (or dropped, on an error) in the next statement;
             // it is never leaked.
             let posted = unsafe { link.post(&mut b, 0, GROUP_TAG, deadline) };
@@ -363,18 +387,31 @@ mod tests {
         let t = Tuning {
             ring_piece_kb: 0,
             lanes: 1,
+            ..Tuning::default()
         };
         assert!(t.problem().unwrap().contains("0 KiB"));
         let t = Tuning {
             ring_piece_kb: Tuning::MAX_PIECE_KB + 1,
             lanes: 1,
+            ..Tuning::default()
         };
         assert!(t.problem().is_some());
         let t = Tuning {
             ring_piece_kb: 4,
             lanes: 3,
+            ..Tuning::default()
         };
         assert!(t.problem().unwrap().contains("3 lanes"));
+        let t = Tuning {
+            arena_max_kb: Tuning::MAX_ARENA_KB + 1,
+            ..Tuning::default()
+        };
+        assert!(t.problem().unwrap().contains("arena limit"));
+        let t = Tuning {
+            ring_piece_kb: 4,
+            lanes: 2,
+            arena_max_kb: 64,
+        };
         assert_eq!(Tuning::decode(&t.encode()), t);
     }
 }

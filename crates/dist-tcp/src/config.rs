@@ -89,6 +89,7 @@ pub struct TcpConfig {
     pub(crate) parallel: Option<bool>,
     pub(crate) ring_piece_kb: Option<u32>,
     pub(crate) lanes: Option<u32>,
+    pub(crate) arena_max_kb: Option<u32>,
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
     pub(crate) formation: Formation,
@@ -113,6 +114,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("parallel", &self.parallel)
             .field("ring_piece_kb", &self.ring_piece_kb)
             .field("lanes", &self.lanes)
+            .field("arena_max_kb", &self.arena_max_kb)
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
             .field("formation", &self.formation)
@@ -141,6 +143,7 @@ impl TcpConfig {
             parallel: None,
             ring_piece_kb: None,
             lanes: None,
+            arena_max_kb: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
             formation: Formation::Auto,
@@ -152,8 +155,8 @@ impl TcpConfig {
     /// Reads the launcher's variables (torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
-    /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB` and `DIST_TCP_LANES` (1 or 2), and
-    /// `DIST_FORMATION` (`eager` or `lazy`) when present.
+    /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB`, `DIST_TCP_LANES` (1 or 2) and
+    /// `DIST_ARENA_MAX_KB`, and `DIST_FORMATION` (`eager` or `lazy`) when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -248,6 +251,7 @@ impl TcpConfig {
         cfg.parallel = number("DIST_TCP_PARALLEL", 0..=1)?.map(|x| x == 1);
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
+        cfg.arena_max_kb = number("DIST_ARENA_MAX_KB", 0..=Tuning::MAX_ARENA_KB)?;
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
@@ -384,6 +388,15 @@ impl TcpConfig {
         self
     }
 
+    /// The largest all_reduce, in KiB, that runs on the host arena (shared memory read in
+    /// place by the ranks of one host), 0 (never) to 1 GiB; larger ones run the message
+    /// algorithms (default: 1024 where this host has a core per rank of the job, else 128;
+    /// `DIST_ARENA_MAX_KB`). Rank 0's value is the job's.
+    pub fn arena_max_kb(mut self, kb: u32) -> Self {
+        self.arena_max_kb = Some(kb);
+        self
+    }
+
     /// The largest message a peer may send this rank, in bytes (default 16 GiB;
     /// `DIST_MAX_MESSAGE`); a longer frame is a protocol error that closes the connection.
     /// At most `isize::MAX` (what one buffer can hold).
@@ -510,15 +523,17 @@ mod tests {
         assert_eq!(c.master, "127.0.0.1:29500");
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!((c.parallel, c.ring_piece_kb, c.lanes), (None, None, None));
+        assert_eq!(c.arena_max_kb, None);
         v.extend([
             ("DIST_TCP_PARALLEL", "0"),
             ("DIST_RING_PIECE_KB", "512"),
             ("DIST_TCP_LANES", "2"),
+            ("DIST_ARENA_MAX_KB", "0"),
         ]);
         let c = TcpConfig::from_lookup(env(&v)).unwrap();
         assert_eq!(
-            (c.parallel, c.ring_piece_kb, c.lanes),
-            (Some(false), Some(512), Some(2))
+            (c.parallel, c.ring_piece_kb, c.lanes, c.arena_max_kb),
+            (Some(false), Some(512), Some(2), Some(0))
         );
         assert_eq!(c.formation, Formation::Auto);
         assert_eq!(c.formation_mode(), Formation::Eager);
@@ -568,6 +583,7 @@ mod tests {
             ("DIST_RING_PIECE_KB", "0"),
             ("DIST_FORMATION", "later"),
             ("DIST_SPIN_US", "1e12"),
+            ("DIST_ARENA_MAX_KB", "1048577"),
             ("DIST_SPIN_US", "10001"),
         ] {
             let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();

@@ -49,6 +49,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use dist_core::collectives::{HOST_ARENA_MAX, HOST_ARENA_MAX_OVERSUBSCRIBED};
 use dist_core::flight::FlightRecorder;
 use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning};
 
@@ -148,8 +149,15 @@ fn parallel_for(cfg: &TcpConfig) -> bool {
 /// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, or 1 MiB when
 ///   a send and its receive run on separate cores;
 /// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
-///   thread): 2 when there are cores to spare, else 1.
-fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
+///   thread): 2 when there are cores to spare, else 1;
+/// - the largest all_reduce on the host arena: [`HOST_ARENA_MAX`] where this host's ranks of
+///   the job (`local`) have a core each (`cores`), else [`HOST_ARENA_MAX_OVERSUBSCRIBED`].
+fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
+    let arena_default = if local <= cores {
+        HOST_ARENA_MAX
+    } else {
+        HOST_ARENA_MAX_OVERSUBSCRIBED
+    };
     let piece_default = if parallel {
         1 << 10
     } else {
@@ -164,6 +172,10 @@ fn local_tuning(cfg: &TcpConfig, parallel: bool) -> Tuning {
             .lanes
             .unwrap_or(if parallel { 2 } else { 1 })
             .clamp(1, Tuning::MAX_LANES),
+        arena_max_kb: cfg
+            .arena_max_kb
+            .unwrap_or((arena_default >> 10) as u32)
+            .min(Tuning::MAX_ARENA_KB),
     }
 }
 
@@ -394,7 +406,11 @@ impl TcpBackend {
         // The group forms over the mesh: rank 0's tuning goes to every rank. Should it fail,
         // `threads` closes the connections on its way out.
         let link = TcpLink(shared.clone());
-        let group = Group::form(link, local_tuning(&cfg, parallel), cfg.timeout)?;
+        let group = Group::form(
+            link,
+            local_tuning(&cfg, parallel, local, cores),
+            cfg.timeout,
+        )?;
         Ok(TcpBackend {
             shared,
             group,

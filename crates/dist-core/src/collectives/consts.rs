@@ -46,12 +46,17 @@ pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 /// (one wait per call); larger ones split each piece into one share per rank
 /// (`collectives/host.rs`).
 pub const HOST_SPLIT_MIN: usize = 32 << 10;
-/// An all_reduce runs on the host arena up to this many bytes; larger ones run the message
-/// algorithms (over the shared-memory rings between ranks of one host), whose pipelined
-/// pieces measured faster there: 4 ranks on 2 cores, 1 MiB 0.92-0.96 ms on the rings against
-/// 1.43-1.77 ms on the arena (512 KiB even); 4 ranks on 32 cores (two runs of one session), 4
-/// and 16 MiB 1,080 and 4,427 us on the arena against 1,075 and 3,373 us on the rings, though
-/// 1 MiB 272 us on the arena against 379 on the rings (`docs/benchmarks.md`, "Session 6").
-pub const HOST_ARENA_MAX: usize = 512 << 10;
+/// The default [`Tuning::arena_max`](crate::Tuning::arena_max): an all_reduce runs on the host
+/// arena up to this many bytes where every rank of the host has a core of its own; larger ones
+/// run the message algorithms (over the shared-memory rings between ranks of one host). 4
+/// ranks on 32 cores (`docs/benchmarks.md`, "Session 6"): 1 MiB 272 us on the arena against
+/// 379 on the rings; 4 and 16 MiB 1,080 and 4,427 us on the arena against 1,075 and 3,373.
+pub const HOST_ARENA_MAX: usize = 1 << 20;
+/// The arena's limit where a host has more ranks than cores (a link's own choice, such as
+/// dist-tcp's): there a piece split into shares waits twice for every rank, each wait a
+/// thread switch. 4 ranks on 2 cores, medians of three alternating rounds (`docs/benchmarks.md`,
+/// "Session 7"): 128 KiB 167 us on the arena against 283 on the rings; 256 KiB 323 against
+/// 236, 1 MiB 1,478 against 498.
+pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 128 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;

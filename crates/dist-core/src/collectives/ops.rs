@@ -11,8 +11,8 @@ use crate::types::{Element, ReduceOp};
 use super::call::{Call, What, finish, premul, run};
 use super::chain::broadcast_chain;
 use super::consts::{
-    ALL_GATHER_TWO_RINGS_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN, HOST_ARENA_MAX,
-    REDUCE_RING_MIN, TWO_RINGS_MIN,
+    ALL_GATHER_TWO_RINGS_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,
+    TWO_RINGS_MIN,
 };
 use super::desc::Kind;
 use super::halving::all_reduce_halving;
@@ -36,8 +36,8 @@ fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
     }
 }
 
-/// all_reduce in place: on the host arena where the group agreed to use one, up to
-/// [`HOST_ARENA_MAX`] bytes; else by size and world size ([`all_reduce_algorithm`]), or as the
+/// all_reduce in place: on the host arena where the group agreed to use one, up to the
+/// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes; else by size and world size ([`all_reduce_algorithm`]), or as the
 /// group forces.
 fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
     c.check_op::<T>(op)?;
@@ -46,7 +46,7 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
         return Ok(());
     }
     if c.g.forced_all_reduce().is_none()
-        && std::mem::size_of_val(data) <= HOST_ARENA_MAX
+        && std::mem::size_of_val(data) <= c.g.tuning().arena_max()
         && let Some(a) = c.g.link().arena()
         && super::host::agreed(c, a)?
     {

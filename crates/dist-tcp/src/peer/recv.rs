@@ -261,7 +261,7 @@ impl Peer {
                 let until = Instant::now()
                     .checked_add(self.spin_time())
                     .map_or(deadline, |t| deadline.min(t));
-                self.spin(id, until);
+                self.spin(id, until, deadline);
                 st = self.lock();
                 let done = st
                     .posted
@@ -305,15 +305,25 @@ impl Peer {
     }
 
     /// Reads the socket from this thread until receive `id` is done or `until` passes, as long
-    /// as nobody else is reading it at that moment.
-    fn spin(&self, id: u64, until: Instant) {
+    /// as nobody else is reading it at that moment. While bytes keep coming, `until` moves on
+    /// (one spin time past the last bytes read, never past `deadline`): a large message that
+    /// streams in is read whole by its receiver's own thread, as it was when each peer had a
+    /// reader thread, instead of by the I/O thread, which reads every peer's socket in turn
+    /// (with two rings, the receives from both neighbours would queue on that one thread).
+    fn spin(&self, id: u64, mut until: Instant, deadline: Instant) {
         let Some(rx) = self.rx() else { return };
         let _spinning = Spinning::new(&self.spinners);
+        let spin = self.spin_time();
         loop {
-            if let Ok(mut r) = rx.try_lock()
-                && let Step::Closed(cause) = self.progress(&mut r)
-            {
-                self.shut(&mut r, cause);
+            if let Ok(mut r) = rx.try_lock() {
+                match self.progress(&mut r) {
+                    Step::Closed(cause) => self.shut(&mut r, cause),
+                    Step::Progress => {
+                        let more = Instant::now().checked_add(spin).unwrap_or(deadline);
+                        until = until.max(more.min(deadline));
+                    }
+                    Step::Idle | Step::Held(..) => {}
+                }
             }
             let done = self
                 .lock()

@@ -239,23 +239,22 @@ impl HostArena for TcpArena {
     /// half new would look like a mismatched call).
     fn set_call(&self, meta: Meta) {
         if let Some(m) = &self.own {
-            let seq = m.u32_at(OFF_CALL_SEQ);
-            let s = seq.load(Ordering::Relaxed);
-            seq.store(s.wrapping_add(1), Ordering::Relaxed);
+            let s = m.load_u32(OFF_CALL_SEQ);
+            m.store_u32(OFF_CALL_SEQ, s.wrapping_add(1), Ordering::Relaxed);
             fence(Ordering::Release);
             store_meta(m, OFF_CALL, meta);
-            seq.store(s.wrapping_add(2), Ordering::Release);
+            m.store_u32(OFF_CALL_SEQ, s.wrapping_add(2), Ordering::Release);
         }
     }
 
     /// Zeros (no descriptor) while the owner is writing it.
     fn call(&self, owner: usize) -> Meta {
         self.mapping(owner).map_or([0; 16], |m| {
-            let seq = m.u32_at(OFF_CALL_SEQ);
-            let before = seq.load(Ordering::Acquire);
+            let before = m.load_u32(OFF_CALL_SEQ);
             let meta = load_meta(m, OFF_CALL);
-            fence(Ordering::Acquire);
-            let after = seq.load(Ordering::Relaxed);
+            // (Each load is followed by an acquire fence: the descriptor's words are read
+            // before the second look at the sequence.)
+            let after = m.load_u32(OFF_CALL_SEQ);
             if before == after && before.is_multiple_of(2) {
                 meta
             } else {
@@ -266,24 +265,23 @@ impl HostArena for TcpArena {
 
     fn publish(&self, word: ArenaWord, value: u32) {
         let Some(own) = &self.own else { return };
-        let w = own.u32_at(OFF_WORDS[word as usize]);
-        w.store(value, Ordering::Release);
+        let off = OFF_WORDS[word as usize];
+        own.store_u32(off, value, Ordering::Release);
         // Store-fence-load against a sleeper's `sleep`.
         fence(Ordering::SeqCst);
         let asleep = self
             .local
             .iter()
             .filter_map(|&r| self.maps.get(r)?.as_ref())
-            .any(|m| m.u32_at(OFF_ASLEEP).load(Ordering::Relaxed) != 0);
+            .any(|m| m.load_u32(OFF_ASLEEP) != 0);
         if asleep {
-            wake_all(w);
+            own.wake(off);
         }
     }
 
     fn load(&self, owner: usize, word: ArenaWord) -> u32 {
-        self.mapping(owner).map_or(0, |m| {
-            m.u32_at(OFF_WORDS[word as usize]).load(Ordering::Acquire)
-        })
+        self.mapping(owner)
+            .map_or(0, |m| m.load_u32(OFF_WORDS[word as usize]))
     }
 
     fn sleep(&self, owner: usize, word: ArenaWord, seen: u32, limit: Duration) {
@@ -291,14 +289,21 @@ impl HostArena for TcpArena {
             std::thread::sleep(limit.min(Duration::from_millis(1)));
             return;
         };
-        let flag = own.u32_at(OFF_ASLEEP);
-        flag.store(1, Ordering::Relaxed);
+        // A count, not a flag: each sleeping thread of this rank is one (one that wakes
+        // first must not clear another's).
+        own.add_u32(OFF_ASLEEP, 1);
         fence(Ordering::SeqCst);
-        let w = m.u32_at(OFF_WORDS[word as usize]);
-        if w.load(Ordering::Acquire) == seen {
-            wait_on(w, seen, limit);
+        let off = OFF_WORDS[word as usize];
+        // Should the futex itself fail (not a timeout, an interruption or a changed value: say
+        // a seccomp filter refuses it), a 1 ms sleep instead, so that the caller's loop until
+        // its deadline does not turn into a busy one.
+        if m.load_u32(off) == seen
+            && let Err(e) = m.wait(off, seen, limit)
+        {
+            tracing::debug!(error = %e, "host arena: futex wait failed; sleeping 1 ms instead");
+            std::thread::sleep(limit.min(Duration::from_millis(1)));
         }
-        flag.store(0, Ordering::Relaxed);
+        own.add_u32(OFF_ASLEEP, u32::MAX);
     }
 
     fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {
@@ -319,36 +324,16 @@ impl HostArena for TcpArena {
 fn store_meta(m: &Mapping, off: usize, meta: Meta) {
     let (a, b) = meta.split_at(8);
     let word = |x: &[u8]| u64::from_le_bytes(x.try_into().expect("eight bytes"));
-    m.u64_at(off).store(word(a), Ordering::Relaxed);
-    m.u64_at(off + 8).store(word(b), Ordering::Relaxed);
+    m.store_u64(off, word(a), Ordering::Relaxed);
+    m.store_u64(off + 8, word(b), Ordering::Relaxed);
 }
 
 fn load_meta(m: &Mapping, off: usize) -> Meta {
     let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&m.u64_at(off).load(Ordering::Acquire).to_le_bytes());
-    out[8..].copy_from_slice(&m.u64_at(off + 8).load(Ordering::Acquire).to_le_bytes());
+    out[..8].copy_from_slice(&m.load_u64(off).to_le_bytes());
+    out[8..].copy_from_slice(&m.load_u64(off + 8).to_le_bytes());
     out
 }
-
-/// Sleeps while `word` holds `seen`, at most `limit` (any return: the caller looks again), on
-/// the rings' futex wait; should the futex itself fail (not a timeout, an interruption or a
-/// changed value: say a seccomp filter refuses it), a 1 ms sleep instead, so that the caller's
-/// loop until its deadline does not turn into a busy one.
-fn wait_on(word: &std::sync::atomic::AtomicU32, seen: u32, limit: Duration) {
-    if let Err(e) = super::ring::wait_on(word, seen, limit) {
-        tracing::debug!(error = %e, "host arena: futex wait failed; sleeping 1 ms instead");
-        std::thread::sleep(limit.min(Duration::from_millis(1)));
-    }
-}
-
-#[cfg(target_os = "linux")]
-fn wake_all(word: &std::sync::atomic::AtomicU32) {
-    use rustix::thread::futex;
-    let _ = futex::wake(word, futex::Flags::empty(), u32::MAX >> 1);
-}
-
-#[cfg(not(target_os = "linux"))]
-fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
 #[cfg(test)]
 #[path = "arena_tests.rs"]

@@ -9,7 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 
@@ -82,10 +82,10 @@ impl Mapping {
         // Mapped writable before the seals: after them no writable mapping can be made.
         let m = Mapping::map(&fd, len as usize, slot as usize, true)?;
         rustix::fs::fcntl_add_seals(&fd, required_seals())?;
-        m.u64_at(OFF_SLOT).store(slot, Ordering::Relaxed);
-        m.u32_at(OFF_RANK).store(rank as u32, Ordering::Relaxed);
-        m.u32_at(OFF_VERSION).store(VERSION, Ordering::Relaxed);
-        m.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        m.store_u64(OFF_SLOT, slot, Ordering::Relaxed);
+        m.store_u32(OFF_RANK, rank as u32, Ordering::Relaxed);
+        m.store_u32(OFF_VERSION, VERSION, Ordering::Relaxed);
+        m.store_u64(OFF_MAGIC, MAGIC, Ordering::Release);
         Ok((fd, m))
     }
 
@@ -100,10 +100,10 @@ impl Mapping {
         let m = Mapping::map(fd, want as usize, slot as usize, false)
             .map_err(|e| format!("mmap: {e}"))?;
         let (magic, version, rank, hslot) = (
-            m.u64_at(OFF_MAGIC).load(Ordering::Acquire),
-            m.u32_at(OFF_VERSION).load(Ordering::Acquire),
-            m.u32_at(OFF_RANK).load(Ordering::Acquire),
-            m.u64_at(OFF_SLOT).load(Ordering::Acquire),
+            m.load_u64(OFF_MAGIC),
+            m.load_u32(OFF_VERSION),
+            m.load_u32(OFF_RANK),
+            m.load_u64(OFF_SLOT),
         );
         if magic != MAGIC || version != VERSION || rank as usize != peer || hslot != slot {
             return Err(format!(
@@ -123,15 +123,69 @@ impl Mapping {
         Ok(Mapping { map, slot })
     }
 
-    /// The header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]). A store is only
-    /// ever made on the owner's writable mapping.
-    pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
+    /// Loads the header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]): a relaxed
+    /// load (the only atomic access Rust allows on a read-only mapping such as a peer's), then
+    /// an acquire fence, so that what the owner wrote before its release store is visible.
+    pub(crate) fn load_u64(&self, off: usize) -> u64 {
+        let v = self.word64(off).load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        v
+    }
+
+    /// Loads the header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]), as
+    /// [`Mapping::load_u64`].
+    pub(crate) fn load_u32(&self, off: usize) -> u32 {
+        let v = self.word32(off).load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        v
+    }
+
+    /// Stores `v` in the header's 64-bit word at `off` with `order`, on the owner's writable
+    /// mapping only: false (nothing stored) on a peer's read-only one.
+    pub(crate) fn store_u64(&self, off: usize, v: u64, order: Ordering) -> bool {
+        if !self.map.writable() {
+            return false;
+        }
+        self.word64(off).store(v, order);
+        true
+    }
+
+    /// Stores `v` in the header's 32-bit word at `off`, as [`Mapping::store_u64`].
+    pub(crate) fn store_u32(&self, off: usize, v: u32, order: Ordering) -> bool {
+        if !self.map.writable() {
+            return false;
+        }
+        self.word32(off).store(v, order);
+        true
+    }
+
+    /// Adds `delta` (wrapping) to the header's 32-bit word at `off`, on the owner's writable
+    /// mapping only (false, nothing changed, on a peer's).
+    pub(crate) fn add_u32(&self, off: usize, delta: u32) -> bool {
+        if !self.map.writable() {
+            return false;
+        }
+        self.word32(off).fetch_add(delta, Ordering::Relaxed);
+        true
+    }
+
+    /// Sleeps while the header's 32-bit word at `off` holds `seen`, at most `limit` (the
+    /// futex only reads the word: any mapping).
+    pub(crate) fn wait(&self, off: usize, seen: u32, limit: std::time::Duration) -> io::Result<()> {
+        super::ring::wait_on(self.word32(off), seen, limit)
+    }
+
+    /// Wakes every process sleeping on the header's 32-bit word at `off`.
+    pub(crate) fn wake(&self, off: usize) {
+        super::ring::wake_all(self.word32(off));
+    }
+
+    fn word64(&self, off: usize) -> &AtomicU64 {
         assert!(off + 8 <= HEADER, "header offset {off}");
         self.map.u64_at(off)
     }
 
-    /// The header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]).
-    pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
+    fn word32(&self, off: usize) -> &AtomicU32 {
         assert!(off + 4 <= HEADER, "header offset {off}");
         self.map.u32_at(off)
     }

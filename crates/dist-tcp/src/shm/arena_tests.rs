@@ -56,6 +56,46 @@ fn segments_round_trip() {
     assert_eq!(b.load(0, ArenaWord::Reduced), 5);
 }
 
+/// Two threads of one rank asleep on a peer's words: the one that wakes first (its limit
+/// passed) leaves the other counted as asleep, so the peer's publish still wakes it (with a
+/// flag of 0/1 the first cleared it, and the second slept out its limit).
+#[test]
+fn a_second_sleeper_of_one_rank_is_still_woken() {
+    let (a, b) = pair();
+    let asleep = || a.maps[1].as_ref().unwrap().load_u32(OFF_ASLEEP);
+    std::thread::scope(|s| {
+        let t = Instant::now();
+        let long = s.spawn(|| {
+            while b.load(0, ArenaWord::Reduced) != 3 {
+                b.sleep(0, ArenaWord::Reduced, 0, Duration::from_secs(30));
+            }
+        });
+        // Wait (by the deadline below) until the long sleeper is counted.
+        while asleep() == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "never counted asleep"
+            );
+            std::thread::yield_now();
+        }
+        // A second thread of rank 1 sleeps briefly on another word and wakes by its limit.
+        s.spawn(|| b.sleep(0, ArenaWord::Input, 0, Duration::from_millis(1)))
+            .join()
+            .unwrap();
+        let counted = asleep();
+        let woken_at = Instant::now();
+        a.publish(ArenaWord::Reduced, 3);
+        long.join().unwrap();
+        assert_eq!(counted, 1, "the long sleeper was no longer counted");
+        assert!(
+            woken_at.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            woken_at.elapsed()
+        );
+    });
+    assert_eq!(asleep(), 0);
+}
+
 /// A peer reading the call descriptor while its owner rewrites it gets a whole descriptor or
 /// none, never half of one and half of another (a torn one looked like a mismatched call:
 /// `coll_reductions::n8` failed with "count 70001 vs 0" under load).
@@ -144,17 +184,28 @@ fn hostile_segments_are_refused() {
     assert!(e.contains("rank 1"), "{e}");
     assert!(Mapping::open(&fd, ARENA_SLOT / 2, 1).is_err());
     assert!(Mapping::open(&fd, 3, 1).is_err());
-    own.u64_at(0)
-        .store(MAGIC ^ 1, std::sync::atomic::Ordering::SeqCst);
+    assert!(own.store_u64(0, MAGIC ^ 1, std::sync::atomic::Ordering::SeqCst));
     assert!(
         Mapping::open(&fd, ARENA_SLOT, 1)
             .unwrap_err()
             .contains("arena header")
     );
     // A read-only mapping refuses writes.
-    let (fd, _own) = Mapping::create(ARENA_SLOT, 1).unwrap();
+    let (fd, own) = Mapping::create(ARENA_SLOT, 1).unwrap();
     let theirs = Mapping::open(&fd, ARENA_SLOT, 1).unwrap();
     assert!(!theirs.write(0, 0, b"x"));
+    // Nor stores to its words: nothing is stored (a store would fault on the read-only
+    // mapping), and the owner's value stays.
+    let relaxed = std::sync::atomic::Ordering::Relaxed;
+    assert!(!theirs.store_u32(OFF_WORDS[0], 7, relaxed));
+    assert!(!theirs.store_u64(OFF_META, 7, relaxed));
+    assert!(!theirs.add_u32(OFF_ASLEEP, 1));
+    assert_eq!(
+        (theirs.load_u32(OFF_WORDS[0]), theirs.load_u32(OFF_ASLEEP)),
+        (0, 0)
+    );
+    assert!(own.store_u32(OFF_WORDS[0], 9, relaxed));
+    assert_eq!(theirs.load_u32(OFF_WORDS[0]), 9);
 }
 
 /// A rank whose peer did not map its segment (or without one) says its arena is incomplete;

@@ -233,12 +233,12 @@ pub(super) fn wait_on(
 
 /// Wakes every waiter on `word` (the producer is in another process: a shared futex).
 #[cfg(target_os = "linux")]
-fn wake_all(word: &std::sync::atomic::AtomicU32) {
+pub(super) fn wake_all(word: &std::sync::atomic::AtomicU32) {
     let _ = futex::wake(word, futex::Flags::empty(), u32::MAX >> 1);
 }
 
 #[cfg(not(target_os = "linux"))]
-fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
+pub(super) fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
 impl RxRing {
     /// The consuming end of `seg` (checked by [`Segment::open`] for capacity `cap`).

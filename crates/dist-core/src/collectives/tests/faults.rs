@@ -201,6 +201,7 @@ fn a_rank_that_dies_mid_collective_is_named_everywhere() {
         let tuning = Tuning {
             ring_piece_kb: 16,
             lanes,
+            ..Tuning::default()
         };
         let results = run_links(links, |l| {
             let g = Group::form(l, tuning, Duration::from_secs(30))?;
@@ -303,6 +304,7 @@ fn one_failing_lane_stops_the_other_and_reports_the_cause() {
     let tuning = Tuning {
         ring_piece_kb: 64,
         lanes: 2,
+        ..Tuning::default()
     };
     let results = run_links(links, |l| {
         let g = Group::form(l, tuning, Duration::from_secs(30))?;
@@ -405,6 +407,7 @@ fn rank_0_failing_to_form_tells_every_rank() {
         |r| Tuning {
             ring_piece_kb: if r == 0 { 0 } else { 256 },
             lanes: 1,
+            ..Tuning::default()
         },
         Duration::from_secs(10),
         |g| g.all_reduce(&mut [1u32; 4], ReduceOp::Sum),

@@ -29,6 +29,7 @@ const SIZES: [usize; 15] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 33, 64];
 const SMALL_PIECES: Tuning = Tuning {
     ring_piece_kb: 1,
     lanes: 1,
+    arena_max_kb: (super::super::HOST_ARENA_MAX >> 10) as u32,
 };
 
 /// all_reduce and all_reduce_into of `count` elements with every op of `E`.

@@ -11,6 +11,7 @@ use super::super::HOST_SPLIT_MIN;
 use super::super::host::word_reached;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::arena::ArenaWord;
+use crate::link::Link;
 use crate::testing::{MemLink, run_links};
 use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
 
@@ -382,6 +383,47 @@ fn an_incomplete_arena_or_no_shared_host_falls_back_to_messages() {
         });
         for res in results {
             assert_eq!(res.unwrap(), Some(false));
+        }
+    }
+}
+
+/// The group's arena limit (rank 0's tuning, whatever the others'): an all_reduce above it
+/// runs over messages and does not even agree on the arena; one at it runs on the arena; a
+/// limit of 0 keeps every all_reduce off it. Results are right either way.
+#[test]
+fn the_groups_arena_limit_decides() {
+    for (limit_kb, small_on_arena) in [(1u32, Some(true)), (0, None)] {
+        let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
+            let local = Tuning {
+                // Only rank 0's counts: the others ask for no limit at all.
+                arena_max_kb: if l.rank() == 0 {
+                    limit_kb
+                } else {
+                    Tuning::MAX_ARENA_KB
+                },
+                ..Tuning::default()
+            };
+            let g = Group::form(l, local, TIMEOUT)?;
+            let mut seen = Vec::new();
+            for count in [257usize, 256] {
+                let mut x = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                same(
+                    &g,
+                    "all_reduce",
+                    &x,
+                    &reduced::<u32>(ReduceOp::Sum, 3, count),
+                )?;
+                seen.push(g.arena_in_use());
+            }
+            Ok(seen)
+        });
+        for res in results {
+            assert_eq!(
+                res.unwrap(),
+                vec![None, small_on_arena],
+                "limit {limit_kb} KiB"
+            );
         }
     }
 }

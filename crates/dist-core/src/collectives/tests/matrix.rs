@@ -239,6 +239,7 @@ fn ring<E: Element>() {
     let piece = Tuning {
         ring_piece_kb: 4,
         lanes: 1,
+        ..Tuning::default()
     };
     on_every_world_size(1..=9, piece, |g| {
         reducing::<E>(g, ALL_REDUCE_RING_MIN / size + 13)
@@ -281,6 +282,7 @@ fn ring_pieces_ring_reduce_and_chains() {
         let t = Tuning {
             ring_piece_kb: kb,
             lanes: 1,
+            ..Tuning::default()
         };
         on_every_world_size(1..=9, t, |g| {
             let n = g.world_size();
@@ -291,6 +293,7 @@ fn ring_pieces_ring_reduce_and_chains() {
     let t = Tuning {
         ring_piece_kb: 24,
         lanes: 1,
+        ..Tuning::default()
     };
     on_every_world_size(1..=9, t, |g| {
         reducing_some::<i64>(g, REDUCE_RING_MIN / 8 + 3, 5)?;
@@ -340,6 +343,7 @@ fn with_two_lanes(n: usize, f: impl Fn(&Group<MemLink>) -> Result<()> + Sync) ->
     let t = Tuning {
         ring_piece_kb: 64,
         lanes: 2,
+        ..Tuning::default()
     };
     for (r, res) in run_links(links, |l| f(&Group::form(l, t, TIMEOUT)?))
         .into_iter()
@@ -452,6 +456,7 @@ fn late_and_reordered_messages_change_no_result() {
         let t = Tuning {
             ring_piece_kb: 256,
             lanes: 2,
+            ..Tuning::default()
         };
         let results = run_links(links, |l| {
             let g = Group::form(l, t, TIMEOUT)?;
@@ -474,6 +479,7 @@ fn rank_0_decides_the_tuning() {
     let tuning = |r: usize| Tuning {
         ring_piece_kb: 8 + r as u32,
         lanes: 1 + (r as u32 % 2),
+        ..Tuning::default()
     };
     let got = run_group(4, tuning, TIMEOUT, |g| Ok(g.tuning()));
     for t in got {
@@ -482,6 +488,7 @@ fn rank_0_decides_the_tuning() {
     let bad = Tuning {
         ring_piece_kb: 0,
         lanes: 1,
+        ..Tuning::default()
     };
     let got = run_group(1, |_| bad, TIMEOUT, |g| Ok(g.tuning()));
     let e = got.into_iter().next().unwrap().unwrap_err();
