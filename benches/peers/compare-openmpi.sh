@@ -30,11 +30,15 @@ dist, mpi = load("dist"), load("mpi")
 ranks = int(sys.argv[3])
 # dist_core::collectives::select, for one lane (this script's machines have fewer than 8 cores).
 # With shared memory on (DIST_SHM unset or 1) the ranks of this one host all_reduce on the host
-# arena (dist_core::collectives::host) up to 512 KiB: whole up to 32 KiB, in shares from there;
-# larger buffers as below, over the shared-memory rings.
+# arena (dist_core::collectives::host) up to the group's limit (in dist-perf's header): whole up
+# to 32 KiB, in shares from there; larger buffers as below, over the shared-memory rings.
+import re
+head = next((l for l in open(f"{d}/dist.1") if l.startswith("# dist perf")), "")
+m = re.search(r"host arena up to (\d+) KiB", head)
+arena_max = int(m.group(1)) << 10 if m else 0
 arena = sys.argv[4] != "0"
 algo = lambda b: (("host arena, every rank reduces all" if b <= 32 * 1024
-                   else "host arena, a share per rank") if arena and b <= 512 * 1024
+                   else "host arena, a share per rank") if arena and b <= arena_max
                   else "recursive doubling" if b <= 64 * 1024 or b // 4 < ranks
                   else "ring RS+AG, 256 KiB pieces" if ranks < 8 or b // ranks >= 512 * 1024
                   else "recursive halving and doubling")

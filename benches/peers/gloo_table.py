@@ -17,11 +17,10 @@ HALVING_MIN_RANKS = 8
 TWO_RINGS_MAX_RANKS = 16
 RING_SHARE_MIN = 512 << 10
 # With shared memory on (DIST_SHM unset or 1), ranks of this one host all_reduce on the host
-# arena (dist_core::collectives::host) up to HOST_ARENA_MAX: every rank reduces the whole buffer
-# up to HOST_SPLIT_MIN, a share each above; larger buffers take the algorithms below, over the
-# shared-memory rings.
+# arena (dist_core::collectives::host) up to the group's limit (dist-perf's header says it):
+# every rank reduces the whole buffer up to HOST_SPLIT_MIN, a share each above; larger buffers
+# take the algorithms below, over the shared-memory rings.
 HOST_SPLIT_MIN = 32 << 10
-HOST_ARENA_MAX = 512 << 10
 
 
 def load(d, prefix, rounds):
@@ -41,11 +40,13 @@ def main():
     (dist, head), (gloo, _) = load(d, "dist", rounds), load(d, "gloo", rounds)
     m = re.search(r"ring pieces of (\d+) KiB, (\d+) lane", head)
     piece, lanes = (int(m.group(1)), int(m.group(2))) if m else (256, 1)
+    m = re.search(r"host arena up to (\d+) KiB", head)
+    arena_max = int(m.group(1)) << 10 if m else 0
 
     arena = os.environ.get("DIST_SHM", "1") != "0"
 
     def algo(b):
-        if arena and b <= HOST_ARENA_MAX:
+        if arena and b <= arena_max:
             return ("host arena, every rank reduces all" if b <= HOST_SPLIT_MIN
                     else "host arena, a share per rank")
         if b <= ALL_REDUCE_RING_MIN or b // 4 < ranks:

@@ -127,7 +127,8 @@ fn main() {
     b.group().force_all_reduce(forced);
     if b.rank() == 0 {
         perf_header(&format!(
-            "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s){}",
+            "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s), host \
+             arena up to {} KiB{}",
             o.op,
             b.world_size(),
             o.dtype,
@@ -138,6 +139,7 @@ fn main() {
             },
             dist_core::Transport::ring_piece(&b) >> 10,
             dist_core::Transport::lanes(&b),
+            b.group().tuning().arena_max_kb,
             forced.map_or(String::new(), |a| format!("; all_reduce forced: {a:?}")),
         ));
     }
