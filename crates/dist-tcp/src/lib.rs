@@ -49,7 +49,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use dist_core::collectives::{HOST_ARENA_MAX, HOST_ARENA_MAX_OVERSUBSCRIBED};
+use dist_core::collectives::host_arena_limit;
 use dist_core::flight::FlightRecorder;
 use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning};
 
@@ -150,14 +150,10 @@ fn parallel_for(cfg: &TcpConfig) -> bool {
 ///   a send and its receive run on separate cores;
 /// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
 ///   thread): 2 when there are cores to spare, else 1;
-/// - the largest all_reduce on the host arena: [`HOST_ARENA_MAX`] where this host's ranks of
-///   the job (`local`) have a core each (`cores`), else [`HOST_ARENA_MAX_OVERSUBSCRIBED`].
+/// - the largest all_reduce on the host arena: [`host_arena_limit`] of this host's ranks of the
+///   job (`local`) and its cores (`cores`).
 fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
-    let arena_default = if local <= cores {
-        HOST_ARENA_MAX
-    } else {
-        HOST_ARENA_MAX_OVERSUBSCRIBED
-    };
+    let arena_default = host_arena_limit(local, cores);
     let piece_default = if parallel {
         1 << 10
     } else {

@@ -46,12 +46,18 @@ pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 /// (one wait per call); larger ones split each piece into one share per rank
 /// (`collectives/host.rs`).
 pub const HOST_SPLIT_MIN: usize = 32 << 10;
-/// The default [`Tuning::arena_max`](crate::Tuning::arena_max): an all_reduce runs on the host
-/// arena up to this many bytes where every rank of the host has a core of its own; larger ones
-/// run the message algorithms (over the shared-memory rings between ranks of one host). 4
-/// ranks on 32 cores (`docs/benchmarks.md`, "Session 6"): 1 MiB 272 us on the arena against
-/// 379 on the rings; 4 and 16 MiB 1,080 and 4,427 us on the arena against 1,075 and 3,373.
+/// The default [`Tuning::arena_max`](crate::Tuning::arena_max), and the arena's limit where
+/// a host's ranks have a core each but are fewer than [`HOST_ARENA_ALL_MIN_RANKS`]: larger
+/// all_reduces run the message algorithms (over the shared-memory rings between ranks of one
+/// host). 4 ranks on 32 cores (`docs/benchmarks.md`, "Session 7"): 1 MiB 275 us on the arena
+/// against 443 on the rings; 4 MiB 1,129 against 1,097; 16 MiB 4,312 against 3,446.
 pub const HOST_ARENA_MAX: usize = 1 << 20;
+/// From this many ranks on one host, each with a core, every all_reduce runs on the arena: 8
+/// and 16 ranks on 32 cores ("Session 7"), arena against the message algorithms: 8 ranks
+/// 4 MiB 1,433 against 2,029 us, 16 MiB 6,092 against 5,636, 64 MiB 27,260 against 30,484;
+/// 16 ranks 4 MiB 2,253 against 3,094, 16 MiB 9,991 against 10,185, 64 MiB 43,071 against
+/// 48,847.
+pub const HOST_ARENA_ALL_MIN_RANKS: usize = 8;
 /// The arena's limit where a host has more ranks than cores (a link's own choice, such as
 /// dist-tcp's): there a piece split into shares waits twice for every rank, each wait a
 /// thread switch. 4 ranks on 2 cores, medians of three alternating rounds (`docs/benchmarks.md`,
@@ -60,3 +66,17 @@ pub const HOST_ARENA_MAX: usize = 1 << 20;
 pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 128 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
+
+/// The arena limit a link proposes for a host with `local` ranks of the job and `cores` cores
+/// ([`Tuning::arena_max`](crate::Tuning::arena_max) is rank 0's): every size from
+/// [`HOST_ARENA_ALL_MIN_RANKS`] ranks with a core each, [`HOST_ARENA_MAX`] for fewer, and
+/// [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks outnumber the cores.
+pub fn host_arena_limit(local: usize, cores: usize) -> usize {
+    if local > cores {
+        HOST_ARENA_MAX_OVERSUBSCRIBED
+    } else if local >= HOST_ARENA_ALL_MIN_RANKS {
+        (crate::Tuning::MAX_ARENA_KB as usize) << 10
+    } else {
+        HOST_ARENA_MAX
+    }
+}
