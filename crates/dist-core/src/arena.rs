@@ -53,6 +53,12 @@ pub trait HostArena: Send + Sync {
     /// own). It may differ between ranks: the group agrees on it before using the arena.
     fn complete(&self) -> bool;
 
+    /// Claims this rank's arena for the group that asks (on its first all_reduce): true the
+    /// first time, false ever after. The arena's words count one group's pieces, so a second
+    /// group over the same link (say one formed over a clone of it) must not use it: it runs
+    /// its all_reduces over messages.
+    fn claim(&self) -> bool;
+
     /// The bytes of one slot.
     fn slot_len(&self) -> usize;
 

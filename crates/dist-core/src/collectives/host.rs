@@ -65,10 +65,10 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
     Ok(yes)
 }
 
-/// A rank's vote: 0 if its arena is incomplete, else a hash (never 0) of the host layout and
-/// the slot size.
+/// A rank's vote: 0 if its arena is incomplete or another group over the same link claimed
+/// it, else a hash (never 0) of the host layout and the slot size.
 fn vote(a: &dyn HostArena) -> u64 {
-    if !a.complete() {
+    if !a.complete() || !a.claim() {
         return 0;
     }
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -19,6 +19,7 @@ struct Part {
     meta: Mutex<[Meta; 2]>,
     call: Mutex<Meta>,
     complete: AtomicBool,
+    claimed: AtomicBool,
 }
 
 /// The arenas of every rank of one in-memory link.
@@ -48,6 +49,7 @@ impl Arenas {
                     meta: Mutex::new([[0; 16]; 2]),
                     call: Mutex::new([0; 16]),
                     complete: AtomicBool::new(true),
+                    claimed: AtomicBool::new(false),
                 })
                 .collect(),
             lock: Mutex::new(()),
@@ -115,6 +117,12 @@ impl HostArena for MemArena {
 
     fn complete(&self) -> bool {
         self.arenas.parts[self.me].complete.load(Ordering::Acquire)
+    }
+
+    fn claim(&self) -> bool {
+        !self.arenas.parts[self.me]
+            .claimed
+            .swap(true, Ordering::AcqRel)
     }
 
     fn slot_len(&self) -> usize {

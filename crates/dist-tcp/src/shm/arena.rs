@@ -11,7 +11,7 @@
 //! death is its TCP connection closing ([`HostArena::check_peer`]).
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -135,6 +135,7 @@ impl ArenaSetup {
             maps,
             peers,
             spin,
+            claimed: AtomicBool::new(false),
         }
     }
 }
@@ -150,6 +151,8 @@ pub(crate) struct TcpArena {
     maps: Vec<Option<Mapping>>,
     peers: Vec<Arc<Peer>>,
     spin: Duration,
+    /// A group has claimed the arena ([`HostArena::claim`]).
+    claimed: AtomicBool,
 }
 
 impl std::fmt::Debug for TcpArena {
@@ -200,6 +203,10 @@ impl HostArena for TcpArena {
 
     fn complete(&self) -> bool {
         self.complete
+    }
+
+    fn claim(&self) -> bool {
+        !self.claimed.swap(true, Ordering::AcqRel)
     }
 
     fn slot_len(&self) -> usize {

@@ -380,14 +380,26 @@ fn recv_fd(
     }
     let mut got = got.into_iter();
     let (fd, arena) = (got.next(), got.next());
-    if r.bytes != buf.len() || expect.is_some_and(|x| x != &buf[..]) {
+    if r.bytes != buf.len() {
         return Err(format!(
-            "unexpected answer ({} bytes) on the ring socket",
-            r.bytes
+            "unexpected answer on the ring socket: {} bytes where {} were expected",
+            r.bytes,
+            buf.len()
         ));
     }
-    fd.map(|f| (f, arena))
-        .ok_or_else(|| "no descriptor came with the answer".to_string())
+    if let Some(x) = expect.filter(|x| *x != &buf[..]) {
+        return Err(format!(
+            "unexpected answer on the ring socket: {:?} where {x:?} was expected",
+            &buf[..]
+        ));
+    }
+    fd.map(|f| (f, arena)).ok_or_else(|| {
+        format!(
+            "no descriptor came with the {}-byte answer (the ring's, and the arena's if any, \
+             were expected)",
+            r.bytes
+        )
+    })
 }
 
 #[cfg(test)]

@@ -440,3 +440,31 @@ fn arena_limits_by_ranks_and_cores() {
     assert_eq!(host_arena_limit(8, 32), all);
     assert_eq!(host_arena_limit(16, 16), all);
 }
+
+/// A second group over the same link (a clone of it) finds the arena claimed by the first and
+/// runs its all_reduces over messages: the arena's words count one group's pieces, and two
+/// groups counting on them at once could read each other's slots. Both get right results,
+/// one after the other, in either order of first use.
+#[test]
+fn a_second_group_over_one_link_keeps_off_the_arena() {
+    let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
+        let first = Group::form(l.clone(), Tuning::default(), TIMEOUT)?;
+        let second = Group::form(l, Tuning::default(), TIMEOUT)?;
+        for count in [5usize, 3000] {
+            for g in [&first, &second] {
+                let mut x = inputs::<i32>(ReduceOp::Sum, g.rank(), count);
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                same(
+                    g,
+                    "all_reduce",
+                    &x,
+                    &reduced::<i32>(ReduceOp::Sum, 3, count),
+                )?;
+            }
+        }
+        Ok((first.arena_in_use(), second.arena_in_use()))
+    });
+    for res in results {
+        assert_eq!(res.unwrap(), (Some(true), Some(false)));
+    }
+}
