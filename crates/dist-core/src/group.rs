@@ -159,6 +159,12 @@ impl<L: Link> Group<L> {
     /// also the collectives' default. Every rank must call it. A rank that hears of an abort
     /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
     /// that group fails at once with the abort.
+    ///
+    /// One group per link: a second group formed over a clone of the same link uses the same
+    /// tags as the first, so the two must not be called in turn or at once (a message of one
+    /// could be taken by the other); the link's host arena stays with the first group to use
+    /// it ([`HostArena::claim`](crate::HostArena::claim)). Sub-groups
+    /// ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags of its own.
     pub fn form(link: L, local: Tuning, timeout: Duration) -> Result<Group<L>> {
         let (me, n) = (link.rank(), link.world_size());
         let op = || "form the group".to_string();

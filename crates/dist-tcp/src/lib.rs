@@ -151,9 +151,9 @@ fn parallel_for(cfg: &TcpConfig) -> bool {
 /// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
 ///   thread): 2 when there are cores to spare, else 1;
 /// - the largest all_reduce on the host arena: [`host_arena_limit`] of this host's ranks of the
-///   job (`local`) and its cores (`cores`).
+///   job (`local`), the job's and this host's cores (`cores`).
 fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
-    let arena_default = host_arena_limit(local, cores);
+    let arena_default = host_arena_limit(local, cfg.world_size, cores);
     let piece_default = if parallel {
         1 << 10
     } else {

@@ -15,7 +15,7 @@ use sha2::Sha256;
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;

@@ -96,9 +96,19 @@ fn check_sizes(b: &TcpBackend) {
     }
 }
 
+/// The group's arena limit is the one `DIST_ARENA_MAX_KB` asks for, where it is set (the
+/// `every_size` variant: else its sizes would not reach the arena past the default limit).
+fn check_limit(b: &TcpBackend) {
+    if let Ok(kb) = std::env::var("DIST_ARENA_MAX_KB") {
+        let kb: u32 = kb.parse().expect("DIST_ARENA_MAX_KB is a number");
+        assert_eq!(b.group().tuning().arena_max_kb, kb, "rank {}", b.rank());
+    }
+}
+
 /// Every rank on one host: the group runs on the arena (over messages with `DIST_SHM=0`).
 fn arena() -> Result<(), String> {
     let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
+    check_limit(&b);
     check_sizes(&b);
     assert_eq!(
         b.group().arena_in_use(),
@@ -116,6 +126,7 @@ fn several_hosts() -> Result<(), String> {
     let me: usize = std::env::var("RANK").unwrap().parse().unwrap();
     let cfg = config().host_id(format!("simulated-{}", me / 2));
     let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
+    check_limit(&b);
     check_sizes(&b);
     assert_eq!(b.group().arena_in_use(), Some(true), "rank {me}");
     b.barrier().unwrap();

@@ -67,14 +67,17 @@ pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 128 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
 
-/// The arena limit a link proposes for a host with `local` ranks of the job and `cores` cores
-/// ([`Tuning::arena_max`](crate::Tuning::arena_max) is rank 0's): every size from
-/// [`HOST_ARENA_ALL_MIN_RANKS`] ranks with a core each, [`HOST_ARENA_MAX`] for fewer, and
-/// [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks outnumber the cores.
-pub fn host_arena_limit(local: usize, cores: usize) -> usize {
+/// The arena limit a link proposes for a host with `local` of the job's `world` ranks and
+/// `cores` cores ([`Tuning::arena_max`](crate::Tuning::arena_max) is rank 0's): every size
+/// (up to [`Tuning::MAX_ARENA_KB`](crate::Tuning::MAX_ARENA_KB)) for a job all on this host
+/// with [`HOST_ARENA_ALL_MIN_RANKS`] ranks or more, each with a core (only such jobs were
+/// measured: across hosts the arena's part comes before and after the leaders' ring, not
+/// beside it); [`HOST_ARENA_MAX`] otherwise; [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks
+/// outnumber the cores.
+pub fn host_arena_limit(local: usize, world: usize, cores: usize) -> usize {
     if local > cores {
         HOST_ARENA_MAX_OVERSUBSCRIBED
-    } else if local >= HOST_ARENA_ALL_MIN_RANKS {
+    } else if local >= HOST_ARENA_ALL_MIN_RANKS && local >= world {
         (crate::Tuning::MAX_ARENA_KB as usize) << 10
     } else {
         HOST_ARENA_MAX

@@ -37,8 +37,8 @@ fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
 }
 
 /// all_reduce in place: on the host arena where the group agreed to use one, up to the
-/// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes; else by size and world size ([`all_reduce_algorithm`]), or as the
-/// group forces.
+/// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes; else by size and world size
+/// ([`all_reduce_algorithm`]), or as the group forces.
 fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
     c.check_op::<T>(op)?;
     premul(data, op);

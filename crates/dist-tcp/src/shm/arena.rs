@@ -4,10 +4,10 @@
 //! read-write and its host's peers' read-only. [`ArenaSetup`] gathers, while the connections
 //! form, each peer's host and mapping; [`ArenaSetup::finish`] makes the arena.
 //!
-//! Waking: a rank about to sleep on a peer's word sets its own asleep flag, then (after a
-//! `SeqCst` fence) looks at the word once more and sleeps on it with a futex; a rank that
-//! publishes a word stores it, fences, and wakes the word's sleepers if any peer's asleep flag
-//! is set. One of the two always sees the other (store-fence-load on both sides). A peer's
+//! Waking: a thread about to sleep on a peer's word adds one to its rank's asleep count, then
+//! (after a `SeqCst` fence) looks at the word once more and sleeps on it with a futex, and takes
+//! its one off when it wakes; a rank that publishes a word stores it, fences, and wakes the
+//! word's sleepers if any peer's asleep count is not zero. One of the two always sees the other (store-fence-load on both sides). A peer's
 //! death is its TCP connection closing ([`HostArena::check_peer`]).
 
 use std::os::fd::OwnedFd;

@@ -4,7 +4,7 @@
 //! before they map it: the size, and the seals that keep it.
 //!
 //! The header: magic, version, the owner's rank and the slot size; then, each on a cache line
-//! of its own, the input word, the reduced word, and the owner's asleep flag (it sleeps on a
+//! of its own, the input word, the reduced word, and the owner's asleep count (its threads sleeping on a
 //! peer's word); the descriptors beside each slot and of the current call.
 
 use std::io;

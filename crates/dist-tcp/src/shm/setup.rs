@@ -387,10 +387,11 @@ fn recv_fd(
             buf.len()
         ));
     }
-    if let Some(x) = expect.filter(|x| *x != &buf[..]) {
+    if expect.is_some_and(|x| x != &buf[..]) {
+        // (Neither value is printed: the expected one is this pair's secret token.)
         return Err(format!(
-            "unexpected answer on the ring socket: {:?} where {x:?} was expected",
-            &buf[..]
+            "unexpected answer on the ring socket: its {} bytes are not the token this rank sent",
+            r.bytes
         ));
     }
     fd.map(|f| (f, arena)).ok_or_else(|| {

@@ -433,18 +433,20 @@ fn the_groups_arena_limit_decides() {
 fn arena_limits_by_ranks_and_cores() {
     use super::super::host_arena_limit;
     let all = (Tuning::MAX_ARENA_KB as usize) << 10;
-    assert_eq!(host_arena_limit(4, 2), 128 << 10);
-    assert_eq!(host_arena_limit(17, 16), 128 << 10);
-    assert_eq!(host_arena_limit(2, 32), 1 << 20);
-    assert_eq!(host_arena_limit(7, 32), 1 << 20);
-    assert_eq!(host_arena_limit(8, 32), all);
-    assert_eq!(host_arena_limit(16, 16), all);
+    assert_eq!(host_arena_limit(4, 4, 2), 128 << 10);
+    assert_eq!(host_arena_limit(17, 17, 16), 128 << 10);
+    assert_eq!(host_arena_limit(2, 2, 32), 1 << 20);
+    assert_eq!(host_arena_limit(7, 7, 32), 1 << 20);
+    assert_eq!(host_arena_limit(8, 8, 32), all);
+    assert_eq!(host_arena_limit(16, 16, 16), all);
+    // A job over several hosts keeps the limit of fewer ranks.
+    assert_eq!(host_arena_limit(16, 32, 32), 1 << 20);
 }
 
 /// A second group over the same link (a clone of it) finds the arena claimed by the first and
 /// runs its all_reduces over messages: the arena's words count one group's pieces, and two
 /// groups counting on them at once could read each other's slots. Both get right results,
-/// one after the other, in either order of first use.
+/// one after the other.
 #[test]
 fn a_second_group_over_one_link_keeps_off_the_arena() {
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
