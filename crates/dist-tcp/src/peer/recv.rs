@@ -261,7 +261,7 @@ impl Peer {
                 let until = Instant::now()
                     .checked_add(self.spin_time())
                     .map_or(deadline, |t| deadline.min(t));
-                self.spin(id, until, deadline);
+                self.spin(id, until);
                 st = self.lock();
                 let done = st
                     .posted
@@ -305,40 +305,21 @@ impl Peer {
     }
 
     /// Reads the socket from this thread until receive `id` is done or `until` passes, as long
-    /// as nobody else is reading it at that moment. While bytes of this receive's own message
-    /// keep coming, `until` moves on (one spin time past the last bytes read, never past
-    /// `deadline`): a large message that streams in is read whole by its receiver's own thread,
-    /// as it was when each peer had a reader thread, instead of by the I/O thread, which reads
-    /// every peer's socket in turn (with two rings, the receives from both neighbours would
-    /// queue on that one thread). Bytes for other receives do not keep it spinning.
-    fn spin(&self, id: u64, mut until: Instant, deadline: Instant) {
+    /// as nobody else is reading it at that moment.
+    fn spin(&self, id: u64, until: Instant) {
         let Some(rx) = self.rx() else { return };
         let _spinning = Spinning::new(&self.spinners);
-        let spin = self.spin_time();
         loop {
-            let mut moved = false;
-            if let Ok(mut r) = rx.try_lock() {
-                match self.progress(&mut r) {
-                    Step::Closed(cause) => self.shut(&mut r, cause),
-                    Step::Progress => moved = true,
-                    Step::Idle | Step::Held(..) => {}
-                }
+            if let Ok(mut r) = rx.try_lock()
+                && let Step::Closed(cause) = self.progress(&mut r)
+            {
+                self.shut(&mut r, cause);
             }
-            let (done, filling) =
-                self.lock()
-                    .posted
-                    .iter()
-                    .find(|p| p.id == id)
-                    .map_or((false, false), |p| {
-                        (
-                            matches!(p.slot, Slot::Done(_)),
-                            matches!(p.slot, Slot::Filling),
-                        )
-                    });
-            if moved && filling {
-                let more = Instant::now().checked_add(spin).unwrap_or(deadline);
-                until = until.max(more.min(deadline));
-            }
+            let done = self
+                .lock()
+                .posted
+                .iter()
+                .any(|p| p.id == id && matches!(p.slot, Slot::Done(_)));
             if done || Instant::now() >= until {
                 break;
             }
