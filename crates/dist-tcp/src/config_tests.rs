@@ -1,0 +1,216 @@
+//! Tests of `config.rs`: the launcher's and dist's variables read, bad values refused naming
+//! the variable and value, the secret kept out of `Debug`, the receive spin by ranks per core.
+
+use super::*;
+use std::collections::HashMap;
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let m: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| m.get(k).cloned()
+}
+
+const OK: [(&str, &str); 4] = [
+    ("RANK", "2"),
+    ("WORLD_SIZE", "4"),
+    ("MASTER_ADDR", "127.0.0.1"),
+    ("MASTER_PORT", "29500"),
+];
+
+#[test]
+fn reads_torchrun_variables() {
+    let mut v = OK.to_vec();
+    v.push(("LOCAL_RANK", "1"));
+    v.push(("DIST_TIMEOUT", "2.5"));
+    let c = TcpConfig::from_lookup(env(&v)).unwrap();
+    assert_eq!((c.rank, c.world_size, c.local_rank), (2, 4, Some(1)));
+    assert_eq!(c.master, "127.0.0.1:29500");
+    assert_eq!(c.timeout, Duration::from_millis(2500));
+    assert_eq!((c.parallel, c.ring_piece_kb, c.lanes), (None, None, None));
+    assert_eq!(c.arena_max_kb, None);
+    v.extend([
+        ("DIST_TCP_PARALLEL", "0"),
+        ("DIST_RING_PIECE_KB", "512"),
+        ("DIST_TCP_LANES", "2"),
+        ("DIST_ARENA_MAX_KB", "0"),
+    ]);
+    let c = TcpConfig::from_lookup(env(&v)).unwrap();
+    assert_eq!(
+        (c.parallel, c.ring_piece_kb, c.lanes, c.arena_max_kb),
+        (Some(false), Some(512), Some(2), Some(0))
+    );
+    assert_eq!(c.formation, Formation::Auto);
+    assert_eq!(c.formation_mode(), Formation::Eager);
+    let big = |mut c: TcpConfig, n: usize| {
+        c.world_size = n;
+        c.formation_mode()
+    };
+    assert_eq!(big(c.clone(), LAZY_FROM - 1), Formation::Eager);
+    assert_eq!(big(c.clone(), LAZY_FROM), Formation::Lazy);
+    v.push(("DIST_FORMATION", "lazy"));
+    assert_eq!(
+        TcpConfig::from_lookup(env(&v)).unwrap().formation,
+        Formation::Lazy
+    );
+    v.pop();
+    v.push(("DIST_FORMATION", "eager"));
+    let c = TcpConfig::from_lookup(env(&v)).unwrap();
+    assert_eq!(big(c, 1000), Formation::Eager);
+    v.pop();
+    v.push(("DIST_FORMATION", "lazily"));
+    let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+    assert!(e.contains("DIST_FORMATION") && e.contains("lazily"), "{e}");
+    let v6 = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "::1"),
+        ("MASTER_PORT", "1"),
+    ];
+    assert_eq!(TcpConfig::from_lookup(env(&v6)).unwrap().master, "[::1]:1");
+}
+
+#[test]
+fn names_missing_and_malformed_variables() {
+    for missing in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        let v: Vec<_> = OK.iter().copied().filter(|(k, _)| *k != missing).collect();
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(e.contains(missing) && e.contains("not set"), "{e}");
+    }
+    for (k, bad) in [
+        ("RANK", "two"),
+        ("WORLD_SIZE", "-1"),
+        ("MASTER_PORT", "70000"),
+        ("DIST_TIMEOUT", "0"),
+        ("LOCAL_RANK", "x"),
+        ("DIST_TCP_PARALLEL", "2"),
+        ("DIST_TCP_LANES", "3"),
+        ("DIST_RING_PIECE_KB", "0"),
+        ("DIST_FORMATION", "later"),
+        ("DIST_SPIN_US", "1e12"),
+        ("DIST_ARENA_MAX_KB", "1048577"),
+        ("DIST_SPIN_US", "10001"),
+    ] {
+        let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
+        v.push((k, bad));
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(e.contains(k) && e.contains(bad), "{e}");
+    }
+    let mut v = OK.to_vec();
+    v[0] = ("RANK", "4");
+    let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+    assert!(e.contains("rank 4 is not below the world size 4"), "{e}");
+}
+
+/// `DIST_TIMEOUT=1e20` and the like are errors naming the variable and the value; on main,
+/// 1e20 panicked in `Duration::from_secs_f64` and 1e18 later in `Instant + Duration`.
+#[test]
+fn huge_or_odd_durations_are_errors_naming_the_input() {
+    for k in ["DIST_TIMEOUT", "DIST_INIT_TIMEOUT"] {
+        for bad in ["1e20", "1e18", "3.2e9", "inf", "NaN", "-5", "0"] {
+            let mut v = OK.to_vec();
+            v.push((k, bad));
+            let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(bad), "{e}");
+        }
+        let mut v = OK.to_vec();
+        v.push((k, "3.1e9"));
+        assert!(TcpConfig::from_lookup(env(&v)).is_ok());
+    }
+    let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+    for (what, cfg) in [
+        ("timeout", c().timeout(Duration::MAX)),
+        (
+            "init timeout",
+            c().init_timeout(Duration::from_secs(u64::MAX)),
+        ),
+        ("handshake timeout", c().handshake_timeout(Duration::MAX)),
+        ("linger", c().linger(Duration::MAX)),
+    ] {
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(
+            e.contains(what) && e.contains("longer than the longest"),
+            "{e}"
+        );
+    }
+}
+
+/// Review finding 5. Fails before the fix: `timeout(Duration::ZERO)` passed `validate`, and
+/// `DIST_TIMEOUT=1e-7` was accepted; socket2 turns a send timeout under 1 µs into 0, which
+/// the OS reads as "block forever".
+#[test]
+fn timeouts_under_a_millisecond_are_refused() {
+    let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+    for (what, cfg) in [
+        ("timeout", c().timeout(Duration::ZERO)),
+        ("timeout", c().timeout(Duration::from_nanos(100))),
+        ("init timeout", c().init_timeout(Duration::from_micros(999))),
+        ("handshake timeout", c().handshake_timeout(Duration::ZERO)),
+    ] {
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(
+            e.contains(what) && e.contains("shortest allowed, 1 ms"),
+            "{e}"
+        );
+    }
+    assert!(c().timeout(Duration::from_millis(1)).validate().is_ok());
+    for k in ["DIST_TIMEOUT", "DIST_INIT_TIMEOUT"] {
+        for bad in ["1e-7", "0.0009"] {
+            let mut v = OK.to_vec();
+            v.push((k, bad));
+            let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+            assert!(
+                e.contains(k) && e.contains(bad) && e.contains("0.001"),
+                "{e}"
+            );
+        }
+    }
+}
+
+/// Secrets shorter than 16 bytes are refused with an error that says how long one must be.
+#[test]
+fn short_secrets_are_refused() {
+    let c = || TcpConfig::new(0, 2, "127.0.0.1:1");
+    for short in ["", "hunter2", "fifteen bytes!!"] {
+        let e = c().secret(short).validate().unwrap_err().to_string();
+        assert!(
+            e.contains("shared secret")
+                && e.contains(&format!("is {} bytes", short.len()))
+                && e.contains("at least 16 bytes"),
+            "{e}"
+        );
+    }
+    assert!(c().secret("sixteen bytes!!!").validate().is_ok());
+    let mut v = OK.to_vec();
+    v.push(("DIST_SECRET", "short"));
+    let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+    assert!(
+        e.contains("DIST_SECRET") && e.contains("at least 16 bytes"),
+        "{e}"
+    );
+}
+
+#[test]
+fn debug_hides_the_secret() {
+    let c = TcpConfig::new(0, 1, "x:1").secret("hunter2");
+    assert!(!format!("{c:?}").contains("hunter2"));
+}
+
+/// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond
+/// (measured: `docs/benchmarks.md`, "Spinning and oversubscription"); `LOCAL_WORLD_SIZE`
+/// counts the ranks when set to a positive number.
+#[test]
+fn the_spin_stops_on_an_oversubscribed_host() {
+    assert_eq!(default_spin(4, 2), crate::peer::SPIN);
+    assert_eq!(default_spin(32, 2), crate::peer::SPIN);
+    assert_eq!(default_spin(33, 2), Duration::ZERO);
+    assert_eq!(default_spin(64, 2), Duration::ZERO);
+    assert_eq!(default_spin(64, 32), crate::peer::SPIN);
+    assert_eq!(default_spin(17, 0), Duration::ZERO);
+    let env = |v: &'static str| move |k: &str| (k == "LOCAL_WORLD_SIZE").then(|| v.to_string());
+    assert_eq!(local_ranks(env("8"), 64), 8);
+    assert_eq!(local_ranks(env("0"), 64), 64);
+    assert_eq!(local_ranks(env("many"), 64), 64);
+    assert_eq!(local_ranks(|_: &str| None, 3), 3);
+}
