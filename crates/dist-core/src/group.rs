@@ -178,7 +178,12 @@ impl<L: Link> Group<L> {
             // A failure here is told to every rank, which would otherwise wait for the tuning
             // until its deadline.
             let fail = |e: DistError| {
-                link.abort(crate::collectives::COLLECTIVE_TAG, &e.to_string(), None);
+                link.abort(
+                    crate::collectives::COLLECTIVE_TAG,
+                    None,
+                    &e.to_string(),
+                    None,
+                );
                 e
             };
             if let Some(p) = local.problem() {
@@ -292,13 +297,32 @@ impl<L: Link> Group<L> {
         self.seq.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// The number (from 1, as abort notices name calls) of the collective this rank would
+    /// start next.
+    pub(crate) fn next_number(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed) + 1
+    }
+
     /// Tells every rank that this rank's operation on `tag` failed with `reason` (caused by
     /// `culprit`, where known); see [`Link::abort`]. Only the first call sends anything: a rank
     /// reports its first failure (its own, or one it heard of and passes on, so that ranks that
     /// have not heard yet do before they see this one leave).
+    /// The notice names no call: it ends every wait on every rank.
     pub fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+        self.abort_call(tag, None, reason, culprit);
+    }
+
+    /// [`Group::abort`] naming the call of this group that failed, where this rank has done its
+    /// part of every earlier one ([`Link::abort`]).
+    pub(crate) fn abort_call(
+        &self,
+        tag: Tag,
+        call: Option<u64>,
+        reason: &str,
+        culprit: Option<usize>,
+    ) {
         if !self.abort_sent.swap(true, Ordering::AcqRel) {
-            self.link.abort(tag, reason, culprit);
+            self.link.abort(tag, call, reason, culprit);
         }
     }
 

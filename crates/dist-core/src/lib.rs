@@ -43,7 +43,7 @@ pub use collectives::{Collectives, Transport};
 pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};
 pub use error::{DistError, Result};
 pub use group::{Group, Tuning, run_beside_scoped};
-pub use link::{Link, PostedRecv};
+pub use link::{Link, Notice, PostedRecv, call_in_group, notice_ends};
 pub use messages::TypedMessages;
 pub use objects::{MAX_OBJECT_BYTES, ObjectCollectives};
 pub use subgroup::{SplitLink, SubGroup, SubLink, Subgroups};

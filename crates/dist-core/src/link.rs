@@ -10,6 +10,7 @@ use crate::arena::HostArena;
 use crate::backend::{Meta, Tag};
 use crate::error::Result;
 use crate::flight::FlightRecorder;
+use crate::subgroup::GROUP_ID_BITS;
 
 /// Moves bytes between the ranks of one job, for a [`Group`](crate::Group).
 ///
@@ -68,12 +69,39 @@ pub trait Link: Send + Sync {
     /// Tells every other rank that this rank's operation on `tag` failed with `reason`, caused
     /// by rank `culprit` where one is known (a peer that died, went silent, or failed first),
     /// and remembers it here as well: from then on waits on system tags fail with
-    /// [`DistError::Aborted`](crate::DistError::Aborted), here and wherever the notice arrives.
-    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>);
+    /// [`DistError::Aborted`](crate::DistError::Aborted), here and wherever the notice arrives,
+    /// except where [`notice_ends`] says the notice names a later call.
+    ///
+    /// `call` is the number of the collective call of `tag`'s group that failed, given only
+    /// when the sender has done its part of every earlier call of that group (its own failure
+    /// in that call, or such a notice passed on); a rank still in an earlier call then finishes
+    /// it and fails at that one. `None` (a peer died or went silent, which may have left an
+    /// earlier call undone) ends every wait.
+    fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>);
 
     /// The first abort notice this rank has (received, or its own), as `(origin, reason)`:
     /// the origin is the culprit the notice names, else the rank that sent it.
     fn abort_notice(&self) -> Option<(usize, String)>;
+
+    /// The first abort notice that ends call number `call` of `tag`'s group ([`notice_ends`]),
+    /// with the call it names where that is a call of `tag`'s group (a notice of another group
+    /// says `None`). A link that keeps no call numbers answers with its first notice, which
+    /// ends everything.
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<Notice> {
+        let _ = (tag, call);
+        self.abort_notice().map(|(origin, reason)| Notice {
+            origin,
+            reason,
+            call: None,
+        })
+    }
+
+    /// This rank's collectives of `tag`'s group are in their call number `call` from now on:
+    /// the link's waits on that group's system tags fail only for notices that end that call
+    /// ([`notice_ends`]). A link that ignores this ends them on any notice.
+    fn enter_call(&self, tag: Tag, call: u64) {
+        let _ = (tag, call);
+    }
 
     /// The link's flight recorder, if it keeps one: the collectives record themselves in it.
     fn flight(&self) -> Option<&FlightRecorder> {
@@ -92,6 +120,47 @@ pub trait Link: Send + Sync {
     fn arena(&self) -> Option<&dyn HostArena> {
         None
     }
+}
+
+/// An abort notice as the collectives read it ([`Link::abort_notice_for`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notice {
+    /// The rank the failure is due to: the culprit the notice names, else its sender.
+    pub origin: usize,
+    /// Its error.
+    pub reason: String,
+    /// The call it failed, where it names one of the group asked about ([`Link::abort`]).
+    pub call: Option<u64>,
+}
+
+/// The call a notice sent on `notice_tag` naming `notice_call` names in `tag`'s group: its
+/// own where both tags are one group's, else none.
+pub fn call_in_group(notice_tag: Tag, notice_call: Option<u64>, tag: Tag) -> Option<u64> {
+    notice_call.filter(|_| same_group(notice_tag, tag))
+}
+
+/// Whether an abort notice sent on `notice_tag` naming call `notice_call` of that tag's group
+/// ends a wait on `tag` while `tag`'s group is in call `current` (where known).
+///
+/// It does unless both calls are known, the two tags belong to one group (the same sub-group
+/// id bits, [`GROUP_ID_BITS`]) and the notice names a later call: its sender has done its part
+/// of every earlier call, so the waiting rank can finish the one it is in, and fails at the
+/// call the notice names.
+pub fn notice_ends(
+    notice_tag: Tag,
+    notice_call: Option<u64>,
+    tag: Tag,
+    current: Option<u64>,
+) -> bool {
+    match (notice_call, current) {
+        (Some(failed), Some(now)) if same_group(notice_tag, tag) => failed <= now,
+        _ => true,
+    }
+}
+
+/// Whether two system tags belong to one group (root or sub-group).
+fn same_group(a: Tag, b: Tag) -> bool {
+    a.is_system() && b.is_system() && a.to_wire() & GROUP_ID_BITS == b.to_wire() & GROUP_ID_BITS
 }
 
 /// A receive posted with [`Link::post`].
@@ -141,12 +210,20 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
         (**self).peek(src, tag)
     }
 
-    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
-        (**self).abort(tag, reason, culprit)
+    fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
+        (**self).abort(tag, call, reason, culprit)
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
         (**self).abort_notice()
+    }
+
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<Notice> {
+        (**self).abort_notice_for(tag, call)
+    }
+
+    fn enter_call(&self, tag: Tag, call: u64) {
+        (**self).enter_call(tag, call)
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {
@@ -159,5 +236,33 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
 
     fn arena(&self) -> Option<&dyn HostArena> {
         (**self).arena()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A notice ends a wait unless it names a later call of the same group than the one the
+    /// waiting rank is in.
+    #[test]
+    fn a_notice_ends_its_call_and_later_ones_of_its_group_only() {
+        let root = Tag::system(2);
+        let second = Tag::system(3);
+        let sub = Tag::from_wire(root.to_wire() | (5 << 32));
+        // Names call 4: rank in call 3 of that group finishes it (either of its tags).
+        assert!(!notice_ends(root, Some(4), root, Some(3)));
+        assert!(!notice_ends(root, Some(4), second, Some(3)));
+        // Call 4 itself, and later ones, end.
+        assert!(notice_ends(root, Some(4), root, Some(4)));
+        assert!(notice_ends(root, Some(4), second, Some(9)));
+        // No call named, or the wait's call unknown: ends.
+        assert!(notice_ends(root, None, root, Some(1)));
+        assert!(notice_ends(root, Some(4), root, None));
+        // Another group's notice ends every wait here, whatever the numbers.
+        assert!(notice_ends(sub, Some(4), root, Some(1)));
+        assert!(notice_ends(root, Some(4), sub, Some(1)));
+        // A user tag is no group's.
+        assert!(notice_ends(Tag::user(2), Some(4), Tag::user(2), Some(1)));
     }
 }

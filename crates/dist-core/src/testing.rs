@@ -75,8 +75,33 @@ struct Msg {
 struct Inbox {
     /// Messages by `(sender, tag)`, in the order they were sent.
     queues: HashMap<(usize, Tag), VecDeque<Msg>>,
-    /// Abort notices, as `(origin, reason)`, first first.
-    aborts: Vec<(usize, String)>,
+    /// Abort notices, first first.
+    aborts: Vec<MemNotice>,
+    /// The call each group of this rank is in ([`Link::enter_call`]), by its tag's group bits.
+    calls: HashMap<u64, u64>,
+}
+
+/// An abort notice as a rank of the mesh keeps it.
+struct MemNotice {
+    tag: Tag,
+    notice: crate::link::Notice,
+}
+
+impl Inbox {
+    /// The first notice that ends call `call` (where known) of `tag`'s group.
+    fn ending(&self, tag: Tag, call: Option<u64>) -> Option<&crate::link::Notice> {
+        self.aborts
+            .iter()
+            .find(|n| crate::link::notice_ends(n.tag, n.notice.call, tag, call))
+            .map(|n| &n.notice)
+    }
+
+    /// The call `tag`'s group is in, if it has said.
+    fn call_of(&self, tag: Tag) -> Option<u64> {
+        self.calls
+            .get(&(tag.to_wire() & crate::subgroup::GROUP_ID_BITS))
+            .copied()
+    }
 }
 
 struct Rank {
@@ -295,13 +320,13 @@ impl PostedRecv for MemRecv<'_> {
                 None => {}
             }
             if tag.is_system()
-                && let Some((origin, reason)) = st.aborts.first()
+                && let Some(n) = st.ending(tag, st.call_of(tag))
             {
                 return Err(DistError::Aborted {
                     rank: me,
                     op: op(),
-                    origin: *origin,
-                    reason: reason.clone(),
+                    origin: n.origin,
+                    reason: n.reason.clone(),
                 });
             }
             if now >= deadline {
@@ -377,6 +402,11 @@ impl Link for MemLink {
                 return Err(self.gone(dst, op()));
             }
         };
+        if self.dead(dst) {
+            // It died while the send was on its way (a hook can kill it, as a peer exiting
+            // while a send waits for room).
+            return Err(self.gone(dst, op()));
+        }
         let mut inbox = self.mesh.lock(dst);
         inbox
             .queues
@@ -418,7 +448,7 @@ impl Link for MemLink {
 
     /// A dead rank's notice reaches nobody, and no notice reaches a dead rank (a process that
     /// died sends and hears nothing).
-    fn abort(&self, _tag: Tag, reason: &str, culprit: Option<usize>) {
+    fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         if self.dead(self.me) {
             return;
         }
@@ -428,13 +458,43 @@ impl Link for MemLink {
                 continue;
             }
             let mut inbox = self.mesh.lock(r);
-            inbox.aborts.push((origin, reason.to_string()));
+            inbox.aborts.push(MemNotice {
+                tag,
+                notice: crate::link::Notice {
+                    origin,
+                    reason: reason.to_string(),
+                    call,
+                },
+            });
             rank.cond.notify_all();
         }
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
-        self.mesh.lock(self.me).aborts.first().cloned()
+        let inbox = self.mesh.lock(self.me);
+        let n = &inbox.aborts.first()?.notice;
+        Some((n.origin, n.reason.clone()))
+    }
+
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<crate::link::Notice> {
+        let inbox = self.mesh.lock(self.me);
+        let n = inbox
+            .aborts
+            .iter()
+            .find(|n| crate::link::notice_ends(n.tag, n.notice.call, tag, Some(call)))?;
+        Some(crate::link::Notice {
+            call: crate::link::call_in_group(n.tag, n.notice.call, tag),
+            ..n.notice.clone()
+        })
+    }
+
+    fn enter_call(&self, tag: Tag, call: u64) {
+        let mut inbox = self.mesh.lock(self.me);
+        inbox
+            .calls
+            .insert(tag.to_wire() & crate::subgroup::GROUP_ID_BITS, call);
+        // Waits of this group that an earlier notice left waiting may end now.
+        self.mesh.ranks[self.me].cond.notify_all();
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {

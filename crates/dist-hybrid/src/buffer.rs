@@ -3,7 +3,6 @@
 //! buffer over NCCL (`device.rs`), through the record and the check of the NCCL calls. Training
 //! code calls one method whatever its data's place.
 
-use dist_core::collectives::COLLECTIVE_TAG;
 use dist_core::{Collectives, DistError, Element, ReduceOp, Tag, Transport};
 
 use crate::{HybridBackend, Result};
@@ -121,7 +120,7 @@ impl<T: Element> Buffer for [T] {
                     op: format!("reduce({} x {}, {op}, root {root})", T::DTYPE, input.len()),
                     reason: "the root must pass an output buffer".into(),
                 };
-                h.tcp.broadcast_abort(COLLECTIVE_TAG, &e.to_string());
+                h.tcp.refuse_next_call(&e.to_string());
                 Err(e.into())
             }
             // Off the root the output is scratch: a copy of the input stands in for it.

@@ -15,19 +15,6 @@ fn job<T: Send + 'static>(
     world: usize,
     f: impl Fn(HybridBackend) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    job_from_init(world, move |h, _| {
-        f(h.unwrap_or_else(|e| panic!("init failed: {e}")))
-    })
-}
-
-/// [`job`], with each rank's init result (and when its thread started) handed to `f`, for a
-/// test in which a rank fails on purpose right after init: its abort may reach a rank still
-/// in init's last collective (an abort for a later call ends an earlier one still in flight
-/// elsewhere, a known limit), which then fails its init with that abort.
-fn job_from_init<T: Send + 'static>(
-    world: usize,
-    f: impl Fn(Result<HybridBackend, String>, std::time::Instant) -> T + Send + Sync + Clone + 'static,
-) -> Vec<T> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -37,7 +24,6 @@ fn job_from_init<T: Send + 'static>(
         .map(|r| {
             let f = f.clone();
             thread::spawn(move || {
-                let started = std::time::Instant::now();
                 let tcp = TcpBackend::with_config(
                     TcpBackend::builder(r, world, format!("127.0.0.1:{port}"))
                         .init_timeout(Duration::from_secs(20))
@@ -46,8 +32,8 @@ fn job_from_init<T: Send + 'static>(
                 .unwrap();
                 let h =
                     HybridBackend::with_nccl(tcp, r, GpuChoice::None, None, CommConfig::default())
-                        .map_err(|e| e.to_string());
-                f(h, started)
+                        .unwrap();
+                f(h)
             })
         })
         .collect();
@@ -168,12 +154,8 @@ fn every_collective(h: &HybridBackend) {
 /// reduced into a copy and dropped the result without a word.
 #[test]
 fn a_reduce_root_without_output_fails_every_rank() {
-    let errs = job_from_init(3, |h, t| {
-        let h = match h {
-            Ok(h) => h,
-            // Rank 1's abort reached this rank in init's last collective.
-            Err(e) => return (e, t.elapsed()),
-        };
+    let errs = job(3, |h| {
+        let t = std::time::Instant::now();
         let mut out = [0i32; 4];
         let out = (h.rank() != 1).then_some(&mut out[..]);
         let e = h

@@ -107,17 +107,21 @@ impl Link for TcpLink {
 
     /// Remembers the abort here (this rank's later collectives, and other threads' waits on
     /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
-    /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) to every peer, and writes the
+    /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) and `call` (bytes 8..16, 0 for
+    /// none) to every peer, and writes the
     /// flight record (`DIST_TRACE_DIR`). The notices go out from one thread, in one loop of
     /// non-blocking writes; this waits for it 500 ms at most, so a peer that does not read
     /// (stopped, or its buffers full) holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
-    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+    fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         let shared = &self.0;
-        if shared.aborts.notices().is_empty() {
+        // Kept here too (the list is bounded), so that this rank's other waits in this call
+        // end with it whatever notices came before.
+        {
             shared.note_abort(AbortNotice {
                 from: shared.rank,
                 culprit,
                 tag,
+                call,
                 reason: reason.to_string(),
             });
         }
@@ -126,7 +130,7 @@ impl Link for TcpLink {
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        shared.send_abort_notices(tag, &reason[..cut], culprit);
+        shared.send_abort_notices(tag, call, &reason[..cut], culprit);
         shared.write_trace();
     }
 
@@ -141,6 +145,20 @@ impl Link for TcpLink {
             .into_iter()
             .next()
             .map(|n| (n.origin(), n.reason))
+    }
+
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<dist_core::Notice> {
+        let n = self.0.aborts.ending(tag, Some(call))?;
+        Some(dist_core::Notice {
+            origin: n.origin(),
+            call: dist_core::call_in_group(n.tag, n.call, tag),
+            reason: n.reason,
+        })
+    }
+
+    /// Kept in the backend's abort list, which its waits consult when a notice has come.
+    fn enter_call(&self, tag: Tag, call: u64) {
+        self.0.aborts.enter_call(tag, call);
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {

@@ -183,6 +183,7 @@ impl Shared {
             from: self.rank,
             culprit: Some(p.rank),
             tag: COLLECTIVE_TAG,
+            call: None,
             reason,
         });
         self.dispatch(PeerFault {
@@ -249,6 +250,7 @@ impl Shared {
     pub(crate) fn send_abort_notices(
         self: &Arc<Self>,
         tag: Tag,
+        call: Option<u64>,
         reason: &str,
         culprit: Option<usize>,
     ) {
@@ -256,6 +258,8 @@ impl Shared {
         if let Some(c) = culprit {
             meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
         }
+        // Call numbers start at 1: 0 says the notice names none.
+        meta[8..].copy_from_slice(&call.unwrap_or(0).to_le_bytes());
         let me = self.rank;
         let (done, finished) = std::sync::mpsc::channel::<()>();
         let shared = self.clone();

@@ -539,11 +539,17 @@ impl Peer {
     /// Waits until the read side has seen the connection end, or `deadline`. True if it has
     /// (or there is no connection).
     pub(crate) fn wait_closed(&self, deadline: Instant) -> bool {
+        self.wait_read_end(deadline, true)
+    }
+
+    /// [`Peer::wait_closed`]; `closing`: this side is closing too (what still comes is
+    /// skipped), else the peer's frames are taken as ever, an abort notice among them.
+    pub(super) fn wait_read_end(&self, deadline: Instant, closing: bool) -> bool {
         if !self.is_connected() {
             return true;
         }
         let mut st = self.lock();
-        st.closing = true;
+        st.closing |= closing;
         // Whatever the I/O thread waits for on this peer (a quiet socket has no timer).
         self.kick();
         while st.closed.is_none() {

@@ -23,6 +23,8 @@ pub(super) struct Call<'a, L: Link> {
     desc: Desc,
     meta: Meta,
     deadline: Instant,
+    /// The call's number in its group, from 1 (its abort notice names it).
+    number: u64,
 }
 
 /// A receive posted by a call: the link's handle, and what the call's checks need.
@@ -53,6 +55,26 @@ impl<L: Link> Call<'_, L> {
         self.deadline
     }
 
+    /// The call's number in its group, from 1.
+    pub(super) fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The first abort notice that ends this call (not one naming a later call).
+    pub(super) fn abort_notice(&self) -> Option<crate::link::Notice> {
+        self.link().abort_notice_for(COLLECTIVE_TAG, self.number)
+    }
+
+    /// This call's error for an abort notice that ends it.
+    pub(super) fn aborted(&self, n: crate::link::Notice) -> DistError {
+        DistError::Aborted {
+            rank: self.me,
+            op: self.op_text(),
+            origin: n.origin,
+            reason: n.reason,
+        }
+    }
+
     fn link(&self) -> &L {
         self.g.link()
     }
@@ -65,6 +87,7 @@ impl<L: Link> Call<'_, L> {
     pub(super) fn send_on(&self, tag: Tag, data: &[u8], dst: usize) -> Result<()> {
         self.link()
             .send(data, dst, tag, self.meta, self.deadline, None)
+            .map_err(|e| self.explain_link(e))
     }
 
     /// Receives from `src` on the collectives' tag into `buf`.
@@ -160,16 +183,6 @@ impl<L: Link> Call<'_, L> {
     /// that left or went quiet after another rank aborted the call is reported as that abort,
     /// the cause.
     fn explain(&self, e: DistError, src: usize, tag: Tag, expected: usize) -> DistError {
-        if matches!(e, DistError::PeerGone { .. } | DistError::Timeout { .. })
-            && let Some((origin, reason)) = self.link().abort_notice()
-        {
-            return DistError::Aborted {
-                rank: self.me,
-                op: self.op_text(),
-                origin,
-                reason,
-            };
-        }
         match e {
             DistError::SizeMismatch { got, .. } => {
                 let detail = match self.link().peek(src, tag) {
@@ -185,7 +198,21 @@ impl<L: Link> Call<'_, L> {
                     detail,
                 }
             }
-            // Said as this call rather than as the link's wait that noticed it.
+            other => self.explain_link(other),
+        }
+    }
+
+    /// A link error of this call (a send's or a receive's), said as this call rather than as
+    /// the link's wait that noticed it. A peer that left or went quiet after a rank aborted
+    /// this call (or an earlier one) is reported as that abort, the cause. (A notice for a
+    /// later call is no cause: its sender had done its part of this one.)
+    fn explain_link(&self, e: DistError) -> DistError {
+        if matches!(e, DistError::PeerGone { .. } | DistError::Timeout { .. })
+            && let Some(n) = self.abort_notice()
+        {
+            return self.aborted(n);
+        }
+        match e {
             e @ (DistError::Timeout { .. }
             | DistError::PeerGone { .. }
             | DistError::Aborted { .. }
@@ -315,14 +342,14 @@ pub(super) fn run<L: Link, T: Element, R>(
         Err(e) => {
             // The other ranks must not wait for this call, and the call inside this group
             // may be matched against this one elsewhere: every rank stops.
-            abort_all(g, &e);
+            abort_all(g, &e, None);
             return Err(e);
         }
     };
     let r = run_entered::<L, T, R>(g, timeout, what, described, f);
     if g.occupancy().leave(entry) && r.is_ok() {
         let e = crate::work::Occupancy::refused_meanwhile(me, described(0).describe());
-        abort_all(g, &e);
+        abort_all(g, &e, None);
         return Err(e);
     }
     r
@@ -368,7 +395,7 @@ fn run_entered<L: Link, T: Element, R>(
     if let Err(e) = &r {
         // Pass every failure on, heard-of ones included: a rank that has not heard yet must
         // hear it from this one before it sees this one leave.
-        abort_all(g, e);
+        abort_all(g, e, Some(seq + 1));
     }
     r
 }
@@ -390,29 +417,23 @@ fn run_call<L: Link, R>(
         desc,
         meta: desc.encode(),
         deadline,
+        number,
     };
-    if let Some((origin, reason)) = link.abort_notice() {
-        return Err(DistError::Aborted {
-            rank: call.me,
-            op: call.op_text(),
-            origin,
-            reason,
-        });
+    // From here the link's waits end only for notices of this call or an earlier one (or
+    // naming none): a notice for a later call comes from a rank whose part of this one is done.
+    link.enter_call(COLLECTIVE_TAG, number);
+    if let Some(n) = call.abort_notice() {
+        return Err(call.aborted(n));
     }
     if let Some(a) = link.arena() {
         a.set_call(call.meta);
     }
     let mut r = f(&call);
     if r.is_ok()
-        && let Some((origin, reason)) = link.abort_notice()
+        && let Some(n) = call.abort_notice()
     {
         // Another rank failed this call (or an earlier one) after this rank's part was done.
-        r = Err(DistError::Aborted {
-            rank: call.me,
-            op: call.op_text(),
-            origin,
-            reason,
-        });
+        r = Err(call.aborted(n));
     }
     if let Err(e @ DistError::Timeout { .. }) = r {
         // Who is behind: where the ranks are, as the link knows it.
@@ -424,15 +445,28 @@ fn run_call<L: Link, R>(
     r
 }
 
-/// Tells every rank that this call failed with `e`, naming the rank at fault where `e` names
-/// one (a peer gone or unresponsive, or the origin of an abort passed on).
+/// Tells every rank that call number `number` (where it has one) failed with `e`, naming the
+/// rank at fault where `e` names one (a peer gone or unresponsive, or the origin of an abort
+/// passed on).
+///
+/// The notice names the call (so that ranks still in earlier calls finish them) when this
+/// rank's failure is its own (its part of every earlier call is done), and passes on the call
+/// an abort heard of named. A peer gone or silent, or a timeout (some rank, perhaps the one
+/// waited on, is behind), names none: such a rank may have left an earlier call undone, and
+/// every rank stops at once.
 /// An abort heard of is passed on as it came (its origin and the first error), not wrapped.
-pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError) {
+pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError, number: Option<u64>) {
     match e {
         DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
             g.abort(COLLECTIVE_TAG, &e.to_string(), Some(*peer))
         }
-        DistError::Aborted { origin, reason, .. } => g.abort(COLLECTIVE_TAG, reason, Some(*origin)),
-        _ => g.abort(COLLECTIVE_TAG, &e.to_string(), None),
+        DistError::Aborted { origin, reason, .. } => {
+            let named = number
+                .and_then(|n| g.link().abort_notice_for(COLLECTIVE_TAG, n))
+                .and_then(|n| n.call);
+            g.abort_call(COLLECTIVE_TAG, named, reason, Some(*origin))
+        }
+        DistError::Timeout { .. } => g.abort(COLLECTIVE_TAG, &e.to_string(), None),
+        _ => g.abort_call(COLLECTIVE_TAG, number, &e.to_string(), None),
     }
 }

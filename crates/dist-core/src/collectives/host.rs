@@ -427,13 +427,8 @@ fn sleep_until<L: Link>(
 ) -> Result<()> {
     let link = c.g.link();
     loop {
-        if let Some((origin, reason)) = link.abort_notice() {
-            return Err(DistError::Aborted {
-                rank: c.me,
-                op: c.op_text(),
-                origin,
-                reason,
-            });
+        if let Some(n) = c.abort_notice() {
+            return Err(c.aborted(n));
         }
         a.check_peer(owner, &|| c.op_text())?;
         // A peer in another collective of the same number (which it says in the arena), or

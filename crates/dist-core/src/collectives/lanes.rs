@@ -28,7 +28,7 @@ pub(super) fn two_lanes<L: Link>(
 ) -> Result<()> {
     let report = |r: Result<()>| {
         if let Err(e) = &r {
-            abort_all(c.g, e);
+            abort_all(c.g, e, Some(c.number()));
         }
         r
     };

@@ -102,9 +102,20 @@ pub trait Transport: Backend {
     /// Tells every other rank that this rank's operation on `tag` failed with `reason`: their
     /// waits on system tags (every collective's) fail with
     /// [`DistError::Aborted`](crate::DistError::Aborted), and so do this rank's later
-    /// collectives. Only the group's first abort is sent.
+    /// collectives. Only the group's first abort is sent. The notice names no call: it ends
+    /// every wait at once, a call in flight on another thread of this rank included.
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
         self.group().abort(tag, reason, None);
+    }
+
+    /// Tells every rank that this rank refuses the collective it was about to start (a bad
+    /// argument that a layer above the group found) with `reason`, naming the group's next call:
+    /// a rank still in an earlier call (whose part this rank has done) finishes it and fails at
+    /// that one. For a rank with no call of the group in flight; one in flight on another
+    /// thread of this rank would be left running (use [`Transport::broadcast_abort`] there).
+    fn refuse_next_call(&self, reason: &str) {
+        let g = self.group();
+        g.abort_call(COLLECTIVE_TAG, Some(g.next_number()), reason, None);
     }
 }
 

@@ -372,17 +372,26 @@ impl<R: Link> Link for SubLink<R> {
 
     /// Aborts the root link as a whole: every group over it, the root's own collectives
     /// included, fails from then on, on every rank of the link (the rule of the root: after a
-    /// failure its collectives stay aborted). An abort the root already has is passed on as
-    /// it came (its origin in link ranks); otherwise `culprit`, a group rank, is mapped to its
-    /// link rank, and the reason names this group.
-    fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+    /// failure its collectives stay aborted). An abort the root already has that ends `call`
+    /// (any, where `call` is `None`) is passed on as it came: its origin in link ranks, the call
+    /// of this group it names, if any. Otherwise the failure is this rank's own: `culprit`, a
+    /// group rank, is mapped to its link rank, the reason names this group, and `call` goes
+    /// with it.
+    fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         let wire = self.tag(tag, String::new).unwrap_or(tag);
-        match self.root.abort_notice() {
-            Some((origin, first)) => self.root.abort(wire, &first, Some(origin)),
+        let heard = match call {
+            Some(c) => self
+                .root
+                .abort_notice_for(wire, c)
+                .map(|n| (n.origin, n.reason, n.call)),
+            None => self.root.abort_notice().map(|(o, r)| (o, r, None)),
+        };
+        match heard {
+            Some((origin, first, named)) => self.root.abort(wire, named, &first, Some(origin)),
             None => {
                 let culprit = culprit.and_then(|c| self.members.get(c).copied());
                 let reason = format!("{} {reason}", self.context());
-                self.root.abort(wire, &reason, culprit)
+                self.root.abort(wire, call, &reason, culprit)
             }
         }
     }
@@ -390,6 +399,23 @@ impl<R: Link> Link for SubLink<R> {
     fn abort_notice(&self) -> Option<(usize, String)> {
         let (origin, reason) = self.root.abort_notice()?;
         Some(self.origin(origin, reason))
+    }
+
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<crate::link::Notice> {
+        let wire = self.tag(tag, String::new).ok()?;
+        let n = self.root.abort_notice_for(wire, call)?;
+        let (origin, reason) = self.origin(n.origin, n.reason);
+        Some(crate::link::Notice {
+            origin,
+            reason,
+            call: n.call,
+        })
+    }
+
+    fn enter_call(&self, tag: Tag, call: u64) {
+        if let Ok(wire) = self.tag(tag, String::new) {
+            self.root.enter_call(wire, call);
+        }
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {

@@ -380,3 +380,56 @@ fn a_sub_link_checks_what_it_is_made_of() {
         (5, &[2, 1][..], Some(0))
     );
 }
+
+/// In a sub-group as on the root: a rank that passes on an abort naming a later call of the
+/// group passes the call on, so a rank still in an earlier call finishes it. (Before, a
+/// sub-group passed every abort it heard on naming no call, which ended the slow rank's call.)
+#[test]
+fn a_passed_on_abort_keeps_its_call_in_a_sub_group() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let passed_on = AtomicBool::new(false);
+    let wait_for = |what: &dyn Fn() -> bool| {
+        let until = std::time::Instant::now() + T;
+        while !what() {
+            assert!(std::time::Instant::now() < until, "waited {T:?}");
+            std::thread::yield_now();
+        }
+    };
+    let got = run_group(
+        3,
+        |_| Tuning::default(),
+        T,
+        |g| {
+            let me = g.rank();
+            let sub = g.split(Some(0), 0)?.unwrap();
+            let mut data = [me as u32 + 10; 5];
+            if me == 1 {
+                // Call 1 (its part: the sends), then call 2 refused here alone.
+                sub.broadcast(&mut data, 1)?;
+                return sub.broadcast(&mut [0u32; 2], 9).map(|()| data);
+            }
+            if me == 0 {
+                wait_for(&|| crate::Link::abort_notice(sub.link()).is_some());
+            } else {
+                // Rank 2 starts call 1 only once rank 0 has failed call 2 and passed it on.
+                wait_for(&|| passed_on.load(Ordering::Acquire));
+            }
+            if let Err(e) = sub.broadcast(&mut data, 1) {
+                panic!("rank {me}: call 1 failed: {e}");
+            }
+            assert_eq!(data, [11; 5], "rank {me}");
+            let r = sub.broadcast(&mut [0u32; 2], 1);
+            if me == 0 {
+                passed_on.store(true, Ordering::Release);
+            }
+            r.map(|()| data)
+        },
+    );
+    for (r, res) in got.into_iter().enumerate() {
+        match res {
+            Err(DistError::InvalidRank { given: 9, .. }) if r == 1 => {}
+            Err(DistError::Aborted { origin: 1, .. }) if r != 1 => {}
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Abort notices: what a peer's abort frame says, and the bounded list a backend keeps.
 
 use super::*;
+use dist_core::subgroup::GROUP_ID_BITS;
 
 /// An abort notice received from a peer: who sent it, on which tag, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -12,6 +13,9 @@ pub struct AbortNotice {
     pub culprit: Option<usize>,
     /// The tag of the operation it aborted.
     pub tag: Tag,
+    /// The number of the collective call of `tag`'s group that failed, where the notice names
+    /// one ([`dist_core::Link::abort`]): ranks still in an earlier call finish it.
+    pub call: Option<u64>,
     /// Its error.
     pub reason: String,
 }
@@ -21,14 +25,27 @@ impl AbortNotice {
     pub fn origin(&self) -> usize {
         self.culprit.unwrap_or(self.from)
     }
+
+    /// Whether it ends a wait on `tag` while `tag`'s group is in call `current` (where known):
+    /// see [`dist_core::notice_ends`].
+    pub fn ends(&self, tag: Tag, current: Option<u64>) -> bool {
+        dist_core::notice_ends(self.tag, self.call, tag, current)
+    }
 }
 
+/// How many groups' current calls a backend keeps (the most recently started first-time).
+const GROUPS_TRACKED: usize = 64;
+
 /// The abort notices of one backend, shared by its peers. Once one has arrived, every wait on a
-/// system tag (barrier, collectives) fails with it instead of waiting out its deadline.
+/// system tag (barrier, collectives) fails with it instead of waiting out its deadline, except
+/// a wait of a group still in a call before the one the notice names.
 #[derive(Debug, Default)]
 pub(crate) struct Aborts {
     raised: AtomicBool,
     notices: Mutex<Vec<AbortNotice>>,
+    /// The call each group of this rank is in, by its tags' group bits (the root group's are
+    /// 0): one entry per group that has run a collective.
+    calls: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Aborts {
@@ -54,8 +71,52 @@ impl Aborts {
             .clone()
     }
 
-    pub(super) fn error(&self, me: usize, op: String) -> DistError {
-        let first = self.notices().into_iter().next();
+    /// `tag`'s group is in call `call` from now on.
+    pub(crate) fn enter_call(&self, tag: Tag, call: u64) {
+        let group = tag.to_wire() & GROUP_ID_BITS;
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        match calls.iter_mut().find(|(g, _)| *g == group) {
+            Some(entry) => entry.1 = call,
+            None => {
+                // Bounded: a group forgotten here has its waits ended by any notice, as before
+                // notices named calls (safe, only less precise).
+                if calls.len() >= GROUPS_TRACKED {
+                    calls.remove(0);
+                }
+                calls.push((group, call));
+            }
+        }
+    }
+
+    /// The call `tag`'s group is in, if it has run one.
+    fn call_of(&self, tag: Tag) -> Option<u64> {
+        let group = tag.to_wire() & GROUP_ID_BITS;
+        let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        calls.iter().find(|(g, _)| *g == group).map(|&(_, c)| c)
+    }
+
+    /// The first notice that ends call `call` (where known) of `tag`'s group.
+    pub(crate) fn ending(&self, tag: Tag, call: Option<u64>) -> Option<AbortNotice> {
+        if !self.raised() {
+            return None;
+        }
+        let notices = self.notices.lock().unwrap_or_else(|p| p.into_inner());
+        notices.iter().find(|n| n.ends(tag, call)).cloned()
+    }
+
+    /// The first notice that ends a wait on `tag` now (in the call its group is in).
+    pub(crate) fn ending_now(&self, tag: Tag) -> Option<AbortNotice> {
+        if !self.raised() {
+            return None;
+        }
+        self.ending(tag, self.call_of(tag))
+    }
+
+    /// The error of a wait on `tag` ended by an abort: the notice that ends it, else the first.
+    pub(super) fn error(&self, me: usize, op: String, tag: Tag) -> DistError {
+        let first = self
+            .ending_now(tag)
+            .or_else(|| self.notices().into_iter().next());
         DistError::Aborted {
             rank: me,
             op,
@@ -77,6 +138,7 @@ mod tests {
             from,
             culprit,
             tag: Tag::system(2),
+            call: None,
             reason: reason.into(),
         }
     }
@@ -90,7 +152,7 @@ mod tests {
         a.raise(notice(3, Some(1), "peer 1 gone"));
         a.raise(notice(2, None, "mine"));
         assert!(a.raised());
-        match a.error(0, "all_reduce(f32 x 4, sum)".into()) {
+        match a.error(0, "all_reduce(f32 x 4, sum)".into(), Tag::system(2)) {
             DistError::Aborted {
                 rank: 0,
                 op,

@@ -198,7 +198,8 @@ impl Out<'_> {
         let (peer, started, sent) = (self.peer, self.started, self.sent);
         if let Some(mut w) = self.w.take() {
             w.hb_left = w.hb_left.saturating_sub(sent);
-            let err = peer.send_failed(&mut w, e, started, &|| op(peer.rank), (sent, total));
+            // An abort notice that could not go out: nothing to wait for.
+            let err = peer.send_failed(&mut w, e, started, &|| op(peer.rank), (sent, total), None);
             tracing::debug!(rank = peer.me, peer = peer.rank, error = %err, "frame not delivered");
         }
     }

@@ -249,9 +249,10 @@ impl Peer {
                 };
             }
             let open = matches!(st.posted[i].slot, Slot::Open);
-            if open && Tag::from_wire(tag).is_system() && self.aborts.raised() {
+            let wire_tag = Tag::from_wire(tag);
+            if open && wire_tag.is_system() && self.aborts.ending_now(wire_tag).is_some() {
                 st.posted.remove(i);
-                return Err(self.aborts.error(self.me, op()));
+                return Err(self.aborts.error(self.me, op(), wire_tag));
             }
             if !spun && self.rx().is_some() {
                 // Spin briefly before sleeping, reading the socket ourselves: a message that

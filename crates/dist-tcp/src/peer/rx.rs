@@ -33,6 +33,8 @@ pub(super) enum Frame {
         left: usize,
         /// The rank at fault that the notice names (meta bytes 0..8: rank + 1, 0 for none).
         culprit: Option<usize>,
+        /// The call it names (meta bytes 8..16: the call's number, from 1; 0 for none).
+        call: Option<u64>,
     },
     /// A large payload nobody waits for yet, left in the socket until a receive is posted for it
     /// or `until` passes (then it is queued); with no `until`, until a receive is posted or the
@@ -302,6 +304,10 @@ impl Peer {
                             )
                             .checked_sub(1)
                             .and_then(|c| usize::try_from(c).ok()),
+                            call: Some(u64::from_le_bytes(
+                                h.meta[8..].try_into().expect("eight bytes"),
+                            ))
+                            .filter(|&c| c != 0),
                         },
                         FrameKind::Data => self.route(h, len, None),
                     };
@@ -405,6 +411,7 @@ impl Peer {
                     text,
                     left,
                     culprit,
+                    call,
                 } => {
                     if *left > 0 {
                         let mut scratch = [0u8; 4096];
@@ -430,6 +437,7 @@ impl Peer {
                         from: self.rank,
                         culprit: *culprit,
                         tag: Tag::from_wire(*tag),
+                        call: *call,
                         reason: String::from_utf8_lossy(text).into_owned(),
                     };
                     rx.frame = Frame::Header;

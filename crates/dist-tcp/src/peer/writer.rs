@@ -20,6 +20,12 @@ pub(super) struct Writer {
 /// that died is seen by the socket hanging up, which wakes no futex).
 const RING_WAIT_SLICE: Duration = Duration::from_millis(50);
 
+/// How long a send that found its peer hung up waits for the read side to take what the peer
+/// sent before closing (its abort notice): the frames are in this side's socket already, so
+/// the I/O thread takes them within milliseconds unless data nobody has asked for is held
+/// ahead of them.
+const HUNG_UP_READ_WAIT: Duration = Duration::from_millis(200);
+
 impl Writer {
     /// A writer over `sock`, with frames going to `ring` if given.
     pub(super) fn new(sock: socket2::Socket, ring: Option<crate::shm::TxRing>) -> Writer {
@@ -275,7 +281,7 @@ impl Peer {
         let total = hb_rest.len() + header.len() + data.len();
         let r = write_all_vectored(&mut w, &mut bufs, deadline, &mut sent);
         w.hb_left = w.hb_left.saturating_sub(sent);
-        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total)))
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total), Some(deadline)))
     }
 
     /// Sends a data frame while receive `id` on `src` is pending, from this one thread: the
@@ -376,11 +382,13 @@ impl Peer {
         };
         drop(spinning);
         w.hb_left = w.hb_left.saturating_sub(sent);
-        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total)))
+        r.map_err(|e| self.send_failed(&mut w, e, started, op, (sent, total), Some(deadline)))
     }
 
     /// A send failed part-way: a frame may be half written, so the stream is no longer in step
     /// with the reader on the other side. Close it; both sides then see the peer as gone.
+    /// `read_by`: where the peer hung up, wait until then at most for the read side to take
+    /// what it sent first (its abort notice, which the caller then reports as the cause).
     pub(super) fn send_failed(
         &self,
         w: &mut Writer,
@@ -388,6 +396,7 @@ impl Peer {
         started: Instant,
         op: &dyn Fn() -> String,
         (sent, total): (usize, usize),
+        read_by: Option<Instant>,
     ) -> DistError {
         let timed_out = matches!(
             e.kind(),
@@ -401,6 +410,15 @@ impl Peer {
         } else {
             format!("send failed with {sent} of {total} bytes sent: {e}")
         };
+        if let Some(by) = read_by.filter(|_| !timed_out) {
+            // The peer hung up. What it sent before closing (an abort notice saying why) may be
+            // unread in this side's socket still: let the read side take it first, so that the
+            // failure is reported as its cause rather than as the hang-up.
+            let limit = Instant::now()
+                .checked_add(HUNG_UP_READ_WAIT)
+                .map_or(by, |t| t.min(by));
+            self.wait_read_end(limit, false);
+        }
         w.broken = Some(cause.clone());
         let _ = w.sock.shutdown(Shutdown::Both);
         if timed_out {

@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use super::super::SECOND_RING_TAG;
 use crate::testing::{Delivery, MemLink, run_links};
-use crate::{Backend, Collectives, DistError, Group, ReduceOp, Result, Tuning, Within};
+use crate::{
+    Backend, Collectives, DistError, Group, Link, ReduceOp, Result, Transport, Tuning, Within,
+};
 
 /// Runs `f` on every rank of a group of `n` over `links` (faults set on them beforehand), and
 /// returns each rank's error (a rank that got none fails the test).
@@ -357,6 +359,94 @@ fn a_bad_argument_on_one_rank_aborts_the_others() {
     }
 }
 
+/// An abort names its call: a rank that fails call 2 on its own has done its part of call 1,
+/// so a rank that hears of it while still before (or in) call 1 finishes call 1, with the
+/// right data, and fails at call 2 with that abort. (Before, any abort ended every later
+/// wait: the slow rank's call 1 failed with an abort for a call it had not reached.)
+/// The same where a layer above refuses call 2 before it starts ([`Transport::refuse_next_call`],
+/// as dist-hybrid's reduce does for a root without output).
+#[test]
+fn an_abort_for_a_later_call_lets_an_earlier_one_finish() {
+    for (n, refused_above) in (2..=5).flat_map(|n| [(n, false), (n, true)]) {
+        let results = run_links(MemLink::mesh(n), |l| {
+            let g = Group::form(l, Tuning::default(), Duration::from_secs(30))?;
+            let mut data = [g.rank() as u32 + 10; 6];
+            if g.rank() == 1 {
+                // Call 1: the root's part is its sends. Call 2: refused here (a root out of
+                // range), which this rank alone sees.
+                g.broadcast(&mut data, 1)?;
+                let mut x = [0u32; 2];
+                if refused_above {
+                    let e = DistError::InvalidRank {
+                        rank: 1,
+                        op: "broadcast(u32 x 2)".into(),
+                        given: n + 3,
+                        world_size: n,
+                    };
+                    g.refuse_next_call(&e.to_string());
+                    return Err(e);
+                }
+                return g.broadcast(&mut x, n + 3).map(|()| data);
+            }
+            // Every other rank starts call 1 only once rank 1's notice for call 2 is here.
+            let until = Instant::now() + Duration::from_secs(10);
+            while g.link().abort_notice().is_none() {
+                assert!(Instant::now() < until, "{n} ranks: no abort notice came");
+                std::thread::yield_now();
+            }
+            if let Err(e) = g.broadcast(&mut data, 1) {
+                panic!("{n} ranks, rank {}: call 1 failed: {e}", g.rank());
+            }
+            assert_eq!(data, [11; 6], "{n} ranks, rank {}", g.rank());
+            let mut x = [0u32; 2];
+            g.broadcast(&mut x, 1).map(|()| data)
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Err(DistError::InvalidRank { given, .. }) if r == 1 => assert_eq!(given, n + 3),
+                Err(DistError::Aborted {
+                    origin: 1, reason, ..
+                }) if r != 1 => {
+                    assert!(reason.contains("broadcast"), "{reason}")
+                }
+                other => panic!("{n} ranks, rank {r}: {other:?}"),
+            }
+        }
+    }
+}
+
+/// A send that fails because its peer died after aborting (it found the peer gone while the
+/// notice had come meanwhile) is reported as that abort, the cause, as a receive's failure
+/// is. (Before, only receive errors were explained: the send said "peer gone".)
+#[test]
+fn a_send_to_a_peer_that_aborted_and_left_reports_the_abort() {
+    let links = MemLink::mesh(2);
+    let victim = links[1].clone();
+    links[0].set_faults(move |e| {
+        if e.src == 0 && e.tag == crate::collectives::COLLECTIVE_TAG {
+            // While rank 0's send is on its way: rank 1 fails this call on its own, tells
+            // everyone, and exits.
+            victim.abort(e.tag, Some(1), "rank 1 gave up on its own", None);
+            victim.kill();
+        }
+        Delivery::Now
+    });
+    let results = run_links(links, |l| {
+        let g = Group::form(l, Tuning::default(), Duration::from_secs(30))?;
+        if g.rank() == 0 {
+            g.broadcast(&mut [5u32; 3], 0)
+        } else {
+            Ok(())
+        }
+    });
+    match &results[0] {
+        Err(DistError::Aborted {
+            origin: 1, reason, ..
+        }) => assert!(reason.contains("gave up on its own"), "{reason}"),
+        other => panic!("rank 0: {other:?}"),
+    }
+}
+
 /// An abort heard before rank 0's tuning (a peer that gave up at once): the group forms, and
 /// its first collective fails with that abort; with no abort, a late tuning is waited for.
 #[test]
@@ -374,7 +464,7 @@ fn an_abort_before_the_tuning_fails_the_first_collective() {
         let results = run_links(links, |l| {
             use crate::Link;
             if abort && l.rank() == 2 {
-                l.abort(crate::Tag::system(2), "rank 2 gave up", None);
+                l.abort(crate::Tag::system(2), None, "rank 2 gave up", None);
             }
             let g = Group::form(l, Tuning::default(), Duration::from_secs(10))?;
             g.all_reduce(&mut [1u32; 4], ReduceOp::Sum)
