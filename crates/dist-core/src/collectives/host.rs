@@ -6,11 +6,10 @@
 //! `k % 2` and publishes `Input = k + 1`, then waits for every peer's `Input`:
 //! - small buffers (up to [`HOST_SPLIT_MIN`]): every rank reduces all n inputs, in rank order,
 //!   into its buffer and publishes `Reduced = k + 1` (read done). One wait per call.
-//! - larger: each rank copies in only the other ranks' shares (its own share of its slot is
-//!   read by nobody before it holds the result); rank i reduces share i of the piece (1/n of
-//!   it) reading every peer's slot in place and its own input from its buffer, in rank order,
-//!   writes the result into its own share of its slot and publishes `Reduced = k + 1`; then
-//!   every rank copies every other share out once that rank's `Reduced` says it is there.
+//! - larger: rank i reduces share i of the piece (1/n of it) reading every peer's slot in
+//!   place, in rank order, writes the result over its own share in its slot and publishes
+//!   `Reduced = k + 1`; then every rank copies every other share out once that rank's
+//!   `Reduced` says it is there.
 //!
 //! Each element is reduced by one rank only, always in rank order, so every rank gets bitwise
 //! the same result. A slot is written again two pieces later, only after every peer published
@@ -157,36 +156,28 @@ impl<L: Link> Host<'_, '_, L> {
 
     /// Copies `piece` into this rank's slot and publishes it (with the call's descriptor on its
     /// first piece), then waits for every peer's input and checks their descriptors.
-    /// `skip`: elements of the piece nobody reads from this slot (this rank's own share).
     fn put_and_gather<T: Element>(
         &self,
         piece: &[T],
-        skip: std::ops::Range<usize>,
         k: u32,
         slot: usize,
         first: bool,
     ) -> Result<()> {
-        self.announce(Some((piece, skip)), k, slot, first)
+        self.announce(Some(piece), k, slot, first)
     }
 
-    /// [`Host::put_and_gather`], with `piece` written only if given, all of it but the
-    /// elements in `skip` (which stay as they were in the slot).
+    /// [`Host::put_and_gather`], with `piece` written only if given.
     fn announce<T: Element>(
         &self,
-        piece: Option<(&[T], std::ops::Range<usize>)>,
+        piece: Option<&[T]>,
         k: u32,
         slot: usize,
         first: bool,
     ) -> Result<()> {
         let (c, a) = (self.c, self.a);
-        if let Some((piece, skip)) = piece {
-            let size = std::mem::size_of::<T>();
-            for (at, part) in [(0, &piece[..skip.start]), (skip.end, &piece[skip.end..])] {
-                if !part.is_empty() {
-                    a.write(slot, at * size, bytes(part))
-                        .map_err(|e| e.map_op(|_| c.op_text()))?;
-                }
-            }
+        if let Some(piece) = piece {
+            a.write(slot, 0, bytes(piece))
+                .map_err(|e| e.map_op(|_| c.op_text()))?;
         }
         if first {
             a.set_meta(slot, c.meta());
@@ -255,7 +246,7 @@ impl<L: Link> Host<'_, '_, L> {
     /// A piece that every rank reduces whole: one wait for every input, then the reduction.
     fn piece_whole<T: Element>(&self, piece: &mut [T], op: ReduceOp, first: bool) -> Result<()> {
         let (k, slot) = self.next_piece();
-        self.put_and_gather(piece, 0..0, k, slot, first)?;
+        self.put_and_gather(piece, k, slot, first)?;
         self.reduce_range(piece, 0, slot, op)?;
         if self.whole {
             finish(piece, op, self.c.n);
@@ -269,9 +260,9 @@ impl<L: Link> Host<'_, '_, L> {
     fn piece_split<T: Element>(&self, piece: &mut [T], op: ReduceOp, first: bool) -> Result<()> {
         let (c, a) = (self.c, self.a);
         let (k, slot) = self.next_piece();
+        self.put_and_gather(piece, k, slot, first)?;
         let m = self.local.len();
         let share = segment(piece.len(), m, self.pos);
-        self.put_and_gather(piece, share.clone(), k, slot, first)?;
         let size = std::mem::size_of::<T>();
         let mine = &mut piece[share.clone()];
         self.reduce_range(mine, share.start, slot, op)?;
@@ -376,7 +367,7 @@ impl<L: Link> Host<'_, '_, L> {
             let piece = &mut data[start..end];
             let (k, slot) = self.next_piece();
             let leader = self.pos == 0;
-            self.announce(leader.then_some((&*piece, 0..0)), k, slot, false)?;
+            self.announce(leader.then_some(&*piece), k, slot, false)?;
             if !leader {
                 a.read(self.local[0], slot, 0, bytes_mut(piece))
                     .map_err(|e| e.map_op(|_| c.op_text()))?;
