@@ -67,9 +67,15 @@ fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaS
 
 fn main() -> ExitCode {
     dist_multirank::init_logging();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let o = PerfOpts::parse(&args, 1 << 30).unwrap_or_else(|e| panic!("dist-nccl-perf: {e}"));
-    assert_eq!(o.dtype, DType::F32, "dist-nccl-perf measures f32");
+    let o = dist_multirank::perf::perf_opts_or_exit("dist-nccl-perf", 1 << 30, |o| {
+        if o.dtype != DType::F32 {
+            return Err(format!(
+                "--dtype {}: dist-nccl-perf measures f32",
+                o.dtype.name()
+            ));
+        }
+        Ok(())
+    });
     let devices = dist_nccl::cuda_device_count();
     let cfg = dist_multirank::config();
     let local = cfg.local_rank().unwrap_or(cfg.rank());

@@ -14,7 +14,7 @@ use std::time::Instant;
 use dist_core::collectives::{AllReduceAlgorithm, Kind};
 use dist_core::{Backend, Collectives, DType, DistError, Element, ReduceOp, Tag, Transport};
 use dist_multirank::perf::{
-    PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_row, perf_want,
+    PerfOp, PerfOpts, perf_count, perf_header, perf_input, perf_opts_or_exit, perf_row, perf_want,
 };
 use dist_tcp::TcpBackend;
 use half::{bf16, f16};
@@ -108,10 +108,12 @@ fn sweep<T: Element>(b: &TcpBackend, o: &PerfOpts) {
 
 fn main() {
     dist_multirank::init_logging();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let o = PerfOpts::parse(&args, 64 << 20).unwrap_or_else(|e| panic!("dist-perf: {e}"));
-    assert!(!o.bare, "dist-perf: --bare is the NCCL tool's");
-    let b = dist_multirank::join();
+    let o = perf_opts_or_exit("dist-perf", 64 << 20, |o| {
+        if o.bare {
+            return Err("--bare is the NCCL tool's (dist-nccl-perf)".into());
+        }
+        Ok(())
+    });
     // `DIST_ALL_REDUCE=doubling|ring|halving` forces the all_reduce algorithm (on every rank:
     // all get the same environment), to measure one beside another; unset, by size.
     let forced = std::env::var("DIST_ALL_REDUCE")
@@ -121,9 +123,11 @@ fn main() {
             "ring" => AllReduceAlgorithm::Ring,
             "halving" => AllReduceAlgorithm::Halving,
             other => {
-                panic!("dist-perf: DIST_ALL_REDUCE={other}: expected doubling, ring or halving")
+                eprintln!("dist-perf: DIST_ALL_REDUCE={other}: expected doubling, ring or halving");
+                std::process::exit(2);
             }
         });
+    let b = dist_multirank::join();
     b.group().force_all_reduce(forced);
     if b.rank() == 0 {
         perf_header(&format!(

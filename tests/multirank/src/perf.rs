@@ -148,8 +148,8 @@ impl PerfOpts {
                     o.op = PerfOp::parse(&v)
                         .ok_or_else(|| format!("unknown op {v:?} (one of {})", PerfOp::names()))?;
                 }
-                "-b" => o.min = parse_size(&val()?),
-                "-e" => o.max = parse_size(&val()?),
+                "-b" => o.min = parse_size(&val()?)?,
+                "-e" => o.max = parse_size(&val()?)?,
                 "-f" => o.factor = count(val()?)?,
                 "--dtype" => {
                     let v = val()?;
@@ -256,7 +256,7 @@ pub fn perf_row(
 }
 
 /// A size with an optional K, M or G suffix (powers of 1024).
-pub fn parse_size(s: &str) -> usize {
+pub fn parse_size(s: &str) -> Result<usize, String> {
     let (num, mult) = match s.as_bytes().last() {
         Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
         Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
@@ -264,9 +264,36 @@ pub fn parse_size(s: &str) -> usize {
         _ => (s, 1),
     };
     num.parse::<usize>()
-        .unwrap_or_else(|_| panic!("bad size {s:?}"))
-        * mult
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("bad size {s:?} (a count of bytes, optionally with K, M or G)"))
 }
+
+/// The options of the perf tool `tool` from its command line, checked by `ok` (what the tool
+/// does not take); `--help` (or `-h`) prints the usage and exits with 0, a bad argument prints
+/// the error and the usage and exits with 2 (no panic: a user's typo is not a bug).
+pub fn perf_opts_or_exit(
+    tool: &str,
+    max: usize,
+    ok: impl Fn(&PerfOpts) -> Result<(), String>,
+) -> PerfOpts {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{tool} {PERF_USAGE}");
+        std::process::exit(0);
+    }
+    match PerfOpts::parse(&args, max).and_then(|o| ok(&o).map(|()| o)) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{tool}: {e}\n{tool} {PERF_USAGE}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The perf tools' usage, for `--help` and after a bad argument.
+pub const PERF_USAGE: &str = "options: --op OP -b MIN -e MAX -f FACTOR [--dtype T] [--check] \
+[--iters N] [--warmup N] [--bare]; sizes in bytes, optionally with K, M or G";
 
 #[cfg(test)]
 mod tests {
@@ -299,6 +326,8 @@ mod tests {
             "--op gather",
             "--op barrier",
             "--what",
+            "-b 1Q",
+            "-e 99999999999999999999G",
         ] {
             assert!(PerfOpts::parse(&args(bad), 1 << 20).is_err(), "{bad}");
         }
