@@ -143,6 +143,13 @@ pub struct Group<L: Link> {
     arena_agreed: AtomicU8,
 }
 
+/// The link is free for another group once this one is gone.
+impl<L: Link> Drop for Group<L> {
+    fn drop(&mut self) {
+        self.link.release_group();
+    }
+}
+
 impl<L: Link> std::fmt::Debug for Group<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
@@ -160,12 +167,34 @@ impl<L: Link> Group<L> {
     /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
     /// that group fails at once with the abort.
     ///
-    /// One group per link: a second group formed over a clone of the same link uses the same
-    /// tags as the first, so the two must not be called in turn or at once (a message of one
-    /// could be taken by the other); the link's host arena stays with the first group to use
-    /// it ([`HostArena::claim`](crate::HostArena::claim)). Sub-groups
-    /// ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags of its own.
+    /// One group per link: a second group over the same link (a clone of it) would use the
+    /// same tags as the first, and a message of one could be taken by the other (with equal
+    /// descriptors, silently), so forming it is refused with
+    /// [`DistError::InvalidArgument`] while the first lives ([`Link::claim_group`]).
+    /// Sub-groups ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags
+    /// of its own.
     pub fn form(link: L, local: Tuning, timeout: Duration) -> Result<Group<L>> {
+        if !link.claim_group() {
+            return Err(DistError::InvalidArgument {
+                rank: link.rank(),
+                op: "form the group".into(),
+                reason: "a group already runs over this link (or a clone of it): its messages \
+                         would be matched against this one's; form sub-groups instead \
+                         (Subgroups::split, Subgroups::new_group)"
+                    .into(),
+            });
+        }
+        match Self::agree(&link, local, timeout) {
+            Ok(tuning) => Ok(Group::assemble(link, tuning, timeout)),
+            Err(e) => {
+                link.release_group();
+                Err(e)
+            }
+        }
+    }
+
+    /// The group's tuning: rank 0's `local`, sent to every rank (see [`Group::form`]).
+    fn agree(link: &L, local: Tuning, timeout: Duration) -> Result<Tuning> {
         let (me, n) = (link.rank(), link.world_size());
         let op = || "form the group".to_string();
         let deadline = crate::deadline_after(Instant::now(), timeout, me, op)?;
@@ -204,7 +233,7 @@ impl<L: Link> Group<L> {
                 // An abort came first (a peer failed, or sent one for its own reasons): every
                 // collective of this group fails at once with it, so no tuning is ever used.
                 Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => {
-                    return Ok(Group::assemble(link, local, timeout));
+                    return Ok(local);
                 }
                 Err(e) => return Err(e.with_op("form the group (rank 0's tuning)")),
             };
@@ -225,7 +254,7 @@ impl<L: Link> Group<L> {
             }
             t
         };
-        Ok(Group::assemble(link, tuning, timeout))
+        Ok(tuning)
     }
 
     fn assemble(link: L, tuning: Tuning, timeout: Duration) -> Group<L> {

@@ -103,6 +103,17 @@ pub trait Link: Send + Sync {
         let _ = (tag, call);
     }
 
+    /// Takes the link (and every clone of it: they share its tags) for one
+    /// [`Group`](crate::Group): true if no group holds it, false while one does. Released by
+    /// [`Link::release_group`] when that group is dropped. A link that keeps no such mark
+    /// answers true, and then must not carry two groups at once.
+    fn claim_group(&self) -> bool {
+        true
+    }
+
+    /// Gives back what [`Link::claim_group`] took.
+    fn release_group(&self) {}
+
     /// The link's flight recorder, if it keeps one: the collectives record themselves in it.
     fn flight(&self) -> Option<&FlightRecorder> {
         None
@@ -224,6 +235,14 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
 
     fn enter_call(&self, tag: Tag, call: u64) {
         (**self).enter_call(tag, call)
+    }
+
+    fn claim_group(&self) -> bool {
+        (**self).claim_group()
+    }
+
+    fn release_group(&self) {
+        (**self).release_group()
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {

@@ -111,6 +111,8 @@ struct Rank {
     /// Messages this rank has sent.
     sent: Mutex<u64>,
     flight: FlightRecorder,
+    /// A group runs over this rank's end ([`Link::claim_group`]).
+    group_claimed: AtomicBool,
 }
 
 struct Mesh {
@@ -167,6 +169,7 @@ impl MemLink {
                     dead: AtomicBool::new(false),
                     sent: Mutex::new(0),
                     flight: FlightRecorder::default(),
+                    group_claimed: AtomicBool::new(false),
                 })
                 .collect(),
             faults: Mutex::new(None),
@@ -474,6 +477,18 @@ impl Link for MemLink {
         let inbox = self.mesh.lock(self.me);
         let n = &inbox.aborts.first()?.notice;
         Some((n.origin, n.reason.clone()))
+    }
+
+    fn claim_group(&self) -> bool {
+        !self.mesh.ranks[self.me]
+            .group_claimed
+            .swap(true, Ordering::AcqRel)
+    }
+
+    fn release_group(&self) {
+        self.mesh.ranks[self.me]
+            .group_claimed
+            .store(false, Ordering::Release);
     }
 
     fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<crate::link::Notice> {

@@ -133,6 +133,8 @@ struct Shared {
     beats: record::BeatWait,
     /// The memory shared with the ranks of this host, on a job formed at init.
     arena: Option<shm::TcpArena>,
+    /// A group runs over the link ([`dist_core::Link::claim_group`]).
+    group_claimed: AtomicBool,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -323,6 +325,7 @@ impl TcpBackend {
             beside: OnceLock::new(),
             beats: record::BeatWait::default(),
             arena,
+            group_claimed: AtomicBool::new(false),
         });
         let io =
             peer::IoThread::spawn(format!("dist-io-{me}")).map_err(|source| DistError::Io {

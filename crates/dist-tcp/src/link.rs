@@ -161,6 +161,20 @@ impl Link for TcpLink {
         self.0.aborts.enter_call(tag, call);
     }
 
+    /// One group per backend: its own (formed at init), or one a caller forms over its link.
+    fn claim_group(&self) -> bool {
+        !self
+            .0
+            .group_claimed
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    fn release_group(&self) {
+        self.0
+            .group_claimed
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
     fn flight(&self) -> Option<&FlightRecorder> {
         Some(&self.0.flight)
     }

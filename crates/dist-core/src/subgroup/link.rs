@@ -77,6 +77,8 @@ pub struct SubLink<R: Link> {
     members: Vec<usize>,
     me: usize,
     flight: FlightRecorder,
+    /// A group runs over this link ([`Link::claim_group`]).
+    group_claimed: std::sync::atomic::AtomicBool,
 }
 
 impl<R: Link> std::fmt::Debug for SubLink<R> {
@@ -122,6 +124,7 @@ impl<R: Link> SubLink<R> {
             members,
             me,
             flight: FlightRecorder::new(SUB_FLIGHT_CAPACITY),
+            group_claimed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -416,6 +419,17 @@ impl<R: Link> Link for SubLink<R> {
         if let Ok(wire) = self.tag(tag, String::new) {
             self.root.enter_call(wire, call);
         }
+    }
+
+    fn claim_group(&self) -> bool {
+        !self
+            .group_claimed
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    fn release_group(&self) {
+        self.group_claimed
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 
     fn flight(&self) -> Option<&FlightRecorder> {

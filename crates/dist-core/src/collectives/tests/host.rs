@@ -443,17 +443,21 @@ fn arena_limits_by_ranks_and_cores() {
     assert_eq!(host_arena_limit(16, 32, 32), 1 << 20);
 }
 
-/// A second group over the same link (a clone of it) finds the arena claimed by the first and
-/// runs its all_reduces over messages: the arena's words count one group's pieces, and two
-/// groups counting on them at once could read each other's slots. Both get right results,
-/// one after the other.
+/// A second group over the same link (a clone of it) is refused while the first lives: its
+/// messages would share the first's tags (and, with equal descriptors, be taken by it
+/// silently). Once the first is dropped a new one forms; the arena stays with the first group
+/// that claimed it, so the new one runs its all_reduces over messages, with right results.
+/// (Before, the second group formed and shared the first's tags.)
 #[test]
-fn a_second_group_over_one_link_keeps_off_the_arena() {
+fn a_second_group_over_one_link_is_refused_while_the_first_lives() {
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
         let first = Group::form(l.clone(), Tuning::default(), TIMEOUT)?;
-        let second = Group::form(l, Tuning::default(), TIMEOUT)?;
-        for count in [5usize, 3000] {
-            for g in [&first, &second] {
+        let refused = match Group::form(l.clone(), Tuning::default(), TIMEOUT) {
+            Err(DistError::InvalidArgument { reason, .. }) => reason,
+            other => panic!("rank {}: {other:?}", l.rank()),
+        };
+        let check = |g: &Group<MemLink>| -> Result<()> {
+            for count in [5usize, 3000] {
                 let mut x = inputs::<i32>(ReduceOp::Sum, g.rank(), count);
                 g.all_reduce(&mut x, ReduceOp::Sum)?;
                 same(
@@ -463,10 +467,21 @@ fn a_second_group_over_one_link_keeps_off_the_arena() {
                     &reduced::<i32>(ReduceOp::Sum, 3, count),
                 )?;
             }
-        }
-        Ok((first.arena_in_use(), second.arena_in_use()))
+            Ok(())
+        };
+        check(&first)?;
+        let on_arena = first.arena_in_use();
+        drop(first);
+        let next = Group::form(l, Tuning::default(), TIMEOUT)?;
+        check(&next)?;
+        Ok((refused, on_arena, next.arena_in_use()))
     });
     for res in results {
-        assert_eq!(res.unwrap(), (Some(true), Some(false)));
+        let (refused, first, next) = res.unwrap();
+        assert!(
+            refused.contains("a group already runs over this link"),
+            "{refused}"
+        );
+        assert_eq!((first, next), (Some(true), Some(false)));
     }
 }
