@@ -74,6 +74,13 @@ fn main() -> ExitCode {
                 o.dtype.name()
             ));
         }
+        if o.bare && !Bare::times(o.op) {
+            return Err(format!(
+                "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, \
+                 not {}",
+                o.op
+            ));
+        }
         Ok(())
     });
     let devices = dist_nccl::cuda_device_count();
@@ -273,6 +280,16 @@ struct Bare {
 }
 
 impl Bare {
+    /// Whether `--bare` times `op` (a bare NCCL loop of it exists).
+    fn times(op: PerfOp) -> bool {
+        matches!(
+            op,
+            PerfOp::Collective(
+                Kind::AllReduce | Kind::AllGather | Kind::ReduceScatter | Kind::Broadcast
+            ) | PerfOp::SendRecv
+        )
+    }
+
     fn new(
         tcp: &TcpBackend,
         nccl: &Arc<Nccl>,
@@ -281,15 +298,8 @@ impl Bare {
         max: usize,
         op: PerfOp,
     ) -> Bare {
-        assert!(
-            matches!(
-                op,
-                PerfOp::Collective(
-                    Kind::AllReduce | Kind::AllGather | Kind::ReduceScatter | Kind::Broadcast
-                ) | PerfOp::SendRecv
-            ),
-            "--bare times all_reduce, all_gather, reduce_scatter, broadcast and sendrecv, not {op}"
-        );
+        // Refused with the other arguments, before any rank joins (`main`).
+        assert!(Bare::times(op), "--bare does not time {op}");
         let (me, n) = (tcp.rank(), tcp.world_size());
         let init = dist_nccl_sys::nccl_fn!(nccl, ncclCommInitRank).unwrap();
         let mut uid = ncclUniqueId::default();

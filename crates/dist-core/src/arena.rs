@@ -54,9 +54,10 @@ pub trait HostArena: Send + Sync {
     fn complete(&self) -> bool;
 
     /// Claims this rank's arena for the group that asks (on its first all_reduce): true the
-    /// first time, false ever after. The arena's words count one group's pieces, so a second
-    /// group over the same link (say one formed over a clone of it) must not use it: it runs
-    /// its all_reduces over messages.
+    /// first time, false ever after. The arena's words count one group's pieces, so a later
+    /// group over the same link (formed after the first was dropped: two cannot live at once,
+    /// [`Link::claim_group`](crate::Link::claim_group)) must not use it: it runs its
+    /// all_reduces over messages.
     fn claim(&self) -> bool;
 
     /// The bytes of one slot.

@@ -170,7 +170,9 @@ impl<L: Link> Group<L> {
     /// One group per link: a second group over the same link (a clone of it) would use the
     /// same tags as the first, and a message of one could be taken by the other (with equal
     /// descriptors, silently), so forming it is refused with
-    /// [`DistError::InvalidArgument`] while the first lives ([`Link::claim_group`]).
+    /// [`DistError::InvalidArgument`] while the first lives ([`Link::claim_group`]). The
+    /// refusal is this rank's alone: ranks whose link is free form their group and wait for
+    /// this one (rank 0's tuning stays unread here) until their collectives' deadlines.
     /// Sub-groups ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags
     /// of its own.
     pub fn form(link: L, local: Tuning, timeout: Duration) -> Result<Group<L>> {
@@ -184,13 +186,20 @@ impl<L: Link> Group<L> {
                     .into(),
             });
         }
-        match Self::agree(&link, local, timeout) {
-            Ok(tuning) => Ok(Group::assemble(link, tuning, timeout)),
-            Err(e) => {
-                link.release_group();
-                Err(e)
+        // Given back if forming fails or unwinds (a link that panics).
+        struct Claim<'l, L: Link>(Option<&'l L>);
+        impl<L: Link> Drop for Claim<'_, L> {
+            fn drop(&mut self) {
+                if let Some(l) = self.0 {
+                    l.release_group();
+                }
             }
         }
+        let mut claim = Claim(Some(&link));
+        let tuning = Self::agree(&link, local, timeout)?;
+        claim.0 = None;
+        drop(claim);
+        Ok(Group::assemble(link, tuning, timeout))
     }
 
     /// The group's tuning: rank 0's `local`, sent to every rank (see [`Group::form`]).

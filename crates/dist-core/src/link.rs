@@ -106,7 +106,8 @@ pub trait Link: Send + Sync {
     /// Takes the link (and every clone of it: they share its tags) for one
     /// [`Group`](crate::Group): true if no group holds it, false while one does. Released by
     /// [`Link::release_group`] when that group is dropped. A link that keeps no such mark
-    /// answers true, and then must not carry two groups at once.
+    /// answers true, and then must not carry two groups at once. A link that wraps another
+    /// forwards both methods (or keeps a mark of its own, as a sub-group's link does).
     fn claim_group(&self) -> bool {
         true
     }

@@ -161,7 +161,8 @@ impl Link for TcpLink {
         self.0.aborts.enter_call(tag, call);
     }
 
-    /// One group per backend: its own (formed at init), or one a caller forms over its link.
+    /// One group per backend: its own, formed at init, holds the link for the backend's whole
+    /// life, so a group a caller forms over the link (a clone of it) is refused.
     fn claim_group(&self) -> bool {
         !self
             .0

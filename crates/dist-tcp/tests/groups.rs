@@ -60,3 +60,33 @@ fn a_group_that_outlives_its_backend_fails_by_its_deadline() {
         }
     }
 }
+
+/// The backend's own group holds its link for the backend's life: a group a caller forms over
+/// a clone of that link is refused at once (it would share the backend's tags), and the
+/// backend's collectives go on.
+#[test]
+fn a_group_over_the_backends_own_link_is_refused() {
+    let out = common::job_with(2, cfg, |b| {
+        let link = dist_core::Transport::group(&b).link().clone();
+        let t = Instant::now();
+        let refused =
+            dist_core::Group::form(link, dist_core::Tuning::default(), Duration::from_secs(3));
+        let took = t.elapsed();
+        let mut x = [1u32; 3];
+        b.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        (refused.map(|_| ()), took, x)
+    });
+    for (r, (refused, took, x)) in out.into_iter().enumerate() {
+        match refused {
+            Err(DistError::InvalidArgument { reason, .. }) => {
+                assert!(
+                    reason.contains("a group already runs over this link"),
+                    "{reason}"
+                )
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+        assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
+        assert_eq!(x, [2; 3]);
+    }
+}

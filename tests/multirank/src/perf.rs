@@ -328,6 +328,7 @@ mod tests {
             "--what",
             "-b 1Q",
             "-e 99999999999999999999G",
+            "-e 17179869184G",
         ] {
             assert!(PerfOpts::parse(&args(bad), 1 << 20).is_err(), "{bad}");
         }

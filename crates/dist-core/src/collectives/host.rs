@@ -65,7 +65,7 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
     Ok(yes)
 }
 
-/// A rank's vote: 0 if its arena is incomplete or another group over the same link claimed
+/// A rank's vote: 0 if its arena is incomplete or an earlier group over the same link claimed
 /// it, else a hash (never 0) of the host layout and the slot size.
 /// A claim spent on a vote whose all_reduce then fails is not given back: a failed collective
 /// aborts the link, and no later call of any group over it runs.

@@ -485,3 +485,28 @@ fn a_second_group_over_one_link_is_refused_while_the_first_lives() {
         assert_eq!((first, next), (Some(true), Some(false)));
     }
 }
+
+/// A form that fails gives the link back: the next one over it forms (a claim kept by a
+/// failed form would refuse it). The link stays aborted by the failure, as after any: the new
+/// group's collectives fail with it.
+#[test]
+fn a_failed_form_gives_the_link_back() {
+    let l = MemLink::mesh(1).pop().unwrap();
+    let bad = Tuning {
+        ring_piece_kb: 0,
+        ..Tuning::default()
+    };
+    match Group::form(l.clone(), bad, TIMEOUT) {
+        Err(DistError::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("ring piece"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let g = Group::form(l, Tuning::default(), TIMEOUT).unwrap();
+    match g.all_reduce(&mut [3u32; 4], ReduceOp::Sum) {
+        Err(DistError::Aborted { reason, .. }) => {
+            assert!(reason.contains("ring piece"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
