@@ -496,4 +496,4 @@ impl TcpConfig {
 
 #[cfg(test)]
 #[path = "config_tests.rs"]
-mod tests;
+pub(crate) mod tests;

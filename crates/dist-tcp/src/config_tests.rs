@@ -4,7 +4,8 @@
 use super::*;
 use std::collections::HashMap;
 
-fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+/// An environment of `pairs` only, as a lookup (shared with `launch.rs`'s tests).
+pub(crate) fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
     let m: HashMap<String, String> = pairs
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -43,8 +43,11 @@ const GROUPS_TRACKED: usize = 64;
 pub(crate) struct Aborts {
     raised: AtomicBool,
     notices: Mutex<Vec<AbortNotice>>,
-    /// The call each group of this rank is in, by its tags' group bits (the root group's are
-    /// 0): one entry per group that has run a collective.
+    /// The call the root group (tags' group bits 0) is in, 0 before its first: kept apart from
+    /// `calls` so that a collective of the root group sets it with no lock.
+    root_call: AtomicU64,
+    /// The call each sub-group of this rank is in, by its tags' group bits: one entry per
+    /// sub-group that has run a collective.
     calls: Mutex<Vec<(u64, u64)>>,
 }
 
@@ -74,6 +77,10 @@ impl Aborts {
     /// `tag`'s group is in call `call` from now on.
     pub(crate) fn enter_call(&self, tag: Tag, call: u64) {
         let group = tag.to_wire() & GROUP_ID_BITS;
+        if group == 0 {
+            self.root_call.store(call, Ordering::Release);
+            return;
+        }
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         match calls.iter_mut().find(|(g, _)| *g == group) {
             Some(entry) => entry.1 = call,
@@ -91,6 +98,10 @@ impl Aborts {
     /// The call `tag`'s group is in, if it has run one.
     fn call_of(&self, tag: Tag) -> Option<u64> {
         let group = tag.to_wire() & GROUP_ID_BITS;
+        if group == 0 {
+            // Calls are numbered from 1: 0 says the root group has run none.
+            return Some(self.root_call.load(Ordering::Acquire)).filter(|&c| c != 0);
+        }
         let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         calls.iter().find(|(g, _)| *g == group).map(|&(_, c)| c)
     }

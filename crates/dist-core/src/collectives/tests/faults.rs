@@ -415,6 +415,49 @@ fn an_abort_for_a_later_call_lets_an_earlier_one_finish() {
     }
 }
 
+/// The notice for a later call arrives while a rank waits in call 1 for a message still on
+/// its way (held back by the link): the link's own wait goes on ([`Link::enter_call`]) and
+/// call 1 finishes with the right data. (Without the call the group tells the link, the wait
+/// ended at once with the abort.)
+#[test]
+fn a_wait_in_an_earlier_call_outlasts_a_notice_for_a_later_one() {
+    let links = MemLink::mesh(2);
+    links[0].set_faults(|e| {
+        if e.src == 1 && e.tag == crate::collectives::COLLECTIVE_TAG {
+            Delivery::After(Duration::from_secs(1))
+        } else {
+            Delivery::Now
+        }
+    });
+    let results = run_links(links, |l| {
+        let g = Group::form(l, Tuning::default(), Duration::from_secs(30))?;
+        let mut data = [g.rank() as u32 + 10; 6];
+        if g.rank() == 1 {
+            g.broadcast(&mut data, 1)?;
+            return g.broadcast(&mut [0u32; 2], 7).map(|()| data);
+        }
+        let started = Instant::now();
+        if let Err(e) = g.broadcast(&mut data, 1) {
+            panic!("rank 0: call 1 failed: {e}");
+        }
+        // It waited for the held message (the notice came long before it).
+        assert!(started.elapsed() >= Duration::from_millis(900));
+        assert!(g.link().abort_notice().is_some());
+        assert_eq!(data, [11; 6]);
+        g.broadcast(&mut [0u32; 2], 1).map(|()| data)
+    });
+    assert!(
+        matches!(results[0], Err(DistError::Aborted { origin: 1, .. })),
+        "{:?}",
+        results[0]
+    );
+    assert!(
+        matches!(results[1], Err(DistError::InvalidRank { given: 7, .. })),
+        "{:?}",
+        results[1]
+    );
+}
+
 /// A send that fails because its peer died after aborting (it found the peer gone while the
 /// notice had come meanwhile) is reported as that abort, the cause, as a receive's failure
 /// is. (Before, only receive errors were explained: the send said "peer gone".)
