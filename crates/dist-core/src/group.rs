@@ -161,8 +161,9 @@ impl<L: Link> std::fmt::Debug for Group<L> {
 }
 
 impl<L: Link> Group<L> {
-    /// Forms the group of every rank of `link`: rank 0 sends its `local` tuning to every rank,
-    /// which makes it the group's (the others' own is ignored), within `timeout`; `timeout` is
+    /// Forms the group of every rank of `link`: rank 0's `local` tuning goes to every rank (down
+    /// a binomial tree), which makes it the group's (the others' own is ignored), within
+    /// `timeout`; `timeout` is
     /// also the collectives' default. Every rank must call it. A rank that hears of an abort
     /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
     /// that group fails at once with the abort.
@@ -202,68 +203,109 @@ impl<L: Link> Group<L> {
         Ok(Group::assemble(link, tuning, timeout))
     }
 
-    /// The group's tuning: rank 0's `local`, sent to every rank (see [`Group::form`]).
+    /// The group's tuning: rank 0's `local`, sent down the binomial tree of the ranks (each
+    /// rank receives it from its parent, `me` less its lowest set bit, and passes it on to its
+    /// children), so that rank 0 sends ⌈log₂ n⌉ messages rather than n − 1, and in a lazily
+    /// connected job the tree's connections are those its formation made (dist-tcp's table of
+    /// listeners goes down the same tree). A rank that fails here, or hears of an abort, tells
+    /// the ranks it is connected to (its subtree among them), which would otherwise wait for
+    /// the tuning until their deadline.
     fn agree(link: &L, local: Tuning, timeout: Duration) -> Result<Tuning> {
         let (me, n) = (link.rank(), link.world_size());
         let op = || "form the group".to_string();
         let deadline = crate::deadline_after(Instant::now(), timeout, me, op)?;
-        let invalid = |reason: String| DistError::InvalidArgument {
-            rank: me,
-            op: op(),
-            reason,
-        };
-        let tuning = if me == 0 {
-            // A failure here is told to every rank, which would otherwise wait for the tuning
-            // until its deadline.
-            let fail = |e: DistError| {
-                link.abort(
-                    crate::collectives::COLLECTIVE_TAG,
-                    None,
-                    &e.to_string(),
-                    None,
-                );
-                e
-            };
-            if let Some(p) = local.problem() {
-                return Err(fail(invalid(p)));
+        let fail = |e: DistError| Self::tell_failure(link, e);
+        let (parent, children) = crate::collectives::binomial(me, n);
+        let tuning = match parent {
+            None => {
+                if let Some(p) = local.problem() {
+                    return Err(fail(DistError::InvalidArgument {
+                        rank: me,
+                        op: op(),
+                        reason: p,
+                    }));
+                }
+                local
             }
-            for r in 1..n {
-                link.send(&local.encode(), r, GROUP_TAG, FORMING, deadline, None)
-                    .map_err(|e| fail(e.with_op(&op())))?;
-            }
-            local
-        } else {
-            let mut b = [0u8; TUNING_BYTES];
-            // SAFETY: the handle is waited on (or dropped, on an error) in the next statement;
-            // it is never leaked.
-            let posted = unsafe { link.post(&mut b, 0, GROUP_TAG, deadline) };
-            let meta = match posted.and_then(|h| h.wait()) {
-                Ok(meta) => meta,
+            Some(parent) => match Self::tuning_from(link, parent, deadline)? {
+                Some(t) => t,
                 // An abort came first (a peer failed, or sent one for its own reasons): every
                 // collective of this group fails at once with it, so no tuning is ever used.
-                Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => {
+                // Passed on, for the subtree that waits on this rank.
+                None => {
+                    if let Some((origin, reason)) = link.abort_notice() {
+                        link.abort(
+                            crate::collectives::COLLECTIVE_TAG,
+                            None,
+                            &reason,
+                            Some(origin),
+                        );
+                    }
                     return Ok(local);
                 }
-                Err(e) => return Err(e.with_op("form the group (rank 0's tuning)")),
-            };
-            let t = Tuning::decode(&b);
-            let refused = |detail: String| DistError::CollectiveMismatch {
-                rank: me,
-                op: op(),
-                peer: 0,
-                detail,
-            };
-            if meta != FORMING {
-                return Err(refused(format!(
-                    "its forming message has meta {meta:?}: not a dist group"
-                )));
-            }
-            if let Some(p) = t.problem() {
-                return Err(refused(format!("its tuning: {p}")));
-            }
-            t
+            },
         };
+        for c in children {
+            link.send(&tuning.encode(), c, GROUP_TAG, FORMING, deadline, None)
+                .map_err(|e| fail(e.with_op(&op())))?;
+        }
         Ok(tuning)
+    }
+
+    /// Tells the ranks this one is connected to that forming failed here with `e` (naming the
+    /// peer at fault where `e` names one), and returns `e`.
+    fn tell_failure(link: &L, e: DistError) -> DistError {
+        let culprit = match &e {
+            DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
+                Some(*peer)
+            }
+            _ => None,
+        };
+        link.abort(
+            crate::collectives::COLLECTIVE_TAG,
+            None,
+            &e.to_string(),
+            culprit,
+        );
+        e
+    }
+
+    /// Rank `parent`'s forming message, checked: `None` if an abort notice ended the wait. A
+    /// failure is told to the ranks this one is connected to.
+    fn tuning_from(link: &L, parent: usize, deadline: Instant) -> Result<Option<Tuning>> {
+        let me = link.rank();
+        let fail = |e: DistError| Self::tell_failure(link, e);
+        let mut b = [0u8; TUNING_BYTES];
+        // SAFETY: the handle is waited on (or dropped, on an error) in the next statement;
+        // it is never leaked.
+        let posted = unsafe { link.post(&mut b, parent, GROUP_TAG, deadline) };
+        let meta = match posted.and_then(|h| h.wait()) {
+            Ok(meta) => meta,
+            Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => return Ok(None),
+            Err(e) => {
+                return Err(fail(e.with_op(&format!(
+                    "form the group (the tuning from rank {parent})"
+                ))));
+            }
+        };
+        let t = Tuning::decode(&b);
+        let refused = |detail: String| {
+            fail(DistError::CollectiveMismatch {
+                rank: me,
+                op: "form the group".into(),
+                peer: parent,
+                detail,
+            })
+        };
+        if meta != FORMING {
+            return Err(refused(format!(
+                "its forming message has meta {meta:?}: not a dist group"
+            )));
+        }
+        if let Some(p) = t.problem() {
+            return Err(refused(format!("its tuning: {p}")));
+        }
+        Ok(Some(t))
     }
 
     fn assemble(link: L, tuning: Tuning, timeout: Duration) -> Group<L> {

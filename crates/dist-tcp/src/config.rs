@@ -268,8 +268,9 @@ impl TcpConfig {
 
     /// How long a peer may stay silent (nothing at all received from it, heartbeats included)
     /// before every wait on it fails with [`DistError::PeerUnresponsive`] (default 10 s;
-    /// `DIST_PEER_TIMEOUT`). Each rank's transport sends a heartbeat to every peer at least five
-    /// times per peer timeout from a thread of its own, so a peer that computes for a long time
+    /// `DIST_PEER_TIMEOUT`). Each rank's transport sends a heartbeat to every peer five times per
+    /// peer timeout from a thread of its own (skipped where other bytes went to the peer since
+    /// the last), so a peer that computes for a long time
     /// is never reported; one that is stopped, partitioned away or whose host is down is, in
     /// about this long. Keep it well below [`TcpConfig::timeout`].
     pub fn peer_timeout(mut self, t: Duration) -> Self {

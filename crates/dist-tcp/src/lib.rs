@@ -280,7 +280,13 @@ impl TcpBackend {
             .then(|| shm::ArenaSetup::new(me, cfg.world_size, shm_host));
         for (r, s) in streams.into_iter().enumerate() {
             peers.push(Arc::new(match (s, &mesh) {
-                (Some(s), _) => Peer::connected_shm(
+                // A lazy job keeps every connection on TCP (`TcpConfig::shm_host`), on every
+                // rank alike: no offers to exchange, which rank 0 did with each rank in turn
+                // (two round trips each; about 1 s at 1,024 ranks on 2 cores).
+                (Some(s), Some(_)) => {
+                    Peer::connected(me, r, s, cfg.timeout, aborts.clone(), limits)?
+                }
+                (Some(s), None) => Peer::connected_shm(
                     me,
                     r,
                     s,

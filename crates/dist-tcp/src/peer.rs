@@ -218,8 +218,8 @@ impl Peer {
         }
     }
 
-    /// A peer over `stream`, whose handshake is done (with no shared memory).
-    #[cfg(test)]
+    /// A peer over `stream`, whose handshake is done, with no shared memory (and no
+    /// negotiation of it on the stream).
     pub(crate) fn connected(
         me: usize,
         rank: usize,

@@ -18,6 +18,7 @@
 //! | reduce_scatter | ring | ring |
 //! | all_to_all(v) | pairwise exchange | pairwise exchange |
 //! | gather, scatter | direct to / from the root | direct |
+//! | barrier | recursive doubling of empty messages where the world is a power of two or from 64 ranks (all_reduce's partners); else the dissemination barrier | |
 //! | all_gather_v | ring over blocks of the given sizes | ring |
 //! | gather_v, scatter_v | direct to / from the root | direct |
 //!
@@ -60,6 +61,7 @@ pub use host::SLICE as HOST_WAIT_SLICE;
 pub use select::{
     AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
 };
+pub(crate) use tree::binomial;
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the
 /// group, each with the backend's default timeout ([`Backend::default_timeout`]).

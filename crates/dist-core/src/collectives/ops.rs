@@ -11,11 +11,11 @@ use crate::types::{Element, ReduceOp};
 use super::call::{Call, What, finish, premul, run};
 use super::chain::broadcast_chain;
 use super::consts::{
-    ALL_GATHER_TWO_RINGS_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,
-    TWO_RINGS_MIN,
+    ALL_GATHER_TWO_RINGS_MIN, BARRIER_DOUBLING_MIN, BROADCAST_CHAIN_MIN, BROADCAST_TWO_CHAINS_MIN,
+    REDUCE_RING_MIN, TWO_RINGS_MIN,
 };
 use super::desc::Kind;
-use super::halving::all_reduce_halving;
+use super::halving::{Fold, all_reduce_halving};
 use super::lanes::{two_lanes, two_rings};
 use super::pairwise::exchange;
 use super::ring::{
@@ -322,10 +322,18 @@ pub(crate) fn all_to_all_v<T: Element, L: Link>(
     })
 }
 
-/// The dissemination barrier: in round k each rank signals rank + 2^k and waits for rank - 2^k;
-/// after ceil(log2 n) rounds each has heard from all.
+/// The barrier. Where the world is a power of two, or from [`BARRIER_DOUBLING_MIN`] ranks, by
+/// recursive doubling of empty messages over the partners of all_reduce's recursive doubling
+/// and halving (`me XOR 2^k` among the largest power of two, the extra ranks folded in before
+/// and out after), so that a lazily connected job's barrier opens no connection its
+/// all_reduces would not; otherwise the dissemination barrier (round k: signal rank + 2^k, wait
+/// for rank - 2^k), which takes ⌈log₂ n⌉ rounds against the fold's ⌊log₂ n⌋ + 2. Either way a
+/// rank leaves only once every rank has entered.
 pub(crate) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
     run::<_, u8, ()>(g, t, what(Kind::Barrier, 0, None, 0), |c| {
+        if c.n.is_power_of_two() || c.n >= BARRIER_DOUBLING_MIN {
+            return barrier_doubling(c);
+        }
         let mut d = 1;
         while d < c.n {
             c.send_recv(&[], (c.me + d) % c.n, &mut [], (c.me + c.n - d) % c.n)?;
@@ -333,4 +341,31 @@ pub(crate) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// The barrier by recursive doubling (see [`barrier`]): an extra rank's signal reaches its
+/// partner before the partner's first exchange, each exchange joins two halves that have each
+/// heard from all their ranks, and the extra ranks leave on their partner's signal after the
+/// last one.
+fn barrier_doubling<L: Link>(c: &Call<'_, L>) -> Result<()> {
+    let fold = Fold::new(c.n);
+    if fold.folds(c.me) && c.me.is_multiple_of(2) {
+        c.send(&[], c.me + 1)?;
+        return c.recv(&mut [], c.me + 1);
+    }
+    if fold.folds(c.me) {
+        c.recv(&mut [], c.me - 1)?;
+    }
+    if let Some(v) = fold.virt(c.me) {
+        let mut mask = 1;
+        while mask < fold.p {
+            let partner = fold.real(v ^ mask);
+            c.send_recv(&[], partner, &mut [], partner)?;
+            mask <<= 1;
+        }
+    }
+    if fold.folds(c.me) {
+        c.send(&[], c.me - 1)?;
+    }
+    Ok(())
 }

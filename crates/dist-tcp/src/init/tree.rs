@@ -9,7 +9,8 @@
 //!
 //! The tree's connections stay up as the ranks' first lazy connections (handed on like any
 //! connection a peer makes): the edge `r`–`r + 2^k` (`r < 2^k`) is the round-`k` partner of
-//! both the dissemination barrier (`me + 2^k`) and recursive doubling (`me XOR 2^k`).
+//! recursive doubling (`me XOR 2^k`), which the barrier uses too on many ranks, and an edge of
+//! the tree a group's tuning goes down (`dist_core::Group::form`).
 
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};

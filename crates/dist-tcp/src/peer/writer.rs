@@ -14,6 +14,9 @@ pub(super) struct Writer {
     /// are written without blocking, and a part that did not fit goes out before the next frame.
     pub(super) hb: [u8; FRAME_HEADER_LEN],
     pub(super) hb_left: usize,
+    /// Bytes went out since the last heartbeat was written: the peer heard from this rank, and
+    /// the next periodic heartbeat is skipped ([`Peer::heartbeat_if_quiet`]).
+    pub(super) wrote: bool,
 }
 
 /// The longest a sender sleeps on a full ring before it looks at the connection again (a peer
@@ -35,6 +38,7 @@ impl Writer {
             broken: None,
             hb: [0; FRAME_HEADER_LEN],
             hb_left: 0,
+            wrote: false,
         }
     }
 
@@ -42,9 +46,11 @@ impl Writer {
     /// doorbell if it asked for one) or the socket. `WouldBlock` when nothing fits.
     pub(super) fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
         let Some(ring) = &mut self.ring else {
-            return self
+            let n = self
                 .sock
-                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT);
+                .send_vectored_with_flags(bufs, MSG_NOSIGNAL | MSG_DONTWAIT)?;
+            self.wrote |= n > 0;
+            return Ok(n);
         };
         let (n, bell) = ring.write_some(bufs)?;
         if bell {
@@ -54,6 +60,7 @@ impl Writer {
         if n == 0 && bufs.iter().any(|b| !b.is_empty()) {
             return Err(std::io::ErrorKind::WouldBlock.into());
         }
+        self.wrote |= n > 0;
         Ok(n)
     }
 

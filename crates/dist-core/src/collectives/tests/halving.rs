@@ -222,6 +222,40 @@ fn partners_are_logarithmic() {
     }
 }
 
+/// The barrier, where the world is a power of two or from `BARRIER_DOUBLING_MIN` ranks, talks
+/// only to the partners a small all_reduce talks to (so that a lazily connected job's barrier
+/// dials no peer of its own), and holds every rank until the last has entered: two ranks enter
+/// 30 ms late, and every rank counts the entries after it. Fails with the dissemination barrier
+/// everywhere (rank + 2^k is no doubling partner).
+#[test]
+fn the_barrier_keeps_to_the_small_all_reduces_partners() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for n in [2usize, 4, 8, 16, 64, 65, 100, 128] {
+        let small = partners(n, |g| g.all_reduce(&mut [1u64], ReduceOp::Sum));
+        let entered = AtomicUsize::new(0);
+        let barrier = partners(n, |g| {
+            if g.rank() == n - 1 || g.rank() == n / 2 {
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            entered.fetch_add(1, Ordering::SeqCst);
+            g.barrier()?;
+            let seen = entered.load(Ordering::SeqCst);
+            assert!(
+                seen >= n,
+                "{n} ranks: rank {} left with {seen} entered",
+                g.rank()
+            );
+            Ok(())
+        });
+        for (r, (b, s)) in barrier.iter().zip(&small).enumerate() {
+            assert!(
+                b.is_subset(s),
+                "{n} ranks, rank {r}: barrier {b:?}, all_reduce {s:?}"
+            );
+        }
+    }
+}
+
 /// A count that differs on one rank is named on every rank, past the halving's threshold.
 #[test]
 fn another_count_is_named_by_halving() {
@@ -261,8 +295,8 @@ fn another_count_is_named_by_halving() {
 fn a_rank_that_dies_mid_halving_is_named_everywhere() {
     for (n, victim) in [(3, 0), (9, 8), (16, 5), (17, 0)] {
         let links = MemLink::mesh(n);
-        // Rank 0 first sends the tuning to every other rank.
-        let fifth = 4 + if victim == 0 { n as u64 - 1 } else { 0 };
+        // The tuning goes first, from each rank to its children in the tree.
+        let fifth = 4 + super::super::tree::binomial(victim, n).1.len() as u64;
         links[0].set_faults(move |m| {
             if m.src == victim && m.nth == fifth {
                 Delivery::Die

@@ -9,6 +9,7 @@ use crate::testing::MemLink;
 use crate::{DType, DistError, Tuning, Within};
 
 mod faults;
+mod forming;
 mod halving;
 mod host;
 mod matrix;
