@@ -17,7 +17,8 @@ use crate::work::Occupancy;
 /// its reduction.
 pub const RING_PIECE: usize = 256 << 10;
 
-/// The tag of the message that forms a group (rank 0's tuning to every rank).
+/// The tag of the message that forms a group (rank 0's tuning, down the binomial tree of the
+/// ranks).
 pub const GROUP_TAG: Tag = Tag::system(4);
 
 /// The meta that marks a group's forming message.
