@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Meta, Tag};
-use crate::collectives::{AllReduceAlgorithm, HOST_ARENA_MAX};
+use crate::collectives::{AllReduceAlgorithm, COLLECTIVE_TAG, HOST_ARENA_MAX};
 use crate::error::{DistError, Result};
 use crate::link::{Link, PostedRecv};
 use crate::work::Occupancy;
@@ -17,8 +17,8 @@ use crate::work::Occupancy;
 /// its reduction.
 pub const RING_PIECE: usize = 256 << 10;
 
-/// The tag of the message that forms a group (rank 0's tuning, down the binomial tree of the
-/// ranks).
+/// The tag of the message that forms a group (rank 0's tuning, down a tree of the ranks in which
+/// rank `r`'s parent is `r` less its highest set bit).
 pub const GROUP_TAG: Tag = Tag::system(4);
 
 /// The meta that marks a group's forming message.
@@ -161,9 +161,29 @@ impl<L: Link> std::fmt::Debug for Group<L> {
     }
 }
 
+/// The tree a group's tuning goes down ([`Group::form`]): rank `r`'s parent is `r` less its
+/// highest set bit, its children are `r + 2^k` for every `2^k > r` below `n`, the largest
+/// subtree first. It is the tree dist-tcp's lazy formation sends its table of listeners down
+/// (`init/tree.rs`), so that in a lazily connected job the tuning travels over connections
+/// formation made. Rank 0 has ⌈log₂ n⌉ children, and every rank is within ⌈log₂ n⌉ hops.
+pub(crate) fn forming_tree(r: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+    let parent = r.checked_ilog2().map(|b| r - (1 << b));
+    let mut children = Vec::new();
+    let mut step = (r + 1).next_power_of_two();
+    while let Some(c) = r.checked_add(step).filter(|c| *c < n) {
+        children.push(c);
+        match step.checked_mul(2) {
+            Some(next) => step = next,
+            None => break,
+        }
+    }
+    (parent, children)
+}
+
 impl<L: Link> Group<L> {
     /// Forms the group of every rank of `link`: rank 0's `local` tuning goes to every rank (down
-    /// a binomial tree), which makes it the group's (the others' own is ignored), within
+    /// a tree in which rank `r`'s parent is `r` less its highest set bit, as in dist-tcp's lazy
+    /// formation), which makes it the group's (the others' own is ignored), within
     /// `timeout`; `timeout` is
     /// also the collectives' default. Every rank must call it. A rank that hears of an abort
     /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
@@ -173,8 +193,10 @@ impl<L: Link> Group<L> {
     /// same tags as the first, and a message of one could be taken by the other (with equal
     /// descriptors, silently), so forming it is refused with
     /// [`DistError::InvalidArgument`] while the first lives ([`Link::claim_group`]). The
-    /// refusal is this rank's alone: ranks whose link is free form their group and wait for
-    /// this one (rank 0's tuning stays unread here) until their collectives' deadlines.
+    /// refusal is this rank's alone (it cannot tell the others over a link another group
+    /// uses): the ranks below it in that tree wait for the tuning it does not pass on
+    /// and fail to form at `timeout` (a [`DistError::Timeout`], which they tell the ranks they
+    /// are connected to); the others form and wait for it until their collectives' deadlines.
     /// Sub-groups ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags
     /// of its own.
     pub fn form(link: L, local: Tuning, timeout: Duration) -> Result<Group<L>> {
@@ -204,19 +226,24 @@ impl<L: Link> Group<L> {
         Ok(Group::assemble(link, tuning, timeout))
     }
 
-    /// The group's tuning: rank 0's `local`, sent down the binomial tree of the ranks (each
-    /// rank receives it from its parent, `me` less its lowest set bit, and passes it on to its
-    /// children), so that rank 0 sends ⌈log₂ n⌉ messages rather than n − 1, and in a lazily
-    /// connected job the tree's connections are those its formation made (dist-tcp's table of
-    /// listeners goes down the same tree). A rank that fails here, or hears of an abort, tells
-    /// the ranks it is connected to (its subtree among them), which would otherwise wait for
-    /// the tuning until their deadline.
+    /// The group's tuning: rank 0's `local`, sent down [`forming_tree`] (each rank receives it
+    /// from its parent and passes it on to its children), so that rank 0 sends ⌈log₂ n⌉
+    /// messages rather than n − 1; in a lazily connected dist-tcp job the tree's edges are
+    /// connections its formation made. While it forms, a rank counts as in the group's first
+    /// call: a notice that ends call 1 (or names none) ends its wait, and it passes that notice
+    /// on as it came, for the ranks below it, and forms with its own tuning (the group's first
+    /// collective then fails with the notice); a notice naming a later call (a rank that formed,
+    /// finished call 1 and failed a later one) does not, and the tuning is waited for. A rank
+    /// that fails here tells the ranks it is connected to, its children among them (over an
+    /// eager mesh, an in-memory link, and a lazy dist-tcp job's formation connections; a
+    /// sub-group's children in a lazy job once they have dialed it).
     fn agree(link: &L, local: Tuning, timeout: Duration) -> Result<Tuning> {
         let (me, n) = (link.rank(), link.world_size());
         let op = || "form the group".to_string();
         let deadline = crate::deadline_after(Instant::now(), timeout, me, op)?;
         let fail = |e: DistError| Self::tell_failure(link, e);
-        let (parent, children) = crate::collectives::binomial(me, n);
+        link.enter_call(COLLECTIVE_TAG, 1);
+        let (parent, children) = forming_tree(me, n);
         let tuning = match parent {
             None => {
                 if let Some(p) = local.problem() {
@@ -230,16 +257,13 @@ impl<L: Link> Group<L> {
             }
             Some(parent) => match Self::tuning_from(link, parent, deadline)? {
                 Some(t) => t,
-                // An abort came first (a peer failed, or sent one for its own reasons): every
-                // collective of this group fails at once with it, so no tuning is ever used.
-                // Passed on, for the subtree that waits on this rank.
                 None => {
-                    if let Some((origin, reason)) = link.abort_notice() {
+                    if let Some(notice) = link.abort_notice_for(COLLECTIVE_TAG, 1) {
                         link.abort(
-                            crate::collectives::COLLECTIVE_TAG,
-                            None,
-                            &reason,
-                            Some(origin),
+                            COLLECTIVE_TAG,
+                            notice.call,
+                            &notice.reason,
+                            Some(notice.origin),
                         );
                     }
                     return Ok(local);
@@ -262,17 +286,12 @@ impl<L: Link> Group<L> {
             }
             _ => None,
         };
-        link.abort(
-            crate::collectives::COLLECTIVE_TAG,
-            None,
-            &e.to_string(),
-            culprit,
-        );
+        link.abort(COLLECTIVE_TAG, None, &e.to_string(), culprit);
         e
     }
 
-    /// Rank `parent`'s forming message, checked: `None` if an abort notice ended the wait. A
-    /// failure is told to the ranks this one is connected to.
+    /// Rank `parent`'s forming message, checked: `None` if a notice that ends call 1 ended the
+    /// wait. A failure is told to the ranks this one is connected to.
     fn tuning_from(link: &L, parent: usize, deadline: Instant) -> Result<Option<Tuning>> {
         let me = link.rank();
         let fail = |e: DistError| Self::tell_failure(link, e);
@@ -282,7 +301,9 @@ impl<L: Link> Group<L> {
         let posted = unsafe { link.post(&mut b, parent, GROUP_TAG, deadline) };
         let meta = match posted.and_then(|h| h.wait()) {
             Ok(meta) => meta,
-            Err(DistError::Aborted { .. }) if link.abort_notice().is_some() => return Ok(None),
+            // A notice that ends call 1 explains whatever ended the wait (the parent may have
+            // aborted and then closed its connections): it is passed on, not this error.
+            Err(_) if link.abort_notice_for(COLLECTIVE_TAG, 1).is_some() => return Ok(None),
             Err(e) => {
                 return Err(fail(e.with_op(&format!(
                     "form the group (the tuning from rank {parent})"

@@ -408,8 +408,8 @@ impl TcpBackend {
                 source,
             })?;
         threads.liveness = Some(liveness);
-        // The group forms over the mesh: rank 0's tuning goes down the binomial tree (over the
-        // formation tree's connections in a lazy job). Should it fail,
+        // The group forms over the mesh: rank 0's tuning goes down the formation's tree (over
+        // connections formation made, in a lazy job too). Should it fail,
         // `threads` closes the connections on its way out.
         let link = TcpLink(shared.clone());
         let group = Group::form(

@@ -14,8 +14,9 @@ use sha2::Sha256;
 
 /// The first eight bytes of every handshake message.
 pub const MAGIC: [u8; 8] = *b"dist\0tcp";
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 9;
+/// The protocol version this build speaks (10: a lazily formed job's connections carry no
+/// shared-memory offers).
+pub const PROTOCOL_VERSION: u16 = 10;
 /// The shortest shared secret accepted, in bytes: a proof on the wire lets whoever saw it test
 /// guesses offline, so the secret must be too long to guess.
 pub const MIN_SECRET_LEN: usize = 16;

@@ -28,8 +28,8 @@ pub const RING_SHARE_MIN: usize = 512 << 10;
 /// ranks (their two threads against the halving's one); from here it runs the halving.
 pub const TWO_RINGS_MAX_RANKS: usize = 16;
 /// From this many ranks the barrier runs recursive doubling even where the world is not a power
-/// of two (it always does where it is): two rounds more than the dissemination barrier's at
-/// worst, but over the partners the small all_reduce and the halving use, so that in a lazily
+/// of two (it always does where it is): ⌊log₂ n⌋ + 2 rounds there, one more than the
+/// dissemination barrier's ⌈log₂ n⌉, but over the partners the small all_reduce and the halving use, so that in a lazily
 /// connected job (dist-tcp connects lazily from 65 ranks) the barrier dials no peer of its
 /// own. At 1,024 ranks on 2 cores (`cargo xtask scale`, `docs/benchmarks.md`, "Session 9"),
 /// the barrier phase took 3.2–5.3 s over connections of its own and 1.0–2.0 s over these.

@@ -61,7 +61,6 @@ pub use host::SLICE as HOST_WAIT_SLICE;
 pub use select::{
     AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
 };
-pub(crate) use tree::binomial;
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the
 /// group, each with the backend's default timeout ([`Backend::default_timeout`]).
@@ -320,8 +319,11 @@ impl<B: Transport + ?Sized> Collectives for B {}
 /// `timeout`, and its messages carry the call's descriptor like every collective's, so a barrier
 /// that meets another collective on another rank is a
 /// [`DistError::CollectiveMismatch`](crate::DistError::CollectiveMismatch) on every rank at once
-/// (not a wait until the deadline). Dissemination: in round k each rank signals rank + 2^k and
-/// waits for rank - 2^k; after ceil(log2 n) rounds each has heard from all.
+/// (not a wait until the deadline). Recursive doubling of empty messages over all_reduce's
+/// partners where the world is a power of two or from [`BARRIER_DOUBLING_MIN`] ranks (the
+/// extra ranks of a world that is not a power of two folded in and out: ⌊log₂ n⌋ + 2 rounds);
+/// otherwise dissemination, in round k each rank signalling rank + 2^k and waiting for
+/// rank - 2^k (⌈log₂ n⌉ rounds). Either way each rank has heard from all before it leaves.
 pub fn barrier<B: Transport + ?Sized>(b: &B, timeout: Duration) -> Result<()> {
     ops::barrier(b.group(), timeout)
 }

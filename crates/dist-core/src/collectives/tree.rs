@@ -57,7 +57,7 @@ pub(super) fn all_reduce_doubling<T: Element, L: Link>(
 
 /// The parent and children of virtual rank `v` in a binomial tree over `n` ranks rooted at 0,
 /// children largest subtree first.
-pub(crate) fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+pub(super) fn binomial(v: usize, n: usize) -> (Option<usize>, Vec<usize>) {
     let parent = (v > 0).then(|| v & (v - 1));
     let limit = if v == 0 {
         n.next_power_of_two()

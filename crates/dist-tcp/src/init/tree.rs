@@ -10,7 +10,7 @@
 //! The tree's connections stay up as the ranks' first lazy connections (handed on like any
 //! connection a peer makes): the edge `r`–`r + 2^k` (`r < 2^k`) is the round-`k` partner of
 //! recursive doubling (`me XOR 2^k`), which the barrier uses too on many ranks, and an edge of
-//! the tree a group's tuning goes down (`dist_core::Group::form`).
+//! the tree a group's tuning goes down (`dist_core::Group::form`, the same tree).
 
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};

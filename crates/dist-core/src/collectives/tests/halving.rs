@@ -296,7 +296,7 @@ fn a_rank_that_dies_mid_halving_is_named_everywhere() {
     for (n, victim) in [(3, 0), (9, 8), (16, 5), (17, 0)] {
         let links = MemLink::mesh(n);
         // The tuning goes first, from each rank to its children in the tree.
-        let fifth = 4 + super::super::tree::binomial(victim, n).1.len() as u64;
+        let fifth = 4 + crate::group::forming_tree(victim, n).1.len() as u64;
         links[0].set_faults(move |m| {
             if m.src == victim && m.nth == fifth {
                 Delivery::Die
