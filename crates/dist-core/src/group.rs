@@ -17,8 +17,7 @@ use crate::work::Occupancy;
 /// its reduction.
 pub const RING_PIECE: usize = 256 << 10;
 
-/// The tag of the message that forms a group (rank 0's tuning, down a tree of the ranks in which
-/// rank `r`'s parent is `r` less its highest set bit).
+/// The tag of the message that forms a group (rank 0's tuning, down [`forming_tree`]).
 pub const GROUP_TAG: Tag = Tag::system(4);
 
 /// The meta that marks a group's forming message.
@@ -161,12 +160,13 @@ impl<L: Link> std::fmt::Debug for Group<L> {
     }
 }
 
-/// The tree a group's tuning goes down ([`Group::form`]): rank `r`'s parent is `r` less its
-/// highest set bit, its children are `r + 2^k` for every `2^k > r` below `n`, the largest
-/// subtree first. It is the tree dist-tcp's lazy formation sends its table of listeners down
-/// (`init/tree.rs`), so that in a lazily connected job the tuning travels over connections
-/// formation made. Rank 0 has ⌈log₂ n⌉ children, and every rank is within ⌈log₂ n⌉ hops.
-pub(crate) fn forming_tree(r: usize, n: usize) -> (Option<usize>, Vec<usize>) {
+/// Rank `r`'s parent and children in the tree a group's tuning goes down ([`Group::form`]):
+/// the parent is `r` less its highest set bit (none for rank 0), the children are `r + 2^k` for
+/// every `2^k > r` below `n`, the largest subtree first. dist-tcp's lazy formation sends its
+/// table of listeners down the same tree (it calls this), so that in a lazily connected job the
+/// tuning travels over connections formation made. Rank 0 has ⌈log₂ n⌉ children, and every
+/// rank is within ⌈log₂ n⌉ hops of it.
+pub fn forming_tree(r: usize, n: usize) -> (Option<usize>, Vec<usize>) {
     let parent = r.checked_ilog2().map(|b| r - (1 << b));
     let mut children = Vec::new();
     let mut step = (r + 1).next_power_of_two();
@@ -182,8 +182,7 @@ pub(crate) fn forming_tree(r: usize, n: usize) -> (Option<usize>, Vec<usize>) {
 
 impl<L: Link> Group<L> {
     /// Forms the group of every rank of `link`: rank 0's `local` tuning goes to every rank (down
-    /// a tree in which rank `r`'s parent is `r` less its highest set bit, as in dist-tcp's lazy
-    /// formation), which makes it the group's (the others' own is ignored), within
+    /// [`forming_tree`]), which makes it the group's (the others' own is ignored), within
     /// `timeout`; `timeout` is
     /// also the collectives' default. Every rank must call it. A rank that hears of an abort
     /// before rank 0's tuning forms its group anyway (with its own tuning): every collective of
@@ -194,7 +193,7 @@ impl<L: Link> Group<L> {
     /// descriptors, silently), so forming it is refused with
     /// [`DistError::InvalidArgument`] while the first lives ([`Link::claim_group`]). The
     /// refusal is this rank's alone (it cannot tell the others over a link another group
-    /// uses): the ranks below it in that tree wait for the tuning it does not pass on
+    /// uses): the ranks below it in [`forming_tree`] wait for the tuning it does not pass on
     /// and fail to form at `timeout` (a [`DistError::Timeout`], which they tell the ranks they
     /// are connected to); the others form and wait for it until their collectives' deadlines.
     /// Sub-groups ([`Subgroups`](crate::Subgroups)) are the way to have several: each has tags

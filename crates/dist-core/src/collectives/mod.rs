@@ -53,7 +53,7 @@ mod select;
 mod tree;
 pub(crate) mod uneven;
 
-pub use crate::group::{GROUP_TAG, RING_PIECE};
+pub use crate::group::{GROUP_TAG, RING_PIECE, forming_tree};
 pub(crate) use call::abort_all;
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};

@@ -23,20 +23,19 @@ use super::links::OnIncoming;
 use super::mesh::{Dialed, Mesh};
 use crate::wire::{self, TABLE_ENTRY_LEN, TABLE_HEAD_LEN, TableHead};
 
-/// The parent of rank `r` (`r > 0`) in the tree: `r` less its highest set bit.
+/// The parent of rank `r` (`r > 0`) in the tree: `r` less its highest set bit. The tree is
+/// [`dist_core::collectives::forming_tree`], the one a group's tuning goes down, so that a lazy
+/// job forms its group over connections its formation made.
 pub(crate) fn parent(r: usize) -> usize {
-    match r.checked_ilog2() {
-        Some(b) => r - (1 << b),
-        None => 0,
-    }
+    dist_core::collectives::forming_tree(r, r + 1)
+        .0
+        .unwrap_or(0)
 }
 
 /// The children of rank `r` in a tree of `world` ranks: `r + 2^k` for every `2^k > r`.
 #[cfg(test)]
 pub(crate) fn children(r: usize, world: usize) -> impl Iterator<Item = usize> {
-    let first = (r + 1).next_power_of_two();
-    std::iter::successors(Some(first), |s| s.checked_mul(2))
-        .map_while(move |s| r.checked_add(s).filter(|c| *c < world))
+    dist_core::collectives::forming_tree(r, world).1.into_iter()
 }
 
 fn is_child(me: usize, r: usize, world: usize) -> bool {
