@@ -26,6 +26,9 @@ mod io_tests;
 mod lazy_tests;
 mod live;
 mod notices;
+mod poll_wait;
+#[cfg(test)]
+mod poll_wait_tests;
 pub(crate) use live::{Beat, Whereabouts};
 #[cfg(test)]
 mod props;
@@ -43,6 +46,7 @@ pub use aborts::AbortNotice;
 pub(crate) use aborts::{AbortSink, Aborts};
 pub(crate) use connect::ConnectHook;
 pub(crate) use io::IoThread;
+use poll_wait::SocketWait;
 use recv::Spinning;
 pub use recv::TcpRecv;
 pub(crate) use recv::spin_env;
@@ -104,6 +108,9 @@ struct Conn {
     stream: TcpStream,
     /// Whether frames to and from the peer go through shared memory.
     shm: (bool, bool),
+    /// A receiver may wait in `poll` on the socket itself (`poll_wait.rs`): it carries the
+    /// frames (not a ring's doorbells) and is a real socket.
+    pollable: bool,
 }
 
 /// One peer: its connection (once attached), and the messages and receives waiting on it.
@@ -305,6 +312,7 @@ impl Peer {
         let shm_ways = (shm.tx.is_some(), shm.rx.is_some());
         let conn = Conn {
             shm: shm_ways,
+            pollable: !shm_ways.1,
             writer: WriterLock::new(Writer::new(sock, shm.tx.map(|t| t.for_rank(me)))),
             rx: Mutex::new(Rx {
                 sock: match shm.rx {
@@ -320,6 +328,7 @@ impl Peer {
                 hi: 0,
                 frame: Frame::Header,
                 dead: false,
+                stopped_early: false,
             }),
             stream,
         };
@@ -405,10 +414,13 @@ impl Peer {
         }
     }
 
-    /// Wakes the receivers blocked on the condition variable, if any.
+    /// Wakes the receivers blocked on the condition variable or waiting on the socket, if any.
     fn notify(&self, st: &State) {
         if st.sleepers > 0 {
             self.cond.notify_all();
+        }
+        for w in &st.pollers {
+            w.ring();
         }
     }
 
@@ -533,6 +545,9 @@ impl Peer {
     pub(crate) fn wake(&self) {
         let st = self.lock();
         self.cond.notify_all();
+        for w in &st.pollers {
+            w.ring();
+        }
         self.wake_reader(&st);
     }
 

@@ -101,6 +101,17 @@ impl Io {
         }
     }
 
+    /// Registers (`read`) or clears the one-shot readable interest in `stream`, watched under
+    /// `key`; false if the poller refused.
+    pub(super) fn set_interest(&self, stream: &TcpStream, key: usize, read: bool) -> bool {
+        let ev = if read {
+            Event::readable(key)
+        } else {
+            Event::none(key)
+        };
+        self.poller.modify(stream, ev).is_ok()
+    }
+
     pub(super) fn add(&self, peer: Arc<Peer>) {
         self.lock().added.push(peer);
         let _ = self.poller.notify();
@@ -137,8 +148,6 @@ struct Watched {
     reading: Reading,
     /// When its next turn is due without any event.
     timer: Option<Instant>,
-    /// Readable interest is registered (one-shot) and has not fired yet.
-    armed: bool,
     /// Due a turn now; with whether its socket was reported readable.
     ready: Option<bool>,
 }
@@ -179,7 +188,6 @@ fn run(io: &Io) {
                     peer,
                     reading: Reading::new(),
                     timer: None,
-                    armed: false,
                     ready: Some(false),
                 },
             );
@@ -228,23 +236,13 @@ fn run(io: &Io) {
                 }
                 Plan::Wait { read, timer } => {
                     w.timer = timer;
-                    if let Some(t) = timer {
-                        next_timer = Some(next_timer.map_or(t, |n| n.min(t)));
+                    // Registered unless a receiver waits on the socket itself (`poll_wait.rs`).
+                    if !w.peer.io_interest(read) {
+                        // Cannot happen while the fd is registered; read on a timer then.
+                        w.timer = Some(Instant::now() + HOLD_RECHECK);
                     }
-                    if read != w.armed {
-                        let ev = if read {
-                            Event::readable(key)
-                        } else {
-                            Event::none(key)
-                        };
-                        let stream = w.peer.stream().expect("a watched peer is attached");
-                        if io.poller.modify(stream, ev).is_ok() {
-                            w.armed = read;
-                        } else {
-                            // Cannot happen while the fd is registered; read on a timer then.
-                            w.armed = false;
-                            w.timer = Some(Instant::now() + HOLD_RECHECK);
-                        }
+                    if let Some(t) = w.timer {
+                        next_timer = Some(next_timer.map_or(t, |n| n.min(t)));
                     }
                 }
                 Plan::Exit => forget(io, &mut watched, key),
@@ -265,8 +263,8 @@ fn run(io: &Io) {
         }
         for ev in events.iter() {
             if let Some(w) = watched.get_mut(&ev.key) {
-                // One-shot: the interest is off until re-armed.
-                w.armed = false;
+                // One-shot: the interest is off until registered again.
+                w.peer.lock().io_armed = false;
                 w.ready = Some(true);
             }
         }

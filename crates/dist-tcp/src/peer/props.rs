@@ -45,6 +45,7 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
     let conn = Conn {
         writer: WriterLock::new(Writer::new(sock(), None)),
         shm: (false, false),
+        pollable: false,
         rx: Mutex::new(Rx {
             sock: Source::Script(Script {
                 bytes,
@@ -55,6 +56,7 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
             hi: 0,
             frame: Frame::Header,
             dead: false,
+            stopped_early: false,
         }),
         stream: TcpStream::from(sock()),
     };

@@ -67,7 +67,9 @@ impl Peer {
     /// switch, and drains the socket every [`IDLE_DRAIN`] (unexpected messages must not fill the
     /// sender's buffers while nobody receives). Once nothing has been posted or taken on this
     /// peer for [`IDLE_QUIET`], it waits for the socket alone, with no timer, so that the peers
-    /// a rank is not talking to cost nothing while they wait (`docs/scale.md`).
+    /// a rank is not talking to cost nothing while they wait (`docs/scale.md`). While a
+    /// receiver waits in `poll` on the socket itself (`poll_wait.rs`), the turn stands back
+    /// with no timer: the socket is registered again once that receiver has left.
     pub(super) fn turn(&self, rd: &mut Reading, readable: bool) -> Plan {
         let plan = self.turn_inner(rd, readable);
         if plan == Plan::Exit {
@@ -141,6 +143,24 @@ impl Peer {
             }
             drop(st);
             return self.read_now(rd, rx);
+        }
+        if !st.pollers.is_empty() && !st.closing {
+            // A receiver waits on the socket itself (`poll_wait.rs`): the bytes are its to read,
+            // and the socket is watched again (with no timer) once it has left; any turn
+            // meanwhile (a kick for bytes left in the buffer) reads. A frame held back is this
+            // side's to hold.
+            drop(st);
+            if let Frame::Held { until, seen, .. } =
+                rx.lock().unwrap_or_else(|p| p.into_inner()).frame
+            {
+                rd.held = Some((until, seen));
+                return None;
+            }
+            rd.resume = Resume::Socket;
+            return Some(Plan::Wait {
+                read: true,
+                timer: None,
+            });
         }
         let sleeping = st.posted.iter().any(|p| !matches!(p.slot, Slot::Done(_)));
         let spinning = self.spinners.load(Ordering::Acquire) > 0;

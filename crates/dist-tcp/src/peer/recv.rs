@@ -222,6 +222,9 @@ impl Peer {
         if tests::PANIC_IN_WAIT.with(|p| p.replace(false)) {
             panic!("injected: a panic inside a receive's wait");
         }
+        // Declared before the state lock's guard, so that it drops after it: its drop takes the
+        // lock.
+        let mut on_socket: Option<SocketWait<'_>> = None;
         let mut st = self.lock();
         let mut timed_out = false;
         let mut spun = false;
@@ -255,9 +258,14 @@ impl Peer {
                 return Err(self.aborts.error(self.me, op(), wire_tag));
             }
             if !spun && self.rx().is_some() {
+                spun = true;
+                // With no spin on this host, wait on the socket itself (`poll_wait.rs`).
+                if let Some(w) = self.socket_wait(&mut st) {
+                    on_socket = Some(w);
+                    continue;
+                }
                 // Spin briefly before sleeping, reading the socket ourselves: a message that
                 // comes within microseconds then lands with no thread switch at all.
-                spun = true;
                 drop(st);
                 let until = Instant::now()
                     .checked_add(self.spin_time())
@@ -286,7 +294,8 @@ impl Peer {
                 // payload), so it gets FILL_GRACE before the connection is given up.
                 let grace_end = deadline.checked_add(FILL_GRACE).unwrap_or(deadline);
                 if now < grace_end {
-                    st = self.sleep(st, Some(grace_end.saturating_duration_since(now)));
+                    let limit = Some(grace_end.saturating_duration_since(now));
+                    st = self.block(st, limit, &mut on_socket);
                     continue;
                 }
                 timed_out = true;
@@ -298,11 +307,28 @@ impl Peer {
                 st = self.lock();
                 continue;
             }
-            st = self.sleep(
-                st,
-                (!timed_out).then(|| deadline.saturating_duration_since(now)),
-            );
+            let limit = (!timed_out).then(|| deadline.saturating_duration_since(now));
+            st = self.block(st, limit, &mut on_socket);
         }
+    }
+
+    /// Waits for a change, at most `limit`: in `poll` on the socket while registered to
+    /// (`socket`), else on the condition variable. A socket wait that must end (a frame held
+    /// back in the socket) unregisters, and the next waits sleep.
+    fn block<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        limit: Option<Duration>,
+        socket: &mut Option<SocketWait<'_>>,
+    ) -> MutexGuard<'a, State> {
+        let Some(w) = socket else {
+            return self.sleep(st, limit);
+        };
+        drop(st);
+        if !w.wait_once(limit) {
+            *socket = None;
+        }
+        self.lock()
     }
 
     /// Reads the socket from this thread until receive `id` is done or `until` passes, as long

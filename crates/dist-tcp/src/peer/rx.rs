@@ -58,6 +58,8 @@ pub(super) struct Rx {
     pub(super) hi: usize,
     pub(super) frame: Frame,
     pub(super) dead: bool,
+    /// The last read stopped at its bound of frames (see [`Rx::buffered`]).
+    pub(super) stopped_early: bool,
 }
 
 // SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
@@ -194,6 +196,12 @@ fn ring_recv(
 }
 
 impl Rx {
+    /// The last read stopped at its bound of frames ([`PROGRESS_TURNS`]) with bytes maybe left
+    /// in the buffer: the socket's readiness does not tell of them.
+    pub(super) fn buffered(&self) -> bool {
+        self.stopped_early && self.lo < self.hi
+    }
+
     /// Reads more of the stream into the buffer; `Ok(0)` at its end.
     pub(super) fn read_more(&mut self) -> std::io::Result<usize> {
         if self.lo == self.hi {
@@ -234,6 +242,7 @@ impl Peer {
     /// buffers, into the queue, or to the abort hook.
     pub(super) fn progress(&self, rx: &mut Rx) -> Step {
         let step = self.progress_frames(rx);
+        self.after_read(rx, matches!(step, Step::Held(..)));
         // Any byte from the peer proves it alive; so does a frame held back for flow control
         // (its socket is not read meanwhile, so its heartbeats wait behind that frame).
         if matches!(step, Step::Progress | Step::Held(..)) {
@@ -246,6 +255,7 @@ impl Peer {
         if rx.dead {
             return Step::Closed("connection closed".into());
         }
+        rx.stopped_early = false;
         let mut moved = false;
         let io_end = |e: std::io::Error, moved: bool| {
             if would_block(&e) {
@@ -262,6 +272,7 @@ impl Peer {
             // kept in `rx`, so the next call goes on where this one stopped.
             turns += 1;
             if moved && turns > PROGRESS_TURNS {
+                rx.stopped_early = true;
                 return Step::Progress;
             }
             match &mut rx.frame {

@@ -54,6 +54,13 @@ pub(super) struct State {
     pub(super) queued_bytes: usize,
     /// Counts posts and takes from the queue: a reader holding a frame back rechecks when it moves.
     pub(super) events: u64,
+    /// The wake descriptors of receivers waiting in `poll` on this peer's socket themselves
+    /// (`poll_wait.rs`); the I/O thread leaves the socket to them meanwhile.
+    pub(super) pollers: Vec<Arc<super::poll_wait::WakeFd>>,
+    /// The I/O thread's last turn asked to be woken when the socket is readable.
+    pub(super) io_read: bool,
+    /// ... and that interest is registered with its poller now (see [`Peer::io_interest`]).
+    pub(super) io_armed: bool,
 }
 
 impl State {
@@ -69,6 +76,9 @@ impl State {
             closing: false,
             queued_bytes: 0,
             events: 0,
+            pollers: Vec::new(),
+            io_read: false,
+            io_armed: false,
         }
     }
 }

@@ -16,14 +16,24 @@ const RANK: usize = 1;
 
 /// A peer (rank 1 as seen from rank 0) over loopback TCP driven by an I/O thread of its own,
 /// and the raw other end, on which a test writes whatever bytes it likes.
-struct Pair {
-    peer: Arc<Peer>,
-    raw: TcpStream,
+pub(super) struct Pair {
+    pub(super) peer: Arc<Peer>,
+    pub(super) raw: TcpStream,
     io: IoThread,
 }
 
 impl Pair {
-    fn new(limits: Limits) -> Pair {
+    /// As [`Pair::new`], with receivers that do not spin: they wait on the socket themselves
+    /// (`poll_wait.rs`) when `on_socket`, as on an oversubscribed host.
+    pub(super) fn waiting(limits: Limits, on_socket: bool) -> Pair {
+        let p = Pair::new(limits);
+        if on_socket {
+            p.peer.set_spin(Duration::ZERO);
+        }
+        p
+    }
+
+    pub(super) fn new(limits: Limits) -> Pair {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let raw = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
@@ -43,7 +53,7 @@ impl Pair {
         Pair { peer, raw, io }
     }
 
-    fn frame(&mut self, kind: u32, tag: u64, len: u64, payload: &[u8]) {
+    pub(super) fn frame(&mut self, kind: u32, tag: u64, len: u64, payload: &[u8]) {
         let mut h = FrameHeader {
             kind: FrameKind::Data,
             tag,
@@ -56,7 +66,7 @@ impl Pair {
         self.raw.write_all(payload).unwrap();
     }
 
-    fn recv(&self, buf: &mut [u8], tag: u64) -> Result<Meta> {
+    pub(super) fn recv(&self, buf: &mut [u8], tag: u64) -> Result<Meta> {
         let deadline = Instant::now() + Duration::from_secs(10);
         self.peer
             .recv(buf, tag, deadline, &|| format!("recv tag {tag}"))
@@ -75,7 +85,7 @@ impl Drop for Pair {
     }
 }
 
-fn limits(max_message: u64, unexpected: usize) -> Limits {
+pub(super) fn limits(max_message: u64, unexpected: usize) -> Limits {
     Limits {
         max_message,
         unexpected,
@@ -246,8 +256,14 @@ fn unexpected_messages_are_bounded_and_larger_ones_still_arrive() {
 /// budget freed, while the reader sat in `peek` on a socket whose bytes were already in `rx.buf`.
 #[test]
 fn review_held_by_spinner_lost_wake() {
+    held_by_spinner_lost_wake(false);
+}
+
+/// [`review_held_by_spinner_lost_wake`], with receivers waiting on the socket themselves when
+/// `on_socket` (`poll_wait_tests.rs`).
+pub(super) fn held_by_spinner_lost_wake(on_socket: bool) {
     // Room for one 100-byte message, not two.
-    let mut pair = Pair::new(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50));
+    let mut pair = Pair::waiting(limits(1 << 30, 100 + QUEUED_OVERHEAD + 50), on_socket);
     pair.frame(1, 1, 100, &[1; 100]);
     let t = Instant::now();
     while pair.queued_bytes() != 100 + QUEUED_OVERHEAD && t.elapsed() < Duration::from_secs(5) {
@@ -347,8 +363,14 @@ fn a_connection_that_dies_while_a_frame_is_held_is_gone() {
 /// each, far less than the memory their entries take.
 #[test]
 fn messages_on_many_distinct_tags_stay_within_the_budget_and_leave_no_entries() {
+    many_distinct_tags(false);
+}
+
+/// [`messages_on_many_distinct_tags_stay_within_the_budget_and_leave_no_entries`], with
+/// receivers waiting on the socket themselves when `on_socket` (`poll_wait_tests.rs`).
+pub(super) fn many_distinct_tags(on_socket: bool) {
     const LIMIT: usize = 64 << 10;
-    let pair = Pair::new(limits(1 << 30, LIMIT));
+    let pair = Pair::waiting(limits(1 << 30, LIMIT), on_socket);
     let mut raw = pair.raw.try_clone().unwrap();
     const N: u64 = 2000;
     let writer = std::thread::spawn(move || {
@@ -517,6 +539,7 @@ fn the_read_buffer_grows_only_for_a_busy_connection() {
         hi: 0,
         frame: Frame::Header,
         dead: false,
+        stopped_early: false,
     };
     // A trickle (100 bytes at a time, consumed at once) never grows it.
     let mut got = Vec::new();
