@@ -152,7 +152,18 @@ struct Watched {
     ready: Option<bool>,
 }
 
+thread_local! {
+    /// Set on an I/O thread: it takes care of a frame held back by its own reads.
+    static ON_IO_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is an I/O thread.
+pub(super) fn on_io_thread() -> bool {
+    ON_IO_THREAD.with(|t| t.get())
+}
+
 fn run(io: &Io) {
+    ON_IO_THREAD.with(|t| t.set(true));
     let mut watched: HashMap<usize, Watched> = HashMap::new();
     let mut events = Events::new();
     let mut ready: Vec<usize> = Vec::new();

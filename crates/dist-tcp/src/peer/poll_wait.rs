@@ -12,9 +12,12 @@
 //! waiter's wake descriptor, an `eventfd` of its thread that it polls beside the socket.
 //!
 //! Only for plain sockets: a shared-memory ring's socket carries doorbells that only the I/O
-//! thread may take (`rx.rs`, [`Source::Ring`]). A waiter that finds a frame held back in the
-//! socket (for another receive, or for flow control) leaves it to the I/O thread and sleeps
-//! on the condition variable instead: the socket would stay readable under it.
+//! thread may take (`rx.rs`, [`Source::Ring`]). A waiter whose own read meets a frame held back
+//! (for another receive, or for flow control) leaves it to the I/O thread and sleeps on the
+//! condition variable instead: the socket would stay readable under it. A hold that another
+//! reader starts, or a read that stops with frames left in the buffer (which `poll` does not
+//! see), wakes the waiters ([`Peer::after_read`]); a hold that goes on does not, so that
+//! nobody spins on it.
 
 use std::os::fd::OwnedFd;
 
@@ -91,7 +94,8 @@ impl Peer {
         if self.spin_us.load(Ordering::Relaxed) != 0 || !self.conn.get()?.pollable {
             return None;
         }
-        let wake = WAKE_FD.with(|w| w.clone())?;
+        // None while the thread's locals are being torn down.
+        let wake = WAKE_FD.try_with(|w| w.clone()).ok().flatten()?;
         st.pollers.push(wake.clone());
         // The bytes are to wake this thread only.
         self.io_interest_locked(st, None);
@@ -185,19 +189,21 @@ impl Drop for SocketWait<'_> {
         if let Some(i) = st.pollers.iter().position(|w| Arc::ptr_eq(w, &self.wake)) {
             st.pollers.swap_remove(i);
         }
-        self.peer.io_interest_locked(&mut st, None);
+        let registered = self.peer.io_interest_locked(&mut st, None);
         drop(st);
-        if buffered {
+        // A registration the poller refused leaves the socket unwatched: a turn rechecks.
+        if buffered || !registered {
             self.peer.kick();
         }
     }
 }
 
 impl Peer {
-    /// After a read that left bytes in the buffer or a frame held back, neither of which makes
-    /// the socket readable: the receivers waiting on the socket itself are woken (they move the
-    /// bytes along, or leave a held frame to the I/O thread and sleep), and the I/O thread is
-    /// given a turn for a held frame.
+    /// After a read that left bytes in the buffer or began holding a frame back, neither of
+    /// which makes the socket readable: the receivers waiting on the socket itself are woken
+    /// (they move the bytes along, or leave a held frame to the I/O thread and sleep), and the
+    /// I/O thread is given a turn for the held frame (unless it is the reader: its turn holds
+    /// the frame already).
     pub(super) fn after_read(&self, r: &Rx, held: bool) {
         if !held && !r.buffered() {
             return;
@@ -210,7 +216,7 @@ impl Peer {
             w.ring();
         }
         drop(st);
-        if held {
+        if held && !super::io::on_io_thread() {
             self.kick();
         }
     }

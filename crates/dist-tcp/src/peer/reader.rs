@@ -228,7 +228,12 @@ impl Peer {
                 rd.held = Some((until, seen));
                 None
             }
-            Step::Progress => Some(Plan::Again),
+            Step::Progress => {
+                // The read may have stopped at its bound with frames left in the buffer: the
+                // next turn reads on, whatever wakes it.
+                rd.resume = Resume::Socket;
+                Some(Plan::Again)
+            }
             Step::Idle => None,
         };
         rd.mid_frame = !matches!(r.frame, Frame::Header);

@@ -327,6 +327,10 @@ impl Peer {
         drop(st);
         if !w.wait_once(limit) {
             *socket = None;
+            // Sleeping from now on: the I/O thread must watch the socket for this receiver.
+            let st = self.lock();
+            self.wake_reader(&st);
+            return st;
         }
         self.lock()
     }

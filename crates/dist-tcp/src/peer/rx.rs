@@ -241,8 +241,10 @@ impl Peer {
     /// Reads whatever has arrived, without blocking, and moves frames along: into posted
     /// buffers, into the queue, or to the abort hook.
     pub(super) fn progress(&self, rx: &mut Rx) -> Step {
+        let was_held = matches!(rx.frame, Frame::Held { .. });
         let step = self.progress_frames(rx);
-        self.after_read(rx, matches!(step, Step::Held(..)));
+        // Only a hold that starts here is news: one that goes on was told of when it began.
+        self.after_read(rx, !was_held && matches!(step, Step::Held(..)));
         // Any byte from the peer proves it alive; so does a frame held back for flow control
         // (its socket is not read meanwhile, so its heartbeats wait behind that frame).
         if matches!(step, Step::Progress | Step::Held(..)) {
