@@ -3,6 +3,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
+use dist_core::collectives::host_arena_limit;
 use dist_core::{DistError, Result, Tuning};
 
 use crate::launch::LaunchEnv;
@@ -23,10 +24,64 @@ pub(crate) const SPIN_RANKS_PER_CORE: usize = 16;
 /// microseconds, which pays while the sender has a core to run on; on a host with many more
 /// ranks than cores, the spinning rank takes the core the sender needs.
 pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
-    if local <= SPIN_RANKS_PER_CORE.saturating_mul(cores.max(1)) {
-        crate::peer::SPIN
-    } else {
+    if crowded(local, cores) {
         Duration::ZERO
+    } else {
+        crate::peer::SPIN
+    }
+}
+
+/// Whether the job's ranks on this host (`local`) are more than [`SPIN_RANKS_PER_CORE`] per core
+/// (`cores`): a crowded host, where ranks take turns on the cores and every page a rank touches
+/// is cleared once per rank.
+pub(crate) fn crowded(local: usize, cores: usize) -> bool {
+    local > SPIN_RANKS_PER_CORE.saturating_mul(cores.max(1))
+}
+
+/// The ring piece on a crowded host ([`crowded`]), in KiB: the pieces of recursive halving and
+/// the ring, and their scratch (two pieces), are a quarter of the default's. There the cores
+/// are never free to overlap one piece's transfer with the next one's reduction, and each
+/// rank's scratch pages cost their clearing: at 1,024 ranks on 2 cores, 512 KiB of scratch a
+/// rank was about a tenth of the pages the job touched (`docs/benchmarks.md`, "Session 11").
+pub(crate) const CROWDED_PIECE_KB: u32 = 64;
+
+/// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
+/// where the machine has at least 8 cores.
+pub(crate) fn parallel_for(cfg: &TcpConfig) -> bool {
+    cfg.parallel
+        .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
+}
+
+/// This rank's choice of the group's [`Tuning`] (rank 0's is the group's): what `cfg` says, else
+/// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, 1 MiB when
+///   a send and its receive run on separate cores, and [`CROWDED_PIECE_KB`] on a crowded host
+///   ([`crowded`]);
+/// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
+///   thread): 2 when there are cores to spare, else 1;
+/// - the largest all_reduce on the host arena: [`host_arena_limit`] of this host's ranks of the
+///   job (`local`), the job's and this host's cores (`cores`).
+pub(crate) fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
+    let arena_default = host_arena_limit(local, cfg.world_size, cores);
+    let piece_default = if crowded(local, cores) {
+        CROWDED_PIECE_KB
+    } else if parallel {
+        1 << 10
+    } else {
+        Tuning::default().ring_piece_kb
+    };
+    Tuning {
+        ring_piece_kb: cfg
+            .ring_piece_kb
+            .unwrap_or(piece_default)
+            .clamp(1, Tuning::MAX_PIECE_KB),
+        lanes: cfg
+            .lanes
+            .unwrap_or(if parallel { 2 } else { 1 })
+            .clamp(1, Tuning::MAX_LANES),
+        arena_max_kb: cfg
+            .arena_max_kb
+            .unwrap_or((arena_default >> 10) as u32)
+            .min(Tuning::MAX_ARENA_KB),
     }
 }
 

@@ -215,3 +215,21 @@ fn the_spin_stops_on_an_oversubscribed_host() {
     assert_eq!(local_ranks(env("many"), 64), 64);
     assert_eq!(local_ranks(|_: &str| None, 3), 3);
 }
+
+/// The ring piece's default: 256 KiB with one thread a rank, 1 MiB with a send beside its
+/// receive, a quarter of 256 KiB on a crowded host (more than 16 ranks a core) whatever the
+/// rest; a piece the configuration names wins everywhere.
+#[test]
+fn the_ring_piece_shrinks_on_a_crowded_host() {
+    let cfg = TcpConfig::new(0, 1024, "127.0.0.1:29500");
+    let piece = |cfg: &TcpConfig, parallel, local, cores| {
+        local_tuning(cfg, parallel, local, cores).ring_piece_kb
+    };
+    assert_eq!(piece(&cfg, false, 4, 2), 256);
+    assert_eq!(piece(&cfg, true, 16, 32), 1024);
+    assert_eq!(piece(&cfg, false, 32, 2), 256);
+    assert_eq!(piece(&cfg, false, 33, 2), CROWDED_PIECE_KB);
+    assert_eq!(piece(&cfg, true, 1024, 16), CROWDED_PIECE_KB);
+    let named = cfg.ring_piece_kb(512);
+    assert_eq!(piece(&named, false, 1024, 2), 512);
+}

@@ -49,9 +49,8 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use dist_core::collectives::host_arena_limit;
 use dist_core::flight::FlightRecorder;
-use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport, Tuning};
+use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport};
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
@@ -140,43 +139,6 @@ struct Shared {
 /// Sends at least this large may run beside their receive on another thread.
 const PARALLEL_MIN: usize = 64 << 10;
 
-/// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
-/// where the machine has at least 8 cores.
-fn parallel_for(cfg: &TcpConfig) -> bool {
-    cfg.parallel
-        .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
-}
-
-/// This rank's choice of the group's [`Tuning`] (rank 0's is the group's): what `cfg` says, else
-/// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, or 1 MiB when
-///   a send and its receive run on separate cores;
-/// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
-///   thread): 2 when there are cores to spare, else 1;
-/// - the largest all_reduce on the host arena: [`host_arena_limit`] of this host's ranks of the
-///   job (`local`), the job's and this host's cores (`cores`).
-fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
-    let arena_default = host_arena_limit(local, cfg.world_size, cores);
-    let piece_default = if parallel {
-        1 << 10
-    } else {
-        Tuning::default().ring_piece_kb
-    };
-    Tuning {
-        ring_piece_kb: cfg
-            .ring_piece_kb
-            .unwrap_or(piece_default)
-            .clamp(1, Tuning::MAX_PIECE_KB),
-        lanes: cfg
-            .lanes
-            .unwrap_or(if parallel { 2 } else { 1 })
-            .clamp(1, Tuning::MAX_LANES),
-        arena_max_kb: cfg
-            .arena_max_kb
-            .unwrap_or((arena_default >> 10) as u32)
-            .min(Tuning::MAX_ARENA_KB),
-    }
-}
-
 /// A rank of a job whose ranks talk over TCP. See the [crate docs](crate).
 ///
 /// It owns the job's collective [`Group`] over its [`TcpLink`]: the collectives
@@ -235,7 +197,7 @@ impl TcpBackend {
 
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
-        let parallel = parallel_for(&cfg);
+        let parallel = config::parallel_for(&cfg);
         let me = cfg.rank;
         // Connections a peer makes to this rank after formation (lazy formation only).
         let incoming = Arc::new(lazy::Incoming::default());
@@ -346,51 +308,54 @@ impl TcpBackend {
             io,
             liveness: None,
         };
-        for p in shared.peers.iter().filter(|p| !p.is_loopback()) {
-            let peer = p.clone();
-            let weak = Arc::downgrade(&shared);
-            let sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
-                if let Some(s) = weak.upgrade() {
-                    // A peer may name any number as the rank at fault: one that is no rank of
-                    // the job is no culprit (the failure is then the sender's).
-                    if notice.culprit.is_some_and(|c| c >= s.world) {
-                        notice.culprit = None;
-                    }
-                    s.post(PeerFault {
-                        rank: s.rank,
-                        peer: notice.from,
-                        cause: FaultCause::Aborted(notice.reason.clone()),
-                    });
-                    // A rank that only hears of a failure writes its record too (on the
-                    // liveness thread: no file I/O on the I/O thread).
-                    if s.trace_dir.is_some() {
-                        s.post_event(liveness::Event::WriteTrace);
-                    }
-                    s.note_abort(notice);
+        // One of each hook for every peer (each is told the peer's rank): a thousand ranks'
+        // peers share three closures instead of holding three each.
+        let weak = Arc::downgrade(&shared);
+        let abort_sink: peer::AbortSink = Arc::new(move |mut notice: AbortNotice| {
+            if let Some(s) = weak.upgrade() {
+                // A peer may name any number as the rank at fault: one that is no rank of
+                // the job is no culprit (the failure is then the sender's).
+                if notice.culprit.is_some_and(|c| c >= s.world) {
+                    notice.culprit = None;
                 }
-            });
-            peer.set_abort_sink(sink);
-            let weak = Arc::downgrade(&shared);
-            peer.set_beat_sink(Arc::new(move |from, asked| {
-                if let Some(s) = weak.upgrade() {
-                    s.heard_beat(from, asked);
+                s.post(PeerFault {
+                    rank: s.rank,
+                    peer: notice.from,
+                    cause: FaultCause::Aborted(notice.reason.clone()),
+                });
+                // A rank that only hears of a failure writes its record too (on the
+                // liveness thread: no file I/O on the I/O thread).
+                if s.trace_dir.is_some() {
+                    s.post_event(liveness::Event::WriteTrace);
                 }
-            }));
-            let weak = Arc::downgrade(&shared);
-            peer.set_close_sink(Arc::new(move |from, cause| {
-                if let Some(s) = weak.upgrade()
-                    && !s.peers[from].declared_silent()
-                    && !s.peers[from].leaving()
-                {
-                    s.post(PeerFault {
-                        rank: s.rank,
-                        peer: from,
-                        cause: FaultCause::Closed(cause),
-                    });
-                }
-            }));
+                s.note_abort(notice);
+            }
+        });
+        let weak = Arc::downgrade(&shared);
+        let beat_sink: peer::BeatSink = Arc::new(move |from, asked| {
+            if let Some(s) = weak.upgrade() {
+                s.heard_beat(from, asked);
+            }
+        });
+        let weak = Arc::downgrade(&shared);
+        let close_sink: peer::CloseSink = Arc::new(move |from, cause| {
+            if let Some(s) = weak.upgrade()
+                && !s.peers[from].declared_silent()
+                && !s.peers[from].leaving()
+            {
+                s.post(PeerFault {
+                    rank: s.rank,
+                    peer: from,
+                    cause: FaultCause::Closed(cause),
+                });
+            }
+        });
+        for peer in shared.peers.iter().filter(|p| !p.is_loopback()) {
+            peer.set_abort_sink(abort_sink.clone());
+            peer.set_beat_sink(beat_sink.clone());
+            peer.set_close_sink(close_sink.clone());
             // Its connection is watched by the I/O thread from now on (or from its attach).
-            threads.io.adopt(&peer);
+            threads.io.adopt(peer);
         }
         // Connections peers made before the peers existed are attached now; later ones at once.
         incoming.open(&shared.peers);
@@ -414,7 +379,7 @@ impl TcpBackend {
         let link = TcpLink(shared.clone());
         let group = Group::form(
             link,
-            local_tuning(&cfg, parallel, local, cores),
+            config::local_tuning(&cfg, parallel, local, cores),
             cfg.timeout,
         )?;
         Ok(TcpBackend {

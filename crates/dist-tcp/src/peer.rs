@@ -119,8 +119,10 @@ pub(crate) struct Peer {
     pub(crate) rank: usize,
     /// The peer is this rank itself: sends are copied to its own queue; it has no connection.
     loopback: bool,
-    /// The connection, once attached ([`Peer::attach`]).
-    conn: OnceLock<Conn>,
+    /// The connection, once attached ([`Peer::attach`]); boxed, so that a peer never connected
+    /// (most of them, in a lazily formed job of many ranks) costs a pointer for it, not the
+    /// connection's few hundred bytes.
+    conn: OnceLock<Box<Conn>>,
     /// The send timeout set on an attached socket.
     send_timeout: Duration,
     /// Makes the connection on first use, for a peer created without one.
@@ -332,11 +334,13 @@ impl Peer {
             }),
             stream,
         };
-        self.conn.set(conn).map_err(|_| DistError::InvalidArgument {
-            rank: me,
-            op: format!("attach a connection to peer {rank}"),
-            reason: "the peer already has a connection".into(),
-        })
+        self.conn
+            .set(Box::new(conn))
+            .map_err(|_| DistError::InvalidArgument {
+                rank: me,
+                op: format!("attach a connection to peer {rank}"),
+                reason: "the peer already has a connection".into(),
+            })
     }
 
     /// The read side, once connected.

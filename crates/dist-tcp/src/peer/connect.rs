@@ -110,7 +110,7 @@ impl Peer {
         let mut d = self.dial.lock().unwrap_or_else(|p| p.into_inner());
         d.busy = false;
         let r = match made {
-            Ok(_) => Ok(self.conn.get()),
+            Ok(_) => Ok(self.conn.get().map(|c| &**c)),
             Err(e) => {
                 d.failures += 1;
                 d.last_failure = Some(e.to_string());

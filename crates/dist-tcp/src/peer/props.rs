@@ -60,7 +60,7 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
         }),
         stream: TcpStream::from(sock()),
     };
-    assert!(p.conn.set(conn).is_ok());
+    assert!(p.conn.set(Box::new(conn)).is_ok());
     p
 }
 
