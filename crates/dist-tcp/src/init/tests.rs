@@ -310,6 +310,51 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
     drop((s, idle));
 }
 
+/// Sends a garbage hello on a new connection and waits for the listener to turn it away.
+fn refused_garbage(addr: SocketAddr) {
+    let mut s = raw(addr);
+    let _ = s.write_all(&[0xAB; HELLO_LEN]);
+    let got = read_all(&mut s);
+    if !got.is_empty() {
+        assert_eq!(
+            Reply::decode(&got).unwrap().refusal,
+            Some(Refusal::BadMagic)
+        );
+    }
+}
+
+/// Connections that come one after another are served by one handshake worker, which waits
+/// for the next one; a worker starts only when none is idle, and connections held in their
+/// handshake at once still get a worker each, up to [`acceptor::HANDSHAKE_WORKERS`]. Before,
+/// every connection that arrived while fewer than that many workers lived started one, idle
+/// ones or not: four thread starts for four connections one after another.
+#[test]
+fn a_worker_starts_only_when_none_is_idle() {
+    let (a, _joins, addr) = mesh_acceptor(None, Duration::from_secs(5));
+    for _ in 0..6 {
+        refused_garbage(addr);
+    }
+    assert_eq!(
+        a.workers(),
+        (1, 1),
+        "(started, alive) after six connections in turn"
+    );
+    // Connections that send nothing hold a worker each in its handshake until the deadline.
+    let held: Vec<TcpStream> = (0..acceptor::HANDSHAKE_WORKERS)
+        .map(|_| raw(addr))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while a.workers().0 < acceptor::HANDSHAKE_WORKERS && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        a.workers(),
+        (acceptor::HANDSHAKE_WORKERS, acceptor::HANDSHAKE_WORKERS),
+        "one worker a held connection"
+    );
+    drop(held);
+}
+
 /// Runs `form` as rank 1 of 2 against a fake rank 0 that plays `script` on the connection.
 fn against_fake_root(script: fn(&mut TcpStream)) -> DistError {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
