@@ -29,6 +29,7 @@ mod notices;
 mod poll_wait;
 #[cfg(test)]
 mod poll_wait_tests;
+mod poller;
 pub(crate) use live::{Beat, Whereabouts};
 #[cfg(test)]
 mod props;

@@ -1,5 +1,5 @@
 //! The backend's one I/O thread: it drives the read side of every connection of a rank by
-//! readiness polling (`polling`: epoll on Linux), where each connection used to have a reader
+//! readiness polling (`poller.rs`: epoll on Linux), where each connection used to have a reader
 //! thread of its own. Each peer gets turns ([`Peer::turn`], `reader.rs`) when its socket becomes
 //! readable, when its timer passes, or when another thread wakes it (a post, a take, a receiver
 //! about to sleep, the backend closing); between those it costs nothing. Reads are non-blocking,
@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::thread::JoinHandle;
 
-use polling::{Event, Events, Poller};
+use super::poller::{Events, Poller};
 
 use super::reader::{Plan, Reading};
 use super::*;
@@ -104,12 +104,7 @@ impl Io {
     /// Registers (`read`) or clears the one-shot readable interest in `stream`, watched under
     /// `key`; false if the poller refused.
     pub(super) fn set_interest(&self, stream: &TcpStream, key: usize, read: bool) -> bool {
-        let ev = if read {
-            Event::readable(key)
-        } else {
-            Event::none(key)
-        };
-        self.poller.modify(stream, ev).is_ok()
+        self.poller.modify(stream, key, read).is_ok()
     }
 
     pub(super) fn add(&self, peer: Arc<Peer>) {
@@ -166,6 +161,7 @@ fn run(io: &Io) {
     ON_IO_THREAD.with(|t| t.set(true));
     let mut watched: HashMap<usize, Watched> = HashMap::new();
     let mut events = Events::new();
+    let mut readable: Vec<usize> = Vec::new();
     let mut ready: Vec<usize> = Vec::new();
     loop {
         let inbox = std::mem::take(&mut *io.lock());
@@ -174,12 +170,9 @@ fn run(io: &Io) {
             let Some(stream) = peer.stream() else {
                 continue;
             };
-            // SAFETY: `polling` requires the source to be deleted from the poller before its fd
-            // is closed. The fd is the peer's own stream handle (`Conn::stream`), closed only
-            // when the `Peer` drops; this thread holds an `Arc` to the peer (in `watched`) until
-            // it has deleted the source (`forget`, below, and at the end of this function).
-            // Tests: every `peer::tests` pair ends with the thread deleting its peer.
-            if let Err(e) = unsafe { io.poller.add(stream, Event::none(key)) } {
+            // Deleted again before this thread lets go of the peer (`forget`, below, and at the
+            // end of this function), which the `polling` fallback requires.
+            if let Err(e) = io.poller.add(stream, key) {
                 let mut r = peer
                     .rx()
                     .expect("attached")
@@ -264,16 +257,16 @@ fn run(io: &Io) {
         } else {
             next_timer.map(|t| t.saturating_duration_since(Instant::now()))
         };
-        events.clear();
-        if let Err(e) = io.poller.wait(&mut events, timeout) {
+        readable.clear();
+        if let Err(e) = io.poller.wait(&mut events, &mut readable, timeout) {
             if e.kind() != std::io::ErrorKind::Interrupted {
                 tracing::warn!(error = %e, "the I/O thread's poll failed");
                 std::thread::sleep(Duration::from_millis(10));
             }
             continue;
         }
-        for ev in events.iter() {
-            if let Some(w) = watched.get_mut(&ev.key) {
+        for key in readable.drain(..) {
+            if let Some(w) = watched.get_mut(&key) {
                 // One-shot: the interest is off until registered again.
                 w.peer.lock().io_armed = false;
                 w.ready = Some(true);
