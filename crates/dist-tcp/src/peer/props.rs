@@ -308,3 +308,54 @@ proptest! {
         }
     }
 }
+
+/// A connection that carries only frames larger than its read buffer keeps the buffer at its
+/// first size (each read that fills it holds one frame's header and the start of its payload,
+/// the rest of which goes straight to the posted buffer), and a connection of small frames
+/// back to back still grows it. Before, every read that filled the buffer doubled it, up to
+/// RX_BUF: 64 KiB on every connection that carried a large message.
+#[test]
+fn the_read_buffer_does_not_grow_for_large_frames() {
+    let msgs: Vec<(u64, usize)> = (0..6).map(|_| (0, 100_000)).collect();
+    let p = scripted(
+        stream(&msgs),
+        Limits {
+            max_message: 1 << 30,
+            unexpected: 1 << 20,
+        },
+    );
+    let mut bufs: Vec<Vec<u8>> = msgs.iter().map(|&(_, len)| vec![0u8; len]).collect();
+    let mut ids = Vec::new();
+    for b in &mut bufs {
+        // SAFETY: each buffer stays in `bufs`, untouched, until its receive is taken below or
+        // the test ends; the read side runs only inside this function.
+        ids.push(unsafe { p.lock().post(0, b.as_mut_ptr(), b.len()) });
+    }
+    feed(&p, usize::MAX / 2, false);
+    while !matches!(step(&p), Step::Idle) {}
+    for (i, id) in ids.into_iter().enumerate() {
+        let done = p.lock().take_done(id);
+        assert!(
+            matches!(done, Some(Outcome::Delivered(_))),
+            "message {i} not delivered"
+        );
+        assert_eq!(bufs[i], payload(i, msgs[i].1), "message {i}");
+    }
+    assert_eq!(rx(&p).buf.len(), RX_BUF_MIN, "grown by large frames");
+
+    let small: Vec<(u64, usize)> = (0..2_000).map(|_| (0, 40)).collect();
+    let p = scripted(
+        stream(&small),
+        Limits {
+            max_message: 1 << 30,
+            unexpected: 1 << 20,
+        },
+    );
+    feed(&p, usize::MAX / 2, false);
+    while !matches!(step(&p), Step::Idle) {}
+    assert_eq!(
+        rx(&p).buf.len(),
+        RX_BUF,
+        "not grown by a flood of small frames"
+    );
+}
