@@ -430,8 +430,9 @@ impl TcpConfig {
         self
     }
 
-    /// The largest message of a ring step, in KiB, 1 to 65536 (default 1024 where sends and
-    /// receives run in parallel, else 256; `DIST_RING_PIECE_KB`). Rank 0's value is the job's.
+    /// The largest message of a ring step, in KiB, 1 to 65536 (default 64 on a host with more
+    /// than 16 of the job's ranks per core, else 1024 where sends and receives run in parallel,
+    /// else 256; `DIST_RING_PIECE_KB`). Rank 0's value is the job's.
     pub fn ring_piece_kb(mut self, kb: u32) -> Self {
         self.ring_piece_kb = Some(kb);
         self

@@ -122,11 +122,11 @@ impl Acceptor {
         })
     }
 
-    /// Handshake workers started so far, and those alive now.
+    /// Handshake workers started so far, those alive now, and those of them idle.
     #[cfg(test)]
-    pub(crate) fn workers(&self) -> (usize, usize) {
+    pub(crate) fn workers(&self) -> (usize, usize, usize) {
         let q = self.pool.lock();
-        (q.started, q.workers)
+        (q.started, q.workers, q.idle)
     }
 }
 
@@ -198,14 +198,27 @@ fn accept_loop(listener: TcpListener, pool: &Arc<Pool>, stop: Arc<AtomicBool>) {
 /// A worker: runs the queued handshakes, and ends once [`WORKER_IDLE`] passes with none (or
 /// the accept thread has ended and none is left).
 fn work(pool: &Pool) {
+    /// Counts the worker out if its handshake panics, so that the accept thread starts
+    /// another for what is queued.
+    struct Unwinding<'a>(&'a Pool);
+    impl Drop for Unwinding<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                self.0.lock().workers -= 1;
+            }
+        }
+    }
+    let _unwinding = Unwinding(pool);
     let me = pool.rules.me;
     let mut q = pool.lock();
     let mut idle_since = Instant::now();
     loop {
         if let Some((stream, from, at)) = q.waiting.pop_front() {
             drop(q);
-            // Dropped unserved if the listener is closing.
-            if !pool.stop.load(Ordering::SeqCst) {
+            if pool.stop.load(Ordering::SeqCst) {
+                // The listener is closing: dropped unserved.
+                drop(stream);
+            } else {
                 match serve_handshake(stream, from, at, &pool.rules) {
                     Ok(()) => tracing::debug!(rank = me, %from, "peer connected"),
                     // Crossing is part of the protocol, not a fault.

@@ -157,9 +157,42 @@ pub(super) fn on_io_thread() -> bool {
     ON_IO_THREAD.with(|t| t.get())
 }
 
+/// The watched peers by key; their sockets are deleted from the poller when this drops, the
+/// thread unwinding included (`Poller::add`'s contract: a peer let go of may close its socket).
+struct WatchedSet<'a> {
+    io: &'a Io,
+    map: HashMap<usize, Watched>,
+}
+
+impl std::ops::Deref for WatchedSet<'_> {
+    type Target = HashMap<usize, Watched>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for WatchedSet<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
+
+impl Drop for WatchedSet<'_> {
+    fn drop(&mut self) {
+        for w in self.map.values() {
+            if let Some(stream) = w.peer.stream() {
+                let _ = self.io.poller.delete(stream);
+            }
+        }
+    }
+}
+
 fn run(io: &Io) {
     ON_IO_THREAD.with(|t| t.set(true));
-    let mut watched: HashMap<usize, Watched> = HashMap::new();
+    let mut watched = WatchedSet {
+        io,
+        map: HashMap::new(),
+    };
     let mut events = Events::new();
     let mut readable: Vec<usize> = Vec::new();
     let mut ready: Vec<usize> = Vec::new();
@@ -170,9 +203,12 @@ fn run(io: &Io) {
             let Some(stream) = peer.stream() else {
                 continue;
             };
-            // Deleted again before this thread lets go of the peer (`forget`, below, and at the
-            // end of this function), which the `polling` fallback requires.
-            if let Err(e) = io.poller.add(stream, key) {
+            // SAFETY: the stream is the peer's own handle (`Conn::stream`), closed only when
+            // the `Peer` drops; this thread holds an `Arc` to the peer (in `watched`) until it
+            // has deleted the source: `forget`, below, at the end of this function, and
+            // `Watched`'s drop if this thread unwinds. Tests: every `peer::tests` pair ends with
+            // the thread deleting its peer.
+            if let Err(e) = unsafe { io.poller.add(stream, key) } {
                 let mut r = peer
                     .rx()
                     .expect("attached")

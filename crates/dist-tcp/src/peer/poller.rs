@@ -45,7 +45,12 @@ impl Poller {
     }
 
     /// Watches `fd` under `key`, with no interest yet.
-    pub(super) fn add(&self, fd: impl rustix::fd::AsFd, key: usize) -> std::io::Result<()> {
+    ///
+    /// # Safety
+    /// The caller deletes `fd` ([`Poller::delete`]) before it is closed, as the `polling`
+    /// fallback requires (epoll itself forgets a closed descriptor; the contract is the same on
+    /// every platform so that the I/O thread's code is).
+    pub(super) unsafe fn add(&self, fd: impl rustix::fd::AsFd, key: usize) -> std::io::Result<()> {
         use rustix::event::epoll::{self, EventData, EventFlags};
         epoll::add(
             &self.epoll,
@@ -98,9 +103,14 @@ impl Poller {
         timeout: Option<Duration>,
     ) -> std::io::Result<()> {
         use rustix::event::{Timespec, epoll};
-        let timeout = timeout.map(|t| Timespec {
-            tv_sec: t.as_secs().try_into().unwrap_or(i64::MAX),
-            tv_nsec: t.subsec_nanos().into(),
+        // At most an hour: longer ones would take `epoll_pwait2`, which kernels before 5.11
+        // lack (the I/O thread's timers are shorter anyway).
+        let timeout = timeout.map(|t| {
+            let t = t.min(Duration::from_secs(3600));
+            Timespec {
+                tv_sec: t.as_secs() as _,
+                tv_nsec: t.subsec_nanos() as _,
+            }
         });
         events.0.clear();
         epoll::wait(
@@ -149,15 +159,15 @@ impl Poller {
 
     /// Watches `stream` under `key`, with no interest yet.
     ///
-    /// `polling` requires the source to be deleted from the poller before its descriptor is
-    /// closed; the caller (the I/O thread) deletes it before it lets go of the peer that owns
-    /// the stream (`io.rs`, `forget`).
-    pub(super) fn add(&self, stream: &std::net::TcpStream, key: usize) -> std::io::Result<()> {
-        // SAFETY: the stream is a peer's own handle (`Conn::stream`), closed only when the
-        // `Peer` drops; the I/O thread holds an `Arc` to the peer (in its watched set) until it
-        // has deleted the source (`forget`, and at the end of its loop). Tests: every
-        // `peer::tests` pair ends with the thread deleting its peer (run on FreeBSD by `cargo
-        // check` only; Linux takes the epoll path above).
+    /// # Safety
+    /// The caller deletes `stream` ([`Poller::delete`]) before it is closed (`polling`'s
+    /// requirement).
+    pub(super) unsafe fn add(
+        &self,
+        stream: &std::net::TcpStream,
+        key: usize,
+    ) -> std::io::Result<()> {
+        // SAFETY: passed on to our caller (see above).
         unsafe { self.poller.add(stream, polling::Event::none(key)) }
     }
 
@@ -227,7 +237,9 @@ mod tests {
     fn interest_is_one_shot_and_keyed() {
         let (p, mut e) = (Poller::new().unwrap(), Events::new());
         let (mut a, b) = pair();
-        p.add(&b, 7).unwrap();
+        // SAFETY: `b` is deleted below, before it drops; if an assertion fails first, the
+        // poller (declared before `b`) is dropped after it: epoll forgets a closed descriptor.
+        unsafe { p.add(&b, 7) }.unwrap();
         a.write_all(b"x").unwrap();
         let short = Duration::from_millis(20);
         assert!(
