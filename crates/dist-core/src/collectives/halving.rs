@@ -138,6 +138,42 @@ fn exchange_reduce<T: Element, L: Link>(
     Ok(())
 }
 
+/// The all-gather by recursive doubling, over `region`: the blocks `first..first + 2 * mask` of
+/// the buffer's `len` elements cut into `f.p` blocks (all of them at the top, `mask = f.p / 2`), of which
+/// virtual rank `v` holds its own, reduced. At each level the rank holds the half of the
+/// region on its side of `mask` and trades it for the other half with its partner `v ^ mask`.
+///
+/// Every level's receive is posted before any is sent (this level's, then the inner levels'
+/// on the way down; the sends go on the way back up, innermost first): a partner's blocks
+/// land in place whenever they come. Posted one step at a time, a receive came after its
+/// message whenever the partner was ahead, which on a crowded host was most of the time: the
+/// message then waited in the socket, and was copied into fresh memory once its grace passed.
+fn gather<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    f: Fold,
+    len: usize,
+    v: usize,
+    region: &mut [T],
+    first: usize,
+    mask: usize,
+) -> Result<()> {
+    if mask == 0 {
+        return Ok(());
+    }
+    let at = |k: usize| blocks(len, f.p, 0, k).end;
+    let (lower, upper) = region.split_at_mut(at(first + mask) - at(first));
+    let (mine, theirs, mine_first) = if v & mask == 0 {
+        (lower, upper, first)
+    } else {
+        (upper, lower, first + mask)
+    };
+    let partner = f.real(v ^ mask);
+    let theirs = c.post(COLLECTIVE_TAG, bytes_mut(theirs), partner)?;
+    gather(c, f, len, v, mine, mine_first, mask / 2)?;
+    c.send_beside(bytes(mine), partner, &theirs)?;
+    c.wait(theirs)
+}
+
 /// all_reduce of `data` by recursive halving and doubling. `data` is already premultiplied for
 /// `PreMulSum`; `Avg` is applied here. Works for any number of elements (blocks may be empty)
 /// and any world size.
@@ -182,20 +218,7 @@ pub(super) fn all_reduce_halving<T: Element, L: Link>(
                 mask >>= 1;
             }
             finish(&mut data[blocks(len, f.p, v, v + 1)], op, n);
-            // All-gather: the blocks held double at each step.
-            let mut mask = 1;
-            while mask < f.p {
-                let partner = f.real(v ^ mask);
-                let mine = v & !(mask - 1);
-                let theirs = (v ^ mask) & !(mask - 1);
-                let (out, inb) = split_pair(
-                    data,
-                    blocks(len, f.p, mine, mine + mask),
-                    blocks(len, f.p, theirs, theirs + mask),
-                );
-                c.send_recv(bytes(out), partner, bytes_mut(inb), partner)?;
-                mask <<= 1;
-            }
+            gather(c, f, len, v, data, 0, f.p / 2)?;
         }
         // Fold out: the odd rank hands the result back.
         if f.folds(me) {
