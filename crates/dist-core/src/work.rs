@@ -310,3 +310,5 @@ impl<R> Drop for Work<'_, R> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_concurrency;
