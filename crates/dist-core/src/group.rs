@@ -141,6 +141,9 @@ pub struct Group<L: Link> {
     /// Whether the group's all_reduces run on the link's host arena: 0 not agreed yet, 1 no,
     /// 2 yes (see `collectives/host.rs`).
     arena_agreed: AtomicU8,
+    /// From which size the arena's all_reduces read peers' buffers directly (`u64::MAX`: they
+    /// do not); set before `arena_agreed`.
+    arena_direct_min: AtomicU64,
 }
 
 /// The link is free for another group once this one is gone.
@@ -340,6 +343,7 @@ impl<L: Link> Group<L> {
             forced_all_reduce: AtomicU8::new(0),
             occupancy: Occupancy::default(),
             arena_agreed: AtomicU8::new(0),
+            arena_direct_min: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -367,7 +371,24 @@ impl<L: Link> Group<L> {
         }
     }
 
-    pub(crate) fn set_arena_agreed(&self, yes: bool) {
+    /// From which size (bytes) this group's all_reduces on the arena read their peers' buffers
+    /// directly ([`HostArena::direct_min`](crate::HostArena::direct_min): every rank could, and
+    /// the largest size any proposed); `None` where they do not, or before the ranks agree on
+    /// the arena.
+    pub fn arena_direct_min(&self) -> Option<usize> {
+        if self.arena_in_use() != Some(true) {
+            return None;
+        }
+        match self.arena_direct_min.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            b => usize::try_from(b).ok(),
+        }
+    }
+
+    pub(crate) fn set_arena_agreed(&self, yes: bool, direct_min: Option<usize>) {
+        let b = direct_min.map_or(u64::MAX, |b| b as u64);
+        self.arena_direct_min.store(b, Ordering::Relaxed);
+        // The release publishes `arena_direct_min` with the agreement.
         self.arena_agreed
             .store(if yes { 2 } else { 1 }, Ordering::Release);
     }

@@ -148,6 +148,7 @@ pub struct MemLink {
 }
 
 mod arena;
+pub use arena::DirectFault;
 
 impl std::fmt::Debug for MemLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -205,6 +206,28 @@ impl MemLink {
     pub fn scribble_arena(&self, word: crate::arena::ArenaWord, value: u32) {
         if let Some(a) = &self.arena {
             a.scribble(word, value);
+        }
+    }
+
+    /// This rank's arena proposes that all_reduces from `min` bytes read its peers' buffers
+    /// directly, or (`None`, the default) says it cannot
+    /// ([`HostArena::direct_min`](crate::HostArena::direct_min)). Set before the group's first
+    /// all_reduce, which agrees on it.
+    pub fn set_arena_direct(&self, min: Option<usize>) {
+        if let Some(a) = &self.arena {
+            a.set_direct(min);
+        }
+    }
+
+    /// How many direct reads of its peers' memory this rank made (0 without an arena).
+    pub fn direct_reads(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.direct_reads())
+    }
+
+    /// Makes this rank's direct reads of its peers' memory fail as `fault` says.
+    pub fn set_arena_direct_fault(&self, fault: DirectFault) {
+        if let Some(a) = &self.arena {
+            a.set_direct_fault(fault);
         }
     }
 

@@ -45,6 +45,15 @@ pub(crate) fn crowded(local: usize, cores: usize) -> bool {
 /// rank was about a tenth of the pages the job touched (`docs/benchmarks.md`, "Session 11").
 pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 
+/// Whether this rank proposes direct reads of its host's peers' buffers: as `cfg` says, else
+/// where the host's `local` ranks outnumber its `cores`. 4 ranks, all_reduce µs, direct against
+/// the best before (`docs/benchmarks.md`, "Session 12"): on 2 cores 1 MiB 471 against 509 (the
+/// rings), 4 MiB 1,716 against 2,132, 16 MiB 8,409 against 10,149; on 16 cores 1 MiB 375
+/// against 312 (the arena's copies), 16 MiB 4,286 against 3,766 (the rings).
+pub(crate) fn direct_for(cfg: &TcpConfig, local: usize, cores: usize) -> bool {
+    cfg.direct.unwrap_or(local > cores)
+}
+
 /// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
 /// where the machine has at least 8 cores.
 pub(crate) fn parallel_for(cfg: &TcpConfig) -> bool {
@@ -145,6 +154,8 @@ pub struct TcpConfig {
     pub(crate) ring_piece_kb: Option<u32>,
     pub(crate) lanes: Option<u32>,
     pub(crate) arena_max_kb: Option<u32>,
+    pub(crate) direct: Option<bool>,
+    pub(crate) direct_min_kb: Option<u32>,
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
     pub(crate) formation: Formation,
@@ -170,6 +181,8 @@ impl std::fmt::Debug for TcpConfig {
             .field("ring_piece_kb", &self.ring_piece_kb)
             .field("lanes", &self.lanes)
             .field("arena_max_kb", &self.arena_max_kb)
+            .field("direct", &self.direct)
+            .field("direct_min_kb", &self.direct_min_kb)
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
             .field("formation", &self.formation)
@@ -199,6 +212,8 @@ impl TcpConfig {
             ring_piece_kb: None,
             lanes: None,
             arena_max_kb: None,
+            direct: None,
+            direct_min_kb: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
             formation: Formation::Auto,
@@ -211,7 +226,8 @@ impl TcpConfig {
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
     /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB`, `DIST_TCP_LANES` (1 or 2) and
-    /// `DIST_ARENA_MAX_KB`, and `DIST_FORMATION` (`eager` or `lazy`) when present.
+    /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1) and `DIST_DIRECT_MIN_KB`, and
+    /// `DIST_FORMATION` (`eager` or `lazy`) when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -307,6 +323,10 @@ impl TcpConfig {
         cfg.ring_piece_kb = number("DIST_RING_PIECE_KB", 1..=Tuning::MAX_PIECE_KB)?;
         cfg.lanes = number("DIST_TCP_LANES", 1..=Tuning::MAX_LANES)?;
         cfg.arena_max_kb = number("DIST_ARENA_MAX_KB", 0..=Tuning::MAX_ARENA_KB)?;
+        if let Some(d) = number("DIST_DIRECT", 0..=1)? {
+            cfg.direct = Some(d == 1);
+        }
+        cfg.direct_min_kb = number("DIST_DIRECT_MIN_KB", 0..=Tuning::MAX_ARENA_KB)?;
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
@@ -452,6 +472,29 @@ impl TcpConfig {
     /// `DIST_ARENA_MAX_KB`). Rank 0's value is the job's.
     pub fn arena_max_kb(mut self, kb: u32) -> Self {
         self.arena_max_kb = Some(kb);
+        self
+    }
+
+    /// Whether the ranks of this host may read each other's buffers directly in a large
+    /// all_reduce on the host arena (`process_vm_readv`, Linux; `DIST_DIRECT`): one copy out
+    /// of each peer's buffer instead of a copy into the arena first. Default: where the host's
+    /// ranks outnumber its cores (measured faster there than the arena's copies and the
+    /// shared-memory rings, and slower on a host with a core per rank: `docs/benchmarks.md`,
+    /// "Session 12"). Used only if every rank of the
+    /// group can (probed: a strict ptrace policy such as Yama's `ptrace_scope` 1 or more, or a
+    /// seccomp filter, refuses it, and then the arena's copies run as before).
+    pub fn direct(mut self, on: bool) -> Self {
+        self.direct = Some(on);
+        self
+    }
+
+    /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
+    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`];
+    /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct
+    /// all_reduce may be larger than [`TcpConfig::arena_max_kb`] where all the group's ranks
+    /// are on one host.
+    pub fn direct_min_kb(mut self, kb: u32) -> Self {
+        self.direct_min_kb = Some(kb);
         self
     }
 

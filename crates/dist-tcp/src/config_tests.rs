@@ -72,6 +72,24 @@ fn reads_torchrun_variables() {
     assert_eq!(TcpConfig::from_lookup(env(&v6)).unwrap().master, "[::1]:1");
 }
 
+/// Direct reads: by default only where the host's ranks outnumber its cores; `DIST_DIRECT`
+/// decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
+#[test]
+fn direct_reads_by_default_and_by_variable() {
+    let c = TcpConfig::from_lookup(env(&OK)).unwrap();
+    assert_eq!((c.direct, c.direct_min_kb), (None, None));
+    assert!(crate::config::direct_for(&c, 4, 2));
+    assert!(!crate::config::direct_for(&c, 4, 4));
+    for (val, on) in [("0", false), ("1", true)] {
+        let mut v = OK.to_vec();
+        v.extend([("DIST_DIRECT", val), ("DIST_DIRECT_MIN_KB", "64")]);
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!((c.direct, c.direct_min_kb), (Some(on), Some(64)));
+        assert_eq!(crate::config::direct_for(&c, 4, 2), on);
+        assert_eq!(crate::config::direct_for(&c, 4, 16), on);
+    }
+}
+
 #[test]
 fn names_missing_and_malformed_variables() {
     for missing in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
@@ -92,6 +110,8 @@ fn names_missing_and_malformed_variables() {
         ("DIST_SPIN_US", "1e12"),
         ("DIST_ARENA_MAX_KB", "1048577"),
         ("DIST_SPIN_US", "10001"),
+        ("DIST_DIRECT", "yes"),
+        ("DIST_DIRECT_MIN_KB", "-1"),
     ] {
         let mut v: Vec<_> = OK.iter().copied().filter(|(n, _)| *n != k).collect();
         v.push((k, bad));

@@ -273,7 +273,13 @@ impl TcpBackend {
         for p in &peers {
             p.set_spin(spin);
         }
-        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin));
+        let direct = config::direct_for(&cfg, local, cores).then(|| {
+            cfg.direct_min_kb
+                .map_or(dist_core::collectives::HOST_DIRECT_MIN, |kb| {
+                    (kb as usize) << 10
+                })
+        });
+        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin, direct));
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,

@@ -71,6 +71,10 @@ pub const HOST_ARENA_ALL_MIN_RANKS: usize = 8;
 /// "Session 7"): 128 KiB 167 us on the arena against 283 on the rings; 256 KiB 323 against
 /// 236, 1 MiB 1,478 against 498.
 pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 128 << 10;
+/// The smallest all_reduce whose ranks of one host read each other's buffers directly
+/// (`collectives/direct.rs`) where they can, unless a link proposes another size
+/// ([`HostArena::direct_min`](crate::HostArena::direct_min)).
+pub const HOST_DIRECT_MIN: usize = 256 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
 

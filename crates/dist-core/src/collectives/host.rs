@@ -34,6 +34,9 @@ use super::consts::{COLLECTIVE_TAG, HOST_SPLIT_MIN};
 use super::desc::Desc;
 use super::scratch::{bytes, bytes_mut, segment, with_scratch};
 
+/// Fills its buffer with a local peer's bytes from a byte offset: `read(rank, offset, dst)`.
+pub(super) type ReadPeer<'r> = &'r dyn Fn(usize, usize, &mut [u8]) -> Result<()>;
+
 /// The longest sleep of an arena wait between checks of the peer, aborts and the deadline.
 pub const SLICE: Duration = Duration::from_millis(50);
 
@@ -54,14 +57,21 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
         return Ok(known);
     }
     let v = vote(a);
-    let mut x = [v, !v];
+    // The direct reads' proposal: 0 for none, else the greater the smaller the size, so that
+    // the least is the largest size (or none if some rank cannot read its peers).
+    let direct = match a.direct_min() {
+        Some(b) if v != 0 => u64::MAX - b as u64,
+        _ => 0,
+    };
+    let mut x = [v, !v, direct];
     super::tree::all_reduce_doubling(c, &mut x, ReduceOp::Min)?;
     // x[0] is the least vote, !x[1] the greatest: equal only if every rank voted alike.
     // Some host with two ranks or more (else the arena saves nothing).
     let hosts = a.hosts();
     let shared = hosts.len() == c.n && (0..c.n).any(|r| hosts[r + 1..].contains(&hosts[r]));
     let yes = x[0] == !x[1] && x[0] != 0 && shared;
-    c.g.set_arena_agreed(yes);
+    let direct_min = (x[2] != 0).then(|| usize::try_from(u64::MAX - x[2]).unwrap_or(usize::MAX));
+    c.g.set_arena_agreed(yes, direct_min);
     Ok(yes)
 }
 
@@ -88,13 +98,13 @@ fn vote(a: &dyn HostArena) -> u64 {
 
 /// The arena part of a call: the arena, the host's ranks (`local`, in rank order: all of the
 /// group's here) and this rank's place among them.
-struct Host<'a, 'c, L: Link> {
-    c: &'a Call<'c, L>,
-    a: &'a dyn HostArena,
-    local: &'a [usize],
-    pos: usize,
+pub(super) struct Host<'a, 'c, L: Link> {
+    pub(super) c: &'a Call<'c, L>,
+    pub(super) a: &'a dyn HostArena,
+    pub(super) local: &'a [usize],
+    pub(super) pos: usize,
     /// Whether the reduction is the group's whole (then `Avg` is scaled here).
-    whole: bool,
+    pub(super) whole: bool,
 }
 
 impl<'a, 'c, L: Link> Host<'a, 'c, L> {
@@ -113,6 +123,15 @@ impl<'a, 'c, L: Link> Host<'a, 'c, L> {
     }
 }
 
+/// Whether an all_reduce of `bytes` on the arena reads the peers' buffers directly
+/// (`collectives/direct.rs`): where the group agreed to, from the size it agreed on, for
+/// buffers the arena would split (larger than [`HOST_SPLIT_MIN`]).
+pub(super) fn direct_for<L: Link>(c: &Call<'_, L>, a: &dyn HostArena, bytes: usize) -> bool {
+    c.g.arena_direct_min()
+        .is_some_and(|min| bytes >= min.max(HOST_SPLIT_MIN + 1))
+        && a.slot_len() >= super::direct::HEADER
+}
+
 /// all_reduce of `data` in place over the arena among the ranks of this host (`local`): the
 /// group's result if they are all of its ranks, else the host's part (no `Avg` scaling).
 pub(super) fn all_reduce_host<T: Element, L: Link>(
@@ -123,6 +142,9 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     op: ReduceOp,
 ) -> Result<()> {
     let h = Host::new(c, a, local)?;
+    if direct_for(c, a, std::mem::size_of_val(data)) {
+        return h.all_reduce_direct(data, op);
+    }
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {
@@ -149,7 +171,7 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
 
 impl<L: Link> Host<'_, '_, L> {
     /// The number of this piece (this rank's `Input` word so far) and its slot.
-    fn next_piece(&self) -> (u32, usize) {
+    pub(super) fn next_piece(&self) -> (u32, usize) {
         let k = self.a.load(self.c.me, ArenaWord::Input);
         (k, (k % 2) as usize)
     }
@@ -167,7 +189,7 @@ impl<L: Link> Host<'_, '_, L> {
     }
 
     /// [`Host::put_and_gather`], with `piece` written only if given.
-    fn announce<T: Element>(
+    pub(super) fn announce<T: Element>(
         &self,
         piece: Option<&[T]>,
         k: u32,
@@ -211,8 +233,26 @@ impl<L: Link> Host<'_, '_, L> {
         op: ReduceOp,
     ) -> Result<()> {
         let (c, a) = (self.c, self.a);
+        self.reduce_from(acc, at, op, CHUNK, &|q, off, dst| {
+            a.read(q, slot, off, dst)
+                .map_err(|e| e.map_op(|_| c.op_text()))
+        })
+    }
+
+    /// `acc` (a part of this rank's input at element `at`) becomes the reduction of every local
+    /// rank's input there, in rank order, `chunk` bytes at a time: `read(q, offset, dst)` fills
+    /// `dst` with rank `q`'s bytes from byte `offset` (never called for this rank).
+    pub(super) fn reduce_from<T: Element>(
+        &self,
+        acc: &mut [T],
+        at: usize,
+        op: ReduceOp,
+        chunk: usize,
+        read: ReadPeer<'_>,
+    ) -> Result<()> {
+        let c = self.c;
         let size = std::mem::size_of::<T>();
-        let chunk = (CHUNK / size).max(1);
+        let chunk = (chunk / size).max(1);
         with_scratch::<T, _>(2 * chunk.min(acc.len().max(1)), |scratch| {
             let (mine, theirs) = scratch.split_at_mut(scratch.len() / 2);
             let mut done = 0;
@@ -227,8 +267,7 @@ impl<L: Link> Host<'_, '_, L> {
                     let src: &[T] = if i == self.pos {
                         mine
                     } else {
-                        a.read(q, slot, off, bytes_mut(theirs))
-                            .map_err(|e| e.map_op(|_| c.op_text()))?;
+                        read(q, off, bytes_mut(theirs))?;
                         theirs
                     };
                     if i == 0 {

@@ -42,6 +42,7 @@ mod call;
 mod chain;
 mod consts;
 mod desc;
+mod direct;
 mod halving;
 mod host;
 mod lanes;

@@ -37,30 +37,38 @@ fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
 }
 
 /// all_reduce in place: on the host arena where the group agreed to use one, up to the
-/// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes; else by size and world size
-/// ([`all_reduce_algorithm`]), or as the group forces.
+/// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes, and above it where every
+/// rank of the group is on one host and they read each other's buffers directly
+/// ([`Group::arena_direct_min`](crate::Group::arena_direct_min)); else by size and world size
+/// ([`all_reduce_algorithm`]), or as the group forces. A limit of 0 keeps every all_reduce off
+/// the arena.
 fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
     c.check_op::<T>(op)?;
     premul(data, op);
     if c.n == 1 {
         return Ok(());
     }
+    let bytes = std::mem::size_of_val(data);
+    let arena_max = c.g.tuning().arena_max();
     if c.g.forced_all_reduce().is_none()
-        && std::mem::size_of_val(data) <= c.g.tuning().arena_max()
+        && arena_max > 0
         && let Some(a) = c.g.link().arena()
+        && (bytes <= arena_max || a.local().len() == c.n)
         && super::host::agreed(c, a)?
     {
         let local = a.local();
-        return if local.len() == c.n {
-            super::host::all_reduce_host(c, a, local, data, op)
-        } else {
-            super::host::all_reduce_hosts(c, a, data, op)
-        };
+        // Above the limit, only where the ranks read each other's buffers directly.
+        let direct = super::host::direct_for(c, a, bytes);
+        if local.len() == c.n && (bytes <= arena_max || direct) {
+            return super::host::all_reduce_host(c, a, local, data, op);
+        }
+        if bytes <= arena_max {
+            return super::host::all_reduce_hosts(c, a, data, op);
+        }
     }
-    let algorithm = c.g.forced_all_reduce().unwrap_or_else(|| {
-        let bytes = std::mem::size_of_val(data);
-        all_reduce_algorithm(c.n, data.len(), bytes, c.g.tuning().lanes)
-    });
+    let algorithm =
+        c.g.forced_all_reduce()
+            .unwrap_or_else(|| all_reduce_algorithm(c.n, data.len(), bytes, c.g.tuning().lanes));
     match algorithm {
         AllReduceAlgorithm::Doubling => all_reduce_doubling(c, data, op),
         AllReduceAlgorithm::Ring => all_reduce_ring(c, data, op),

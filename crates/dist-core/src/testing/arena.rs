@@ -4,7 +4,7 @@
 //! any value, an arena that is incomplete on one rank). A rank killed with
 //! [`MemLink::kill`](super::MemLink::kill) is gone for [`HostArena::check_peer`].
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
@@ -20,6 +20,23 @@ struct Part {
     call: Mutex<Meta>,
     complete: AtomicBool,
     claimed: AtomicBool,
+    /// What [`HostArena::direct_min`] says (`u64::MAX`: `None`).
+    direct_min: AtomicU64,
+    /// The [`DirectFault`] of this rank's direct reads, as its code.
+    direct_fault: AtomicU8,
+    /// The direct reads this rank made.
+    direct_reads: AtomicUsize,
+}
+
+/// A fault of a rank's direct reads of its peers' memory ([`HostArena::read_direct`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectFault {
+    /// The reads work.
+    None,
+    /// The system refuses them (as `process_vm_readv` does under a strict ptrace policy).
+    Refused,
+    /// They go to an address that is not mapped (as if a peer published a wild one).
+    WildAddress,
 }
 
 /// The arenas of every rank of one in-memory link.
@@ -50,6 +67,9 @@ impl Arenas {
                     call: Mutex::new([0; 16]),
                     complete: AtomicBool::new(true),
                     claimed: AtomicBool::new(false),
+                    direct_min: AtomicU64::new(u64::MAX),
+                    direct_fault: AtomicU8::new(0),
+                    direct_reads: AtomicUsize::new(0),
                 })
                 .collect(),
             lock: Mutex::new(()),
@@ -97,6 +117,30 @@ impl MemArena {
         self.arenas.parts[self.me]
             .complete
             .store(false, Ordering::Release);
+    }
+
+    pub(super) fn set_direct(&self, min: Option<usize>) {
+        let b = min.map_or(u64::MAX, |b| b as u64);
+        self.arenas.parts[self.me]
+            .direct_min
+            .store(b, Ordering::Release);
+    }
+
+    pub(super) fn set_direct_fault(&self, fault: DirectFault) {
+        let code = match fault {
+            DirectFault::None => 0,
+            DirectFault::Refused => 1,
+            DirectFault::WildAddress => 2,
+        };
+        self.arenas.parts[self.me]
+            .direct_fault
+            .store(code, Ordering::Release);
+    }
+
+    pub(super) fn direct_reads(&self) -> usize {
+        self.arenas.parts[self.me]
+            .direct_reads
+            .load(Ordering::Relaxed)
     }
 
     /// Wakes every sleeper (after a death, so that it looks at once).
@@ -147,6 +191,34 @@ impl HostArena for MemArena {
         let s = p.slots.read().unwrap_or_else(|p| p.into_inner());
         dst.copy_from_slice(&s[at..at + dst.len()]);
         Ok(())
+    }
+
+    fn direct_min(&self) -> Option<usize> {
+        match self.arenas.parts[self.me]
+            .direct_min
+            .load(Ordering::Acquire)
+        {
+            u64::MAX => None,
+            b => usize::try_from(b).ok(),
+        }
+    }
+
+    /// The ranks are threads of this process: a read of this process's own memory, through
+    /// the same system call as between processes (where it exists).
+    fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        if self.local(owner).is_none() || owner == self.me {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("rank {owner} is not a peer on this host"),
+            ));
+        }
+        let part = &self.arenas.parts[self.me];
+        part.direct_reads.fetch_add(1, Ordering::Relaxed);
+        match part.direct_fault.load(Ordering::Acquire) {
+            0 => crate::arena::read_process(std::process::id(), addr, dst),
+            1 => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
+            _ => crate::arena::read_process(std::process::id(), 16, dst),
+        }
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {

@@ -12,12 +12,15 @@
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use dist_core::{ArenaWord, DistError, HostArena, Meta, Result};
 
-use super::arena_map::{Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_WORDS};
+use super::arena_map::{
+    Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
+    OFF_PROBE_VALUE, OFF_WORDS,
+};
 use crate::peer::Peer;
 
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce.
@@ -41,6 +44,9 @@ pub(crate) struct ArenaSetup {
     host: Option<[u8; 32]>,
     own: Option<(OwnedFd, Mapping)>,
     peers: Mutex<Vec<PeerPart>>,
+    /// The value peers read directly to learn whether they can read this process's memory;
+    /// boxed, so that the address in the header stays its own while the arena lives.
+    probe: Box<u64>,
 }
 
 impl ArenaSetup {
@@ -48,8 +54,10 @@ impl ArenaSetup {
     /// rank's segment, unless shared memory is off or the segment cannot be made (then every
     /// rank runs its collectives over messages: the group agrees on it).
     pub(crate) fn new(me: usize, world: usize, host: Option<[u8; 32]>) -> ArenaSetup {
+        let probe = Box::new(probe_value(me));
+        let at = std::ptr::from_ref::<u64>(&probe) as usize as u64;
         let own = host.and_then(|_| {
-            Mapping::create(ARENA_SLOT, me)
+            Mapping::create(ARENA_SLOT, me, (at, *probe))
                 .inspect_err(|e| tracing::warn!(me, "no host arena: {e}"))
                 .ok()
         });
@@ -58,6 +66,7 @@ impl ArenaSetup {
             host,
             own,
             peers: Mutex::new((0..world).map(|_| PeerPart::default()).collect()),
+            probe,
         }
     }
 
@@ -102,8 +111,14 @@ impl ArenaSetup {
     }
 
     /// The arena, once every connection is made; `peers` are the backend's (for their
-    /// liveness), `spin` how long a wait spins before it sleeps.
-    pub(crate) fn finish(self, peers: Vec<Arc<Peer>>, spin: Duration) -> TcpArena {
+    /// liveness), `spin` how long a wait spins before it sleeps, `direct` the size from which
+    /// this rank proposes direct reads of its peers' buffers (`None`: it does not).
+    pub(crate) fn finish(
+        self,
+        peers: Vec<Arc<Peer>>,
+        spin: Duration,
+        direct: Option<usize>,
+    ) -> TcpArena {
         let me = self.me;
         let mut parts = self.peers.into_inner().unwrap_or_else(|p| p.into_inner());
         let key = |r: usize| if r == me { self.host } else { parts[r].host };
@@ -136,6 +151,9 @@ impl ArenaSetup {
             peers,
             spin,
             claimed: AtomicBool::new(false),
+            probe: self.probe,
+            direct,
+            direct_probed: OnceLock::new(),
         }
     }
 }
@@ -153,6 +171,12 @@ pub(crate) struct TcpArena {
     spin: Duration,
     /// A group has claimed the arena ([`HostArena::claim`]).
     claimed: AtomicBool,
+    /// What the header says peers find at its probe address (kept alive with the arena).
+    probe: Box<u64>,
+    /// The size from which this rank proposes direct reads, if it does.
+    direct: Option<usize>,
+    /// [`HostArena::direct_min`], once probed.
+    direct_probed: OnceLock<Option<usize>>,
 }
 
 impl std::fmt::Debug for TcpArena {
@@ -192,6 +216,51 @@ impl TcpArena {
     }
 }
 
+impl TcpArena {
+    /// Whether this rank can read every local peer's memory: each peer's probe value, read
+    /// at the address its header gives in the process it names, is the value it says.
+    fn probe_peers(&self) -> bool {
+        let _ = &self.probe;
+        self.complete
+            && self.local.iter().filter(|&&q| q != self.me).all(|&q| {
+                let Some(m) = self.mapping(q) else {
+                    return false;
+                };
+                let (pid, at, want) = (
+                    m.load_u32(OFF_PID),
+                    m.load_u64(OFF_PROBE_ADDR),
+                    m.load_u64(OFF_PROBE_VALUE),
+                );
+                let mut got = [0u8; 8];
+                match dist_core::arena::read_process(pid, at, &mut got) {
+                    Ok(()) if u64::from_le_bytes(got) == want && want != 0 => true,
+                    Ok(()) => {
+                        tracing::debug!(me = self.me, peer = q, "direct reads: probe mismatch");
+                        false
+                    }
+                    Err(e) => {
+                        tracing::debug!(me = self.me, peer = q, "direct reads refused: {e}");
+                        false
+                    }
+                }
+            })
+    }
+}
+
+/// A probe value: not zero, and unlikely to be found at an address of another process.
+fn probe_value(me: usize) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_usize(me);
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() | 1
+}
+
 impl HostArena for TcpArena {
     fn hosts(&self) -> &[usize] {
         &self.hosts
@@ -228,6 +297,24 @@ impl HostArena for TcpArena {
         match self.mapping(owner) {
             Some(m) if m.read(slot, offset, dst) => Ok(()),
             _ => Err(self.out_of_range("read from", owner, slot, offset, dst.len())),
+        }
+    }
+
+    fn direct_min(&self) -> Option<usize> {
+        *self
+            .direct_probed
+            .get_or_init(|| self.direct.filter(|_| self.probe_peers()))
+    }
+
+    fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        match self.mapping(owner) {
+            Some(m) if owner != self.me => {
+                dist_core::arena::read_process(m.load_u32(OFF_PID), addr, dst)
+            }
+            _ => Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("rank {owner} is not a peer on this host"),
+            )),
         }
     }
 

@@ -3,7 +3,8 @@
 //! it was passed to ([`Mapping::open`]), which check everything that could make an access fault
 //! before they map it: the size, and the seals that keep it.
 //!
-//! The header: magic, version, the owner's rank and the slot size; then, each on a cache line
+//! The header: magic, version, the owner's rank and the slot size, its process id and where a
+//! probe value lies in its memory (and the value); then, each on a cache line
 //! of its own, the input word, the reduced word, and the owner's asleep count (its threads sleeping on a
 //! peer's word); the descriptors beside each slot and of the current call.
 
@@ -21,6 +22,11 @@ const OFF_MAGIC: usize = 0;
 const OFF_VERSION: usize = 8;
 const OFF_RANK: usize = 12;
 const OFF_SLOT: usize = 16;
+/// The owner's process id, the address of its probe value and that value (for direct reads
+/// of its memory: `arena.rs`).
+pub(crate) const OFF_PID: usize = 24;
+pub(crate) const OFF_PROBE_ADDR: usize = 32;
+pub(crate) const OFF_PROBE_VALUE: usize = 40;
 /// The words, by [`dist_core::ArenaWord`] as index.
 pub(crate) const OFF_WORDS: [usize; 2] = [64, 128];
 pub(crate) const OFF_ASLEEP: usize = 192;
@@ -32,7 +38,7 @@ pub(crate) const OFF_CALL_SEQ: usize = 304;
 
 /// `dist-are` in ASCII, little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-are");
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// The slot sizes a peer may offer: powers of two in this range.
 pub(crate) const MIN_SLOT: u64 = 4 << 10;
 pub(crate) const MAX_SLOT: u64 = 64 << 20;
@@ -66,7 +72,13 @@ impl std::fmt::Debug for Mapping {
 impl Mapping {
     /// A new segment with slots of `slot` bytes (a power of two within the limits), its header
     /// written, sealed and mapped read-write; with the descriptor to pass to the peers.
-    pub(crate) fn create(slot: u64, rank: usize) -> io::Result<(OwnedFd, Mapping)> {
+    /// `probe` is the address and value of a `u64` that lives as long as the arena, which a
+    /// peer reads directly to learn whether it can read this process's memory.
+    pub(crate) fn create(
+        slot: u64,
+        rank: usize,
+        probe: (u64, u64),
+    ) -> io::Result<(OwnedFd, Mapping)> {
         if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -84,6 +96,9 @@ impl Mapping {
         rustix::fs::fcntl_add_seals(&fd, required_seals())?;
         m.store_u64(OFF_SLOT, slot, Ordering::Relaxed);
         m.store_u32(OFF_RANK, rank as u32, Ordering::Relaxed);
+        m.store_u32(OFF_PID, std::process::id(), Ordering::Relaxed);
+        m.store_u64(OFF_PROBE_ADDR, probe.0, Ordering::Relaxed);
+        m.store_u64(OFF_PROBE_VALUE, probe.1, Ordering::Relaxed);
         m.store_u32(OFF_VERSION, VERSION, Ordering::Relaxed);
         m.store_u64(OFF_MAGIC, MAGIC, Ordering::Release);
         Ok((fd, m))

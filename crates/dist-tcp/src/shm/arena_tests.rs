@@ -21,7 +21,10 @@ fn pair() -> (TcpArena, TcpArena) {
         y.note_mapped_mine(1 - peer);
     }
     let spin = Duration::from_micros(10);
-    (a.finish(Vec::new(), spin), b.finish(Vec::new(), spin))
+    (
+        a.finish(Vec::new(), spin, Some(0)),
+        b.finish(Vec::new(), spin, Some(0)),
+    )
 }
 
 /// Slots and words written by one rank are read by the other, bounds are checked, and a
@@ -176,7 +179,7 @@ fn hostile_segments_are_refused() {
     .unwrap();
     let e = Mapping::open(&writable, ARENA_SLOT, 1).unwrap_err();
     assert!(e.contains("not sealed"), "{e}");
-    let (fd, own) = Mapping::create(ARENA_SLOT, 1).unwrap();
+    let (fd, own) = Mapping::create(ARENA_SLOT, 1, (0, 1)).unwrap();
     assert!(Mapping::open(&fd, ARENA_SLOT, 1).is_ok());
     // A peer holding our descriptor cannot write our segment.
     assert!(rustix::io::pwrite(&fd, &[1u8], 0).is_err());
@@ -191,7 +194,7 @@ fn hostile_segments_are_refused() {
             .contains("arena header")
     );
     // A read-only mapping refuses writes.
-    let (fd, own) = Mapping::create(ARENA_SLOT, 1).unwrap();
+    let (fd, own) = Mapping::create(ARENA_SLOT, 1, (0, 1)).unwrap();
     let theirs = Mapping::open(&fd, ARENA_SLOT, 1).unwrap();
     assert!(!theirs.write(0, 0, b"x"));
     // Nor stores to its words: nothing is stored (a store would fault on the read-only
@@ -219,10 +222,48 @@ fn incomplete_arenas_and_other_hosts() {
     a.note_host(2, Some([1u8; 32]));
     assert!(a.map_peer(1, b.fd().unwrap()));
     // Rank 1 never says it mapped rank 0's segment.
-    let a = a.finish(Vec::<Arc<crate::peer::Peer>>::new(), Duration::ZERO);
+    let a = a.finish(
+        Vec::<Arc<crate::peer::Peer>>::new(),
+        Duration::ZERO,
+        Some(0),
+    );
     assert!(!a.complete());
     assert_eq!(a.hosts(), &[0, 0, 2]);
-    let off = ArenaSetup::new(0, 2, None).finish(Vec::new(), Duration::ZERO);
+    let off = ArenaSetup::new(0, 2, None).finish(Vec::new(), Duration::ZERO, Some(0));
     assert!(!off.complete());
     assert_eq!(off.hosts(), &[0, 1]);
+}
+
+/// Two arenas of one process probe each other's memory and read it directly; a rank that
+/// proposes no direct reads, or whose peer's probe value is not what its header says, says
+/// it cannot; reads of a rank that is not a peer are errors.
+#[test]
+fn direct_reads_are_probed() {
+    let (a, b) = pair();
+    assert_eq!((a.direct_min(), b.direct_min()), (Some(0), Some(0)));
+    let data: Vec<u8> = (0..64).collect();
+    let mut out = [0u8; 16];
+    b.read_direct(0, data.as_ptr() as u64 + 8, &mut out)
+        .unwrap();
+    assert_eq!(out[..], data[8..24]);
+    assert!(b.read_direct(1, data.as_ptr() as u64, &mut out).is_err());
+    assert!(b.read_direct(5, data.as_ptr() as u64, &mut out).is_err());
+    assert!(b.read_direct(0, 16, &mut out).is_err());
+
+    let host = Some([9u8; 32]);
+    let (x, y) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
+    for (p, q, peer) in [(&x, &y, 1), (&y, &x, 0)] {
+        p.note_host(peer, host);
+        assert!(p.map_peer(peer, q.fd().unwrap()));
+        q.note_mapped_mine(1 - peer);
+    }
+    // Rank 1's probe value changes after its header was written: rank 0 finds another value
+    // at the address and says it cannot read rank 1 directly.
+    let mut y = y;
+    *y.probe ^= 2;
+    let (x, y) = (
+        x.finish(Vec::new(), Duration::ZERO, Some(4096)),
+        y.finish(Vec::new(), Duration::ZERO, None),
+    );
+    assert_eq!((x.direct_min(), y.direct_min()), (None, None));
 }

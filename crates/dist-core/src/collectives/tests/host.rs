@@ -388,8 +388,10 @@ fn an_incomplete_arena_or_no_shared_host_falls_back_to_messages() {
 }
 
 /// The group's arena limit (rank 0's tuning, whatever the others'): an all_reduce above it
-/// runs over messages and does not even agree on the arena; one at it runs on the arena; a
-/// limit of 0 keeps every all_reduce off it. Results are right either way.
+/// runs over messages (the ranks, all of one host, agree on the arena on it, as it could run
+/// there if they read each other's buffers directly: here they cannot); one at it runs on the
+/// arena; a limit of 0 keeps every all_reduce off it and out of the agreement. Results are
+/// right either way.
 #[test]
 fn the_groups_arena_limit_decides() {
     for (limit_kb, small_on_arena) in [(1u32, Some(true)), (0, None)] {
@@ -421,7 +423,7 @@ fn the_groups_arena_limit_decides() {
         for res in results {
             assert_eq!(
                 res.unwrap(),
-                vec![None, small_on_arena],
+                vec![small_on_arena, small_on_arena],
                 "limit {limit_kb} KiB"
             );
         }

@@ -1,0 +1,131 @@
+//! all_reduce among the ranks of one host that read each other's buffers directly
+//! ([`HostArena::read_direct`](crate::HostArena::read_direct): `process_vm_readv` on Linux)
+//! instead of copying them into the arena first: one copy out of each peer's buffer for the
+//! reduction, one for the result, against the arena's three passes.
+//!
+//! One call takes two pieces of the arena's count (k and k + 1; their words as in
+//! `collectives/host.rs`):
+//! 1. Each rank writes the address and byte length of its buffer at the start of its slot
+//!    `k % 2`, with the call's descriptor beside it, publishes `Input = k + 1` and waits for
+//!    every peer's; it checks their descriptors and lengths.
+//! 2. Rank i reduces share i of the buffer (1/n of it), reading every peer's share i from the
+//!    peer's buffer in rank order, in chunks that stay in the cache, writes the result over
+//!    share i of its own buffer and publishes `Reduced = k + 1`. Nobody else reads share i of
+//!    rank i's buffer, and rank i reads share i of the others', which they do not write.
+//! 3. For every peer q, once q's `Reduced` says so, it reads share q of q's buffer into its
+//!    own share q. Peer i read share i of this rank's buffer before it published, so the
+//!    write takes nothing from under a reader.
+//! 4. It publishes `Input = k + 2` and waits for every peer's (the last read of its buffer is
+//!    done), then publishes `Reduced = k + 2`: no rank returns, and so lets its caller change
+//!    or free the buffer, while a peer may still read it. A rank that fails returns at once;
+//!    its peers then fail in step 3 or 4 too (its words stop), so nobody returns a result read
+//!    from a buffer that changed under it.
+//!
+//! Each element is reduced by one rank, in rank order, as on the arena: every rank gets bitwise
+//! the same result, and the same as the arena's.
+
+use crate::arena::ArenaWord;
+use crate::error::{DistError, Result};
+use crate::link::Link;
+use crate::types::{Element, ReduceOp};
+
+use super::call::finish;
+use super::host::{Host, wait_word};
+use super::scratch::{bytes_mut, segment};
+
+/// The bytes read from a peer at a time during the reduction (with as many of this rank's
+/// own, they stay in the cache).
+const DIRECT_CHUNK: usize = 128 << 10;
+
+/// The bytes of the buffer's address and length at the start of a slot.
+pub(super) const HEADER: usize = 16;
+
+impl<L: Link> Host<'_, '_, L> {
+    /// all_reduce of `data` in place among the host's ranks, reading their buffers directly.
+    pub(super) fn all_reduce_direct<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let len = std::mem::size_of_val(data);
+        let (k, slot) = self.next_piece();
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(&(data.as_ptr() as usize as u64).to_le_bytes());
+        header[8..].copy_from_slice(&(len as u64).to_le_bytes());
+        self.announce(Some(&header[..]), k, slot, true)?;
+        let addrs = self.peer_buffers(slot, len)?;
+
+        let m = self.local.len();
+        let size = std::mem::size_of::<T>();
+        let read = |q: usize, addr: u64, dst: &mut [u8]| -> Result<()> {
+            a.read_direct(q, addr, dst).map_err(|e| {
+                // A peer that is gone is said so, rather than as the read that failed on it.
+                if let Err(gone) = a.check_peer(q, &|| c.op_text()) {
+                    return gone;
+                }
+                DistError::Io {
+                    rank: c.me,
+                    context: format!(
+                        "{}: direct read of {} bytes of rank {q}'s buffer at {addr:#x}",
+                        c.op_text(),
+                        dst.len()
+                    ),
+                    source: e,
+                }
+            })
+        };
+
+        let share = segment(data.len(), m, self.pos);
+        let mine = &mut data[share.clone()];
+        self.reduce_from(mine, share.start, op, DIRECT_CHUNK, &|q, off, dst| {
+            read(q, addrs[q] + off as u64, dst)
+        })?;
+        if self.whole {
+            finish(mine, op, c.n);
+        }
+        a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+
+        // The others' shares, starting after this rank's so that the owners are read in turn.
+        for step in 1..m {
+            let i = (self.pos + step) % m;
+            let q = self.local[i];
+            let theirs = segment(data.len(), m, i);
+            if theirs.is_empty() {
+                continue;
+            }
+            wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
+            let at = addrs[q] + (theirs.start * size) as u64;
+            read(q, at, bytes_mut(&mut data[theirs]))?;
+        }
+
+        let (k2, slot2) = self.next_piece();
+        self.announce::<u8>(None, k2, slot2, false)?;
+        a.publish(ArenaWord::Reduced, k2.wrapping_add(1));
+        Ok(())
+    }
+
+    /// Every local peer's buffer address, indexed by rank, read from its slot `slot`, whose
+    /// length must be `len` as this rank's (the descriptors matched, so a different one is a
+    /// corrupt arena: an error naming the peer).
+    fn peer_buffers(&self, slot: usize, len: usize) -> Result<Vec<u64>> {
+        let (c, a) = (self.c, self.a);
+        let mut addrs = vec![0u64; c.n];
+        for &q in self.local.iter().filter(|&&q| q != c.me) {
+            let mut h = [0u8; HEADER];
+            a.read(q, slot, 0, &mut h)
+                .map_err(|e| e.map_op(|_| c.op_text()))?;
+            let word = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap_or([0; 8]));
+            let (addr, theirs) = (word(0), word(8));
+            if theirs != len as u64 {
+                return Err(DistError::PeerGone {
+                    rank: c.me,
+                    peer: q,
+                    op: c.op_text(),
+                    cause: format!(
+                        "corrupt host arena: its buffer is {theirs} bytes, this rank's {len}, \
+                         in a call whose descriptors match"
+                    ),
+                });
+            }
+            addrs[q] = addr;
+        }
+        Ok(addrs)
+    }
+}

@@ -1,0 +1,294 @@
+//! all_reduce among ranks that read each other's buffers directly (`collectives/direct.rs`),
+//! over the in-memory host arena (the ranks are threads; the reads are the same system call as
+//! between processes): every element type × reduce op × world size 1–9 around the sizes where
+//! it starts, results bitwise alike and the same as the arena's copies; the agreement (a rank
+//! that cannot read its peers keeps the group on the copies); and the faults: reads refused,
+//! a wild address, a dead rank, a rank that never comes, a mismatched call.
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use super::super::HOST_SPLIT_MIN;
+use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
+use crate::link::Link;
+use crate::testing::{DirectFault, MemLink, run_links};
+use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
+
+/// Slots of the arena's copies (several pieces for the larger counts).
+const SLOT: usize = 16 << 10;
+
+/// Runs `f` on `n` ranks of one host whose arenas propose direct reads from `min` bytes, with
+/// no limit on the arena's sizes; panics naming the rank on an error. Returns each rank's
+/// count of direct reads.
+fn direct_on_one_host(
+    n: usize,
+    min: usize,
+    f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
+) -> Vec<usize> {
+    let links = MemLink::mesh_on_hosts(&vec![3; n], SLOT);
+    for l in &links {
+        l.set_arena_direct(Some(min));
+    }
+    let tuning = Tuning {
+        arena_max_kb: 64,
+        ..Tuning::default()
+    };
+    let results = run_links(links, |l| {
+        let g = Group::form(l, tuning, TIMEOUT)?;
+        f(&g)?;
+        Ok(g.link().direct_reads())
+    });
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}")))
+        .collect()
+}
+
+/// Counts (of `E`) on either side of where the direct reads start, over the arena's limit,
+/// and with shares of unequal length.
+fn counts<E: Element>() -> Vec<usize> {
+    let size = std::mem::size_of::<E>();
+    let split = HOST_SPLIT_MIN / size;
+    vec![
+        3,
+        split,
+        split + 1,
+        split + 7,
+        (100 << 10) / size + 3,
+        (300 << 10) / size + 1,
+    ]
+}
+
+fn every_op<E: Element>() {
+    for n in 1..=9 {
+        let reads = direct_on_one_host(n, 0, |g| {
+            for op in ops_for::<E>() {
+                for count in counts::<E>() {
+                    let mut x = inputs::<E>(op, g.rank(), count);
+                    g.all_reduce(&mut x, op)?;
+                    let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());
+                    same(g, &what, &x, &reduced::<E>(op, n, count))?;
+                }
+            }
+            if n > 1 {
+                assert_eq!(g.arena_direct_min(), Some(0), "rank {}", g.rank());
+            }
+            Ok(())
+        });
+        if n > 1 {
+            assert!(reads.iter().all(|&r| r > 0), "{n} ranks: {reads:?}");
+        }
+    }
+}
+
+macro_rules! every_type {
+    ($($t:ty: $name:ident;)*) => {$(
+        #[test]
+        fn $name() {
+            every_op::<$t>();
+        }
+    )*};
+}
+
+every_type! {
+    f32: direct_all_reduce_f32;
+    f64: direct_all_reduce_f64;
+    f16: direct_all_reduce_f16;
+    bf16: direct_all_reduce_bf16;
+    i8: direct_all_reduce_i8;
+    u8: direct_all_reduce_u8;
+    i32: direct_all_reduce_i32;
+    i64: direct_all_reduce_i64;
+    u32: direct_all_reduce_u32;
+    u64: direct_all_reduce_u64;
+}
+
+/// Floats whose sum depends on the order: bitwise alike on every rank, the rank-order
+/// reference, and the arena's copies' result (the same input run both ways); calls of both
+/// kinds and other collectives between them keep the arena's count in step.
+#[test]
+fn direct_results_are_bitwise_those_of_the_copies() {
+    let value = |r: usize, i: usize| 1.0f32 / ((r * 31 + i * 7) % 97 + 1) as f32;
+    for n in [2, 3, 5, 8] {
+        let count = (200 << 10) / 4 + 5;
+        let reads = direct_on_one_host(n, 128 << 10, |g| {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let mut want: Vec<f32> = (0..count).map(|i| value(0, i)).collect();
+            for r in 1..n {
+                for (i, w) in want.iter_mut().enumerate() {
+                    *w += value(r, i);
+                }
+            }
+            // Direct (200 KiB, over the 128 KiB the arenas proposed).
+            let mut x: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
+            g.all_reduce(&mut x, ReduceOp::Sum)?;
+            same(g, "direct sum", &bits(&x), &bits(&want))?;
+            let mut b = vec![g.rank() as u8; 10];
+            g.broadcast(&mut b, 1)?;
+            // The arena's copies (the first 60 KiB: split, under the 128 KiB).
+            let part = (60 << 10) / 4;
+            let mut y: Vec<f32> = (0..part).map(|i| value(g.rank(), i)).collect();
+            g.all_reduce(&mut y, ReduceOp::Sum)?;
+            same(g, "copied sum", &bits(&y), &bits(&want[..part]))?;
+            g.all_reduce(&mut x[..], ReduceOp::Max)?;
+            same(g, "direct max", &bits(&x), &bits(&want))
+        });
+        assert!(reads.iter().all(|&r| r > 0), "{n} ranks: {reads:?}");
+    }
+}
+
+/// The group reads directly only if every rank can, from the largest size any proposed; a
+/// rank that cannot keeps every rank on the arena's copies (and over messages above the
+/// arena's limit), with the same results.
+#[test]
+fn direct_reads_are_agreed_by_every_rank() {
+    for (mins, agreed) in [
+        (
+            vec![Some(64 << 10), Some(256 << 10), Some(0)],
+            Some(256 << 10),
+        ),
+        (vec![Some(0), None, Some(0)], None),
+    ] {
+        let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
+        for (l, m) in links.iter().zip(&mins) {
+            l.set_arena_direct(*m);
+        }
+        let results = run_links(links, |l| {
+            let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+            for count in [(100 << 10) / 8, (300 << 10) / 8, (3 << 20) / 8] {
+                let mut x = inputs::<u64>(ReduceOp::Sum, g.rank(), count);
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                same(&g, "sum", &x, &reduced::<u64>(ReduceOp::Sum, 3, count))?;
+            }
+            Ok((g.arena_direct_min(), g.link().direct_reads()))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let (min, reads) = res.unwrap_or_else(|e| panic!("{mins:?}, rank {r}: {e}"));
+            assert_eq!(min, agreed, "{mins:?}, rank {r}");
+            assert_eq!(
+                reads > 0,
+                agreed.is_some(),
+                "{mins:?}, rank {r}: {reads} reads"
+            );
+        }
+    }
+}
+
+/// The errors of a direct all_reduce of `count` u32 on `n` ranks whose arenas read directly,
+/// `setup` run on every link first, `f` after the first all_reduce (which agrees).
+fn direct_errors(
+    n: usize,
+    setup: impl Fn(&MemLink),
+    f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
+) -> Vec<Result<()>> {
+    let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+    for l in &links {
+        l.set_arena_direct(Some(0));
+        setup(l);
+    }
+    run_links(links, |l| {
+        let g = Group::form(l, Tuning::default(), Duration::from_secs(3))?;
+        g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+        f(&g)
+    })
+}
+
+/// Reads the system refuses, or that go to an address not mapped: an I/O error naming the
+/// rank, the call, the peer and the bytes; the others fail too (the reader's words stop), and
+/// no rank reports a result.
+#[test]
+fn failed_direct_reads_are_named() {
+    for fault in [DirectFault::Refused, DirectFault::WildAddress] {
+        let t = Instant::now();
+        let results = direct_errors(
+            3,
+            |l| {
+                if l.rank() == 1 {
+                    l.set_arena_direct_fault(fault);
+                }
+            },
+            |g| g.all_reduce(&mut vec![1u32; 50_000], ReduceOp::Sum),
+        );
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        match results[1].as_ref().unwrap_err() {
+            DistError::Io {
+                rank: 1, context, ..
+            } => {
+                assert!(context.contains("all_reduce"), "{fault:?}: {context}");
+                assert!(context.contains("direct read of"), "{fault:?}: {context}");
+                assert!(context.contains("bytes of rank"), "{fault:?}: {context}");
+            }
+            e => panic!("{fault:?}, rank 1: {e}"),
+        }
+        for r in [0, 2] {
+            assert!(results[r].is_err(), "{fault:?}, rank {r}: {:?}", results[r]);
+        }
+    }
+}
+
+/// A rank that dies before the call, or one that never comes: the others fail naming it.
+#[test]
+fn a_dead_or_absent_rank_is_named() {
+    let t = Instant::now();
+    let results = direct_errors(
+        4,
+        |_| {},
+        |g| {
+            if g.rank() == 3 {
+                g.link().kill();
+                return Ok(());
+            }
+            g.all_reduce(&mut vec![1i32; 30_000], ReduceOp::Sum)
+        },
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    for (r, res) in results.iter().enumerate().take(3) {
+        let e = res.as_ref().unwrap_err();
+        let named = match e {
+            DistError::PeerGone { peer, .. } => *peer == 3,
+            DistError::Aborted { origin, .. } => *origin == 3,
+            _ => false,
+        };
+        assert!(named, "rank {r}: {e}");
+    }
+    let results = direct_errors(
+        3,
+        |_| {},
+        |g| {
+            if g.rank() == 2 {
+                return Ok(());
+            }
+            g.all_reduce(&mut vec![1.0f32; 30_000], ReduceOp::Sum)
+        },
+    );
+    assert!(
+        results[..2]
+            .iter()
+            .any(|r| matches!(r, Err(DistError::Timeout { peer: 2, .. }))),
+        "{results:?}"
+    );
+}
+
+/// Calls of different counts: mismatches, not hangs or wrong reads.
+#[test]
+fn mismatched_direct_calls_are_reported() {
+    let results = direct_errors(
+        3,
+        |_| {},
+        |g| {
+            let count = if g.rank() == 1 { 40_000 } else { 40_001 };
+            g.all_reduce(&mut vec![1u8; count], ReduceOp::Sum)
+        },
+    );
+    for (r, res) in results.iter().enumerate() {
+        assert!(
+            matches!(
+                res,
+                Err(DistError::CollectiveMismatch { .. } | DistError::Aborted { .. })
+            ),
+            "rank {r}: {res:?}"
+        );
+    }
+}
