@@ -115,8 +115,9 @@ pub trait HostArena: Send + Sync {
 
     /// Copies `dst.len()` bytes at address `addr` of rank `owner`'s memory into `dst`, where
     /// [`HostArena::direct_min`] is `Some`. `addr` comes from the peer and is untrusted: an
-    /// address that is not mapped there, or a peer that is gone, is an error, never an access
-    /// of this rank's memory outside `dst`.
+    /// address that is not mapped there is an error, and a peer whose process is gone one of
+    /// kind [`NotFound`](std::io::ErrorKind::NotFound), never an access of this rank's memory
+    /// outside `dst`.
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
         let _ = (owner, addr, dst);
         Err(std::io::Error::new(
@@ -137,15 +138,34 @@ pub fn host_ranks(hosts: &[usize], me: usize) -> Vec<usize> {
     (0..hosts.len()).filter(|&r| Some(hosts[r]) == h).collect()
 }
 
-/// Copies `dst.len()` bytes at address `addr` of process `pid` into `dst`, by one
+/// The most bytes one `process_vm_readv` is asked for: the kernel cuts a call at about 2 GiB.
+#[cfg(target_os = "linux")]
+const READ_PROCESS_MAX: usize = 1 << 30;
+
+/// Copies `dst.len()` bytes at address `addr` of process `pid` into `dst`, by
 /// `process_vm_readv` (Linux; the kernel checks that this process may read that one's memory, as
-/// for `ptrace`, and that the range is mapped there). Fails on a short read. `addr` may be
-/// anything: the kernel reads only the other process's memory and writes only `dst`.
+/// for `ptrace`, and that the range is mapped there), in calls of at most 1 GiB. Fails on a
+/// short read. `addr` may be anything: the kernel reads only the other process's memory (or
+/// this one's, for `pid` its own) and writes only `dst`. A process that does not exist (it
+/// exited) is an error of kind [`NotFound`](std::io::ErrorKind::NotFound).
 #[cfg(target_os = "linux")]
 pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
-    if dst.is_empty() {
-        return Ok(());
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "pid out of range"))?;
+    let mut done = 0;
+    for part in dst.chunks_mut(READ_PROCESS_MAX) {
+        let at = addr.checked_add(done as u64).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "address overflows")
+        })?;
+        read_process_once(pid, at, part)?;
+        done += part.len();
     }
+    Ok(())
+}
+
+/// One `process_vm_readv` of `dst.len()` bytes (at most [`READ_PROCESS_MAX`]).
+#[cfg(target_os = "linux")]
+fn read_process_once(pid: libc::pid_t, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let local = libc::iovec {
         iov_base: dst.as_mut_ptr().cast(),
         iov_len: dst.len(),
@@ -154,16 +174,22 @@ pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> 
         iov_base: addr as usize as *mut libc::c_void,
         iov_len: dst.len(),
     };
-    let pid = libc::pid_t::try_from(pid)
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "pid out of range"))?;
     // SAFETY: the one local iovec covers exactly `dst`, a `&mut [u8]` borrowed for this call,
-    // so the kernel writes only memory this function may write; the remote iovec is only read,
-    // in the other process, and the kernel checks it (EFAULT for an unmapped range). No pointer
-    // outlives the call. Shown by `read_process_reads_and_refuses` (below) and the direct
-    // all_reduce tests in `collectives/tests/host.rs`.
+    // so the kernel writes only memory this function may write; the remote iovec is only read
+    // (in process `pid`, which may be this one) and the kernel checks it (EFAULT for an
+    // unmapped range). No pointer outlives the call. Shown by `read_process_reads_and_refuses`
+    // (below) and the tests in `collectives/tests/direct.rs`.
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     match usize::try_from(n) {
-        Err(_) => Err(std::io::Error::last_os_error()),
+        Err(_) => {
+            let e = std::io::Error::last_os_error();
+            // No such process: it exited (the caller tells it from a refusal by the kind).
+            Err(if e.raw_os_error() == Some(libc::ESRCH) {
+                std::io::Error::new(std::io::ErrorKind::NotFound, e)
+            } else {
+                e
+            })
+        }
         Ok(n) if n == dst.len() => Ok(()),
         Ok(n) => Err(std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
@@ -195,7 +221,9 @@ mod tests {
         // An unmapped address (the null page) and an absent process are errors, dst untouched.
         let mut dst = vec![7u8; 16];
         assert!(read_process(std::process::id(), 8, &mut dst).is_err());
-        assert!(read_process(u32::MAX >> 2, src.as_ptr() as u64, &mut dst).is_err());
+        let gone = read_process(u32::MAX >> 2, src.as_ptr() as u64, &mut dst).unwrap_err();
+        assert_eq!(gone.kind(), std::io::ErrorKind::NotFound, "{gone}");
+        assert!(read_process(std::process::id(), u64::MAX - 4, &mut dst).is_err());
         assert_eq!(dst, vec![7u8; 16]);
     }
 }

@@ -108,6 +108,8 @@ struct Rank {
     inbox: Mutex<Inbox>,
     cond: Condvar,
     dead: AtomicBool,
+    /// This rank's abort notices reach nobody else ([`MemLink::lose_aborts`]).
+    aborts_lost: AtomicBool,
     /// Messages this rank has sent.
     sent: Mutex<u64>,
     flight: FlightRecorder,
@@ -168,6 +170,7 @@ impl MemLink {
                     inbox: Mutex::default(),
                     cond: Condvar::new(),
                     dead: AtomicBool::new(false),
+                    aborts_lost: AtomicBool::new(false),
                     sent: Mutex::new(0),
                     flight: FlightRecorder::default(),
                     group_claimed: AtomicBool::new(false),
@@ -201,41 +204,12 @@ impl MemLink {
             .collect()
     }
 
-    /// Plays a hostile peer: this rank publishes `value` as its arena word `word` (no-op
-    /// without an arena).
-    pub fn scribble_arena(&self, word: crate::arena::ArenaWord, value: u32) {
-        if let Some(a) = &self.arena {
-            a.scribble(word, value);
-        }
-    }
-
-    /// This rank's arena proposes that all_reduces from `min` bytes read its peers' buffers
-    /// directly, or (`None`, the default) says it cannot
-    /// ([`HostArena::direct_min`](crate::HostArena::direct_min)). Set before the group's first
-    /// all_reduce, which agrees on it.
-    pub fn set_arena_direct(&self, min: Option<usize>) {
-        if let Some(a) = &self.arena {
-            a.set_direct(min);
-        }
-    }
-
-    /// How many direct reads of its peers' memory this rank made (0 without an arena).
-    pub fn direct_reads(&self) -> usize {
-        self.arena.as_ref().map_or(0, |a| a.direct_reads())
-    }
-
-    /// Makes this rank's direct reads of its peers' memory fail as `fault` says.
-    pub fn set_arena_direct_fault(&self, fault: DirectFault) {
-        if let Some(a) = &self.arena {
-            a.set_direct_fault(fault);
-        }
-    }
-
-    /// This rank's arena says it did not map every peer's ([`HostArena::complete`](crate::HostArena::complete)).
-    pub fn set_arena_incomplete(&self) {
-        if let Some(a) = &self.arena {
-            a.set_incomplete();
-        }
+    /// This rank's abort notices reach no other rank (as if they came after every peer's
+    /// deadline): its peers learn of its failure only from its words and its messages.
+    pub fn lose_aborts(&self) {
+        self.mesh.ranks[self.me]
+            .aborts_lost
+            .store(true, Ordering::Release);
     }
 
     /// This rank dies: the waits of the others on it fail with
@@ -479,8 +453,9 @@ impl Link for MemLink {
             return;
         }
         let origin = culprit.unwrap_or(self.me);
+        let lost = self.mesh.ranks[self.me].aborts_lost.load(Ordering::Acquire);
         for (r, rank) in self.mesh.ranks.iter().enumerate() {
-            if self.dead(r) {
+            if self.dead(r) || (lost && r != self.me) {
                 continue;
             }
             let mut inbox = self.mesh.lock(r);

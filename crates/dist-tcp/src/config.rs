@@ -46,10 +46,11 @@ pub(crate) fn crowded(local: usize, cores: usize) -> bool {
 pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 
 /// Whether this rank proposes direct reads of its host's peers' buffers: as `cfg` says, else
-/// where the host's `local` ranks outnumber its `cores`. 4 ranks, all_reduce µs, direct against
-/// the best before (`docs/benchmarks.md`, "Session 12"): on 2 cores 1 MiB 471 against 509 (the
-/// rings), 4 MiB 1,716 against 2,132, 16 MiB 8,409 against 10,149; on 16 cores 1 MiB 375
-/// against 312 (the arena's copies), 16 MiB 4,286 against 3,766 (the rings).
+/// where the host's `local` ranks outnumber the `cores` it may run on. 4 ranks, all_reduce µs,
+/// medians of three alternating rounds (`docs/benchmarks.md`, "Session 12"): on 2 cores direct
+/// against the rings 1 MiB 427 against 552, 4 MiB 1,494 against 2,432, 16 MiB 7,260 against
+/// 9,758; on 16 cores against the arena's copies or the rings 1 MiB 375 against 312, 16 MiB
+/// 4,286 against 3,766.
 pub(crate) fn direct_for(cfg: &TcpConfig, local: usize, cores: usize) -> bool {
     cfg.direct.unwrap_or(local > cores)
 }
@@ -475,24 +476,26 @@ impl TcpConfig {
         self
     }
 
-    /// Whether the ranks of this host may read each other's buffers directly in a large
-    /// all_reduce on the host arena (`process_vm_readv`, Linux; `DIST_DIRECT`): one copy out
-    /// of each peer's buffer instead of a copy into the arena first. Default: where the host's
-    /// ranks outnumber its cores (measured faster there than the arena's copies and the
-    /// shared-memory rings, and slower on a host with a core per rank: `docs/benchmarks.md`,
-    /// "Session 12"). Used only if every rank of the
-    /// group can (probed: a strict ptrace policy such as Yama's `ptrace_scope` 1 or more, or a
-    /// seccomp filter, refuses it, and then the arena's copies run as before).
+    /// Whether this rank proposes that the ranks of its host read each other's buffers
+    /// directly in a large all_reduce on the host arena (`process_vm_readv`, Linux;
+    /// `DIST_DIRECT`): one copy out of each peer's buffer instead of a copy into the arena
+    /// first. Default: where the host's ranks outnumber the cores this rank may run on
+    /// (measured faster there than the arena's copies and the shared-memory rings, and slower
+    /// on a host with a core per rank: `docs/benchmarks.md`, "Session 12"). Used only if every
+    /// rank of the group proposes it and can (probed: a strict ptrace policy such as Yama's
+    /// `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and then the arena's copies
+    /// run as before).
     pub fn direct(mut self, on: bool) -> Self {
         self.direct = Some(on);
         self
     }
 
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
-    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`];
+    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], and never
+    /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct
     /// all_reduce may be larger than [`TcpConfig::arena_max_kb`] where all the group's ranks
-    /// are on one host.
+    /// are on one host (unless that limit is 0).
     pub fn direct_min_kb(mut self, kb: u32) -> Self {
         self.direct_min_kb = Some(kb);
         self

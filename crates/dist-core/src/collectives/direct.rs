@@ -15,14 +15,19 @@
 //! 3. For every peer q, once q's `Reduced` says so, it reads share q of q's buffer into its
 //!    own share q. Peer i read share i of this rank's buffer before it published, so the
 //!    write takes nothing from under a reader.
-//! 4. It publishes `Input = k + 2` and waits for every peer's (the last read of its buffer is
-//!    done), then publishes `Reduced = k + 2`: no rank returns, and so lets its caller change
-//!    or free the buffer, while a peer may still read it. A rank that fails returns at once;
-//!    its peers then fail in step 3 or 4 too (its words stop), so nobody returns a result read
-//!    from a buffer that changed under it.
+//! 4. It publishes `Input = k + 2` and waits for every peer's (every read of its buffer is
+//!    done), then publishes `Reduced = k + 2` and waits for every peer's: no rank returns, and
+//!    so lets its caller change or free the buffer, while a peer may still read it.
+//!
+//! A rank that fails returns at once, whatever the step. Its `Reduced` word then never reaches
+//! k + 2, which it publishes only once every rank has read everything it needs: a peer that
+//! read from its buffer after it left (and so perhaps bytes its caller changed) fails in the
+//! last wait, so nobody returns a result read from a buffer that changed under it.
 //!
 //! Each element is reduced by one rank, in rank order, as on the arena: every rank gets bitwise
 //! the same result, and the same as the arena's.
+
+use std::time::{Duration, Instant};
 
 use crate::arena::ArenaWord;
 use crate::error::{DistError, Result};
@@ -36,6 +41,11 @@ use super::scratch::{bytes_mut, segment};
 /// The bytes read from a peer at a time during the reduction (with as many of this rank's
 /// own, they stay in the cache).
 const DIRECT_CHUNK: usize = 128 << 10;
+
+/// How long a failed read waits for the reason its peer left (`explain_failed_read`), and how
+/// often it looks.
+const EXPLAIN_WAIT: Duration = Duration::from_millis(500);
+const EXPLAIN_POLL: Duration = Duration::from_millis(1);
 
 /// The bytes of the buffer's address and length at the start of a slot.
 pub(super) const HEADER: usize = 16;
@@ -55,21 +65,8 @@ impl<L: Link> Host<'_, '_, L> {
         let m = self.local.len();
         let size = std::mem::size_of::<T>();
         let read = |q: usize, addr: u64, dst: &mut [u8]| -> Result<()> {
-            a.read_direct(q, addr, dst).map_err(|e| {
-                // A peer that is gone is said so, rather than as the read that failed on it.
-                if let Err(gone) = a.check_peer(q, &|| c.op_text()) {
-                    return gone;
-                }
-                DistError::Io {
-                    rank: c.me,
-                    context: format!(
-                        "{}: direct read of {} bytes of rank {q}'s buffer at {addr:#x}",
-                        c.op_text(),
-                        dst.len()
-                    ),
-                    source: e,
-                }
-            })
+            a.read_direct(q, addr, dst)
+                .map_err(|e| self.explain_failed_read(q, addr, dst.len(), e))
         };
 
         let share = segment(data.len(), m, self.pos);
@@ -98,7 +95,50 @@ impl<L: Link> Host<'_, '_, L> {
         let (k2, slot2) = self.next_piece();
         self.announce::<u8>(None, k2, slot2, false)?;
         a.publish(ArenaWord::Reduced, k2.wrapping_add(1));
+        for &q in self.local.iter().filter(|&&q| q != c.me) {
+            wait_word(c, a, q, ArenaWord::Reduced, k2.wrapping_add(1))?;
+        }
         Ok(())
+    }
+
+    /// The error for a failed direct read of `len` bytes of rank `q`'s buffer at `addr`. A read
+    /// fails most often because `q` left the call (it failed, or its process exited) and its
+    /// buffer went with it; then the reason travels as its abort notice or its connection's
+    /// end, sent before it left, so this waits up to [`EXPLAIN_WAIT`] for either (the cause
+    /// named, say another rank gone, rather than the read). Else: `q`'s process gone (no such
+    /// process), or the read's own I/O error naming both ranks and the bytes.
+    fn explain_failed_read(&self, q: usize, addr: u64, len: usize, e: std::io::Error) -> DistError {
+        let (c, a) = (self.c, self.a);
+        let until = Instant::now() + EXPLAIN_WAIT;
+        loop {
+            if let Some(n) = c.abort_notice() {
+                return c.aborted(n);
+            }
+            if let Err(gone) = a.check_peer(q, &|| c.op_text()) {
+                return gone;
+            }
+            let now = Instant::now();
+            if now >= until || now >= c.deadline() {
+                break;
+            }
+            std::thread::sleep(EXPLAIN_POLL);
+        }
+        if e.kind() == std::io::ErrorKind::NotFound {
+            return DistError::PeerGone {
+                rank: c.me,
+                peer: q,
+                op: c.op_text(),
+                cause: format!("its process is gone (a direct read of its buffer: {e})"),
+            };
+        }
+        DistError::Io {
+            rank: c.me,
+            context: format!(
+                "{}: direct read of {len} bytes of rank {q}'s buffer at {addr:#x}",
+                c.op_text()
+            ),
+            source: e,
+        }
     }
 
     /// Every local peer's buffer address, indexed by rank, read from its slot `slot`, whose
@@ -113,15 +153,22 @@ impl<L: Link> Host<'_, '_, L> {
                 .map_err(|e| e.map_op(|_| c.op_text()))?;
             let word = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap_or([0; 8]));
             let (addr, theirs) = (word(0), word(8));
-            if theirs != len as u64 {
+            let problem = if theirs != len as u64 {
+                Some(format!(
+                    "its buffer is {theirs} bytes, this rank's {len}, in a call whose \
+                     descriptors match"
+                ))
+            } else if addr == 0 || addr.checked_add(theirs).is_none() {
+                Some(format!("its buffer of {theirs} bytes is at {addr:#x}"))
+            } else {
+                None
+            };
+            if let Some(p) = problem {
                 return Err(DistError::PeerGone {
                     rank: c.me,
                     peer: q,
                     op: c.op_text(),
-                    cause: format!(
-                        "corrupt host arena: its buffer is {theirs} bytes, this rank's {len}, \
-                         in a call whose descriptors match"
-                    ),
+                    cause: format!("corrupt host arena: {p}"),
                 });
             }
             addrs[q] = addr;

@@ -53,9 +53,12 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
     if c.g.forced_all_reduce().is_none()
         && arena_max > 0
         && let Some(a) = c.g.link().arena()
-        && (bytes <= arena_max || a.local().len() == c.n)
+        && (bytes <= arena_max || c.g.arena_in_use() != Some(false))
         && super::host::agreed(c, a)?
     {
+        // Every rank votes on its first all_reduce whatever its size (the vote's condition
+        // depends on nothing a rank sees alone); the host layout is the same everywhere once
+        // the vote agreed.
         let local = a.local();
         // Above the limit, only where the ranks read each other's buffers directly.
         let direct = super::host::direct_for(c, a, bytes);

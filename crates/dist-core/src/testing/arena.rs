@@ -1,10 +1,12 @@
 //! A [`HostArena`] in memory for [`MemLink`](super::MemLink)s made by
 //! [`MemLink::mesh_on_hosts`](super::MemLink::mesh_on_hosts): every rank's slots behind a lock,
-//! its words atomics, a condition variable to sleep on; with faults to inject (a word set to
-//! any value, an arena that is incomplete on one rank). A rank killed with
+//! its words atomics, a condition variable to sleep on; direct reads of peers' buffers (the
+//! ranks are threads: `process_vm_readv` of this process); with faults to inject (a word set to
+//! any value, an arena that is incomplete on one rank, direct reads refused, wild, slow, or a
+//! hostile buffer address), set through the `MemLink` methods here. A rank killed with
 //! [`MemLink::kill`](super::MemLink::kill) is gone for [`HostArena::check_peer`].
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
@@ -22,8 +24,8 @@ struct Part {
     claimed: AtomicBool,
     /// What [`HostArena::direct_min`] says (`u64::MAX`: `None`).
     direct_min: AtomicU64,
-    /// The [`DirectFault`] of this rank's direct reads, as its code.
-    direct_fault: AtomicU8,
+    /// The [`DirectFault`] of this rank's direct reads.
+    direct_fault: Mutex<DirectFault>,
     /// The direct reads this rank made.
     direct_reads: AtomicUsize,
 }
@@ -37,6 +39,17 @@ pub enum DirectFault {
     Refused,
     /// They go to an address that is not mapped (as if a peer published a wild one).
     WildAddress,
+    /// Each read after the first `after` of this rank waits `by` first (a rank descheduled
+    /// in the middle of a call).
+    Slow {
+        /// The reads made at full speed.
+        after: usize,
+        /// The wait before each later one.
+        by: Duration,
+    },
+    /// This rank plays a hostile peer: the buffer address it writes into its slot for a direct
+    /// all_reduce is near the top of the address space (its reads are not affected).
+    HostileHeader,
 }
 
 /// The arenas of every rank of one in-memory link.
@@ -68,7 +81,7 @@ impl Arenas {
                     complete: AtomicBool::new(true),
                     claimed: AtomicBool::new(false),
                     direct_min: AtomicU64::new(u64::MAX),
-                    direct_fault: AtomicU8::new(0),
+                    direct_fault: Mutex::new(DirectFault::None),
                     direct_reads: AtomicUsize::new(0),
                 })
                 .collect(),
@@ -127,14 +140,14 @@ impl MemArena {
     }
 
     pub(super) fn set_direct_fault(&self, fault: DirectFault) {
-        let code = match fault {
-            DirectFault::None => 0,
-            DirectFault::Refused => 1,
-            DirectFault::WildAddress => 2,
-        };
+        *self.fault() = fault;
+    }
+
+    fn fault(&self) -> std::sync::MutexGuard<'_, DirectFault> {
         self.arenas.parts[self.me]
             .direct_fault
-            .store(code, Ordering::Release);
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn direct_reads(&self) -> usize {
@@ -182,6 +195,11 @@ impl HostArena for MemArena {
         let at = slot * self.arenas.slot_len + offset;
         let mut s = p.slots.write().unwrap_or_else(|p| p.into_inner());
         s[at..at + data.len()].copy_from_slice(data);
+        // A direct all_reduce's header (address, length): a 16-byte write at 0 (so is a
+        // 16-byte arena piece, which the tests of this fault do not write).
+        if *self.fault() == DirectFault::HostileHeader && offset == 0 && data.len() == 16 {
+            s[at..at + 8].copy_from_slice(&(u64::MAX - 100).to_le_bytes());
+        }
         Ok(())
     }
 
@@ -213,11 +231,16 @@ impl HostArena for MemArena {
             ));
         }
         let part = &self.arenas.parts[self.me];
-        part.direct_reads.fetch_add(1, Ordering::Relaxed);
-        match part.direct_fault.load(Ordering::Acquire) {
-            0 => crate::arena::read_process(std::process::id(), addr, dst),
-            1 => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
-            _ => crate::arena::read_process(std::process::id(), 16, dst),
+        let before = part.direct_reads.fetch_add(1, Ordering::Relaxed);
+        let fault = *self.fault();
+        match fault {
+            DirectFault::Refused => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
+            DirectFault::WildAddress => crate::arena::read_process(std::process::id(), 16, dst),
+            DirectFault::Slow { after, by } if before >= after => {
+                std::thread::sleep(by);
+                crate::arena::read_process(std::process::id(), addr, dst)
+            }
+            _ => crate::arena::read_process(std::process::id(), addr, dst),
         }
     }
 
@@ -277,5 +300,45 @@ impl HostArena for MemArena {
             });
         }
         Ok(())
+    }
+}
+
+/// The arena's faults and counters, on the link's ends.
+impl super::MemLink {
+    /// Plays a hostile peer: this rank publishes `value` as its arena word `word` (no-op
+    /// without an arena).
+    pub fn scribble_arena(&self, word: crate::arena::ArenaWord, value: u32) {
+        if let Some(a) = &self.arena {
+            a.scribble(word, value);
+        }
+    }
+
+    /// This rank's arena proposes that all_reduces from `min` bytes read its peers' buffers
+    /// directly, or (`None`, the default) says it cannot
+    /// ([`HostArena::direct_min`]). Set before the group's first
+    /// all_reduce, which agrees on it.
+    pub fn set_arena_direct(&self, min: Option<usize>) {
+        if let Some(a) = &self.arena {
+            a.set_direct(min);
+        }
+    }
+
+    /// How many direct reads of its peers' memory this rank made (0 without an arena).
+    pub fn direct_reads(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.direct_reads())
+    }
+
+    /// Makes this rank's direct reads of its peers' memory fail as `fault` says.
+    pub fn set_arena_direct_fault(&self, fault: DirectFault) {
+        if let Some(a) = &self.arena {
+            a.set_direct_fault(fault);
+        }
+    }
+
+    /// This rank's arena says it did not map every peer's ([`HostArena::complete`]).
+    pub fn set_arena_incomplete(&self) {
+        if let Some(a) = &self.arena {
+            a.set_incomplete();
+        }
     }
 }

@@ -292,3 +292,81 @@ fn mismatched_direct_calls_are_reported() {
         );
     }
 }
+
+/// A rank that fails after its peers' last read of its buffer was due (here its deadline
+/// passes while a descheduled peer has yet to read its share), and whose caller then changes
+/// the buffer, and whose abort notice is slow to come: the peer that read it late fails too,
+/// rather than return the changed bytes.
+/// Without the last wait (every peer's `Reduced` at k + 2) rank 1 returned `Ok` with rank 0's
+/// scribbled share.
+#[test]
+fn a_rank_that_leaves_early_fails_its_late_reader() {
+    let links = MemLink::mesh_on_hosts(&[0; 2], SLOT);
+    for l in &links {
+        l.set_arena_direct(Some(0));
+    }
+    // Rank 1's reduction read is at full speed, its read of rank 0's share waits 2.5 s.
+    links[1].set_arena_direct_fault(DirectFault::Slow {
+        after: 1,
+        by: Duration::from_millis(2500),
+    });
+    // Its abort notice comes late (here never): rank 1 learns of rank 0's failure only from
+    // rank 0's words.
+    links[0].lose_aborts();
+    let both_done = std::sync::Barrier::new(2);
+    let count = (100 << 10) / 4;
+    let results = run_links(links, |l| {
+        let timeout = if l.rank() == 0 {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_secs(10)
+        };
+        let g = Group::form(l, Tuning::default(), timeout)?;
+        g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+        let mut x = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+        let r = g.all_reduce(&mut x, ReduceOp::Sum);
+        if r.is_err() {
+            // The caller reuses its buffer at once.
+            x.fill(u32::MAX);
+        }
+        let ok = match &r {
+            Ok(()) => Some(x == reduced::<u32>(ReduceOp::Sum, 2, count)),
+            Err(_) => None,
+        };
+        // The buffer lives until both are done, so a late read finds the scribbled bytes.
+        both_done.wait();
+        Ok((r.map_err(|e| e.to_string()), ok))
+    });
+    let (r0, _) = results[0].as_ref().unwrap();
+    assert!(r0.is_err(), "rank 0 was to time out: {r0:?}");
+    let (r1, right) = results[1].as_ref().unwrap();
+    assert!(
+        r1.is_err(),
+        "rank 1 returned {r1:?} (its result right: {right:?}) after reading a buffer its owner \
+         had left"
+    );
+}
+
+/// A peer whose published buffer address would overflow with its length: an error naming it
+/// as a corrupt arena, never a panic or a read.
+#[test]
+fn a_hostile_buffer_address_is_a_corrupt_arena() {
+    let results = direct_errors(
+        3,
+        |l| {
+            if l.rank() == 2 {
+                l.set_arena_direct_fault(DirectFault::HostileHeader);
+            }
+        },
+        |g| g.all_reduce(&mut vec![1u32; 40_000], ReduceOp::Sum),
+    );
+    for r in [0, 1] {
+        let e = results[r].as_ref().unwrap_err();
+        let named = match e {
+            DistError::PeerGone { peer, cause, .. } => *peer == 2 && cause.contains("corrupt"),
+            DistError::Aborted { origin, reason, .. } => *origin == 2 || reason.contains("corrupt"),
+            _ => false,
+        };
+        assert!(named, "rank {r}: {e}");
+    }
+}
