@@ -388,6 +388,9 @@ fn a_sub_link_checks_what_it_is_made_of() {
 fn a_passed_on_abort_keeps_its_call_in_a_sub_group() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let passed_on = AtomicBool::new(false);
+    // Every rank is out of the split (a call of the root group, which a sub-group's abort
+    // ends) before rank 1 fails its call.
+    let split_done = std::sync::Barrier::new(3);
     let wait_for = |what: &dyn Fn() -> bool| {
         let until = std::time::Instant::now() + T;
         while !what() {
@@ -402,6 +405,7 @@ fn a_passed_on_abort_keeps_its_call_in_a_sub_group() {
         |g| {
             let me = g.rank();
             let sub = g.split(Some(0), 0)?.unwrap();
+            split_done.wait();
             let mut data = [me as u32 + 10; 5];
             if me == 1 {
                 // Call 1 (its part: the sends), then call 2 refused here alone.
