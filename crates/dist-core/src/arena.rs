@@ -113,6 +113,14 @@ pub trait HostArena: Send + Sync {
         None
     }
 
+    /// How many threads, this rank's own among them, may share its part of a direct
+    /// all_reduce (each reading and reducing a range of its share, then copying a range of
+    /// each peer's): the rank's own choice, not agreed with the group, since every element is
+    /// still reduced by one rank in rank order whatever the count. 1 by default.
+    fn direct_threads(&self) -> usize {
+        1
+    }
+
     /// Copies `dst.len()` bytes at address `addr` of rank `owner`'s memory into `dst`, where
     /// [`HostArena::direct_min`] is `Some`. `addr` comes from the peer and is untrusted: an
     /// address that is not mapped there is an error, and a peer whose process is gone one of
@@ -208,6 +216,46 @@ pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> 
     ))
 }
 
+/// The bytes [`read_process_is_fast`] times each way.
+const RATE_PROBE: usize = 256 << 10;
+
+/// Whether [`read_process`] copies at least half as fast as a copy within this process
+/// ([`direct_reads_pay`] of the two, each the best of four over 256 KiB of this
+/// process's own memory, warm), measured once per process (about a millisecond at most)
+/// and `false` where it fails. The ratio varies by machine: 0.7 on the 2-core machine of
+/// `docs/benchmarks.md` "Session 12", 0.25 to 0.4 on that of "Session 13".
+pub fn read_process_is_fast() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| {
+        let src = vec![0x5au8; RATE_PROBE];
+        let mut dst = vec![0u8; RATE_PROBE];
+        let (mut cma, mut copy) = (Duration::MAX, Duration::MAX);
+        for _ in 0..4 {
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            copy = copy.min(t.elapsed());
+            std::hint::black_box(&mut dst);
+            let t = std::time::Instant::now();
+            if read_process(std::process::id(), src.as_ptr() as u64, &mut dst).is_err() {
+                return false;
+            }
+            cma = cma.min(t.elapsed());
+            std::hint::black_box(&mut dst);
+        }
+        direct_reads_pay(cma, copy)
+    })
+}
+
+/// Whether a host whose ranks outnumber its cores should read peers' buffers directly, given
+/// the time one `process_vm_readv` and one copy within the process take for the same bytes:
+/// if the first is at most twice the second. On such a host the cores' copying is the cost,
+/// and per rank a direct all_reduce reads about twice the buffer from peers (each peer's
+/// share for the reduction, then the others' reduced shares), where the shared-memory ring's
+/// all_reduce copies about twice the buffer in and as much out.
+pub fn direct_reads_pay(read: Duration, copy: Duration) -> bool {
+    read <= copy.saturating_mul(2)
+}
+
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::read_process;
@@ -225,5 +273,19 @@ mod tests {
         assert_eq!(gone.kind(), std::io::ErrorKind::NotFound, "{gone}");
         assert!(read_process(std::process::id(), u64::MAX - 4, &mut dst).is_err());
         assert_eq!(dst, vec![7u8; 16]);
+    }
+
+    /// The rate rule: direct reads pay where a read takes at most twice a copy; the probe
+    /// gives one answer per process.
+    #[test]
+    fn direct_reads_pay_at_half_the_copy_rate() {
+        use std::time::Duration;
+        let us = Duration::from_micros;
+        assert!(super::direct_reads_pay(us(20), us(10)));
+        assert!(super::direct_reads_pay(us(14), us(10)));
+        assert!(!super::direct_reads_pay(us(21), us(10)));
+        assert!(!super::direct_reads_pay(Duration::MAX, us(10)));
+        let first = super::read_process_is_fast();
+        assert_eq!(super::read_process_is_fast(), first);
     }
 }

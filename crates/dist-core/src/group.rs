@@ -133,6 +133,8 @@ pub struct Group<L: Link> {
     /// The thread that runs a second lane, started on first use (`None` inside if it could not
     /// be): starting one per call costs more than a 1 MiB all_reduce saves.
     lane: OnceLock<Option<rayon::ThreadPool>>,
+    /// The threads that share one call's copies with the caller ([`Group::helpers`]).
+    helpers: OnceLock<Option<rayon::ThreadPool>>,
     /// The all_reduce algorithm forced by [`Group::force_all_reduce`] (its code), 0 for the
     /// choice by size.
     forced_all_reduce: AtomicU8,
@@ -340,6 +342,7 @@ impl<L: Link> Group<L> {
             seq: AtomicU64::new(0),
             abort_sent: AtomicBool::new(false),
             lane: OnceLock::new(),
+            helpers: OnceLock::new(),
             forced_all_reduce: AtomicU8::new(0),
             occupancy: Occupancy::default(),
             arena_agreed: AtomicU8::new(0),
@@ -472,6 +475,26 @@ impl<L: Link> Group<L> {
             }),
             None => run_beside_scoped(first, second),
         }
+    }
+
+    /// The `threads - 1` threads that split one call's copies with the caller, a rayon pool
+    /// started on the first call that asks and kept for the group's life (its size is that
+    /// call's): `None` for one thread, where the pool cannot start, or where the caller is
+    /// itself a rayon worker (which, waiting, would run its own pool's jobs).
+    pub(crate) fn helpers(&self, threads: usize) -> Option<&rayon::ThreadPool> {
+        if threads <= 1 || rayon::current_thread_index().is_some() {
+            return None;
+        }
+        let me = self.link.rank();
+        self.helpers
+            .get_or_init(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads - 1)
+                    .thread_name(move |i| format!("dist-part-{me}-{i}"))
+                    .build()
+                    .ok()
+            })
+            .as_ref()
     }
 }
 

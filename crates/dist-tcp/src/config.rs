@@ -3,7 +3,7 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use dist_core::collectives::host_arena_limit;
+use dist_core::collectives::{HOST_DIRECT_MIN, host_arena_limit};
 use dist_core::{DistError, Result, Tuning};
 
 use crate::launch::LaunchEnv;
@@ -45,14 +45,56 @@ pub(crate) fn crowded(local: usize, cores: usize) -> bool {
 /// rank was about a tenth of the pages the job touched (`docs/benchmarks.md`, "Session 11").
 pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 
-/// Whether this rank proposes direct reads of its host's peers' buffers: as `cfg` says, else
-/// where the host's `local` ranks outnumber the `cores` it may run on. 4 ranks, all_reduce µs,
-/// medians of three alternating rounds (`docs/benchmarks.md`, "Session 12"): on 2 cores direct
-/// against the rings 1 MiB 427 against 552, 4 MiB 1,494 against 2,432, 16 MiB 7,260 against
-/// 9,758; on 16 cores against the arena's copies or the rings 1 MiB 375 against 312, 16 MiB
-/// 4,286 against 3,766.
-pub(crate) fn direct_for(cfg: &TcpConfig, local: usize, cores: usize) -> bool {
-    cfg.direct.unwrap_or(local > cores)
+/// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
+/// does not): as `cfg` says, else where `fast` says `process_vm_readv` copies at least half
+/// as fast as a copy within the process ([`dist_core::arena::read_process_is_fast`], asked
+/// only where it matters) and either the host's `local` ranks outnumber the `cores` it may run
+/// on without crowding it ([`crowded`]), from [`HOST_DIRECT_MIN`], or each rank has two
+/// cores or more, from [`SPARE_DIRECT_MIN`] (there it splits its part over its cores:
+/// [`direct_threads_for`]). A size set in `cfg` wins. All_reduce µs, medians of three
+/// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
+/// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
+/// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
+/// 14,854 against 9,826. For 16 cores see [`SPARE_DIRECT_MIN`]; with a core a rank and none
+/// spare ("Session 13", 16 ranks) direct reads were 0.59 of the arena's copies at 1 MiB and
+/// 1.04–1.07 at 16–64 MiB: not proposed.
+pub(crate) fn direct_for(
+    cfg: &TcpConfig,
+    local: usize,
+    cores: usize,
+    fast: impl FnOnce() -> bool,
+) -> Option<usize> {
+    let min = |default: usize| cfg.direct_min_kb.map_or(default, |kb| (kb as usize) << 10);
+    match cfg.direct {
+        Some(on) => on.then(|| min(HOST_DIRECT_MIN)),
+        None if crowded(local, cores) => None,
+        None if local > cores => fast().then(|| min(HOST_DIRECT_MIN)),
+        None if cores >= local.saturating_mul(2) => fast().then(|| min(SPARE_DIRECT_MIN)),
+        None => None,
+    }
+}
+
+/// The smallest all_reduce that reads peers' buffers directly by default where each of the
+/// host's ranks has two cores or more: 4 MiB. 16 cores, all_reduce µs, direct reads split
+/// over each rank's cores against the arena's copies or the rings (`docs/benchmarks.md`,
+/// "Session 13"): 4 ranks 1 MiB 469 against 400, 4 MiB 1,051 against 1,223, 64 MiB 8,429
+/// against 21,858; 8 ranks 1 MiB 647 against 359, 4 MiB 1,540 against 1,794, 64 MiB 19,726
+/// against 38,016.
+pub(crate) const SPARE_DIRECT_MIN: usize = 4 << 20;
+
+/// The most threads a rank may be told to split its part of a direct all_reduce over.
+pub(crate) const DIRECT_THREADS_LIMIT: u32 = 64;
+
+/// The most threads a rank splits its part of a direct all_reduce over by default.
+pub(crate) const DIRECT_THREADS_MAX: usize = 8;
+
+/// How many threads a rank splits its part of a direct all_reduce over: as `cfg` says, else
+/// the cores each of the host's `local` ranks has, from 1 to [`DIRECT_THREADS_MAX`].
+pub(crate) fn direct_threads_for(cfg: &TcpConfig, local: usize, cores: usize) -> usize {
+    cfg.direct_threads.map_or_else(
+        || (cores / local.max(1)).clamp(1, DIRECT_THREADS_MAX),
+        |t| t as usize,
+    )
 }
 
 /// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
@@ -157,6 +199,7 @@ pub struct TcpConfig {
     pub(crate) arena_max_kb: Option<u32>,
     pub(crate) direct: Option<bool>,
     pub(crate) direct_min_kb: Option<u32>,
+    pub(crate) direct_threads: Option<u32>,
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
     pub(crate) formation: Formation,
@@ -184,6 +227,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("arena_max_kb", &self.arena_max_kb)
             .field("direct", &self.direct)
             .field("direct_min_kb", &self.direct_min_kb)
+            .field("direct_threads", &self.direct_threads)
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
             .field("formation", &self.formation)
@@ -215,6 +259,7 @@ impl TcpConfig {
             arena_max_kb: None,
             direct: None,
             direct_min_kb: None,
+            direct_threads: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
             formation: Formation::Auto,
@@ -227,7 +272,7 @@ impl TcpConfig {
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
     /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB`, `DIST_TCP_LANES` (1 or 2) and
-    /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1) and `DIST_DIRECT_MIN_KB`, and
+    /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1), `DIST_DIRECT_MIN_KB` and `DIST_DIRECT_THREADS`, and
     /// `DIST_FORMATION` (`eager` or `lazy`) when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -328,6 +373,7 @@ impl TcpConfig {
             cfg.direct = Some(d == 1);
         }
         cfg.direct_min_kb = number("DIST_DIRECT_MIN_KB", 0..=Tuning::MAX_ARENA_KB)?;
+        cfg.direct_threads = number("DIST_DIRECT_THREADS", 1..=DIRECT_THREADS_LIMIT)?;
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
@@ -479,9 +525,13 @@ impl TcpConfig {
     /// Whether this rank proposes that the ranks of its host read each other's buffers
     /// directly in a large all_reduce on the host arena (`process_vm_readv`, Linux;
     /// `DIST_DIRECT`): one copy out of each peer's buffer instead of a copy into the arena
-    /// first. Default: where the host's ranks outnumber the cores this rank may run on
-    /// (measured faster there than the arena's copies and the shared-memory rings, and slower
-    /// on a host with a core per rank: `docs/benchmarks.md`, "Session 12"). Used only if every
+    /// first. Default: where the read copies at least half as fast as a copy within the
+    /// process (timed once at init) and either the host's ranks outnumber the cores this rank
+    /// may run on, at most 16 a core, or each has two cores or more (then from 4 MiB, each
+    /// rank splitting its part over its cores: [`TcpConfig::direct_threads`]): measured
+    /// faster there than the arena's copies and the shared-memory rings, and slower where the
+    /// read is slower or on a host with a core a rank and none spare (`docs/benchmarks.md`,
+    /// "Session 12" and "Session 13"). Used only if every
     /// rank of the group proposes it and can (probed: a strict ptrace policy such as Yama's
     /// `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and then the arena's copies
     /// run as before).
@@ -491,13 +541,23 @@ impl TcpConfig {
     }
 
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
-    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], and never
+    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], or 4 MiB
+    /// where the default is on because each of the host's ranks has two cores or more; never
     /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct
     /// all_reduce may be larger than [`TcpConfig::arena_max_kb`] where all the group's ranks
     /// are on one host (unless that limit is 0).
     pub fn direct_min_kb(mut self, kb: u32) -> Self {
         self.direct_min_kb = Some(kb);
+        self
+    }
+
+    /// How many threads (its own among them) this rank splits its part of a direct
+    /// all_reduce over ([`TcpConfig::direct`]), each reading and reducing a range of at least
+    /// 256 KiB (`DIST_DIRECT_THREADS`, 1 to 64): default the cores each of the host's ranks
+    /// has, from 1 to 8. The rank's own choice: the results are the same whatever the count.
+    pub fn direct_threads(mut self, threads: u32) -> Self {
+        self.direct_threads = Some(threads.clamp(1, DIRECT_THREADS_LIMIT));
         self
     }
 

@@ -72,21 +72,68 @@ fn reads_torchrun_variables() {
     assert_eq!(TcpConfig::from_lookup(env(&v6)).unwrap().master, "[::1]:1");
 }
 
-/// Direct reads: by default only where the host's ranks outnumber its cores; `DIST_DIRECT`
-/// decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
+/// Direct reads: by default where the host's ranks outnumber its cores without crowding it
+/// (from 256 KiB) or have two cores each (from 4 MiB), and the reads are fast;
+/// `DIST_DIRECT` decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
 #[test]
 fn direct_reads_by_default_and_by_variable() {
+    use crate::config::{SPARE_DIRECT_MIN, direct_for};
+    use dist_core::collectives::HOST_DIRECT_MIN;
     let c = TcpConfig::from_lookup(env(&OK)).unwrap();
     assert_eq!((c.direct, c.direct_min_kb), (None, None));
-    assert!(crate::config::direct_for(&c, 4, 2));
-    assert!(!crate::config::direct_for(&c, 4, 4));
+    let (fast, slow) = (|| true, || false);
+    assert_eq!(direct_for(&c, 4, 2, fast), Some(HOST_DIRECT_MIN));
+    assert_eq!(direct_for(&c, 4, 2, slow), None);
+    assert_eq!(direct_for(&c, 4, 4, fast), None, "a core a rank");
+    assert_eq!(direct_for(&c, 4, 7, fast), None, "under two cores a rank");
+    assert_eq!(direct_for(&c, 4, 8, fast), Some(SPARE_DIRECT_MIN));
+    assert_eq!(direct_for(&c, 4, 16, slow), None);
+    assert_eq!(direct_for(&c, 40, 2, fast), None, "crowded");
     for (val, on) in [("0", false), ("1", true)] {
         let mut v = OK.to_vec();
         v.extend([("DIST_DIRECT", val), ("DIST_DIRECT_MIN_KB", "64")]);
         let c = TcpConfig::from_lookup(env(&v)).unwrap();
         assert_eq!((c.direct, c.direct_min_kb), (Some(on), Some(64)));
-        assert_eq!(crate::config::direct_for(&c, 4, 2), on);
-        assert_eq!(crate::config::direct_for(&c, 4, 16), on);
+        let want = on.then_some(64 << 10);
+        assert_eq!(direct_for(&c, 4, 2, slow), want);
+        assert_eq!(direct_for(&c, 4, 16, fast), want);
+    }
+    let mut v = OK.to_vec();
+    v.push(("DIST_DIRECT_MIN_KB", "512"));
+    let c = TcpConfig::from_lookup(env(&v)).unwrap();
+    assert_eq!(direct_for(&c, 4, 16, fast), Some(512 << 10));
+}
+
+/// A direct all_reduce's threads a rank: by default the cores each of the host's ranks has
+/// (1 to 8); `DIST_DIRECT_THREADS` decides otherwise (1 to 64; 0 is refused).
+#[test]
+fn direct_threads_by_default_and_by_variable() {
+    use crate::config::direct_threads_for;
+    let c = TcpConfig::from_lookup(env(&OK)).unwrap();
+    let by_default = [
+        (4, 2, 1),
+        (4, 4, 1),
+        (4, 16, 4),
+        (16, 32, 2),
+        (2, 128, 8),
+        (0, 3, 3),
+    ];
+    for (local, cores, want) in by_default {
+        assert_eq!(
+            direct_threads_for(&c, local, cores),
+            want,
+            "{local} on {cores}"
+        );
+    }
+    let mut v = OK.to_vec();
+    v.push(("DIST_DIRECT_THREADS", "3"));
+    let c = TcpConfig::from_lookup(env(&v)).unwrap();
+    assert_eq!(direct_threads_for(&c, 4, 2), 3);
+    for bad in ["0", "65", "x"] {
+        let mut v = OK.to_vec();
+        v.push(("DIST_DIRECT_THREADS", bad));
+        let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
+        assert!(e.contains("DIST_DIRECT_THREADS"), "{bad}: {e}");
     }
 }
 

@@ -273,12 +273,13 @@ impl TcpBackend {
         for p in &peers {
             p.set_spin(spin);
         }
-        let direct = config::direct_for(&cfg, local, cores).then(|| {
-            cfg.direct_min_kb
-                .map_or(dist_core::collectives::HOST_DIRECT_MIN, |kb| {
-                    (kb as usize) << 10
-                })
-        });
+        let direct = config::direct_for(&cfg, local, cores, dist_core::arena::read_process_is_fast)
+            .map(|min| (min, config::direct_threads_for(&cfg, local, cores)));
+        tracing::debug!(
+            rank = me,
+            ?direct,
+            "direct reads proposed from (bytes, threads)"
+        );
         let arena = arena_setup.map(|s| s.finish(peers.clone(), spin, direct));
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {

@@ -82,6 +82,19 @@ pub const TWO_LANES: Variant = Variant {
     env: &[("DIST_TCP_PARALLEL", "1"), ("DIST_TCP_LANES", "2")],
 };
 
+/// Ranks of one host that read each other's buffers directly whatever the host's default
+/// (`process_vm_readv`: the default only where it is fast), from 32 KiB, each rank's part split
+/// over two threads.
+pub const DIRECT: Variant = Variant {
+    name: "direct",
+    sizes: &[3, 4],
+    env: &[
+        ("DIST_DIRECT", "1"),
+        ("DIST_DIRECT_MIN_KB", "32"),
+        ("DIST_DIRECT_THREADS", "2"),
+    ],
+};
+
 impl Case {
     /// `run`, at [`SIZES`], needing nothing more.
     pub const fn new(name: &'static str, run: fn() -> Result<(), String>) -> Case {

@@ -24,7 +24,7 @@ mod work;
 
 use std::process::ExitCode;
 
-use dist_multirank::{Case, TWO_LANES, Variant};
+use dist_multirank::{Case, DIRECT, TWO_LANES, Variant};
 
 /// The grid case with two lanes (the second ring's tag, inside sub-groups), at its one size.
 const GRID_TWO_LANES: Variant = Variant {
@@ -132,7 +132,7 @@ const CASES: &[Case] = &[
         coll::peer_death();
         Ok(())
     })
-    .variants(&[TWO_LANES]),
+    .variants(&[TWO_LANES, DIRECT]),
     Case::new("coll_uneven", uneven::uneven).sizes(&[2, 3, 4, 5, 6, 7, 8]),
     Case::new("coll_uneven_mismatch", uneven::uneven_mismatch).sizes(&[2, 3, 5]),
     Case::new("fail_sigkill", failures::sigkill).only_at(&[4]),

@@ -6,14 +6,14 @@
 
 use dist_core::collectives::{Collectives, HOST_SPLIT_MIN, Transport};
 use dist_core::{Backend, DistError, ReduceOp};
-use dist_multirank::{Case, Variant, config};
+use dist_multirank::{Case, DIRECT, Variant, config};
 use dist_tcp::TcpBackend;
 
 /// The cases, registered in `main.rs`.
 pub const CASES: &[Case] = &[
     Case::new("shm_arena", arena)
         .sizes(&[2, 3, 4, 5, 6, 7, 8])
-        .variants(&[NO_SHM, EVERY_SIZE]),
+        .variants(&[NO_SHM, EVERY_SIZE, DIRECT]),
     Case::new("shm_arena_hosts", several_hosts)
         .sizes(&[4, 5])
         .variants(&[EVERY_SIZE]),

@@ -35,7 +35,7 @@ use super::desc::Desc;
 use super::scratch::{bytes, bytes_mut, segment, with_scratch};
 
 /// Fills its buffer with a local peer's bytes from a byte offset: `read(rank, offset, dst)`.
-pub(super) type ReadPeer<'r> = &'r dyn Fn(usize, usize, &mut [u8]) -> Result<()>;
+pub(super) type ReadPeer<'r> = &'r (dyn Fn(usize, usize, &mut [u8]) -> Result<()> + Sync);
 
 /// The longest sleep of an arena wait between checks of the peer, aborts and the deadline.
 pub const SLICE: Duration = Duration::from_millis(50);

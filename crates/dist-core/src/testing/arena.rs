@@ -28,6 +28,10 @@ struct Part {
     direct_fault: Mutex<DirectFault>,
     /// The direct reads this rank made.
     direct_reads: AtomicUsize,
+    /// What [`HostArena::direct_threads`] says.
+    direct_threads: AtomicUsize,
+    /// The threads this rank's direct reads ran on.
+    read_threads: Mutex<Vec<std::thread::ThreadId>>,
 }
 
 /// A fault of a rank's direct reads of its peers' memory ([`HostArena::read_direct`]).
@@ -83,6 +87,8 @@ impl Arenas {
                     direct_min: AtomicU64::new(u64::MAX),
                     direct_fault: Mutex::new(DirectFault::None),
                     direct_reads: AtomicUsize::new(0),
+                    direct_threads: AtomicUsize::new(1),
+                    read_threads: Mutex::new(Vec::new()),
                 })
                 .collect(),
             lock: Mutex::new(()),
@@ -148,6 +154,17 @@ impl MemArena {
             .direct_fault
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn set_direct_threads(&self, threads: usize) {
+        self.arenas.parts[self.me]
+            .direct_threads
+            .store(threads, Ordering::Relaxed);
+    }
+
+    pub(super) fn read_threads(&self) -> usize {
+        let part = &self.arenas.parts[self.me];
+        part.read_threads.lock().map_or(0, |t| t.len())
     }
 
     pub(super) fn direct_reads(&self) -> usize {
@@ -232,6 +249,12 @@ impl HostArena for MemArena {
         }
         let part = &self.arenas.parts[self.me];
         let before = part.direct_reads.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut seen) = part.read_threads.lock() {
+            let id = std::thread::current().id();
+            if !seen.contains(&id) {
+                seen.push(id);
+            }
+        }
         let fault = *self.fault();
         match fault {
             DirectFault::Refused => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
@@ -242,6 +265,12 @@ impl HostArena for MemArena {
             }
             _ => crate::arena::read_process(std::process::id(), addr, dst),
         }
+    }
+
+    fn direct_threads(&self) -> usize {
+        self.arenas.parts[self.me]
+            .direct_threads
+            .load(Ordering::Relaxed)
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {
@@ -326,6 +355,19 @@ impl super::MemLink {
     /// How many direct reads of its peers' memory this rank made (0 without an arena).
     pub fn direct_reads(&self) -> usize {
         self.arena.as_ref().map_or(0, |a| a.direct_reads())
+    }
+
+    /// The threads this rank may split its part of a direct all_reduce over
+    /// ([`HostArena::direct_threads`]; 1 by default).
+    pub fn set_arena_direct_threads(&self, threads: usize) {
+        if let Some(a) = &self.arena {
+            a.set_direct_threads(threads);
+        }
+    }
+
+    /// On how many threads this rank's direct reads ran (0 without an arena or a read).
+    pub fn direct_read_threads(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.read_threads())
     }
 
     /// Makes this rank's direct reads of its peers' memory fail as `fault` says.

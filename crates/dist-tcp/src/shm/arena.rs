@@ -112,12 +112,13 @@ impl ArenaSetup {
 
     /// The arena, once every connection is made; `peers` are the backend's (for their
     /// liveness), `spin` how long a wait spins before it sleeps, `direct` the size from which
-    /// this rank proposes direct reads of its peers' buffers (`None`: it does not).
+    /// this rank proposes direct reads of its peers' buffers and the threads it splits its
+    /// part over (`None`: it does not).
     pub(crate) fn finish(
         self,
         peers: Vec<Arc<Peer>>,
         spin: Duration,
-        direct: Option<usize>,
+        direct: Option<(usize, usize)>,
     ) -> TcpArena {
         let me = self.me;
         let mut parts = self.peers.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -152,7 +153,8 @@ impl ArenaSetup {
             spin,
             claimed: AtomicBool::new(false),
             probe: self.probe,
-            direct,
+            direct: direct.map(|(min, _)| min),
+            direct_threads: direct.map_or(1, |(_, t)| t.max(1)),
             direct_probed: OnceLock::new(),
         }
     }
@@ -175,6 +177,8 @@ pub(crate) struct TcpArena {
     probe: Box<u64>,
     /// The size from which this rank proposes direct reads, if it does.
     direct: Option<usize>,
+    /// [`HostArena::direct_threads`].
+    direct_threads: usize,
     /// [`HostArena::direct_min`], once probed.
     direct_probed: OnceLock<Option<usize>>,
 }
@@ -304,6 +308,10 @@ impl HostArena for TcpArena {
         *self
             .direct_probed
             .get_or_init(|| self.direct.filter(|_| self.probe_peers()))
+    }
+
+    fn direct_threads(&self) -> usize {
+        self.direct_threads
     }
 
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::super::HOST_SPLIT_MIN;
+use super::super::direct::PART_MIN;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::link::Link;
 use crate::testing::{DirectFault, MemLink, run_links};
@@ -139,6 +140,49 @@ fn direct_results_are_bitwise_those_of_the_copies() {
     }
 }
 
+/// A rank that splits its part over several threads (`HostArena::direct_threads`): its reads
+/// run on more than one thread where its share is at least two parts of `PART_MIN`, and the
+/// results are bitwise those of one thread (each element still reduced by one rank, in rank
+/// order), shares of unequal length and calls too small to split among them.
+#[test]
+fn split_direct_reads_give_the_same_bits() {
+    let value = |r: usize, i: usize| 1.0f32 / ((r * 13 + i * 5) % 89 + 1) as f32;
+    for n in [2, 3, 5] {
+        let big = n * (2 * PART_MIN + 40_000) / 4 + 3;
+        let mut got = Vec::new();
+        for threads in [1, 4] {
+            let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+            for l in &links {
+                l.set_arena_direct(Some(0));
+                l.set_arena_direct_threads(threads);
+            }
+            let results = run_links(links, |l| {
+                let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+                let mut out = Vec::new();
+                for count in [(100 << 10) / 4 + 1, big, big * 2 + 1] {
+                    let mut x: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
+                    g.all_reduce(&mut x, ReduceOp::Sum)?;
+                    out.push(x.iter().map(|f| f.to_bits()).collect::<Vec<_>>());
+                }
+                Ok((out, g.link().direct_read_threads()))
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                let (bits, used) = res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}"));
+                match threads {
+                    1 => assert_eq!(used, 1, "{n} ranks, rank {r}"),
+                    _ => assert!(used >= 2, "{n} ranks, rank {r}: reads on {used} thread"),
+                }
+                got.push((threads, r, bits));
+            }
+        }
+        let (one, split) = got.split_at(n);
+        for ((_, r, a), (_, _, b)) in one.iter().zip(split) {
+            assert!(a == b, "{n} ranks, rank {r}: split results differ");
+            assert!(a == &one[0].2, "{n} ranks, rank {r}: differs from rank 0");
+        }
+    }
+}
+
 /// The group reads directly only if every rank can, from the largest size any proposed; a
 /// rank that cannot keeps every rank on the arena's copies (and over messages above the
 /// arena's limit), with the same results.
@@ -200,16 +244,22 @@ fn direct_errors(
 /// no rank reports a result.
 #[test]
 fn failed_direct_reads_are_named() {
-    for fault in [DirectFault::Refused, DirectFault::WildAddress] {
+    // One thread, and a call that rank 1 splits over 4 (a share of over 4 parts).
+    let cases = [(1, 50_000), (4, 3 * PART_MIN + 100)];
+    for (fault, (threads, count)) in [DirectFault::Refused, DirectFault::WildAddress]
+        .into_iter()
+        .flat_map(|f| cases.map(|c| (f, c)))
+    {
         let t = Instant::now();
         let results = direct_errors(
             3,
             |l| {
+                l.set_arena_direct_threads(threads);
                 if l.rank() == 1 {
                     l.set_arena_direct_fault(fault);
                 }
             },
-            |g| g.all_reduce(&mut vec![1u32; 50_000], ReduceOp::Sum),
+            |g| g.all_reduce(&mut vec![1u32; count], ReduceOp::Sum),
         );
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         match results[1].as_ref().unwrap_err() {
