@@ -216,21 +216,26 @@ pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> 
     ))
 }
 
-/// The bytes [`read_process_is_fast`] times each way.
-const RATE_PROBE: usize = 256 << 10;
+/// The bytes [`read_process_is_fast`] times each way: past a core's first caches, where the
+/// machines measured differ most (an in-cache copy is so fast that the ratio falls near the
+/// rule's line on a machine where direct reads pay).
+const RATE_PROBE: usize = 2 << 20;
 
 /// Whether [`read_process`] copies at least half as fast as a copy within this process
-/// ([`direct_reads_pay`] of the two, each the best of four over 256 KiB of this
-/// process's own memory, warm), measured once per process (about a millisecond at most)
-/// and `false` where it fails. The ratio varies by machine: 0.7 on the 2-core machine of
-/// `docs/benchmarks.md` "Session 12", 0.25 to 0.4 on that of "Session 13".
+/// ([`direct_reads_pay`] of the two, each the best of five over 2 MiB of this process's own
+/// memory, its pages touched first), measured once per process (a few milliseconds, most of
+/// it the first touch of 4 MiB) and `false` where the read fails. The ratio varies by machine
+/// (`docs/benchmarks.md`, "Session 13", over 2 MiB): 0.2–0.3 on that session's 2-core
+/// machine, where direct reads lost to the shared-memory rings, and about 0.7 on the 16-core
+/// H200 host, where they won.
 pub fn read_process_is_fast() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| {
         let src = vec![0x5au8; RATE_PROBE];
         let mut dst = vec![0u8; RATE_PROBE];
+        dst.copy_from_slice(&src);
         let (mut cma, mut copy) = (Duration::MAX, Duration::MAX);
-        for _ in 0..4 {
+        for _ in 0..5 {
             let t = std::time::Instant::now();
             dst.copy_from_slice(std::hint::black_box(&src));
             copy = copy.min(t.elapsed());
@@ -246,12 +251,13 @@ pub fn read_process_is_fast() -> bool {
     })
 }
 
-/// Whether a host whose ranks outnumber its cores should read peers' buffers directly, given
-/// the time one `process_vm_readv` and one copy within the process take for the same bytes:
-/// if the first is at most twice the second. On such a host the cores' copying is the cost,
-/// and per rank a direct all_reduce reads about twice the buffer from peers (each peer's
-/// share for the reduction, then the others' reduced shares), where the shared-memory ring's
-/// all_reduce copies about twice the buffer in and as much out.
+/// Whether ranks of one host should read each other's buffers directly, given the time one
+/// `process_vm_readv` and one copy within the process take for the same bytes: if the first
+/// is at most twice the second. Per rank a direct all_reduce reads about twice the buffer from
+/// peers (each peer's share for the reduction, then the others' reduced shares), where the
+/// shared-memory rings copy about twice the buffer in and as much out; where ranks outnumber
+/// cores, the cores' copying is the whole cost. (With cores to spare a rank splits its reads
+/// over several, which the rule leaves out: it keeps direct reads off where they are slow.)
 pub fn direct_reads_pay(read: Duration, copy: Duration) -> bool {
     read <= copy.saturating_mul(2)
 }

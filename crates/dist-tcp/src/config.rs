@@ -48,10 +48,12 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
 /// does not): as `cfg` says, else where `fast` says `process_vm_readv` copies at least half
 /// as fast as a copy within the process ([`dist_core::arena::read_process_is_fast`], asked
-/// only where it matters) and either the host's `local` ranks outnumber the `cores` it may run
-/// on without crowding it ([`crowded`]), from [`HOST_DIRECT_MIN`], or each rank has two
-/// cores or more, from [`SPARE_DIRECT_MIN`] (there it splits its part over its cores:
-/// [`direct_threads_for`]). A size set in `cfg` wins. All_reduce µs, medians of three
+/// only where it matters) and either the host's `local` ranks outnumber the `cores` this rank
+/// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
+/// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
+/// nothing was measured), from [`HOST_DIRECT_MIN`], or those cores are two or more a rank,
+/// from [`SPARE_DIRECT_MIN`] (there it splits its part over them: [`direct_threads_for`]).
+/// A size set in `cfg` wins. All_reduce µs, medians of three
 /// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
 /// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
 /// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
@@ -89,7 +91,8 @@ pub(crate) const DIRECT_THREADS_LIMIT: u32 = 64;
 pub(crate) const DIRECT_THREADS_MAX: usize = 8;
 
 /// How many threads a rank splits its part of a direct all_reduce over: as `cfg` says, else
-/// the cores each of the host's `local` ranks has, from 1 to [`DIRECT_THREADS_MAX`].
+/// the `cores` it may run on over the host's `local` ranks, from 1 to [`DIRECT_THREADS_MAX`]
+/// (a rank bound to cores of its own counts only those: give it `DIST_DIRECT_THREADS`).
 pub(crate) fn direct_threads_for(cfg: &TcpConfig, local: usize, cores: usize) -> usize {
     cfg.direct_threads.map_or_else(
         || (cores / local.max(1)).clamp(1, DIRECT_THREADS_MAX),
@@ -554,8 +557,10 @@ impl TcpConfig {
 
     /// How many threads (its own among them) this rank splits its part of a direct
     /// all_reduce over ([`TcpConfig::direct`]), each reading and reducing a range of at least
-    /// 256 KiB (`DIST_DIRECT_THREADS`, 1 to 64): default the cores each of the host's ranks
-    /// has, from 1 to 8. The rank's own choice: the results are the same whatever the count.
+    /// 256 KiB (`DIST_DIRECT_THREADS`, 1 to 64): default the cores this rank may run on (its
+    /// affinity mask and cgroup) over its host's ranks, from 1 to 8. The rank's own choice:
+    /// the results are the same whatever the count. Calls run as async work
+    /// ([`dist_core::Collectives::scope`]) do not split.
     pub fn direct_threads(mut self, threads: u32) -> Self {
         self.direct_threads = Some(threads.clamp(1, DIRECT_THREADS_LIMIT));
         self

@@ -41,3 +41,23 @@ cmp)
   grep -c "^==" "$f"
   ;;
 esac
+# Added after review (bundle/s13b, the probe over 2 MiB):
+#   s13-run.sh probe         cma_copy.py at 2 MiB; which direct reads each rank proposes with the
+#                            defaults (the init's debug line) at 4, 8 and 16 ranks; one round of
+#                            the defaults at 1–64 MiB beside DIST_DIRECT=0
+if [ "$1" = probe ]; then
+  B=bundle/s13b f="$OUT/s13-probe.txt"
+  python3 docs/results/2026-12-01-1xH200-s12/cma_copy.py 2097152 > "$f" 2>&1
+  for n in 4 8 16; do
+    echo "== proposals $n" >> "$f"
+    RUST_LOG=dist_tcp=debug timeout 60 $B/run perf --op all_reduce -n $n -b 8 -e 8 2>&1 | grep -o "direct=.*" | sort | uniq -c >> "$f"
+    for v in defaults copies; do
+      echo "== $v $n" >> "$f"
+      case $v in
+        defaults) timeout 120 $B/run perf --op all_reduce -n $n -b 1M -e 64M -f 4 --check ;;
+        copies) DIST_DIRECT=0 timeout 120 $B/run perf --op all_reduce -n $n -b 1M -e 64M -f 4 --check ;;
+      esac 2>&1 | grep -v -e '^\[' >> "$f"
+    done
+  done
+  cat "$f"
+fi

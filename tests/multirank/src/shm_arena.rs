@@ -105,11 +105,34 @@ fn check_limit(b: &TcpBackend) {
     }
 }
 
+/// With `DIST_DIRECT=1` (the `direct` variant), the group reads its peers' buffers directly
+/// from the size `DIST_DIRECT_MIN_KB` asks for, where no Yama ptrace policy stands in the way
+/// (with one, whether the reads are allowed depends on the process's capabilities: not
+/// checked, and said).
+fn check_direct(b: &TcpBackend) {
+    if std::env::var("DIST_DIRECT").as_deref() != Ok("1") || !shm_on() {
+        return;
+    }
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope");
+    if yama.as_ref().is_ok_and(|v| v.trim() != "0") {
+        println!("direct reads not checked: Yama ptrace_scope {yama:?}");
+        return;
+    }
+    let kb: usize = std::env::var("DIST_DIRECT_MIN_KB").map_or(256, |v| v.parse().unwrap());
+    assert_eq!(
+        b.group().arena_direct_min(),
+        Some(kb << 10),
+        "rank {}: direct reads",
+        b.rank()
+    );
+}
+
 /// Every rank on one host: the group runs on the arena (over messages with `DIST_SHM=0`).
 fn arena() -> Result<(), String> {
     let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
     check_limit(&b);
     check_sizes(&b);
+    check_direct(&b);
     assert_eq!(
         b.group().arena_in_use(),
         Some(shm_on()),

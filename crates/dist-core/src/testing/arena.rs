@@ -2,8 +2,8 @@
 //! [`MemLink::mesh_on_hosts`](super::MemLink::mesh_on_hosts): every rank's slots behind a lock,
 //! its words atomics, a condition variable to sleep on; direct reads of peers' buffers (the
 //! ranks are threads: `process_vm_readv` of this process); with faults to inject (a word set to
-//! any value, an arena that is incomplete on one rank, direct reads refused, wild, slow, or a
-//! hostile buffer address), set through the `MemLink` methods here. A rank killed with
+//! any value, an arena that is incomplete on one rank, direct reads refused (all, or after the
+//! first few), wild, slow, or a hostile buffer address), set through the `MemLink` methods here. A rank killed with
 //! [`MemLink::kill`](super::MemLink::kill) is gone for [`HostArena::check_peer`].
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -51,6 +51,9 @@ pub enum DirectFault {
         /// The wait before each later one.
         by: Duration,
     },
+    /// The first `n` reads of this rank work, the later ones are refused (one part of a
+    /// split call failing while others succeed).
+    RefusedAfter(usize),
     /// This rank plays a hostile peer: the buffer address it writes into its slot for a direct
     /// all_reduce is near the top of the address space (its reads are not affected).
     HostileHeader,
@@ -258,6 +261,9 @@ impl HostArena for MemArena {
         let fault = *self.fault();
         match fault {
             DirectFault::Refused => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
+            DirectFault::RefusedAfter(n) if before >= n => {
+                Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
+            }
             DirectFault::WildAddress => crate::arena::read_process(std::process::id(), 16, dst),
             DirectFault::Slow { after, by } if before >= after => {
                 std::thread::sleep(by);

@@ -244,12 +244,16 @@ fn direct_errors(
 /// no rank reports a result.
 #[test]
 fn failed_direct_reads_are_named() {
-    // One thread, and a call that rank 1 splits over 4 (a share of over 4 parts).
+    // One thread, and a call that rank 1 splits over 4 (a share of over 4 parts); the reads
+    // all refused or wild, or only those after the first two (parts that fail beside parts
+    // that succeed).
     let cases = [(1, 50_000), (4, 3 * PART_MIN + 100)];
-    for (fault, (threads, count)) in [DirectFault::Refused, DirectFault::WildAddress]
-        .into_iter()
-        .flat_map(|f| cases.map(|c| (f, c)))
-    {
+    let faults = [
+        DirectFault::Refused,
+        DirectFault::WildAddress,
+        DirectFault::RefusedAfter(2),
+    ];
+    for (fault, (threads, count)) in faults.into_iter().flat_map(|f| cases.map(|c| (f, c))) {
         let t = Instant::now();
         let results = direct_errors(
             3,
@@ -259,7 +263,14 @@ fn failed_direct_reads_are_named() {
                     l.set_arena_direct_fault(fault);
                 }
             },
-            |g| g.all_reduce(&mut vec![1u32; count], ReduceOp::Sum),
+            |g| {
+                let r = g.all_reduce(&mut vec![1u32; count], ReduceOp::Sum);
+                let used = g.link().direct_read_threads();
+                if g.rank() == 1 && threads > 1 {
+                    assert!(used >= 2, "{fault:?}: rank 1 read on {used} thread");
+                }
+                r
+            },
         );
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         match results[1].as_ref().unwrap_err() {
