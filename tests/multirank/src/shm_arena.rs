@@ -22,9 +22,8 @@ pub const CASES: &[Case] = &[
 ];
 
 /// Rank 3 killed with SIGKILL in the middle of a loop of 128 KiB all_reduces on the arena
-/// (each split into shares; 128 KiB is the arena's limit where ranks outnumber cores, so the
-/// loop stays on the arena on any host): every survivor errors within 1 s of its last good
-/// one, naming rank 3.
+/// (each split into shares; 128 KiB is under the arena's limit on any host, so the loop stays
+/// on the arena): every survivor errors within 1 s of its last good one, naming rank 3.
 fn sigkill() -> Result<(), String> {
     crate::failures::victim_loop_of("KILL", std::time::Duration::from_secs(1), 32 << 10)
 }

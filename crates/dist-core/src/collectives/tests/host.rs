@@ -435,8 +435,8 @@ fn the_groups_arena_limit_decides() {
 fn arena_limits_by_ranks_and_cores() {
     use super::super::host_arena_limit;
     let all = (Tuning::MAX_ARENA_KB as usize) << 10;
-    assert_eq!(host_arena_limit(4, 4, 2), 128 << 10);
-    assert_eq!(host_arena_limit(17, 17, 16), 128 << 10);
+    assert_eq!(host_arena_limit(4, 4, 2), 1 << 20);
+    assert_eq!(host_arena_limit(17, 17, 16), 1 << 20);
     assert_eq!(host_arena_limit(2, 2, 32), 1 << 20);
     assert_eq!(host_arena_limit(7, 7, 32), 1 << 20);
     assert_eq!(host_arena_limit(8, 8, 32), all);
