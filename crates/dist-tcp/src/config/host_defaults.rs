@@ -1,0 +1,146 @@
+//! The defaults that depend on the host: how many of the job's ranks share its cores decides
+//! the receivers' spin, the ring piece, the lanes, the host arena's limit, and whether (and on
+//! how many threads) ranks read each other's buffers directly.
+
+use std::time::Duration;
+
+use dist_core::Tuning;
+use dist_core::collectives::{HOST_DIRECT_MIN, host_arena_limit};
+
+use super::TcpConfig;
+
+/// Ranks of one job per core of their host up to which receivers spin by default (see
+/// [`default_spin`]); measured on a 2-core host (`docs/benchmarks.md`, "Spinning and
+/// oversubscription").
+pub(crate) const SPIN_RANKS_PER_CORE: usize = 16;
+
+/// How long a receiver spins before it sleeps when `DIST_SPIN_US` is not set: [`crate::peer::SPIN`]
+/// (50 µs) while the job's ranks on this host (`local`) are at most [`SPIN_RANKS_PER_CORE`]
+/// per core (`cores`), else none. Spinning saves a thread switch when the message comes within
+/// microseconds, which pays while the sender has a core to run on; on a host with many more
+/// ranks than cores, the spinning rank takes the core the sender needs.
+pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
+    if crowded(local, cores) {
+        Duration::ZERO
+    } else {
+        crate::peer::SPIN
+    }
+}
+
+/// Whether the job's ranks on this host (`local`) are more than [`SPIN_RANKS_PER_CORE`] per core
+/// (`cores`): a crowded host, where ranks take turns on the cores and every page a rank touches
+/// is cleared once per rank.
+pub(crate) fn crowded(local: usize, cores: usize) -> bool {
+    local > SPIN_RANKS_PER_CORE.saturating_mul(cores.max(1))
+}
+
+/// The ring piece on a crowded host ([`crowded`]), in KiB: the pieces of recursive halving and
+/// the ring, and their scratch (two pieces), are a quarter of the default's. There the cores
+/// are never free to overlap one piece's transfer with the next one's reduction, and each
+/// rank's scratch pages cost their clearing: at 1,024 ranks on 2 cores, 512 KiB of scratch a
+/// rank was about a tenth of the pages the job touched (`docs/benchmarks.md`, "Session 11").
+pub(crate) const CROWDED_PIECE_KB: u32 = 64;
+
+/// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
+/// does not): as `cfg` says, else where `fast` says `process_vm_readv` copies at least half
+/// as fast as a copy within the process ([`dist_core::arena::read_process_is_fast`], asked
+/// only where it matters) and either the host's `local` ranks outnumber the `cores` this rank
+/// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
+/// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
+/// nothing was measured), from [`HOST_DIRECT_MIN`], or those cores are two or more a rank,
+/// from [`SPARE_DIRECT_MIN`] (there it splits its part over them: [`direct_threads_for`]).
+/// A size set in `cfg` wins. All_reduce µs, medians of three
+/// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
+/// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
+/// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
+/// 14,854 against 9,826. For 16 cores see [`SPARE_DIRECT_MIN`]; with a core a rank and none
+/// spare ("Session 13", 16 ranks) direct reads were 0.59 of the arena's copies at 1 MiB and
+/// 1.04–1.07 at 16–64 MiB: not proposed.
+pub(crate) fn direct_for(
+    cfg: &TcpConfig,
+    local: usize,
+    cores: usize,
+    fast: impl FnOnce() -> bool,
+) -> Option<usize> {
+    let min = |default: usize| cfg.direct_min_kb.map_or(default, |kb| (kb as usize) << 10);
+    match cfg.direct {
+        Some(on) => on.then(|| min(HOST_DIRECT_MIN)),
+        None if crowded(local, cores) => None,
+        None if local > cores => fast().then(|| min(HOST_DIRECT_MIN)),
+        None if cores >= local.saturating_mul(2) => fast().then(|| min(SPARE_DIRECT_MIN)),
+        None => None,
+    }
+}
+
+/// The smallest all_reduce that reads peers' buffers directly by default where each of the
+/// host's ranks has two cores or more: 4 MiB. 16 cores, all_reduce µs, direct reads split
+/// over each rank's cores against the arena's copies or the rings (`docs/benchmarks.md`,
+/// "Session 13"): 4 ranks 1 MiB 469 against 400, 4 MiB 1,051 against 1,223, 64 MiB 8,429
+/// against 21,858; 8 ranks 1 MiB 647 against 359, 4 MiB 1,540 against 1,794, 64 MiB 19,726
+/// against 38,016.
+pub(crate) const SPARE_DIRECT_MIN: usize = 4 << 20;
+
+/// The most threads a rank may be told to split its part of a direct all_reduce over.
+pub(crate) const DIRECT_THREADS_LIMIT: u32 = 64;
+
+/// The most threads a rank splits its part of a direct all_reduce over by default.
+pub(crate) const DIRECT_THREADS_MAX: usize = 8;
+
+/// How many threads a rank splits its part of a direct all_reduce over: as `cfg` says, else
+/// the `cores` it may run on over the host's `local` ranks, from 1 to [`DIRECT_THREADS_MAX`]
+/// (a rank bound to cores of its own counts only those: give it `DIST_DIRECT_THREADS`).
+pub(crate) fn direct_threads_for(cfg: &TcpConfig, local: usize, cores: usize) -> usize {
+    cfg.direct_threads.map_or_else(
+        || (cores / local.max(1)).clamp(1, DIRECT_THREADS_MAX),
+        |t| t as usize,
+    )
+}
+
+/// Whether this rank runs a large send and its receive on two threads: as `cfg` says, else
+/// where the machine has at least 8 cores.
+pub(crate) fn parallel_for(cfg: &TcpConfig) -> bool {
+    cfg.parallel
+        .unwrap_or_else(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 8))
+}
+
+/// This rank's choice of the group's [`Tuning`] (rank 0's is the group's): what `cfg` says, else
+/// - the ring piece: 256 KiB (cache-sized) when one thread moves both directions, 1 MiB when
+///   a send and its receive run on separate cores, and [`CROWDED_PIECE_KB`] on a crowded host
+///   ([`crowded`]);
+/// - the lanes (rings a large all_reduce runs at once, in opposite directions, each on its own
+///   thread): 2 when there are cores to spare, else 1;
+/// - the largest all_reduce on the host arena: [`host_arena_limit`] of this host's ranks of the
+///   job (`local`), the job's and this host's cores (`cores`).
+pub(crate) fn local_tuning(cfg: &TcpConfig, parallel: bool, local: usize, cores: usize) -> Tuning {
+    let arena_default = host_arena_limit(local, cfg.world_size, cores);
+    let piece_default = if crowded(local, cores) {
+        CROWDED_PIECE_KB
+    } else if parallel {
+        1 << 10
+    } else {
+        Tuning::default().ring_piece_kb
+    };
+    Tuning {
+        ring_piece_kb: cfg
+            .ring_piece_kb
+            .unwrap_or(piece_default)
+            .clamp(1, Tuning::MAX_PIECE_KB),
+        lanes: cfg
+            .lanes
+            .unwrap_or(if parallel { 2 } else { 1 })
+            .clamp(1, Tuning::MAX_LANES),
+        arena_max_kb: cfg
+            .arena_max_kb
+            .unwrap_or((arena_default >> 10) as u32)
+            .min(Tuning::MAX_ARENA_KB),
+    }
+}
+
+/// The ranks of this job on this host: `LOCAL_WORLD_SIZE` (as torchrun sets it) if it is a
+/// positive number, else `counted` (this rank and the peers connected from this host's address).
+pub(crate) fn local_ranks(get: impl Fn(&str) -> Option<String>, counted: usize) -> usize {
+    get("LOCAL_WORLD_SIZE")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(counted)
+}
