@@ -61,3 +61,22 @@ if [ "$1" = probe ]; then
   done
   cat "$f"
 fi
+# Added last (bundle/slim-s13b: PART_MIN 256 KiB, the code; bundle/slim-s13c: the same built
+# with PART_MIN 64 KiB):
+#   s13-run.sh parts N       all_reduce, N ranks, 256 KiB-4 MiB (factor 2), three alternating
+#                            rounds of direct reads from 256 KiB split in parts of at least
+#                            256 KiB, the same with 64 KiB, and DIST_DIRECT=0
+if [ "$1" = parts ]; then
+  n="$2" f="$OUT/s13-parts$2.txt"
+  for i in 1 2 3; do
+    for v in p256 p64 copies; do
+      echo "== $v round $i" >> "$f"
+      case $v in
+        p256) DIST_DIRECT=1 DIST_DIRECT_MIN_KB=256 timeout 120 bundle/slim-s13b/run perf --op all_reduce -n $n -b 256K -e 4M -f 2 --check ;;
+        p64) DIST_DIRECT=1 DIST_DIRECT_MIN_KB=256 timeout 120 bundle/slim-s13c/run perf --op all_reduce -n $n -b 256K -e 4M -f 2 --check ;;
+        copies) DIST_DIRECT=0 timeout 120 bundle/slim-s13b/run perf --op all_reduce -n $n -b 256K -e 4M -f 2 --check ;;
+      esac 2>&1 | grep -v -e '^\[' >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi
