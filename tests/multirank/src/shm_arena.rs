@@ -4,7 +4,7 @@
 //! `DIST_HOST_ID`) on the hierarchical all_reduce; and after a mismatch, an error on every
 //! rank rather than a hang.
 
-use dist_core::collectives::{Collectives, HOST_SPLIT_MIN, Transport};
+use dist_core::collectives::{Collectives, HOST_DIRECT_MIN, HOST_SPLIT_MIN, Transport};
 use dist_core::{Backend, DistError, ReduceOp};
 use dist_multirank::{Case, DIRECT, Variant, config};
 use dist_tcp::TcpBackend;
@@ -117,10 +117,12 @@ fn check_direct(b: &TcpBackend) {
         println!("direct reads not checked: Yama ptrace_scope {yama:?}");
         return;
     }
-    let kb: usize = std::env::var("DIST_DIRECT_MIN_KB").map_or(256, |v| v.parse().unwrap());
+    let min = std::env::var("DIST_DIRECT_MIN_KB").map_or(HOST_DIRECT_MIN, |v| {
+        v.parse::<usize>().expect("DIST_DIRECT_MIN_KB is a number") << 10
+    });
     assert_eq!(
         b.group().arena_direct_min(),
-        Some(kb << 10),
+        Some(min),
         "rank {}: direct reads",
         b.rank()
     );

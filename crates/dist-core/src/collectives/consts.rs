@@ -68,10 +68,11 @@ pub const HOST_ARENA_ALL_MIN_RANKS: usize = 8;
 /// The arena's limit where a host has more ranks than cores (a link's own choice, such as
 /// dist-tcp's): there a piece split into shares waits twice for every rank, each wait a
 /// thread switch. On 2 cores, medians of three alternating rounds, the arena against the
-/// shared-memory rings (`docs/benchmarks.md`, "Session 13", three runs): 4 ranks 512 KiB
-/// 110–164 us against 173–222, 1 MiB 211–412 against 313–382, 2 MiB 522–941 against 558–769;
-/// 8 ranks 1 MiB 801 against 1,306, 2 MiB 1,927 against 2,982. (Session 7's code measured
-/// 256 KiB 323 against 236 and 1 MiB 1,478 against 498, and the limit was 128 KiB.)
+/// shared-memory rings (`docs/benchmarks.md`, "Session 13", two kept runs): 4 ranks 512 KiB
+/// 110–141 us against 173–181, 1 MiB 211–318 against 313–337, 2 MiB 522–686 against 558–704;
+/// 8 ranks 1 MiB 801 against 1,306, 2 MiB 1,927 against 2,982 (a quick pass not kept had the
+/// arena behind at 1 and 2 MiB: 412 against 382, 941 against 769). Session 7's code measured
+/// 256 KiB 323 against 236 and 1 MiB 1,478 against 498, and the limit was 128 KiB.
 pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 1 << 20;
 /// The smallest all_reduce whose ranks of one host read each other's buffers directly
 /// (`collectives/direct.rs`) where they can, unless a link proposes another size
