@@ -113,11 +113,13 @@ pub trait HostArena: Send + Sync {
         None
     }
 
-    /// How many threads, this rank's own among them, may share its part of a direct
-    /// all_reduce (each reading and reducing a range of its share, then copying a range of
-    /// each peer's): the rank's own choice, not agreed with the group, since every element is
-    /// still reduced by one rank in rank order whatever the count. 1 by default.
-    fn direct_threads(&self) -> usize {
+    /// How many threads, this rank's own among them, may share its part of an all_reduce on
+    /// the arena (each copying a range of its input into its slot, reducing a range of its
+    /// share, copying a range of the peers' shares out; or, reading directly, reading and
+    /// reducing a range of its share, then copying a range of each peer's): the rank's own
+    /// choice, not agreed with the group, since every element is still reduced by one rank in
+    /// rank order whatever the count. 1 by default.
+    fn threads(&self) -> usize {
         1
     }
 

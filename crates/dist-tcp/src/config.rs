@@ -68,7 +68,7 @@ pub struct TcpConfig {
     pub(crate) arena_max_kb: Option<u32>,
     pub(crate) direct: Option<bool>,
     pub(crate) direct_min_kb: Option<u32>,
-    pub(crate) direct_threads: Option<u32>,
+    pub(crate) arena_threads: Option<u32>,
     pub(crate) max_message: u64,
     pub(crate) unexpected_limit: usize,
     pub(crate) formation: Formation,
@@ -96,7 +96,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("arena_max_kb", &self.arena_max_kb)
             .field("direct", &self.direct)
             .field("direct_min_kb", &self.direct_min_kb)
-            .field("direct_threads", &self.direct_threads)
+            .field("arena_threads", &self.arena_threads)
             .field("max_message", &self.max_message)
             .field("unexpected_limit", &self.unexpected_limit)
             .field("formation", &self.formation)
@@ -128,7 +128,7 @@ impl TcpConfig {
             arena_max_kb: None,
             direct: None,
             direct_min_kb: None,
-            direct_threads: None,
+            arena_threads: None,
             max_message: crate::DEFAULT_MAX_MESSAGE,
             unexpected_limit: crate::DEFAULT_UNEXPECTED_LIMIT,
             formation: Formation::Auto,
@@ -141,7 +141,7 @@ impl TcpConfig {
     /// `MASTER_PORT`, `LOCAL_RANK`; Slurm's; Open MPI's: see [`LaunchEnv`]) and dist's own
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
     /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB`, `DIST_TCP_LANES` (1 or 2) and
-    /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1), `DIST_DIRECT_MIN_KB` and `DIST_DIRECT_THREADS`, and
+    /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1), `DIST_DIRECT_MIN_KB` and `DIST_ARENA_THREADS`, and
     /// `DIST_FORMATION` (`eager` or `lazy`) when present.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -242,7 +242,7 @@ impl TcpConfig {
             cfg.direct = Some(d == 1);
         }
         cfg.direct_min_kb = number("DIST_DIRECT_MIN_KB", 0..=Tuning::MAX_ARENA_KB)?;
-        cfg.direct_threads = number("DIST_DIRECT_THREADS", 1..=DIRECT_THREADS_LIMIT)?;
+        cfg.arena_threads = number("DIST_ARENA_THREADS", 1..=ARENA_THREADS_LIMIT)?;
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
@@ -397,7 +397,7 @@ impl TcpConfig {
     /// first. Default: where the read copies at least half as fast as a copy within the
     /// process (timed once at init) and either the host's ranks outnumber the cores this rank
     /// may run on, at most 16 a core, or each has two cores or more (then from 4 MiB, each
-    /// rank splitting its part over its cores: [`TcpConfig::direct_threads`]): measured
+    /// rank splitting its part over its cores: [`TcpConfig::arena_threads`]): measured
     /// faster there than the arena's copies and the shared-memory rings, and slower where the
     /// read is slower or on a host with a core a rank and none spare (`docs/benchmarks.md`,
     /// "Session 12" and "Session 13"). Used only if every
@@ -421,14 +421,16 @@ impl TcpConfig {
         self
     }
 
-    /// How many threads (its own among them) this rank splits its part of a direct
-    /// all_reduce over ([`TcpConfig::direct`]), each reading and reducing a range of at least
-    /// 256 KiB (`DIST_DIRECT_THREADS`, 1 to 64): default the cores this rank may run on (its
+    /// How many threads (its own among them) this rank splits its part of an all_reduce on
+    /// the host arena over (`DIST_ARENA_THREADS`, 1 to 64): on the arena's slots each copies
+    /// a range of at least 64 KiB of its input in, reduces a range of its share and copies a
+    /// range of the peers' shares out; reading directly ([`TcpConfig::direct`]) each reads and
+    /// reduces a range of at least 256 KiB. Default: the cores this rank may run on (its
     /// affinity mask and cgroup) over its host's ranks, from 1 to 8. The rank's own choice:
     /// the results are the same whatever the count. Calls run as async work
     /// ([`dist_core::Collectives::scope`]) do not split.
-    pub fn direct_threads(mut self, threads: u32) -> Self {
-        self.direct_threads = Some(threads.clamp(1, DIRECT_THREADS_LIMIT));
+    pub fn arena_threads(mut self, threads: u32) -> Self {
+        self.arena_threads = Some(threads.clamp(1, ARENA_THREADS_LIMIT));
         self
     }
 

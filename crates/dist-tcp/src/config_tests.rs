@@ -104,11 +104,11 @@ fn direct_reads_by_default_and_by_variable() {
     assert_eq!(direct_for(&c, 4, 16, fast), Some(512 << 10));
 }
 
-/// A direct all_reduce's threads a rank: by default the cores each of the host's ranks has
-/// (1 to 8); `DIST_DIRECT_THREADS` decides otherwise (1 to 64; 0 is refused).
+/// An arena all_reduce's threads a rank: by default the cores each of the host's ranks has
+/// (1 to 8); `DIST_ARENA_THREADS` decides otherwise (1 to 64; 0 is refused).
 #[test]
-fn direct_threads_by_default_and_by_variable() {
-    use crate::config::direct_threads_for;
+fn arena_threads_by_default_and_by_variable() {
+    use crate::config::arena_threads_for;
     let c = TcpConfig::from_lookup(env(&OK)).unwrap();
     let by_default = [
         (4, 2, 1),
@@ -120,20 +120,20 @@ fn direct_threads_by_default_and_by_variable() {
     ];
     for (local, cores, want) in by_default {
         assert_eq!(
-            direct_threads_for(&c, local, cores),
+            arena_threads_for(&c, local, cores),
             want,
             "{local} on {cores}"
         );
     }
     let mut v = OK.to_vec();
-    v.push(("DIST_DIRECT_THREADS", "3"));
+    v.push(("DIST_ARENA_THREADS", "3"));
     let c = TcpConfig::from_lookup(env(&v)).unwrap();
-    assert_eq!(direct_threads_for(&c, 4, 2), 3);
+    assert_eq!(arena_threads_for(&c, 4, 2), 3);
     for bad in ["0", "65", "x"] {
         let mut v = OK.to_vec();
-        v.push(("DIST_DIRECT_THREADS", bad));
+        v.push(("DIST_ARENA_THREADS", bad));
         let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
-        assert!(e.contains("DIST_DIRECT_THREADS"), "{bad}: {e}");
+        assert!(e.contains("DIST_ARENA_THREADS"), "{bad}: {e}");
     }
 }
 

@@ -273,14 +273,15 @@ impl TcpBackend {
         for p in &peers {
             p.set_spin(spin);
         }
-        let direct = config::direct_for(&cfg, local, cores, dist_core::arena::read_process_is_fast)
-            .map(|min| (min, config::direct_threads_for(&cfg, local, cores)));
+        let direct = config::direct_for(&cfg, local, cores, dist_core::arena::read_process_is_fast);
+        let threads = config::arena_threads_for(&cfg, local, cores);
         tracing::debug!(
             rank = me,
             ?direct,
-            "direct reads proposed from (bytes, threads)"
+            threads,
+            "direct reads proposed from (bytes); threads on the arena"
         );
-        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin, direct));
+        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin, direct, threads));
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,

@@ -91,7 +91,7 @@ pub const DIRECT: Variant = Variant {
     env: &[
         ("DIST_DIRECT", "1"),
         ("DIST_DIRECT_MIN_KB", "32"),
-        ("DIST_DIRECT_THREADS", "2"),
+        ("DIST_ARENA_THREADS", "2"),
     ],
 };
 

@@ -5,7 +5,7 @@
 //! rank rather than a hang.
 
 use dist_core::collectives::{Collectives, HOST_DIRECT_MIN, HOST_SPLIT_MIN, Transport};
-use dist_core::{Backend, DistError, ReduceOp};
+use dist_core::{Backend, DistError, Link, ReduceOp};
 use dist_multirank::{Case, DIRECT, Variant, config};
 use dist_tcp::TcpBackend;
 
@@ -13,12 +13,14 @@ use dist_tcp::TcpBackend;
 pub const CASES: &[Case] = &[
     Case::new("shm_arena", arena)
         .sizes(&[2, 3, 4, 5, 6, 7, 8])
-        .variants(&[NO_SHM, EVERY_SIZE, DIRECT]),
+        .variants(&[NO_SHM, EVERY_SIZE, DIRECT, THREADS]),
     Case::new("shm_arena_hosts", several_hosts)
         .sizes(&[4, 5])
         .variants(&[EVERY_SIZE]),
     Case::new("shm_arena_mismatch", mismatch).sizes(&[3]),
-    Case::new("shm_arena_sigkill", sigkill).only_at(&[4]),
+    Case::new("shm_arena_sigkill", sigkill)
+        .only_at(&[4])
+        .variants(&[THREADS]),
 ];
 
 /// Rank 3 killed with SIGKILL in the middle of a loop of 128 KiB all_reduces on the arena
@@ -40,6 +42,17 @@ const EVERY_SIZE: Variant = Variant {
     name: "every_size",
     sizes: &[3, 5],
     env: &[("DIST_ARENA_MAX_KB", "1048576")],
+};
+
+/// The arena for every size, each rank's part of a piece split over three threads (the
+/// default where each rank has three cores or more), whatever the machine's cores.
+const THREADS: Variant = Variant {
+    name: "threads3",
+    sizes: &[4],
+    env: &[
+        ("DIST_ARENA_MAX_KB", "1048576"),
+        ("DIST_ARENA_THREADS", "3"),
+    ],
 };
 
 /// The arena's slot (one piece), as `dist-tcp` makes it.
@@ -104,6 +117,17 @@ fn check_limit(b: &TcpBackend) {
     }
 }
 
+/// With `DIST_ARENA_THREADS` (the `threads3` variant), the arena splits each rank's part
+/// over that many threads.
+fn check_threads(b: &TcpBackend) {
+    let Ok(t) = std::env::var("DIST_ARENA_THREADS") else {
+        return;
+    };
+    let t: usize = t.parse().expect("DIST_ARENA_THREADS is a number");
+    let arena = b.group().link().arena();
+    assert_eq!(arena.map(|a| a.threads()), Some(t), "rank {}", b.rank());
+}
+
 /// With `DIST_DIRECT=1` (the `direct` variant), the group reads its peers' buffers directly
 /// from the size `DIST_DIRECT_MIN_KB` asks for, where no Yama ptrace policy stands in the way
 /// (with one, whether the reads are allowed depends on the process's capabilities: not
@@ -134,6 +158,7 @@ fn arena() -> Result<(), String> {
     check_limit(&b);
     check_sizes(&b);
     check_direct(&b);
+    check_threads(&b);
     assert_eq!(
         b.group().arena_in_use(),
         Some(shm_on()),

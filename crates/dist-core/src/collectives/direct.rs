@@ -28,13 +28,12 @@
 //! the same result, and the same as the arena's.
 //!
 //! A rank may split steps 2 and 3 over several threads
-//! ([`HostArena::direct_threads`](crate::HostArena::direct_threads): this one and the group's
+//! ([`HostArena::threads`](crate::HostArena::threads): this one and the group's
 //! helper pool), each taking a range of at least [`PART_MIN`] bytes of the share it reduces
 //! and of each peer's share it copies. A step ends only once every range is done, failed ones
 //! included, so no helper touches the buffer after the call returns; the result is the same
 //! whatever the count.
 
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::arena::ArenaWord;
@@ -52,7 +51,7 @@ const DIRECT_CHUNK: usize = 128 << 10;
 
 /// The fewest bytes of a share (or of a peer's share copied) that one thread takes when a
 /// rank splits its part of the call over several
-/// ([`HostArena::direct_threads`](crate::HostArena::direct_threads)): a smaller one costs
+/// ([`HostArena::threads`](crate::HostArena::threads)): a smaller one costs
 /// more in waking a thread than it saves.
 pub(super) const PART_MIN: usize = 256 << 10;
 
@@ -85,7 +84,7 @@ impl<L: Link> Host<'_, '_, L> {
 
         let share = segment(data.len(), m, self.pos);
         let mine = &mut data[share.clone()];
-        self.in_parts(mine, &|at, part| {
+        self.in_parts(mine, PART_MIN, &|at, part| {
             self.reduce_from(part, share.start + at, op, DIRECT_CHUNK, &|q, off, dst| {
                 read(q, addrs[q] + off as u64, dst)
             })
@@ -105,7 +104,7 @@ impl<L: Link> Host<'_, '_, L> {
             }
             wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
             let base = addrs[q] + (theirs.start * size) as u64;
-            self.in_parts(&mut data[theirs], &|at, part| {
+            self.in_parts(&mut data[theirs], PART_MIN, &|at, part| {
                 read(q, base + (at * size) as u64, bytes_mut(part))
             })?;
         }
@@ -117,55 +116,6 @@ impl<L: Link> Host<'_, '_, L> {
             wait_word(c, a, q, ArenaWord::Reduced, k2.wrapping_add(1))?;
         }
         Ok(())
-    }
-
-    /// Runs `f(at, part)` over `data` cut into parts of at least [`PART_MIN`] bytes, one a
-    /// thread ([`HostArena::direct_threads`](crate::HostArena::direct_threads) at most: this
-    /// one and the group's helpers), `at` the element at which the part starts. Every part
-    /// runs whatever another's result; the error returned is the first part's that failed.
-    fn in_parts<T: Element>(
-        &self,
-        data: &mut [T],
-        f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
-    ) -> Result<()> {
-        let threads = self.a.direct_threads();
-        let parts = threads.min(std::mem::size_of_val(data) / PART_MIN).max(1);
-        let pool = match parts {
-            1 => None,
-            _ => self.c.g.helpers(threads),
-        };
-        let Some(pool) = pool else {
-            return f(0, data);
-        };
-        let len = data.len();
-        let failed: Vec<Mutex<Option<DistError>>> = (0..parts).map(|_| Mutex::new(None)).collect();
-        let run = |i: usize, part: &mut [T]| {
-            if let Err(e) = f(segment(len, parts, i).start, part) {
-                *failed[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-            }
-        };
-        pool.in_place_scope(|s| {
-            let mut rest = &mut data[..];
-            let mut own = None;
-            for i in 0..parts {
-                let (part, tail) = rest.split_at_mut(segment(len, parts, i).len());
-                rest = tail;
-                match i {
-                    0 => own = Some(part),
-                    _ => s.spawn(move |_| run(i, part)),
-                }
-            }
-            if let Some(part) = own {
-                run(0, part);
-            }
-        });
-        match failed
-            .into_iter()
-            .find_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
-        {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 
     /// The error for a failed direct read of `len` bytes of rank `q`'s buffer at `addr`. A read

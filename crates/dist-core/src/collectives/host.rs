@@ -47,6 +47,10 @@ const YIELD: Duration = Duration::from_micros(100);
 /// the cache: no reference into memory another process writes is ever made).
 const CHUNK: usize = 16 << 10;
 
+/// The fewest bytes one thread takes when a rank splits its part of a piece over several
+/// ([`HostArena::threads`]): the piece is in the cache, so less than a direct read's part.
+pub(super) const ARENA_PART_MIN: usize = 64 << 10;
+
 /// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's
 /// first all_reduce, by an all_reduce of every rank's vote (its arena complete, the host
 /// layout and slot size it sees) over the group's messages; the answer is kept in the group.
@@ -295,35 +299,61 @@ impl<L: Link> Host<'_, '_, L> {
     }
 
     /// A piece split into shares: this rank reduces its own, publishes it in its slot, and
-    /// copies the others' out of their slots.
+    /// copies the others' out of their slots. With one thread it copies each share as soon as
+    /// its owner has published it; with several ([`Host::in_parts`], ranges of at least
+    /// [`ARENA_PART_MIN`] bytes) it splits its input's copy, its share's reduction and, once
+    /// every peer has published, the copy of every other share.
     fn piece_split<T: Element>(&self, piece: &mut [T], op: ReduceOp, first: bool) -> Result<()> {
         let (c, a) = (self.c, self.a);
         let (k, slot) = self.next_piece();
-        self.put_and_gather(piece, k, slot, first)?;
-        let m = self.local.len();
-        let share = segment(piece.len(), m, self.pos);
         let size = std::mem::size_of::<T>();
-        let mine = &mut piece[share.clone()];
-        self.reduce_range(mine, share.start, slot, op)?;
-        if self.whole {
-            finish(mine, op, c.n);
-        }
-        a.write(slot, share.start * size, bytes(mine))
-            .map_err(|e| e.map_op(|_| c.op_text()))?;
+        let write = |at: usize, part: &[T]| {
+            a.write(slot, at * size, bytes(part))
+                .map_err(|e| e.map_op(|_| c.op_text()))
+        };
+        self.in_parts(piece, ARENA_PART_MIN, &|at, part| write(at, part))?;
+        self.announce::<T>(None, k, slot, first)?;
+        let m = self.local.len();
+        let len = piece.len();
+        let share = segment(len, m, self.pos);
+        self.in_parts(&mut piece[share.clone()], ARENA_PART_MIN, &|at, part| {
+            self.reduce_range(part, share.start + at, slot, op)?;
+            if self.whole {
+                finish(part, op, c.n);
+            }
+            write(share.start + at, part)
+        })?;
         a.publish(ArenaWord::Reduced, k.wrapping_add(1));
-        for (i, &q) in self.local.iter().enumerate() {
-            if i == self.pos {
-                continue;
+        let others = || {
+            (0..m)
+                .filter(move |&i| i != self.pos)
+                .map(move |i| (self.local[i], segment(len, m, i)))
+                .filter(|(_, s)| !s.is_empty())
+        };
+        let copy_out = |q: usize, from: usize, dst: &mut [T]| {
+            a.read(q, slot, from * size, bytes_mut(dst))
+                .map_err(|e| e.map_op(|_| c.op_text()))
+        };
+        if a.threads() <= 1 {
+            for (q, theirs) in others() {
+                wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
+                copy_out(q, theirs.start, &mut piece[theirs])?;
             }
-            let theirs = segment(piece.len(), m, i);
-            if theirs.is_empty() {
-                continue;
-            }
-            wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
-            a.read(q, slot, theirs.start * size, bytes_mut(&mut piece[theirs]))
-                .map_err(|e| e.map_op(|_| c.op_text()))?;
+            return Ok(());
         }
-        Ok(())
+        for (q, _) in others() {
+            wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
+        }
+        // Each range takes the part of every other share that falls in it.
+        self.in_parts(piece, ARENA_PART_MIN, &|at, part| {
+            for (q, theirs) in others() {
+                let (from, to) = (theirs.start.max(at), theirs.end.min(at + part.len()));
+                if from < to {
+                    copy_out(q, from, &mut part[from - at..to - at])?;
+                }
+            }
+            Ok(())
+        })
     }
 }
 

@@ -48,6 +48,7 @@ mod host;
 mod lanes;
 pub(crate) mod ops;
 mod pairwise;
+mod parts;
 mod ring;
 mod scratch;
 mod select;

@@ -28,8 +28,10 @@ struct Part {
     direct_fault: Mutex<DirectFault>,
     /// The direct reads this rank made.
     direct_reads: AtomicUsize,
-    /// What [`HostArena::direct_threads`] says.
-    direct_threads: AtomicUsize,
+    /// What [`HostArena::threads`] says.
+    threads: AtomicUsize,
+    /// The threads this rank's writes into its slots ran on.
+    write_threads: Mutex<Vec<std::thread::ThreadId>>,
     /// The threads this rank's direct reads ran on.
     read_threads: Mutex<Vec<std::thread::ThreadId>>,
 }
@@ -90,12 +92,23 @@ impl Arenas {
                     direct_min: AtomicU64::new(u64::MAX),
                     direct_fault: Mutex::new(DirectFault::None),
                     direct_reads: AtomicUsize::new(0),
-                    direct_threads: AtomicUsize::new(1),
+                    threads: AtomicUsize::new(1),
+                    write_threads: Mutex::new(Vec::new()),
                     read_threads: Mutex::new(Vec::new()),
                 })
                 .collect(),
             lock: Mutex::new(()),
             cond: Condvar::new(),
+        }
+    }
+}
+
+/// Notes the calling thread in `seen` (once).
+fn seen_on(seen: &Mutex<Vec<std::thread::ThreadId>>) {
+    if let Ok(mut seen) = seen.lock() {
+        let id = std::thread::current().id();
+        if !seen.contains(&id) {
+            seen.push(id);
         }
     }
 }
@@ -159,15 +172,20 @@ impl MemArena {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) fn set_direct_threads(&self, threads: usize) {
+    pub(super) fn set_threads(&self, threads: usize) {
         self.arenas.parts[self.me]
-            .direct_threads
+            .threads
             .store(threads, Ordering::Relaxed);
     }
 
     pub(super) fn read_threads(&self) -> usize {
         let part = &self.arenas.parts[self.me];
         part.read_threads.lock().map_or(0, |t| t.len())
+    }
+
+    pub(super) fn write_threads(&self) -> usize {
+        let part = &self.arenas.parts[self.me];
+        part.write_threads.lock().map_or(0, |t| t.len())
     }
 
     pub(super) fn direct_reads(&self) -> usize {
@@ -212,6 +230,7 @@ impl HostArena for MemArena {
 
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
         let p = self.bounds(self.me, slot, offset, data.len())?;
+        seen_on(&p.write_threads);
         let at = slot * self.arenas.slot_len + offset;
         let mut s = p.slots.write().unwrap_or_else(|p| p.into_inner());
         s[at..at + data.len()].copy_from_slice(data);
@@ -252,12 +271,7 @@ impl HostArena for MemArena {
         }
         let part = &self.arenas.parts[self.me];
         let before = part.direct_reads.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut seen) = part.read_threads.lock() {
-            let id = std::thread::current().id();
-            if !seen.contains(&id) {
-                seen.push(id);
-            }
-        }
+        seen_on(&part.read_threads);
         let fault = *self.fault();
         match fault {
             DirectFault::Refused => Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied)),
@@ -273,10 +287,8 @@ impl HostArena for MemArena {
         }
     }
 
-    fn direct_threads(&self) -> usize {
-        self.arenas.parts[self.me]
-            .direct_threads
-            .load(Ordering::Relaxed)
+    fn threads(&self) -> usize {
+        self.arenas.parts[self.me].threads.load(Ordering::Relaxed)
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {
@@ -363,12 +375,18 @@ impl super::MemLink {
         self.arena.as_ref().map_or(0, |a| a.direct_reads())
     }
 
-    /// The threads this rank may split its part of a direct all_reduce over
-    /// ([`HostArena::direct_threads`]; 1 by default).
-    pub fn set_arena_direct_threads(&self, threads: usize) {
+    /// The threads this rank may split its part of an all_reduce on the arena over
+    /// ([`HostArena::threads`]; 1 by default).
+    pub fn set_arena_threads(&self, threads: usize) {
         if let Some(a) = &self.arena {
-            a.set_direct_threads(threads);
+            a.set_threads(threads);
         }
+    }
+
+    /// On how many threads this rank's writes into its arena slots ran (0 without an arena
+    /// or a write).
+    pub fn arena_write_threads(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.write_threads())
     }
 
     /// On how many threads this rank's direct reads ran (0 without an arena or a read).

@@ -48,7 +48,7 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
 /// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
 /// nothing was measured), from [`HOST_DIRECT_MIN`], or those cores are two or more a rank,
-/// from [`SPARE_DIRECT_MIN`] (there it splits its part over them: [`direct_threads_for`]).
+/// from [`SPARE_DIRECT_MIN`] (there it splits its part over them: [`arena_threads_for`]).
 /// A size set in `cfg` wins. All_reduce µs, medians of three
 /// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
 /// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
@@ -80,18 +80,19 @@ pub(crate) fn direct_for(
 /// against 38,016.
 pub(crate) const SPARE_DIRECT_MIN: usize = 4 << 20;
 
-/// The most threads a rank may be told to split its part of a direct all_reduce over.
-pub(crate) const DIRECT_THREADS_LIMIT: u32 = 64;
+/// The most threads a rank may be told to split its part of an all_reduce on the arena over.
+pub(crate) const ARENA_THREADS_LIMIT: u32 = 64;
 
-/// The most threads a rank splits its part of a direct all_reduce over by default.
-pub(crate) const DIRECT_THREADS_MAX: usize = 8;
+/// The most threads a rank splits its part of an all_reduce on the arena over by default.
+pub(crate) const ARENA_THREADS_MAX: usize = 8;
 
-/// How many threads a rank splits its part of a direct all_reduce over: as `cfg` says, else
-/// the `cores` it may run on over the host's `local` ranks, from 1 to [`DIRECT_THREADS_MAX`]
-/// (a rank bound to cores of its own counts only those: give it `DIST_DIRECT_THREADS`).
-pub(crate) fn direct_threads_for(cfg: &TcpConfig, local: usize, cores: usize) -> usize {
-    cfg.direct_threads.map_or_else(
-        || (cores / local.max(1)).clamp(1, DIRECT_THREADS_MAX),
+/// How many threads a rank splits its part of an all_reduce on the arena over: as `cfg` says,
+/// else the `cores` it may run on over the host's `local` ranks, from 1 to
+/// [`ARENA_THREADS_MAX`] (a rank bound to cores of its own counts only those: give it
+/// `DIST_ARENA_THREADS`).
+pub(crate) fn arena_threads_for(cfg: &TcpConfig, local: usize, cores: usize) -> usize {
+    cfg.arena_threads.map_or_else(
+        || (cores / local.max(1)).clamp(1, ARENA_THREADS_MAX),
         |t| t as usize,
     )
 }

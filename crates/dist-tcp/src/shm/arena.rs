@@ -112,13 +112,14 @@ impl ArenaSetup {
 
     /// The arena, once every connection is made; `peers` are the backend's (for their
     /// liveness), `spin` how long a wait spins before it sleeps, `direct` the size from which
-    /// this rank proposes direct reads of its peers' buffers and the threads it splits its
-    /// part over (`None`: it does not).
+    /// this rank proposes direct reads of its peers' buffers (`None`: it does not), `threads`
+    /// the threads it splits its part of an all_reduce over ([`HostArena::threads`]).
     pub(crate) fn finish(
         self,
         peers: Vec<Arc<Peer>>,
         spin: Duration,
-        direct: Option<(usize, usize)>,
+        direct: Option<usize>,
+        threads: usize,
     ) -> TcpArena {
         let me = self.me;
         let mut parts = self.peers.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -153,8 +154,8 @@ impl ArenaSetup {
             spin,
             claimed: AtomicBool::new(false),
             probe: self.probe,
-            direct: direct.map(|(min, _)| min),
-            direct_threads: direct.map_or(1, |(_, t)| t.max(1)),
+            direct,
+            threads: threads.max(1),
             direct_probed: OnceLock::new(),
         }
     }
@@ -177,8 +178,8 @@ pub(crate) struct TcpArena {
     probe: Box<u64>,
     /// The size from which this rank proposes direct reads, if it does.
     direct: Option<usize>,
-    /// [`HostArena::direct_threads`].
-    direct_threads: usize,
+    /// [`HostArena::threads`].
+    threads: usize,
     /// [`HostArena::direct_min`], once probed.
     direct_probed: OnceLock<Option<usize>>,
 }
@@ -310,8 +311,8 @@ impl HostArena for TcpArena {
             .get_or_init(|| self.direct.filter(|_| self.probe_peers()))
     }
 
-    fn direct_threads(&self) -> usize {
-        self.direct_threads
+    fn threads(&self) -> usize {
+        self.threads
     }
 
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {

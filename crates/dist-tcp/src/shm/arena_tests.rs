@@ -22,8 +22,8 @@ fn pair() -> (TcpArena, TcpArena) {
     }
     let spin = Duration::from_micros(10);
     (
-        a.finish(Vec::new(), spin, Some((0, 1))),
-        b.finish(Vec::new(), spin, Some((0, 1))),
+        a.finish(Vec::new(), spin, Some(0), 1),
+        b.finish(Vec::new(), spin, Some(0), 1),
     )
 }
 
@@ -225,11 +225,12 @@ fn incomplete_arenas_and_other_hosts() {
     let a = a.finish(
         Vec::<Arc<crate::peer::Peer>>::new(),
         Duration::ZERO,
-        Some((0, 1)),
+        Some(0),
+        1,
     );
     assert!(!a.complete());
     assert_eq!(a.hosts(), &[0, 0, 2]);
-    let off = ArenaSetup::new(0, 2, None).finish(Vec::new(), Duration::ZERO, Some((0, 1)));
+    let off = ArenaSetup::new(0, 2, None).finish(Vec::new(), Duration::ZERO, Some(0), 1);
     assert!(!off.complete());
     assert_eq!(off.hosts(), &[0, 1]);
 }
@@ -262,8 +263,8 @@ fn direct_reads_are_probed() {
     let mut y = y;
     *y.probe ^= 2;
     let (x, y) = (
-        x.finish(Vec::new(), Duration::ZERO, Some((4096, 1))),
-        y.finish(Vec::new(), Duration::ZERO, None),
+        x.finish(Vec::new(), Duration::ZERO, Some(4096), 1),
+        y.finish(Vec::new(), Duration::ZERO, None, 1),
     );
     assert_eq!((x.direct_min(), y.direct_min()), (None, None));
 }

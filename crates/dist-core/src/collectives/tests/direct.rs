@@ -140,7 +140,7 @@ fn direct_results_are_bitwise_those_of_the_copies() {
     }
 }
 
-/// A rank that splits its part over several threads (`HostArena::direct_threads`): its reads
+/// A rank that splits its part over several threads (`HostArena::threads`): its reads
 /// run on more than one thread where its share is at least two parts of `PART_MIN`, and the
 /// results are bitwise those of one thread (each element still reduced by one rank, in rank
 /// order), shares of unequal length and calls too small to split among them.
@@ -154,7 +154,7 @@ fn split_direct_reads_give_the_same_bits() {
             let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
             for l in &links {
                 l.set_arena_direct(Some(0));
-                l.set_arena_direct_threads(threads);
+                l.set_arena_threads(threads);
             }
             let results = run_links(links, |l| {
                 let g = Group::form(l, Tuning::default(), TIMEOUT)?;
@@ -258,7 +258,7 @@ fn failed_direct_reads_are_named() {
         let results = direct_errors(
             3,
             |l| {
-                l.set_arena_direct_threads(threads);
+                l.set_arena_threads(threads);
                 if l.rank() == 1 {
                     l.set_arena_direct_fault(fault);
                 }

@@ -8,6 +8,7 @@ use super::*;
 use crate::testing::MemLink;
 use crate::{DType, DistError, Tuning, Within};
 
+mod arena_threads;
 mod direct;
 mod faults;
 mod forming;

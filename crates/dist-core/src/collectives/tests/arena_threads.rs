@@ -1,0 +1,154 @@
+//! all_reduce on the host arena with each rank's part split over several threads
+//! (`HostArena::threads`, `collectives/parts.rs`): the same bits as one thread, every op and
+//! type, and a dead rank still named.
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+
+use super::super::host::ARENA_PART_MIN;
+use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
+use crate::testing::{MemLink, run_links};
+use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
+
+/// Slots as dist-tcp's: 1 MiB.
+const SLOT: usize = 1 << 20;
+
+/// `n` ranks on one host, each splitting its part over `threads`, every all_reduce on the
+/// arena whatever its size; `f`'s results by rank.
+fn on_one_host<R: Send>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(&Group<MemLink>) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+    for l in &links {
+        l.set_arena_threads(threads);
+    }
+    run_links(links, |l| f(&Group::form(l, every_size(), TIMEOUT)?))
+}
+
+/// The group's tuning with the arena taking every size.
+fn every_size() -> Tuning {
+    Tuning {
+        arena_max_kb: Tuning::MAX_ARENA_KB,
+        ..Tuning::default()
+    }
+}
+
+/// Floats whose sum depends on its order: a split that reduced out of rank order, or twice,
+/// would show in the bits. With four threads a rank's writes into its slots run on more than
+/// one thread where its piece is two parts or more, and on one thread otherwise; the results
+/// are bitwise those of one thread and of the rank-order sum, for shares of unequal length,
+/// several pieces, and calls too small to split.
+#[test]
+fn split_arena_pieces_give_the_same_bits() {
+    let value = |r: usize, i: usize| 1.0f32 / ((r * 13 + i * 5) % 89 + 1) as f32;
+    let one_part = ARENA_PART_MIN / 4 + 1;
+    for n in [2, 3, 5, 8] {
+        let counts = [one_part, SLOT / 4 * 3 + 5, 2 * (SLOT / 4) + 7];
+        let mut by_threads = Vec::new();
+        for threads in [1, 4] {
+            let results = on_one_host(n, threads, |g| {
+                let mut out = Vec::new();
+                for count in counts {
+                    let mut x: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
+                    g.all_reduce(&mut x, ReduceOp::Sum)?;
+                    out.push(x.iter().map(|f| f.to_bits()).collect::<Vec<_>>());
+                }
+                Ok((out, g.link().arena_write_threads()))
+            });
+            let mut ranks = Vec::new();
+            for (r, res) in results.into_iter().enumerate() {
+                let (bits, used) = res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}"));
+                match threads {
+                    1 => assert_eq!(used, 1, "{n} ranks, rank {r}"),
+                    _ => assert!(used >= 2, "{n} ranks, rank {r}: writes on {used} thread"),
+                }
+                ranks.push(bits);
+            }
+            by_threads.push(ranks);
+        }
+        for (c, &count) in counts.iter().enumerate() {
+            let mut want: Vec<f32> = (0..count).map(|i| value(0, i)).collect();
+            for r in 1..n {
+                for (i, w) in want.iter_mut().enumerate() {
+                    *w += value(r, i);
+                }
+            }
+            let want: Vec<u32> = want.iter().map(|f| f.to_bits()).collect();
+            for (t, ranks) in by_threads.iter().enumerate() {
+                for (r, bits) in ranks.iter().enumerate() {
+                    assert!(
+                        bits[c] == want,
+                        "{n} ranks, run {t}, rank {r}, {count} floats"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Every op of a few types, in place and into another buffer, with three threads a rank.
+fn every_op_split<E: Element>() {
+    let per = SLOT / std::mem::size_of::<E>();
+    for n in [3, 4] {
+        let results = on_one_host(n, 3, |g| {
+            for op in ops_for::<E>() {
+                for count in [per / 3, per + 11] {
+                    let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());
+                    let mut x = inputs::<E>(op, g.rank(), count);
+                    g.all_reduce(&mut x, op)?;
+                    same(g, &what, &x, &reduced::<E>(op, n, count))?;
+                    let input = inputs::<E>(op, g.rank(), count);
+                    let mut out = vec![E::from_f64(0.0); count];
+                    g.all_reduce_into(&input, &mut out, op)?;
+                    same(g, &what, &out, &reduced::<E>(op, n, count))?;
+                }
+            }
+            Ok(())
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            if let Err(e) = res {
+                panic!("{n} ranks, rank {r}: {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn split_arena_pieces_every_op() {
+    every_op_split::<f32>();
+    every_op_split::<bf16>();
+    every_op_split::<i64>();
+    every_op_split::<u8>();
+}
+
+/// A rank that dies while the others split their pieces: every survivor names it, promptly.
+#[test]
+fn a_dead_rank_is_named_with_split_pieces() {
+    let t = Instant::now();
+    let links = MemLink::mesh_on_hosts(&[0; 4], SLOT);
+    for l in &links {
+        l.set_arena_threads(4);
+    }
+    let results = run_links(links, |l| {
+        let g = Group::form(l, every_size(), Duration::from_secs(3))?;
+        g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+        if g.rank() == 3 {
+            g.link().kill();
+            return Ok(());
+        }
+        g.all_reduce(&mut vec![1i32; 3 * SLOT / 4], ReduceOp::Sum)
+    });
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    for (r, res) in results.iter().enumerate().take(3) {
+        let e = res.as_ref().unwrap_err();
+        let named = match e {
+            DistError::PeerGone { peer, .. } => *peer == 3,
+            DistError::Aborted { origin, .. } => *origin == 3,
+            _ => false,
+        };
+        assert!(named, "rank {r}: {e}");
+    }
+}
