@@ -118,7 +118,9 @@ pub trait HostArena: Send + Sync {
     /// share, copying a range of the peers' shares out; or, reading directly, reading and
     /// reducing a range of its share, then copying a range of each peer's): the rank's own
     /// choice, not agreed with the group, since every element is still reduced by one rank in
-    /// rank order whatever the count. 1 by default.
+    /// rank order whatever the count. 1 by default. With more than one, the collectives call
+    /// [`HostArena::write`] and [`HostArena::read`] from that many threads at once (writes at
+    /// disjoint ranges of this rank's slot).
     fn threads(&self) -> usize {
         1
     }

@@ -150,7 +150,7 @@ pub struct MemLink {
 }
 
 mod arena;
-pub use arena::DirectFault;
+pub use arena::{ArenaAccess, DirectFault};
 
 impl std::fmt::Debug for MemLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

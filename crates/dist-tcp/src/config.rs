@@ -12,6 +12,10 @@ use crate::wire::MIN_SECRET_LEN;
 /// forever" to the OS, and nothing useful completes in less than a millisecond.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
+/// `DIST_ARENA_THREADS`'s name before it split the arena's copies too: refused, so that a job
+/// that sets it is told rather than silently split over the default.
+const RENAMED_THREADS: &str = "DIST_DIRECT_THREADS";
+
 mod host_defaults;
 pub(crate) use host_defaults::*;
 
@@ -243,6 +247,12 @@ impl TcpConfig {
         }
         cfg.direct_min_kb = number("DIST_DIRECT_MIN_KB", 0..=Tuning::MAX_ARENA_KB)?;
         cfg.arena_threads = number("DIST_ARENA_THREADS", 1..=ARENA_THREADS_LIMIT)?;
+        if get(RENAMED_THREADS).is_some() {
+            return Err(DistError::Config {
+                what: RENAMED_THREADS.into(),
+                reason: "renamed DIST_ARENA_THREADS (it now splits the arena's copies too)".into(),
+            });
+        }
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
@@ -396,11 +406,11 @@ impl TcpConfig {
     /// `DIST_DIRECT`): one copy out of each peer's buffer instead of a copy into the arena
     /// first. Default: where the read copies at least half as fast as a copy within the
     /// process (timed once at init) and either the host's ranks outnumber the cores this rank
-    /// may run on, at most 16 a core, or each has two cores or more (then from 4 MiB, each
+    /// may run on, at most 16 a core, or each has two cores or more (then from 16 MiB, each
     /// rank splitting its part over its cores: [`TcpConfig::arena_threads`]): measured
     /// faster there than the arena's copies and the shared-memory rings, and slower where the
     /// read is slower or on a host with a core a rank and none spare (`docs/benchmarks.md`,
-    /// "Session 12" and "Session 13"). Used only if every
+    /// "Session 12" to "Session 14"). Used only if every
     /// rank of the group proposes it and can (probed: a strict ptrace policy such as Yama's
     /// `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and then the arena's copies
     /// run as before).
@@ -410,7 +420,7 @@ impl TcpConfig {
     }
 
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
-    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], or 4 MiB
+    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], or 16 MiB
     /// where the default is on because each of the host's ranks has two cores or more; never
     /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct

@@ -59,3 +59,17 @@ if [ "$1" = slots ]; then
   done
   grep -c "^==" "$f"
 fi
+#   s14-run.sh one-thread N  all_reduce, N ranks, 256 KiB-64 MiB (factor 4), three alternating
+#                            rounds of the defaults with DIST_ARENA_THREADS=1 (the arena at
+#                            every size from 8 ranks with a core each), bundle/s14 beside
+#                            bundle/slot4
+if [ "$1" = one-thread ]; then
+  n="$2" f="$OUT/s14-one-thread$2.txt"
+  for i in 1 2 3; do
+    for v in s14 slot4; do
+      echo "== $v round $i" >> "$f"
+      DIST_ARENA_THREADS=1 timeout 150 bundle/$v/run perf --op all_reduce -n $n -b 256K -e 64M -f 4 --check 2>&1 | grep -v -e '^\[' >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi

@@ -84,14 +84,19 @@ pub const CHAIN_CHUNK: usize = 1 << 20;
 /// The arena limit a link proposes for a host with `local` of the job's `world` ranks and
 /// `cores` cores ([`Tuning::arena_max`](crate::Tuning::arena_max) is rank 0's): every size
 /// (up to [`Tuning::MAX_ARENA_KB`](crate::Tuning::MAX_ARENA_KB)) for a job all on this host
-/// with [`HOST_ARENA_ALL_MIN_RANKS`] ranks or more, each with a core (only such jobs were
-/// measured: across hosts the arena's part comes before and after the leaders' ring, not
-/// beside it); [`HOST_ARENA_MAX`] otherwise; [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks
-/// outnumber the cores.
+/// with [`HOST_ARENA_ALL_MIN_RANKS`] ranks or more, each with a core, or with two cores or more
+/// each, which split their part of a piece over them
+/// ([`HostArena::threads`](crate::HostArena::threads); 16 cores, 4 ranks, `docs/benchmarks.md`,
+/// "Session 14": split over 4 threads, 4 MiB 770 us against the rings' 1,223 in "Session 13")
+/// (only such jobs were measured: across hosts the arena's part comes before and after the
+/// leaders' ring, not beside it); [`HOST_ARENA_MAX`] otherwise;
+/// [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks outnumber the cores.
 pub fn host_arena_limit(local: usize, world: usize, cores: usize) -> usize {
     if local > cores {
         HOST_ARENA_MAX_OVERSUBSCRIBED
-    } else if local >= HOST_ARENA_ALL_MIN_RANKS && local >= world {
+    } else if local >= world
+        && (local >= HOST_ARENA_ALL_MIN_RANKS || cores >= local.saturating_mul(2))
+    {
         (crate::Tuning::MAX_ARENA_KB as usize) << 10
     } else {
         HOST_ARENA_MAX

@@ -11,6 +11,11 @@
 //!   `Reduced = k + 1`; then every rank copies every other share out once that rank's
 //!   `Reduced` says it is there.
 //!
+//! A rank with several threads ([`HostArena::threads`]) splits its input's copy, its share's
+//! reduction and, once every peer's `Reduced` says so, the copy of every element outside its
+//! share, into ranges of at least [`ARENA_PART_MIN`] bytes (`collectives/parts.rs`); each step
+//! ends when every range has, so a word is published only after the bytes it announces.
+//!
 //! Each element is reduced by one rank only, always in rank order, so every rank gets bitwise
 //! the same result. A slot is written again two pieces later, only after every peer published
 //! `Input` of the piece between, which it does after it read the slot: no piece overwrites one
@@ -344,8 +349,12 @@ impl<L: Link> Host<'_, '_, L> {
         for (q, _) in others() {
             wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
         }
-        // Each range takes the part of every other share that falls in it.
-        self.in_parts(piece, ARENA_PART_MIN, &|at, part| {
+        // The elements outside this rank's share, split; each range takes the part of every
+        // other share that falls in it.
+        let (before, rest) = piece.split_at_mut(share.start);
+        let after = &mut rest[share.len()..];
+        let outside = vec![(0, before), (share.end, after)];
+        self.in_parts_of(outside, ARENA_PART_MIN, &|at, part| {
             for (q, theirs) in others() {
                 let (from, to) = (theirs.start.max(at), theirs.end.min(at + part.len()));
                 if from < to {

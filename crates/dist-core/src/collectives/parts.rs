@@ -24,36 +24,54 @@ impl<L: Link> Host<'_, '_, L> {
         min: usize,
         f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
     ) -> Result<()> {
+        self.in_parts_of(vec![(0, data)], min, f)
+    }
+
+    /// [`Host::in_parts`] over several ranges, each `(at, data)`: the parts cut their
+    /// elements, in order, into equal shares, and `f` runs on each range of a part (a part
+    /// may hold the end of one range and the start of the next).
+    pub(super) fn in_parts_of<T: Element>(
+        &self,
+        ranges: Vec<(usize, &mut [T])>,
+        min: usize,
+        f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
+    ) -> Result<()> {
+        let len: usize = ranges.iter().map(|(_, d)| d.len()).sum();
         let threads = self.a.threads();
-        let parts = threads.min(std::mem::size_of_val(data) / min.max(1)).max(1);
+        let parts = threads
+            .min(len * std::mem::size_of::<T>() / min.max(1))
+            .max(1);
         let pool = match parts {
             1 => None,
             _ => self.c.g.helpers(threads),
         };
         let Some(pool) = pool else {
-            return f(0, data);
+            let mut first = None;
+            for (at, d) in ranges {
+                if let Err(e) = f(at, d) {
+                    first.get_or_insert(e);
+                }
+            }
+            return first.map_or(Ok(()), Err);
         };
-        let len = data.len();
+        let mut cut = cut(ranges, len, parts);
         let failed: Vec<Mutex<Option<DistError>>> = (0..parts).map(|_| Mutex::new(None)).collect();
-        let run = |i: usize, part: &mut [T]| {
-            if let Err(e) = f(segment(len, parts, i).start, part) {
-                *failed[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        let run = |i: usize, part: Vec<(usize, &mut [T])>| {
+            for (at, d) in part {
+                if let Err(e) = f(at, d) {
+                    failed[i]
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
+                }
             }
         };
         pool.in_place_scope(|s| {
-            let mut rest = &mut data[..];
-            let mut own = None;
-            for i in 0..parts {
-                let (part, tail) = rest.split_at_mut(segment(len, parts, i).len());
-                rest = tail;
-                match i {
-                    0 => own = Some(part),
-                    _ => s.spawn(move |_| run(i, part)),
-                }
+            let own = std::mem::take(&mut cut[0]);
+            for (i, part) in cut.into_iter().enumerate().skip(1) {
+                s.spawn(move |_| run(i, part));
             }
-            if let Some(part) = own {
-                run(0, part);
-            }
+            run(0, own);
         });
         match failed
             .into_iter()
@@ -62,5 +80,51 @@ impl<L: Link> Host<'_, '_, L> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// `ranges` (`len` elements in all) cut into `parts` parts of [`segment`]'s lengths, each a
+/// list of `(at, data)` pieces of the ranges in order.
+fn cut<T>(ranges: Vec<(usize, &mut [T])>, len: usize, parts: usize) -> Vec<Vec<(usize, &mut [T])>> {
+    let mut out: Vec<Vec<(usize, &mut [T])>> = (0..parts).map(|_| Vec::new()).collect();
+    let mut i = 0;
+    let mut room = segment(len, parts, 0).len();
+    for (mut at, mut d) in ranges {
+        while !d.is_empty() {
+            while room == 0 && i + 1 < parts {
+                i += 1;
+                room = segment(len, parts, i).len();
+            }
+            let take = room.min(d.len()).max(usize::from(i + 1 == parts) * d.len());
+            let (head, tail) = std::mem::take(&mut d).split_at_mut(take);
+            out[i].push((at, head));
+            at += take;
+            room = room.saturating_sub(take);
+            d = tail;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    /// The parts take the ranges' elements in order, in the lengths `segment` gives, a part
+    /// spanning the end of one range and the start of the next.
+    #[test]
+    fn cut_spans_ranges_in_order() {
+        let mut a = [0u8; 5];
+        let mut b = [0u8; 7];
+        let parts = super::cut(vec![(0, &mut a[..]), (10, &mut b[..])], 12, 3);
+        let shape: Vec<Vec<(usize, usize)>> = parts
+            .iter()
+            .map(|p| p.iter().map(|(at, d)| (*at, d.len())).collect())
+            .collect();
+        assert_eq!(
+            shape,
+            vec![vec![(0, 4)], vec![(4, 1), (10, 3)], vec![(13, 4)]]
+        );
+        let mut c = [0u8; 3];
+        let parts = super::cut(vec![(0, &mut c[..]), (3, &mut [][..])], 3, 2);
+        assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), 2);
     }
 }

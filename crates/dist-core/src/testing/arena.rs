@@ -30,8 +30,11 @@ struct Part {
     direct_reads: AtomicUsize,
     /// What [`HostArena::threads`] says.
     threads: AtomicUsize,
-    /// The threads this rank's writes into its slots ran on.
-    write_threads: Mutex<Vec<std::thread::ThreadId>>,
+    /// This rank's slot accesses, while traced.
+    trace: Mutex<Option<Vec<ArenaAccess>>>,
+    /// The value of this rank's `Reduced` word at which it dies instead of publishing (0:
+    /// never).
+    dies_at_reduced: AtomicU32,
     /// The threads this rank's direct reads ran on.
     read_threads: Mutex<Vec<std::thread::ThreadId>>,
 }
@@ -59,6 +62,21 @@ pub enum DirectFault {
     /// This rank plays a hostile peer: the buffer address it writes into its slot for a direct
     /// all_reduce is near the top of the address space (its reads are not affected).
     HostileHeader,
+}
+
+/// One access of a rank to an arena slot, as traced ([`MemLink::trace_arena`](super::MemLink::trace_arena)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaAccess {
+    /// The thread that made it.
+    pub thread: std::thread::ThreadId,
+    /// Whose slot: this rank's own for a write.
+    pub owner: usize,
+    /// A write (into this rank's slot), else a read.
+    pub write: bool,
+    /// The slot's byte offset, and the bytes.
+    pub offset: usize,
+    /// The bytes.
+    pub len: usize,
 }
 
 /// The arenas of every rank of one in-memory link.
@@ -93,7 +111,8 @@ impl Arenas {
                     direct_fault: Mutex::new(DirectFault::None),
                     direct_reads: AtomicUsize::new(0),
                     threads: AtomicUsize::new(1),
-                    write_threads: Mutex::new(Vec::new()),
+                    trace: Mutex::new(None),
+                    dies_at_reduced: AtomicU32::new(0),
                     read_threads: Mutex::new(Vec::new()),
                 })
                 .collect(),
@@ -183,9 +202,34 @@ impl MemArena {
         part.read_threads.lock().map_or(0, |t| t.len())
     }
 
-    pub(super) fn write_threads(&self) -> usize {
-        let part = &self.arenas.parts[self.me];
-        part.write_threads.lock().map_or(0, |t| t.len())
+    fn note(&self, owner: usize, write: bool, offset: usize, len: usize) {
+        let mut trace = self.arenas.parts[self.me]
+            .trace
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = trace.as_mut() {
+            t.push(ArenaAccess {
+                thread: std::thread::current().id(),
+                owner,
+                write,
+                offset,
+                len,
+            });
+        }
+    }
+
+    pub(super) fn trace(&self, on: bool) -> Vec<ArenaAccess> {
+        let mut trace = self.arenas.parts[self.me]
+            .trace
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::replace(&mut *trace, on.then(Vec::new)).unwrap_or_default()
+    }
+
+    pub(super) fn set_dies_at_reduced(&self, value: u32) {
+        self.arenas.parts[self.me]
+            .dies_at_reduced
+            .store(value, Ordering::Relaxed);
     }
 
     pub(super) fn direct_reads(&self) -> usize {
@@ -230,7 +274,7 @@ impl HostArena for MemArena {
 
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
         let p = self.bounds(self.me, slot, offset, data.len())?;
-        seen_on(&p.write_threads);
+        self.note(self.me, true, offset, data.len());
         let at = slot * self.arenas.slot_len + offset;
         let mut s = p.slots.write().unwrap_or_else(|p| p.into_inner());
         s[at..at + data.len()].copy_from_slice(data);
@@ -244,6 +288,7 @@ impl HostArena for MemArena {
 
     fn read(&self, owner: usize, slot: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
         let p = self.bounds(owner, slot, offset, dst.len())?;
+        self.note(owner, false, offset, dst.len());
         let at = slot * self.arenas.slot_len + offset;
         let s = p.slots.read().unwrap_or_else(|p| p.into_inner());
         dst.copy_from_slice(&s[at..at + dst.len()]);
@@ -319,6 +364,15 @@ impl HostArena for MemArena {
     }
 
     fn publish(&self, word: ArenaWord, value: u32) {
+        let dies = self.arenas.parts[self.me]
+            .dies_at_reduced
+            .load(Ordering::Relaxed);
+        if word == ArenaWord::Reduced && value == dies && dies != 0 {
+            self.mesh.ranks[self.me].dead.store(true, Ordering::Release);
+            self.mesh.wake_all();
+            self.wake();
+            return;
+        }
         let _held = self.arenas.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.arenas.parts[self.me].words[word as usize].store(value, Ordering::Release);
         self.arenas.cond.notify_all();
@@ -383,10 +437,19 @@ impl super::MemLink {
         }
     }
 
-    /// On how many threads this rank's writes into its arena slots ran (0 without an arena
-    /// or a write).
-    pub fn arena_write_threads(&self) -> usize {
-        self.arena.as_ref().map_or(0, |a| a.write_threads())
+    /// Starts (`true`) or stops tracing this rank's arena slot accesses, and returns those
+    /// traced so far (none without an arena).
+    pub fn trace_arena(&self, on: bool) -> Vec<ArenaAccess> {
+        self.arena.as_ref().map_or_else(Vec::new, |a| a.trace(on))
+    }
+
+    /// This rank dies (as [`MemLink::kill`](super::MemLink::kill)) when it would publish `value` as its arena
+    /// `Reduced` word, instead of publishing it: its peers have its input of that piece but
+    /// never its reduced share (0: never; no-op without an arena).
+    pub fn set_arena_dies_at_reduced(&self, value: u32) {
+        if let Some(a) = &self.arena {
+            a.set_dies_at_reduced(value);
+        }
     }
 
     /// On how many threads this rank's direct reads ran (0 without an arena or a read).

@@ -73,12 +73,13 @@ pub(crate) fn direct_for(
 }
 
 /// The smallest all_reduce that reads peers' buffers directly by default where each of the
-/// host's ranks has two cores or more: 4 MiB. 16 cores, all_reduce µs, direct reads split
-/// over each rank's cores against the arena's copies or the rings (`docs/benchmarks.md`,
-/// "Session 13"): 4 ranks 1 MiB 469 against 400, 4 MiB 1,051 against 1,223, 64 MiB 8,429
-/// against 21,858; 8 ranks 1 MiB 647 against 359, 4 MiB 1,540 against 1,794, 64 MiB 19,726
-/// against 38,016.
-pub(crate) const SPARE_DIRECT_MIN: usize = 4 << 20;
+/// host's ranks has two cores or more: 16 MiB. 16 cores, all_reduce µs, direct reads split
+/// over each rank's cores against the arena's slots (4 MiB) split likewise
+/// (`docs/benchmarks.md`, "Session 14"): 4 ranks 4 MiB 978 against 606, 8 MiB 1,452 against
+/// 1,243, 16 MiB 1,683 against 2,534; 8 ranks 4 MiB 1,405 against 1,191, 8 MiB 2,509 against
+/// 2,374, 16 MiB 4,760 against 4,680; 64 MiB (1 MiB slots) 4 ranks 7,487 against 12,193, 8
+/// ranks 18,755 against 26,901.
+pub(crate) const SPARE_DIRECT_MIN: usize = 16 << 20;
 
 /// The most threads a rank may be told to split its part of an all_reduce on the arena over.
 pub(crate) const ARENA_THREADS_LIMIT: u32 = 64;

@@ -218,8 +218,11 @@ impl Mapping {
         }
         // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
         // `len` bytes; the mapping is writable and shared memory outside every Rust object, so
-        // it cannot overlap `data`. Only this rank writes its segment. (Test:
-        // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`.)
+        // it cannot overlap `data`. Only this rank writes its segment: the collectives write
+        // it from one call's threads at once only at disjoint ranges (dist-core's
+        // `collectives/parts.rs`: each step's ranges, joined before the next step). (Tests:
+        // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`; dist-core's
+        // `every_step_of_a_piece_runs_on_several_threads`.)
         unsafe {
             let at = self.map.ptr().add(HEADER + slot * self.slot + offset);
             std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());

@@ -437,10 +437,14 @@ fn arena_limits_by_ranks_and_cores() {
     let all = (Tuning::MAX_ARENA_KB as usize) << 10;
     assert_eq!(host_arena_limit(4, 4, 2), 1 << 20);
     assert_eq!(host_arena_limit(17, 17, 16), 1 << 20);
-    assert_eq!(host_arena_limit(2, 2, 32), 1 << 20);
-    assert_eq!(host_arena_limit(7, 7, 32), 1 << 20);
+    assert_eq!(host_arena_limit(4, 4, 4), 1 << 20);
+    assert_eq!(host_arena_limit(7, 7, 13), 1 << 20);
     assert_eq!(host_arena_limit(8, 8, 32), all);
     assert_eq!(host_arena_limit(16, 16, 16), all);
+    // Two cores or more a rank: the arena splits each rank's part over them, at every size.
+    assert_eq!(host_arena_limit(2, 2, 32), all);
+    assert_eq!(host_arena_limit(7, 7, 14), all);
+    assert_eq!(host_arena_limit(4, 8, 16), 1 << 20);
     // A job over several hosts keeps the limit of fewer ranks.
     assert_eq!(host_arena_limit(16, 32, 32), 1 << 20);
 }
