@@ -73,3 +73,23 @@ if [ "$1" = one-thread ]; then
   done
   grep -c "^==" "$f"
 fi
+# Added last (bundle/s14b: the session's final code, 4 MiB slots, its new defaults):
+#   s14-run.sh final N V..   all_reduce, N ranks, 256 KiB-64 MiB (factor 4), three alternating
+#                            rounds of the variants V (as in cmp; `defaults` is the final code's)
+if [ "$1" = final ]; then
+  n="$2"; shift 2; f="$OUT/s14-final$n.txt"
+  perf() { timeout 150 bundle/s14b/run perf --op all_reduce -n $n -b 256K -e 64M -f 4 --check; }
+  for i in 1 2 3; do
+    for v in "$@"; do
+      echo "== $v round $i" >> "$f"
+      case $v in
+        defaults) perf ;;
+        arena) DIST_DIRECT=0 DIST_ARENA_MAX_KB=1048576 perf ;;
+        direct) DIST_DIRECT=1 DIST_DIRECT_MIN_KB=256 perf ;;
+        tcp) DIST_SHM=0 perf ;;
+        gloo) timeout 150 python3 bundle/s14b/torch_allreduce.py --backend gloo -n $n -b 256K -e 64M -f 4 ;;
+      esac 2>&1 | grep -v -e '^\[' -e Warning -e 'return func' >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi
