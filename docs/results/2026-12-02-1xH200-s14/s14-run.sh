@@ -93,3 +93,18 @@ if [ "$1" = final ]; then
   done
   grep -c "^==" "$f"
 fi
+#   s14-run.sh small N       all_reduce, N ranks, 128 KiB-2 MiB (factor 2), three alternating
+#                            rounds of the final code's defaults and DIST_ARENA_THREADS=1
+if [ "$1" = small ]; then
+  n="$2" f="$OUT/s14-small$2.txt"
+  for i in 1 2 3; do
+    for v in defaults one; do
+      echo "== $v round $i" >> "$f"
+      case $v in
+        defaults) timeout 150 bundle/s14b/run perf --op all_reduce -n $n -b 128K -e 2M -f 2 --check ;;
+        one) DIST_ARENA_THREADS=1 timeout 150 bundle/s14b/run perf --op all_reduce -n $n -b 128K -e 2M -f 2 --check ;;
+      esac 2>&1 | grep -v -e '^\[' >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi
