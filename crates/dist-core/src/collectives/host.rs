@@ -13,7 +13,8 @@
 //!
 //! A rank with several threads ([`HostArena::threads`]) splits its input's copy, its share's
 //! reduction and, once every peer's `Reduced` says so, the copy of every element outside its
-//! share, into ranges of at least [`ARENA_PART_MIN`] bytes (`collectives/parts.rs`); each step
+//! share, into ranges of at least [`ARENA_PART_MIN`] bytes, in pieces of at least
+//! [`ARENA_THREADS_MIN`] (`collectives/parts.rs`); each step
 //! ends when every range has, so a word is published only after the bytes it announces.
 //!
 //! Each element is reduced by one rank only, always in rank order, so every rank gets bitwise
@@ -54,7 +55,17 @@ const CHUNK: usize = 16 << 10;
 
 /// The fewest bytes one thread takes when a rank splits its part of a piece over several
 /// ([`HostArena::threads`]): the piece is in the cache, so less than a direct read's part.
+/// On the 16-core host ("Session 14" in `docs/benchmarks.md`), 128 KiB parts were slower at
+/// every size from 256 KiB to 16 MiB (4 ranks 1 MiB 243 us against 218; 8 ranks 546 against
+/// 300).
 pub(super) const ARENA_PART_MIN: usize = 64 << 10;
+
+/// The smallest piece a rank splits over its threads: below it the helpers' wake-ups cost
+/// more than they save. 16 cores, all_reduce us, split over each rank's threads against one
+/// thread ("Session 14"): 4 ranks 256 KiB 105 against 79, 512 KiB 140 against 167, 1 MiB 205
+/// against 319; 8 ranks 256 KiB 110 against 93, 512 KiB 197 against 203, 1 MiB 322 against
+/// 389.
+pub(super) const ARENA_THREADS_MIN: usize = 512 << 10;
 
 /// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's
 /// first all_reduce, by an all_reduce of every rank's vote (its arena complete, the host
@@ -312,16 +323,19 @@ impl<L: Link> Host<'_, '_, L> {
         let (c, a) = (self.c, self.a);
         let (k, slot) = self.next_piece();
         let size = std::mem::size_of::<T>();
+        // Split only a piece large enough to pay for the helpers' wake-ups.
+        let split = a.threads() > 1 && std::mem::size_of_val(piece) >= ARENA_THREADS_MIN;
+        let part_min = if split { ARENA_PART_MIN } else { usize::MAX };
         let write = |at: usize, part: &[T]| {
             a.write(slot, at * size, bytes(part))
                 .map_err(|e| e.map_op(|_| c.op_text()))
         };
-        self.in_parts(piece, ARENA_PART_MIN, &|at, part| write(at, part))?;
+        self.in_parts(piece, part_min, &|at, part| write(at, part))?;
         self.announce::<T>(None, k, slot, first)?;
         let m = self.local.len();
         let len = piece.len();
         let share = segment(len, m, self.pos);
-        self.in_parts(&mut piece[share.clone()], ARENA_PART_MIN, &|at, part| {
+        self.in_parts(&mut piece[share.clone()], part_min, &|at, part| {
             self.reduce_range(part, share.start + at, slot, op)?;
             if self.whole {
                 finish(part, op, c.n);
@@ -339,7 +353,7 @@ impl<L: Link> Host<'_, '_, L> {
             a.read(q, slot, from * size, bytes_mut(dst))
                 .map_err(|e| e.map_op(|_| c.op_text()))
         };
-        if a.threads() <= 1 {
+        if !split {
             for (q, theirs) in others() {
                 wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
                 copy_out(q, theirs.start, &mut piece[theirs])?;
@@ -354,7 +368,7 @@ impl<L: Link> Host<'_, '_, L> {
         let (before, rest) = piece.split_at_mut(share.start);
         let after = &mut rest[share.len()..];
         let outside = vec![(0, before), (share.end, after)];
-        self.in_parts_of(outside, ARENA_PART_MIN, &|at, part| {
+        self.in_parts_of(outside, part_min, &|at, part| {
             for (q, theirs) in others() {
                 let (from, to) = (theirs.start.max(at), theirs.end.min(at + part.len()));
                 if from < to {

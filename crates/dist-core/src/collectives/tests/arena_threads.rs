@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 
-use super::super::host::ARENA_PART_MIN;
+use super::super::host::{ARENA_PART_MIN, ARENA_THREADS_MIN};
 use super::super::scratch::segment;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::testing::{ArenaAccess, MemLink, run_links};
@@ -157,6 +157,32 @@ fn every_step_of_a_piece_runs_on_several_threads() {
                     "{a:?}"
                 );
             }
+        }
+    }
+}
+
+/// A piece smaller than `ARENA_THREADS_MIN` stays on the calling thread, every step of it; one
+/// of that size splits.
+#[test]
+fn small_pieces_stay_on_one_thread() {
+    for (count, split) in [
+        (ARENA_THREADS_MIN / 4 - 1, false),
+        (ARENA_THREADS_MIN / 4, true),
+    ] {
+        let results = on_one_host(3, 4, |g| {
+            let mut x = vec![1.0f32; count];
+            g.all_reduce(&mut x, ReduceOp::Sum)?;
+            g.link().trace_arena(true);
+            g.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok(threads_of(g.link().trace_arena(false).iter()))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let threads = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(
+                threads >= 2,
+                split,
+                "{count} floats, rank {r}: {threads} threads"
+            );
         }
     }
 }
