@@ -393,8 +393,9 @@ impl TcpConfig {
 
     /// The largest all_reduce, in KiB, that runs on the host arena (shared memory read in
     /// place by the ranks of one host), 0 (never) to 1 GiB; larger ones run the message
-    /// algorithms (default: every size up to 1 GiB for a job of 8 ranks or more all on this
-    /// host with a core each, else 1024, also where ranks outnumber the host's cores;
+    /// algorithms (default: every size up to 1 GiB for a job all on this host of 8 ranks or
+    /// more with a core each, or of ranks with two cores or more each, else 1024, also where
+    /// ranks outnumber the host's cores;
     /// `DIST_ARENA_MAX_KB`). Rank 0's value is the job's.
     pub fn arena_max_kb(mut self, kb: u32) -> Self {
         self.arena_max_kb = Some(kb);

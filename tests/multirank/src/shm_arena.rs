@@ -23,11 +23,12 @@ pub const CASES: &[Case] = &[
         .variants(&[THREADS]),
 ];
 
-/// Rank 3 killed with SIGKILL in the middle of a loop of 128 KiB all_reduces on the arena
-/// (each split into shares; 128 KiB is under the arena's limit on any host, so the loop stays
-/// on the arena): every survivor errors within 1 s of its last good one, naming rank 3.
+/// Rank 3 killed with SIGKILL in the middle of a loop of 512 KiB all_reduces on the arena
+/// (each split into shares, and in the `threads3` variant over each rank's threads; 512 KiB
+/// is under the arena's limit on any host, so the loop stays on the arena): every survivor
+/// errors within 1 s of its last good one, naming rank 3.
 fn sigkill() -> Result<(), String> {
-    crate::failures::victim_loop_of("KILL", std::time::Duration::from_secs(1), 32 << 10)
+    crate::failures::victim_loop_of("KILL", std::time::Duration::from_secs(1), 128 << 10)
 }
 
 const NO_SHM: Variant = Variant {
@@ -36,8 +37,8 @@ const NO_SHM: Variant = Variant {
     env: &[("DIST_SHM", "0")],
 };
 
-/// The arena for every size (the default on hosts with 8 ranks or more and a core each), so
-/// that buffers of several pieces run on it here too.
+/// The arena for every size (the default on hosts with 8 ranks or more and a core each, or
+/// two cores or more each), so that buffers of several pieces run on it here too.
 const EVERY_SIZE: Variant = Variant {
     name: "every_size",
     sizes: &[3, 5],
@@ -55,8 +56,10 @@ const THREADS: Variant = Variant {
     ],
 };
 
-/// The arena's slot (one piece), as `dist-tcp` makes it.
-const SLOT: usize = 1 << 20;
+/// The arena's slot (one piece): the backend's, or 1 MiB without an arena.
+fn slot(b: &TcpBackend) -> usize {
+    b.group().link().arena().map_or(1 << 20, |a| a.slot_len())
+}
 
 fn shm_on() -> bool {
     std::env::var("DIST_SHM").map_or(true, |v| v != "0")
@@ -71,7 +74,7 @@ fn value(r: usize, i: usize) -> f32 {
 /// element checked.
 fn check_sizes(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
-    let per = SLOT / 4;
+    let per = slot(b) / 4;
     let split = HOST_SPLIT_MIN / 4;
     for count in [
         1,
@@ -83,7 +86,7 @@ fn check_sizes(b: &TcpBackend) {
         per - 1,
         per,
         per + 1,
-        3 * per + 5,
+        2 * per + 5,
     ] {
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             let mut x: Vec<f32> = (0..count).map(|i| value(me, i)).collect();

@@ -54,10 +54,11 @@ pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 /// (`collectives/host.rs`).
 pub const HOST_SPLIT_MIN: usize = 32 << 10;
 /// The default [`Tuning::arena_max`](crate::Tuning::arena_max), and the arena's limit where
-/// a host's ranks have a core each but are fewer than [`HOST_ARENA_ALL_MIN_RANKS`]: larger
-/// all_reduces run the message algorithms (over the shared-memory rings between ranks of one
-/// host). 4 ranks on 32 cores (`docs/benchmarks.md`, "Session 7"): 1 MiB 275 us on the arena
-/// against 443 on the rings; 4 MiB 1,129 against 1,097; 16 MiB 4,312 against 3,446.
+/// a host's ranks have a core each, but not two, and are fewer than
+/// [`HOST_ARENA_ALL_MIN_RANKS`]: larger all_reduces run the message algorithms (over the
+/// shared-memory rings between ranks of one host). 4 ranks on 32 cores, the arena on one
+/// thread a rank (`docs/benchmarks.md`, "Session 7"): 1 MiB 275 us on the arena against 443
+/// on the rings; 4 MiB 1,129 against 1,097; 16 MiB 4,312 against 3,446.
 pub const HOST_ARENA_MAX: usize = 1 << 20;
 /// From this many ranks on one host, each with a core, every all_reduce runs on the arena: 8
 /// and 16 ranks on 32 cores ("Session 7"), arena against the message algorithms: 8 ranks

@@ -56,7 +56,7 @@ const CHUNK: usize = 16 << 10;
 /// The fewest bytes one thread takes when a rank splits its part of a piece over several
 /// ([`HostArena::threads`]): the piece is in the cache, so less than a direct read's part.
 /// On the 16-core host ("Session 14" in `docs/benchmarks.md`), 128 KiB parts were slower at
-/// every size from 256 KiB to 16 MiB (4 ranks 1 MiB 243 us against 218; 8 ranks 546 against
+/// every size from 512 KiB to 16 MiB (4 ranks 1 MiB 243 us against 218; 8 ranks 546 against
 /// 300).
 pub(super) const ARENA_PART_MIN: usize = 64 << 10;
 
@@ -324,7 +324,10 @@ impl<L: Link> Host<'_, '_, L> {
         let (k, slot) = self.next_piece();
         let size = std::mem::size_of::<T>();
         // Split only a piece large enough to pay for the helpers' wake-ups.
-        let split = a.threads() > 1 && std::mem::size_of_val(piece) >= ARENA_THREADS_MIN;
+        // (Without helpers, inside a rayon worker, the rank copies each share as it comes.)
+        let split = a.threads() > 1
+            && std::mem::size_of_val(piece) >= ARENA_THREADS_MIN
+            && self.c.g.helpers(a.threads()).is_some();
         let part_min = if split { ARENA_PART_MIN } else { usize::MAX };
         let write = |at: usize, part: &[T]| {
             a.write(slot, at * size, bytes(part))

@@ -12,7 +12,7 @@ use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::testing::{ArenaAccess, MemLink, run_links};
 use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
 
-/// Slots as dist-tcp's: 1 MiB.
+/// Slots of 1 MiB: calls of a few MiB run several pieces.
 const SLOT: usize = 1 << 20;
 
 /// `n` ranks on one host, each splitting its part over `threads`, every all_reduce on the
@@ -193,7 +193,7 @@ fn every_op_split<E: Element>() {
     for n in [3, 4] {
         let results = on_one_host(n, 3, |g| {
             for op in ops_for::<E>() {
-                for count in [per / 3, per + 11] {
+                for count in [2 * per / 3, per + 11] {
                     let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());
                     let mut x = inputs::<E>(op, g.rank(), count);
                     g.all_reduce(&mut x, op)?;
