@@ -421,8 +421,9 @@ impl TcpConfig {
     }
 
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
-    /// ([`TcpConfig::direct`]; default [`dist_core::collectives::HOST_DIRECT_MIN`], or 16 MiB
-    /// where the default is on because each of the host's ranks has two cores or more; never
+    /// ([`TcpConfig::direct`]; default: where the host's ranks outnumber its cores, every size
+    /// above the arena's limit there, 1 MiB; where each has two cores or more, 16 MiB; with
+    /// direct reads asked for, [`dist_core::collectives::HOST_DIRECT_MIN`]; never
     /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct
     /// all_reduce may be larger than [`TcpConfig::arena_max_kb`] where all the group's ranks

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use dist_core::Tuning;
-use dist_core::collectives::{HOST_DIRECT_MIN, host_arena_limit};
+use dist_core::collectives::{HOST_ARENA_MAX_OVERSUBSCRIBED, HOST_DIRECT_MIN, host_arena_limit};
 
 use super::TcpConfig;
 
@@ -47,9 +47,10 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// only where it matters) and either the host's `local` ranks outnumber the `cores` this rank
 /// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
 /// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
-/// nothing was measured), from [`HOST_DIRECT_MIN`], or those cores are two or more a rank,
-/// from [`SPARE_DIRECT_MIN`] (there it splits its part over them: [`arena_threads_for`]).
-/// A size set in `cfg` wins. All_reduce µs, medians of three
+/// nothing was measured), above the arena's limit there ([`SHARED_CORES_DIRECT_MIN`]), or
+/// those cores are two or more a rank, from [`SPARE_DIRECT_MIN`] (there it splits its part
+/// over them: [`arena_threads_for`]). With `DIST_DIRECT=1` and no size, from
+/// [`HOST_DIRECT_MIN`]. A size set in `cfg` wins. All_reduce µs, medians of three
 /// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
 /// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
 /// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
@@ -66,11 +67,20 @@ pub(crate) fn direct_for(
     match cfg.direct {
         Some(on) => on.then(|| min(HOST_DIRECT_MIN)),
         None if crowded(local, cores) => None,
-        None if local > cores => fast().then(|| min(HOST_DIRECT_MIN)),
+        None if local > cores => fast().then(|| min(SHARED_CORES_DIRECT_MIN)),
         None if cores >= local.saturating_mul(2) => fast().then(|| min(SPARE_DIRECT_MIN)),
         None => None,
     }
 }
+
+/// The smallest all_reduce that reads peers' buffers directly by default where the host's
+/// ranks outnumber its cores: just above the arena's limit there
+/// ([`HOST_ARENA_MAX_OVERSUBSCRIBED`], 1 MiB), since below it the arena's copies are faster and
+/// above it direct reads beat the rings. 4 ranks on 2 cores where the read copies at 0.7 of a
+/// copy's rate (`docs/benchmarks.md`, "Session 14"), direct against the arena's copies 512 KiB
+/// 217 against 180 µs, 1 MiB 514 against 429; against the rings 2 MiB 985 against 1,177, 32
+/// MiB 17,976 against 26,844.
+pub(crate) const SHARED_CORES_DIRECT_MIN: usize = HOST_ARENA_MAX_OVERSUBSCRIBED + 1;
 
 /// The smallest all_reduce that reads peers' buffers directly by default where each of the
 /// host's ranks has two cores or more: 16 MiB. 16 cores, all_reduce µs, direct reads split
