@@ -436,8 +436,8 @@ impl TcpConfig {
     /// How many threads (its own among them) this rank splits its part of an all_reduce on
     /// the host arena over (`DIST_ARENA_THREADS`, 1 to 64): on the arena's slots, in pieces of
     /// at least 512 KiB, each copies a range of at least 64 KiB of its input in, reduces a
-    /// range of its share and copies a range of the peers' shares out; reading directly ([`TcpConfig::direct`]) each reads and
-    /// reduces a range of at least 256 KiB. Default: the cores this rank may run on (its
+    /// range of its share and copies a range of the peers' shares out; reading directly
+    /// ([`TcpConfig::direct`]) each reads and reduces a range of at least 256 KiB. Default: the cores this rank may run on (its
     /// affinity mask and cgroup) over its host's ranks, from 1 to 8. The rank's own choice:
     /// the results are the same whatever the count. Calls run as async work
     /// ([`dist_core::Collectives::scope`]) do not split.

@@ -13,18 +13,25 @@ use super::host::Host;
 use super::scratch::segment;
 
 impl<L: Link> Host<'_, '_, L> {
-    /// Runs `f(at, part)` over `data` cut into parts of at least `min` bytes, one a thread
-    /// ([`HostArena::threads`](crate::HostArena::threads) at most: this one and the group's
-    /// helpers), `at` the element at which the part starts. Every part runs whatever
-    /// another's result, and this returns only once every part has ended (so no helper
-    /// touches `data` after it); the error returned is the first part's that failed.
+    /// Runs `f(at, part)` over `data` cut into parts of at least `min` bytes (`usize::MAX`:
+    /// one part), one a thread ([`HostArena::threads`](crate::HostArena::threads) at most:
+    /// this one and the group's helpers), `at` the element at which the part starts. Every
+    /// part runs whatever another's result, and this returns only once every part has ended
+    /// (so no helper touches `data` after it); the error returned is the first part's that
+    /// failed.
     pub(super) fn in_parts<T: Element>(
         &self,
         data: &mut [T],
         min: usize,
         f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
     ) -> Result<()> {
-        self.in_parts_of(vec![(0, data)], min, f)
+        match self.pool_for(std::mem::size_of_val(data), min) {
+            None => f(0, data),
+            Some((pool, parts)) => {
+                let len = data.len();
+                run_parts(pool, cut(vec![(0, data)], len, parts), f)
+            }
+        }
     }
 
     /// [`Host::in_parts`] over several ranges, each `(at, data)`: the parts cut their
@@ -37,49 +44,63 @@ impl<L: Link> Host<'_, '_, L> {
         f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
     ) -> Result<()> {
         let len: usize = ranges.iter().map(|(_, d)| d.len()).sum();
-        let threads = self.a.threads();
-        let parts = threads
-            .min(len * std::mem::size_of::<T>() / min.max(1))
-            .max(1);
-        let pool = match parts {
-            1 => None,
-            _ => self.c.g.helpers(threads),
-        };
-        let Some(pool) = pool else {
-            let mut first = None;
-            for (at, d) in ranges {
-                if let Err(e) = f(at, d) {
-                    first.get_or_insert(e);
+        match self.pool_for(len * std::mem::size_of::<T>(), min) {
+            Some((pool, parts)) => run_parts(pool, cut(ranges, len, parts), f),
+            None => {
+                let mut first = None;
+                for (at, d) in ranges {
+                    if let Err(e) = f(at, d) {
+                        first.get_or_insert(e);
+                    }
                 }
+                first.map_or(Ok(()), Err)
             }
-            return first.map_or(Ok(()), Err);
-        };
-        let mut cut = cut(ranges, len, parts);
-        let failed: Vec<Mutex<Option<DistError>>> = (0..parts).map(|_| Mutex::new(None)).collect();
-        let run = |i: usize, part: Vec<(usize, &mut [T])>| {
-            for (at, d) in part {
-                if let Err(e) = f(at, d) {
-                    failed[i]
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                }
-            }
-        };
-        pool.in_place_scope(|s| {
-            let own = std::mem::take(&mut cut[0]);
-            for (i, part) in cut.into_iter().enumerate().skip(1) {
-                s.spawn(move |_| run(i, part));
-            }
-            run(0, own);
-        });
-        match failed
-            .into_iter()
-            .find_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
-        {
-            Some(e) => Err(e),
-            None => Ok(()),
         }
+    }
+
+    /// The helper pool and the number of parts for `bytes` cut into parts of at least `min`
+    /// bytes, one a thread: `None` for one part (or no pool).
+    fn pool_for(&self, bytes: usize, min: usize) -> Option<(&rayon::ThreadPool, usize)> {
+        let threads = self.a.threads();
+        let parts = threads.min(bytes / min.max(1));
+        if parts < 2 {
+            return None;
+        }
+        self.c.g.helpers(threads).map(|pool| (pool, parts))
+    }
+}
+
+/// Runs `f` over every range of every part, part 0 on this thread and each other on `pool`,
+/// and returns once all have ended: the first failed part's error, if any.
+fn run_parts<T: Element>(
+    pool: &rayon::ThreadPool,
+    mut cut: Vec<Vec<(usize, &mut [T])>>,
+    f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
+) -> Result<()> {
+    let failed: Vec<Mutex<Option<DistError>>> = (0..cut.len()).map(|_| Mutex::new(None)).collect();
+    let run = |i: usize, part: Vec<(usize, &mut [T])>| {
+        for (at, d) in part {
+            if let Err(e) = f(at, d) {
+                failed[i]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+    };
+    pool.in_place_scope(|s| {
+        let own = std::mem::take(&mut cut[0]);
+        for (i, part) in cut.into_iter().enumerate().skip(1) {
+            s.spawn(move |_| run(i, part));
+        }
+        run(0, own);
+    });
+    match failed
+        .into_iter()
+        .find_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+    {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 

@@ -73,7 +73,7 @@ pub struct ArenaAccess {
     pub owner: usize,
     /// A write (into this rank's slot), else a read.
     pub write: bool,
-    /// The slot's byte offset, and the bytes.
+    /// The byte offset in the slot.
     pub offset: usize,
     /// The bytes.
     pub len: usize,

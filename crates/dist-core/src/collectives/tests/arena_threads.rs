@@ -10,7 +10,7 @@ use super::super::host::{ARENA_PART_MIN, ARENA_THREADS_MIN};
 use super::super::scratch::segment;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::testing::{ArenaAccess, MemLink, run_links};
-use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
+use crate::{Backend, Collectives, Element, Group, ReduceOp, Result, Tuning};
 
 /// Slots of 1 MiB: calls of a few MiB run several pieces.
 const SLOT: usize = 1 << 20;
@@ -245,12 +245,7 @@ fn a_dead_rank_is_named_with_split_pieces() {
     for (r, res) in results.into_iter().enumerate().take(3) {
         let (res, took) = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         let e = res.unwrap_err();
-        let named = match &e {
-            DistError::PeerGone { peer, .. } => *peer == 3,
-            DistError::Aborted { origin, .. } => *origin == 3,
-            _ => false,
-        };
-        assert!(named, "rank {r}: {e}");
+        assert!(super::names(&e, 3), "rank {r}: {e}");
         assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
     }
 }

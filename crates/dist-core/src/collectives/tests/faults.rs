@@ -320,12 +320,7 @@ fn one_failing_lane_stops_the_other_and_reports_the_cause() {
             continue;
         }
         // Either it saw the victim go itself, or heard of it: never an abort of its own lane.
-        let cause = match &e {
-            DistError::PeerGone { peer, .. } => *peer == victim,
-            DistError::Aborted { origin, .. } => *origin == victim,
-            _ => false,
-        };
-        assert!(cause, "rank {r}: {text}");
+        assert!(super::names(&e, victim), "rank {r}: {text}");
     }
 }
 

@@ -248,12 +248,7 @@ fn a_dead_rank_is_named_promptly() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     for (r, res) in results.iter().enumerate().take(3) {
         let e = res.as_ref().unwrap_err();
-        let named = match e {
-            DistError::PeerGone { peer, .. } => *peer == 3,
-            DistError::Aborted { origin, .. } => *origin == 3,
-            _ => false,
-        };
-        assert!(named, "rank {r}: {e}");
+        assert!(super::names(e, 3), "rank {r}: {e}");
     }
 }
 

@@ -17,6 +17,15 @@ mod host;
 mod matrix;
 mod uneven;
 
+/// Whether `e` names `rank` as its cause: the peer found gone, or the origin of an abort.
+fn names(e: &DistError, rank: usize) -> bool {
+    match e {
+        DistError::PeerGone { peer, .. } => *peer == rank,
+        DistError::Aborted { origin, .. } => *origin == rank,
+        _ => false,
+    }
+}
+
 #[test]
 fn descriptor_round_trips_and_explains_differences() {
     let a = Desc {
