@@ -66,7 +66,10 @@ pub trait HostArena: Send + Sync {
     /// How long a wait spins before it sleeps (zero where the host has more ranks than cores).
     fn spin(&self) -> Duration;
 
-    /// Copies `data` into this rank's slot `slot` (0 or 1) at byte `offset`.
+    /// Copies `data` into this rank's slot `slot` (0 or 1) at byte `offset`. Any thread may
+    /// call it and [`HostArena::read`] at once: an implementation never lets two of this
+    /// process's copies of overlapping bytes race, one of them a write (it takes them in turn,
+    /// or refuses the later with an error).
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()>;
 
     /// Copies `dst.len()` bytes of rank `owner`'s slot `slot` at byte `offset` into `dst`

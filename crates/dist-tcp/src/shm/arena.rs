@@ -19,7 +19,7 @@ use dist_core::{ArenaWord, DistError, HostArena, Meta, Result};
 
 use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
-    OFF_PROBE_VALUE, OFF_WORDS,
+    OFF_PROBE_VALUE, OFF_WORDS, Refused,
 };
 use crate::peer::Peer;
 
@@ -208,21 +208,29 @@ impl TcpArena {
         }
     }
 
-    fn out_of_range(
+    /// The error of a refused slot access (`what` the access, `owner` the slot's rank,
+    /// `(slot, offset, len)` the range).
+    fn refused(
         &self,
+        why: Refused,
         what: &str,
         owner: usize,
-        slot: usize,
-        offset: usize,
-        len: usize,
+        (slot, offset, len): (usize, usize, usize),
     ) -> DistError {
-        DistError::InvalidArgument {
-            rank: self.me,
-            op: format!("{what} the host arena"),
-            reason: format!(
+        let reason = match why {
+            Refused::OutOfRange => format!(
                 "{len} bytes at {offset} of slot {slot} of rank {owner}: not within a mapped \
                  segment's slots of {ARENA_SLOT} bytes"
             ),
+            Refused::Busy => format!(
+                "{len} bytes at {offset} of slot {slot} of rank {owner}: another thread of this \
+                 rank is copying overlapping bytes of its slots now"
+            ),
+        };
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: format!("{what} the host arena"),
+            reason,
         }
     }
 }
@@ -298,17 +306,19 @@ impl HostArena for TcpArena {
     }
 
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
-        match &self.own {
-            Some(m) if m.write(slot, offset, data) => Ok(()),
-            _ => Err(self.out_of_range("write to", self.me, slot, offset, data.len())),
-        }
+        let done = match &self.own {
+            Some(m) => m.write(slot, offset, data),
+            None => Err(Refused::OutOfRange),
+        };
+        done.map_err(|why| self.refused(why, "write to", self.me, (slot, offset, data.len())))
     }
 
     fn read(&self, owner: usize, slot: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
-        match self.mapping(owner) {
-            Some(m) if m.read(slot, offset, dst) => Ok(()),
-            _ => Err(self.out_of_range("read from", owner, slot, offset, dst.len())),
-        }
+        let done = match self.mapping(owner) {
+            Some(m) => m.read(slot, offset, dst),
+            None => Err(Refused::OutOfRange),
+        };
+        done.map_err(|why| self.refused(why, "read from", owner, (slot, offset, dst.len())))
     }
 
     fn direct_min(&self) -> Option<usize> {

@@ -58,6 +58,62 @@ fn required_seals() -> SealFlags {
 pub(crate) struct Mapping {
     map: SharedMap,
     slot: usize,
+    /// The byte ranges of the slots that this process's threads are copying now, on the
+    /// owner's mapping (the one this process writes).
+    busy: Busy,
+}
+
+/// Why a slot access was refused (nothing was copied).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Not within the slots, or a write to a peer's read-only mapping.
+    OutOfRange,
+    /// Another thread of this process is copying overlapping bytes of the owner's slots now
+    /// (a write beside any access, or a read beside a write).
+    Busy,
+}
+
+/// The ranges of an owner's slots (byte offsets from the first slot) that its threads are
+/// copying at this moment, each marked write or read. Two threads of one process that
+/// copied overlapping bytes at once, one of them writing, would be a data race: the
+/// collectives never do (each step's ranges are disjoint), but [`dist_core::HostArena`]'s
+/// `write` and `read` are safe methods that any thread may call, so the arena refuses the
+/// second access instead (test: `arena_tests::overlapping_accesses_from_two_threads_are_refused`).
+#[derive(Debug, Default)]
+pub(crate) struct Busy(std::sync::Mutex<Vec<(usize, usize, bool)>>);
+
+/// An access entered in [`Busy`]; leaving (on drop, a panic included) takes it out.
+pub(crate) struct Entered<'a> {
+    busy: &'a Busy,
+    range: (usize, usize, bool),
+}
+
+impl Busy {
+    /// Enters the range `start..end` (a write if `write`), or `None` if it overlaps one in
+    /// progress of which either is a write.
+    pub(crate) fn enter(&self, start: usize, end: usize, write: bool) -> Option<Entered<'_>> {
+        let mut now = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let clash = now
+            .iter()
+            .any(|&(s, e, w)| s < end && start < e && (w || write));
+        if clash {
+            return None;
+        }
+        now.push((start, end, write));
+        Some(Entered {
+            busy: self,
+            range: (start, end, write),
+        })
+    }
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        let mut now = self.busy.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = now.iter().position(|&r| r == self.range) {
+            now.swap_remove(i);
+        }
+    }
 }
 
 impl std::fmt::Debug for Mapping {
@@ -135,7 +191,11 @@ impl Mapping {
         // maps only after `check_sealed`. (Tests: `arena_tests::segments_round_trip`,
         // `hostile_segments_are_refused`.)
         let map = unsafe { SharedMap::new(fd, len, writable)? };
-        Ok(Mapping { map, slot })
+        Ok(Mapping {
+            map,
+            slot,
+            busy: Busy::default(),
+        })
     }
 
     /// Loads the header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]): a relaxed
@@ -210,40 +270,63 @@ impl Mapping {
         slot < 2 && offset.checked_add(len).is_some_and(|end| end <= self.slot)
     }
 
-    /// Copies `data` into slot `slot` at `offset`; false (nothing copied) if it does not fit
-    /// or the mapping is read-only.
-    pub(crate) fn write(&self, slot: usize, offset: usize, data: &[u8]) -> bool {
+    /// Copies `data` into slot `slot` at `offset`; refused (nothing copied) if it does not
+    /// fit, the mapping is read-only, or another thread is copying overlapping bytes now.
+    pub(crate) fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<(), Refused> {
         if !self.map.writable() || !self.within(slot, offset, data.len()) {
-            return false;
+            return Err(Refused::OutOfRange);
         }
+        let start = slot * self.slot + offset;
+        let _entered = self
+            .busy
+            .enter(start, start + data.len(), true)
+            .ok_or(Refused::Busy)?;
         // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
         // `len` bytes; the mapping is writable and shared memory outside every Rust object, so
-        // it cannot overlap `data`. Only this rank writes its segment: the collectives write
-        // it from one call's threads at once only at disjoint ranges (dist-core's
-        // `collectives/parts.rs`: each step's ranges, joined before the next step). (Tests:
-        // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`; dist-core's
+        // it cannot overlap `data`. Only this process writes its segment (the peers' mappings
+        // are read-only, sealed so), and no other thread of it copies an overlapping range
+        // while `_entered` lives (`Busy`), so no two of its threads race on these bytes.
+        // (Tests: `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`,
+        // `overlapping_accesses_from_two_threads_are_refused`; dist-core's
         // `every_step_of_a_piece_runs_on_several_threads`.)
         unsafe {
-            let at = self.map.ptr().add(HEADER + slot * self.slot + offset);
+            let at = self.map.ptr().add(HEADER + start);
             std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
         }
-        true
+        Ok(())
     }
 
-    /// Copies slot `slot`'s bytes at `offset` into `dst`; false (nothing copied) if out of
-    /// range.
-    pub(crate) fn read(&self, slot: usize, offset: usize, dst: &mut [u8]) -> bool {
+    /// Copies slot `slot`'s bytes at `offset` into `dst`; refused (nothing copied) if out of
+    /// range or, on the owner's mapping, while another thread writes overlapping bytes.
+    pub(crate) fn read(&self, slot: usize, offset: usize, dst: &mut [u8]) -> Result<(), Refused> {
         if !self.within(slot, offset, dst.len()) {
-            return false;
+            return Err(Refused::OutOfRange);
         }
-        // SAFETY: as in `write`, for reading: the range is within the mapping. The owner may
-        // write these bytes meanwhile only if it breaks the protocol; the copy is then of
-        // whatever bytes are there (plain bytes, valid for every element type), never a
-        // reference into the mapping.
+        let start = slot * self.slot + offset;
+        // Only the owner's mapping is written by this process: a peer's needs no entry.
+        let _entered = match self.map.writable() {
+            true => Some(
+                self.busy
+                    .enter(start, start + dst.len(), false)
+                    .ok_or(Refused::Busy)?,
+            ),
+            false => None,
+        };
+        // SAFETY: as in `write`, for reading: the range is within the mapping, and on the
+        // owner's mapping no thread of this process writes it meanwhile (`Busy`). The owner,
+        // another process, may write these bytes meanwhile only if it breaks the protocol;
+        // the copy is then of whatever bytes are there (plain bytes, valid for every element
+        // type), never a reference into the mapping.
         unsafe {
-            let at = self.map.ptr().add(HEADER + slot * self.slot + offset);
+            let at = self.map.ptr().add(HEADER + start);
             std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len());
         }
-        true
+        Ok(())
+    }
+
+    /// The accesses in progress on this mapping (for tests that hold one open).
+    #[cfg(test)]
+    pub(crate) fn busy(&self) -> &Busy {
+        &self.busy
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use dist_core::{ArenaWord, HostArena};
 
-use super::super::arena_map::{HEADER, MAGIC, Mapping};
+use super::super::arena_map::{HEADER, MAGIC, Mapping, Refused};
 use super::*;
 
 /// Two ranks of one host, each with the other's segment mapped.
@@ -196,7 +196,7 @@ fn hostile_segments_are_refused() {
     // A read-only mapping refuses writes.
     let (fd, own) = Mapping::create(ARENA_SLOT, 1, (0, 1)).unwrap();
     let theirs = Mapping::open(&fd, ARENA_SLOT, 1).unwrap();
-    assert!(!theirs.write(0, 0, b"x"));
+    assert_eq!(theirs.write(0, 0, b"x"), Err(Refused::OutOfRange));
     // Nor stores to its words: nothing is stored (a store would fault on the read-only
     // mapping), and the owner's value stays.
     let relaxed = std::sync::atomic::Ordering::Relaxed;
@@ -209,6 +209,71 @@ fn hostile_segments_are_refused() {
     );
     assert!(own.store_u32(OFF_WORDS[0], 9, relaxed));
     assert_eq!(theirs.load_u32(OFF_WORDS[0]), 9);
+}
+
+/// Two threads of one rank never copy overlapping bytes of its slots at once: while an
+/// access is in progress (held open here, as by a thread in the middle of its copy), an
+/// overlapping write, or a read overlapping a write, is refused with an error naming the
+/// rank, nothing copied; disjoint ranges, reads beside reads and a peer's reads go ahead, and
+/// the range is free again once the access has ended. Fails without `Busy`.
+#[test]
+fn overlapping_accesses_from_two_threads_are_refused() {
+    let (a, b) = pair();
+    let own = a.own.as_ref().unwrap();
+    let slot = ARENA_SLOT as usize;
+    a.write(1, 100, &[9u8; 100]).unwrap();
+    {
+        // A write of slot 1's bytes 100..200, in progress.
+        let _writing = own.busy().enter(slot + 100, slot + 200, true).unwrap();
+        let e = a.write(1, 150, &[1u8; 100]).unwrap_err().to_string();
+        assert!(e.contains("another thread") && e.contains("rank 0"), "{e}");
+        let mut out = [0u8; 10];
+        let e = a.read(0, 1, 195, &mut out).unwrap_err().to_string();
+        assert!(e.contains("another thread"), "{e}");
+        assert_eq!(out, [0u8; 10]);
+        a.write(0, 100, &[2u8; 100]).unwrap();
+        a.write(1, 200, &[3u8; 10]).unwrap();
+        a.read(0, 1, 90, &mut out).unwrap();
+        b.read(0, 1, 100, &mut out).unwrap();
+        assert_eq!(out, [9u8; 10]);
+    }
+    a.write(1, 150, &[1u8; 100]).unwrap();
+    {
+        let _reading = own.busy().enter(slot, slot + 64, false).unwrap();
+        let mut out = [0u8; 64];
+        a.read(0, 1, 0, &mut out).unwrap();
+        assert!(a.write(1, 32, &[5u8; 8]).is_err());
+        a.read(0, 1, 0, &mut out).unwrap();
+        assert_eq!(out, [0u8; 64]);
+    }
+    a.write(1, 32, &[5u8; 8]).unwrap();
+}
+
+/// Threads writing the same range of one rank's slot at once: each write either goes whole
+/// or is refused, so the range ends holding one writer's bytes, never a mix.
+#[test]
+fn racing_writers_leave_one_writers_bytes() {
+    let (a, _b) = pair();
+    let len = 64 << 10;
+    std::thread::scope(|s| {
+        for t in 1..=4u8 {
+            let a = &a;
+            s.spawn(move || {
+                let data = vec![t; len];
+                for _ in 0..200 {
+                    if let Err(e) = a.write(0, 0, &data) {
+                        assert!(e.to_string().contains("another thread"), "{e}");
+                    }
+                }
+            });
+        }
+    });
+    let mut out = vec![0u8; len];
+    a.read(0, 0, 0, &mut out).unwrap();
+    assert!(
+        out.iter().all(|&x| x == out[0]) && out[0] != 0,
+        "a mix of writers' bytes"
+    );
 }
 
 /// A rank whose peer did not map its segment (or without one) says its arena is incomplete;
