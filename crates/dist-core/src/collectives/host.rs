@@ -2,12 +2,14 @@
 //! peers' buffers are read in place, through the arena, instead of passing messages.
 //!
 //! The buffer goes in pieces of at most one slot. For piece k (counted over every arena
-//! collective of the group, the same on every rank) each rank copies its input into its slot
-//! `k % 2` and publishes `Input = k + 1`, then waits for every peer's `Input`:
+//! collective of the group, the same on every rank) each rank copies its input (what of it
+//! its peers read) into its slot `k % 2` and publishes `Input = k + 1`, then waits for every
+//! peer's `Input`:
 //! - small buffers (up to [`HOST_SPLIT_MIN`]): every rank reduces all n inputs, in rank order,
 //!   into its buffer and publishes `Reduced = k + 1` (read done). One wait per call.
-//! - larger: rank i reduces share i of the piece (1/n of it) reading every peer's slot in
-//!   place, in rank order, writes the result over its own share in its slot and publishes
+//! - larger: a rank's slot takes only the shares its peers reduce (all but its own), and
+//!   rank i reduces share i of the piece (1/n of it) from its buffer and every
+//!   peer's slot, in rank order, writes the result over its own share in its slot and publishes
 //!   `Reduced = k + 1`; then every rank copies every other share out once that rank's
 //!   `Reduced` says it is there.
 //!
@@ -273,28 +275,35 @@ impl<L: Link> Host<'_, '_, L> {
         let c = self.c;
         let size = std::mem::size_of::<T>();
         let chunk = (chunk / size).max(1);
+        // Rank order: the first local rank's input starts the sum, and each next one is
+        // reduced into it. At position 0 that is `acc` itself; elsewhere a chunk of scratch
+        // takes it (read straight there), this rank's own input is reduced in from `acc` in
+        // its turn, and the sum is copied back at the end.
         with_scratch::<T, _>(2 * chunk.min(acc.len().max(1)), |scratch| {
-            let (mine, theirs) = scratch.split_at_mut(scratch.len() / 2);
+            let (sum, theirs) = scratch.split_at_mut(scratch.len() / 2);
             let mut done = 0;
             while done < acc.len() {
                 let len = chunk.min(acc.len() - done);
                 let out = &mut acc[done..done + len];
                 let off = (at + done) * size;
-                let mine = &mut mine[..len];
                 let theirs = &mut theirs[..len];
-                mine.copy_from_slice(out);
-                for (i, &q) in self.local.iter().enumerate() {
-                    let src: &[T] = if i == self.pos {
-                        mine
-                    } else {
+                if self.pos == 0 {
+                    for &q in &self.local[1..] {
                         read(q, off, bytes_mut(theirs))?;
-                        theirs
-                    };
-                    if i == 0 {
-                        out.copy_from_slice(src);
-                    } else {
-                        c.reduce(out, src, op)?;
+                        c.reduce(out, theirs, op)?;
                     }
+                } else {
+                    let sum = &mut sum[..len];
+                    read(self.local[0], off, bytes_mut(sum))?;
+                    for (i, &q) in self.local.iter().enumerate().skip(1) {
+                        if i == self.pos {
+                            c.reduce(sum, out, op)?;
+                        } else {
+                            read(q, off, bytes_mut(theirs))?;
+                            c.reduce(sum, theirs, op)?;
+                        }
+                    }
+                    out.copy_from_slice(sum);
                 }
                 done += len;
             }
@@ -333,11 +342,15 @@ impl<L: Link> Host<'_, '_, L> {
             a.write(slot, at * size, bytes(part))
                 .map_err(|e| e.map_op(|_| c.op_text()))
         };
-        self.in_parts(piece, part_min, &|at, part| write(at, part))?;
-        self.announce::<T>(None, k, slot, first)?;
         let m = self.local.len();
         let len = piece.len();
         let share = segment(len, m, self.pos);
+        // Only what the peers reduce goes into the slot: this rank reduces its own share from
+        // its buffer, and writes the result over that share of the slot.
+        let (before, rest) = piece.split_at_mut(share.start);
+        let inputs = vec![(0, before), (share.end, &mut rest[share.len()..])];
+        self.in_parts_of(inputs, part_min, &|at, part| write(at, part))?;
+        self.announce::<T>(None, k, slot, first)?;
         self.in_parts(&mut piece[share.clone()], part_min, &|at, part| {
             self.reduce_range(part, share.start + at, slot, op)?;
             if self.whole {
