@@ -8,6 +8,7 @@
 
 mod arena;
 mod arena_map;
+mod busy;
 mod map;
 mod ring;
 mod setup;

@@ -245,8 +245,8 @@ impl<L: Link> Host<'_, '_, L> {
     }
 
     /// `acc` (a part of this rank's piece at element `at`, holding this rank's input) becomes
-    /// the reduction of every local rank's input there, in rank order, read from their slots
-    /// `slot` in chunks.
+    /// the reduction of every local rank's input there, in rank order, the peers' read from
+    /// their slots `slot` in chunks (this rank's own from `acc`).
     fn reduce_range<T: Element>(
         &self,
         acc: &mut [T],

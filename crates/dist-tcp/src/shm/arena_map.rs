@@ -10,10 +10,12 @@
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 
+use super::busy::{self, Busy};
 use super::shared_map::{SharedMap, check_sealed};
 
 /// The header's length; the slots follow it.
@@ -58,9 +60,22 @@ fn required_seals() -> SealFlags {
 pub(crate) struct Mapping {
     map: SharedMap,
     slot: usize,
-    /// The byte ranges of the slots that this process's threads are copying now, on the
-    /// owner's mapping (the one this process writes).
-    busy: Busy,
+    /// The byte ranges of the segment's slots that this process's threads are copying now,
+    /// shared by every mapping of the segment in this process (`busy.rs`).
+    busy: Arc<Busy>,
+    /// Whether this process writes the segment (its owner's mapping, or a peer's of a
+    /// segment made in this process): then every copy enters `busy`.
+    guarded: bool,
+}
+
+/// Who maps a segment, and so how its copies are guarded.
+enum Holder {
+    /// Its owner, which made it (read-write), with the segment's new record.
+    Owner(Arc<Busy>),
+    /// A peer rank in the process that made it (read-only), with the owner's record.
+    PeerHere(Arc<Busy>),
+    /// A peer rank in another process (read-only): no thread of this process writes it.
+    PeerElsewhere,
 }
 
 /// Why a slot access was refused (nothing was copied).
@@ -68,52 +83,9 @@ pub(crate) struct Mapping {
 pub(crate) enum Refused {
     /// Not within the slots, or a write to a peer's read-only mapping.
     OutOfRange,
-    /// Another thread of this process is copying overlapping bytes of the owner's slots now
-    /// (a write beside any access, or a read beside a write).
+    /// Another thread of this process is copying overlapping bytes of the segment's slots
+    /// now (a write beside any access, or a read beside a write).
     Busy,
-}
-
-/// The ranges of an owner's slots (byte offsets from the first slot) that its threads are
-/// copying at this moment, each marked write or read. Two threads of one process that
-/// copied overlapping bytes at once, one of them writing, would be a data race: the
-/// collectives never do (each step's ranges are disjoint), but [`dist_core::HostArena`]'s
-/// `write` and `read` are safe methods that any thread may call, so the arena refuses the
-/// second access instead (test: `arena_tests::overlapping_accesses_from_two_threads_are_refused`).
-#[derive(Debug, Default)]
-pub(crate) struct Busy(std::sync::Mutex<Vec<(usize, usize, bool)>>);
-
-/// An access entered in [`Busy`]; leaving (on drop, a panic included) takes it out.
-pub(crate) struct Entered<'a> {
-    busy: &'a Busy,
-    range: (usize, usize, bool),
-}
-
-impl Busy {
-    /// Enters the range `start..end` (a write if `write`), or `None` if it overlaps one in
-    /// progress of which either is a write.
-    pub(crate) fn enter(&self, start: usize, end: usize, write: bool) -> Option<Entered<'_>> {
-        let mut now = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let clash = now
-            .iter()
-            .any(|&(s, e, w)| s < end && start < e && (w || write));
-        if clash {
-            return None;
-        }
-        now.push((start, end, write));
-        Some(Entered {
-            busy: self,
-            range: (start, end, write),
-        })
-    }
-}
-
-impl Drop for Entered<'_> {
-    fn drop(&mut self) {
-        let mut now = self.busy.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = now.iter().position(|&r| r == self.range) {
-            now.swap_remove(i);
-        }
-    }
 }
 
 impl std::fmt::Debug for Mapping {
@@ -148,7 +120,8 @@ impl Mapping {
         let len = HEADER as u64 + 2 * slot;
         rustix::fs::ftruncate(&fd, len)?;
         // Mapped writable before the seals: after them no writable mapping can be made.
-        let m = Mapping::map(&fd, len as usize, slot as usize, true)?;
+        let own = Holder::Owner(busy::for_new_file(&fd)?);
+        let m = Mapping::map(&fd, len as usize, slot as usize, own)?;
         rustix::fs::fcntl_add_seals(&fd, required_seals())?;
         m.store_u64(OFF_SLOT, slot, Ordering::Relaxed);
         m.store_u32(OFF_RANK, rank as u32, Ordering::Relaxed);
@@ -168,7 +141,11 @@ impl Mapping {
         }
         let want = HEADER as u64 + 2 * slot;
         check_sealed(fd, want, required_seals(), "arena segment")?;
-        let m = Mapping::map(fd, want as usize, slot as usize, false)
+        let holder = match busy::for_file(fd).map_err(|e| format!("fstat: {e}"))? {
+            Some(b) => Holder::PeerHere(b),
+            None => Holder::PeerElsewhere,
+        };
+        let m = Mapping::map(fd, want as usize, slot as usize, holder)
             .map_err(|e| format!("mmap: {e}"))?;
         let (magic, version, rank, hslot) = (
             m.load_u64(OFF_MAGIC),
@@ -185,16 +162,21 @@ impl Mapping {
         Ok(m)
     }
 
-    fn map(fd: &impl AsFd, len: usize, slot: usize, writable: bool) -> io::Result<Mapping> {
+    fn map(fd: &impl AsFd, len: usize, slot: usize, holder: Holder) -> io::Result<Mapping> {
         // SAFETY: `len` is the file's size, which its seals keep: `create` maps the file it
         // made and seals it before any peer sees it (nothing resizes it in between); `open`
         // maps only after `check_sealed`. (Tests: `arena_tests::segments_round_trip`,
         // `hostile_segments_are_refused`.)
-        let map = unsafe { SharedMap::new(fd, len, writable)? };
+        let map = unsafe { SharedMap::new(fd, len, matches!(holder, Holder::Owner(_)))? };
+        let (busy, guarded) = match holder {
+            Holder::Owner(b) | Holder::PeerHere(b) => (b, true),
+            Holder::PeerElsewhere => (Arc::default(), false),
+        };
         Ok(Mapping {
             map,
             slot,
-            busy: Busy::default(),
+            busy,
+            guarded,
         })
     }
 
@@ -283,12 +265,14 @@ impl Mapping {
             .ok_or(Refused::Busy)?;
         // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
         // `len` bytes; the mapping is writable and shared memory outside every Rust object, so
-        // it cannot overlap `data`. Only this process writes its segment (the peers' mappings
-        // are read-only, sealed so), and no other thread of it copies an overlapping range
-        // while `_entered` lives (`Busy`), so no two of its threads race on these bytes.
-        // (Tests: `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`,
-        // `overlapping_accesses_from_two_threads_are_refused`; dist-core's
-        // `every_step_of_a_piece_runs_on_several_threads`.)
+        // it cannot overlap `data`. Only this process writes the segment (every other mapping
+        // is read-only, sealed so), and while `_entered` lives no other thread of it copies
+        // overlapping bytes of the segment through any of its mappings in this process (they
+        // share `busy`: `busy.rs`), so no two of its threads race on these bytes. (Tests:
+        // `arena_tests::segments_round_trip`, `out_of_range_accesses_are_refused`,
+        // `overlapping_accesses_from_two_threads_are_refused`,
+        // `racing_copies_never_see_a_mix`; split pieces over several threads on real
+        // segments: the multi-rank `shm_arena` test's `threads3` variant.)
         unsafe {
             let at = self.map.ptr().add(HEADER + start);
             std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
@@ -297,14 +281,15 @@ impl Mapping {
     }
 
     /// Copies slot `slot`'s bytes at `offset` into `dst`; refused (nothing copied) if out of
-    /// range or, on the owner's mapping, while another thread writes overlapping bytes.
+    /// range or, where this process writes the segment, while another of its threads writes
+    /// overlapping bytes.
     pub(crate) fn read(&self, slot: usize, offset: usize, dst: &mut [u8]) -> Result<(), Refused> {
         if !self.within(slot, offset, dst.len()) {
             return Err(Refused::OutOfRange);
         }
         let start = slot * self.slot + offset;
-        // Only the owner's mapping is written by this process: a peer's needs no entry.
-        let _entered = match self.map.writable() {
+        // A segment of another process: no thread of this one writes it, nothing to enter.
+        let _entered = match self.guarded {
             true => Some(
                 self.busy
                     .enter(start, start + dst.len(), false)
@@ -312,11 +297,11 @@ impl Mapping {
             ),
             false => None,
         };
-        // SAFETY: as in `write`, for reading: the range is within the mapping, and on the
-        // owner's mapping no thread of this process writes it meanwhile (`Busy`). The owner,
-        // another process, may write these bytes meanwhile only if it breaks the protocol;
-        // the copy is then of whatever bytes are there (plain bytes, valid for every element
-        // type), never a reference into the mapping.
+        // SAFETY: as in `write`, for reading: the range is within the mapping, and where this
+        // process writes the segment no thread of it writes these bytes meanwhile (`busy`).
+        // The owner in another process may write them meanwhile only if it breaks the
+        // protocol; the copy is then of whatever bytes are there (plain bytes, valid for every
+        // element type), never a reference into the mapping.
         unsafe {
             let at = self.map.ptr().add(HEADER + start);
             std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len());
@@ -324,7 +309,7 @@ impl Mapping {
         Ok(())
     }
 
-    /// The accesses in progress on this mapping (for tests that hold one open).
+    /// The accesses in progress on this mapping's segment (for tests that hold one open).
     #[cfg(test)]
     pub(crate) fn busy(&self) -> &Busy {
         &self.busy

@@ -161,6 +161,44 @@ fn every_step_of_a_piece_runs_on_several_threads() {
     }
 }
 
+/// In a piece split into shares a rank writes into its slot only the shares its peers reduce,
+/// then its reduced share: every byte of the piece once, none of its own share's input (which
+/// it reduces from its buffer), on one thread or four.
+#[test]
+fn a_rank_copies_in_only_what_its_peers_reduce() {
+    for threads in [1, 4] {
+        for n in [2, 3, 5] {
+            let count = SLOT / 4;
+            let results = on_one_host(n, threads, |g| {
+                let mut x = vec![1.0f32; count];
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                g.link().trace_arena(true);
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                Ok((g.rank(), g.link().trace_arena(false), x))
+            });
+            for res in results {
+                let (r, trace, x) = res.unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+                assert!(
+                    x.iter().all(|&v| v == (n * n) as f32),
+                    "{n} ranks, rank {r}"
+                );
+                let share = segment(count, n, r);
+                let share = share.start * 4..share.end * 4;
+                let first_read = trace.iter().position(|a| !a.write).expect("reads");
+                for a in &trace[..first_read] {
+                    assert!(
+                        a.offset + a.len <= share.start || a.offset >= share.end,
+                        "{n} ranks, {threads} threads, rank {r}: input copied into its own \
+                         share {share:?}: {a:?}"
+                    );
+                }
+                let written: usize = trace.iter().filter(|a| a.write).map(|a| a.len).sum();
+                assert_eq!(written, count * 4, "{n} ranks, {threads} threads, rank {r}");
+            }
+        }
+    }
+}
+
 /// A piece smaller than `ARENA_THREADS_MIN` stays on the calling thread, every step of it; one
 /// of that size splits.
 #[test]
