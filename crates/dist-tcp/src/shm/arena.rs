@@ -224,7 +224,8 @@ impl TcpArena {
             ),
             Refused::Busy => format!(
                 "{len} bytes at {offset} of slot {slot} of rank {owner}: another thread of this \
-                 rank is copying overlapping bytes of its slots now"
+                 process is copying overlapping bytes of those slots now (a write beside a copy, \
+                 or a read beside a write)"
             ),
         };
         DistError::InvalidArgument {

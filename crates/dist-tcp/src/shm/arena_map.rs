@@ -4,9 +4,11 @@
 //! before they map it: the size, and the seals that keep it.
 //!
 //! The header: magic, version, the owner's rank and the slot size, its process id and where a
-//! probe value lies in its memory (and the value); then, each on a cache line
-//! of its own, the input word, the reduced word, and the owner's asleep count (its threads sleeping on a
-//! peer's word); the descriptors beside each slot and of the current call.
+//! probe value lies in its memory (and the value); then, each on a cache line of its own, the
+//! input word, the reduced word, and the owner's asleep count (its threads sleeping on a peer's
+//! word); the descriptors beside each slot and of the current call, and the owner's token for
+//! the segment (by which a rank of the same process finds the segment's copy record:
+//! `busy.rs`).
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -37,10 +39,13 @@ pub(crate) const OFF_META: usize = 256;
 pub(crate) const OFF_CALL: usize = 288;
 /// The sequence lock of the current call's descriptor (odd while it is being written).
 pub(crate) const OFF_CALL_SEQ: usize = 304;
+/// The owner's token for the segment, which a rank of the same process finds its record by
+/// (`busy.rs`).
+const OFF_TOKEN: usize = 312;
 
 /// `dist-are` in ASCII, little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-are");
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// The slot sizes a peer may offer: powers of two in this range.
 pub(crate) const MIN_SLOT: u64 = 4 << 10;
 pub(crate) const MAX_SLOT: u64 = 64 << 20;
@@ -60,22 +65,11 @@ fn required_seals() -> SealFlags {
 pub(crate) struct Mapping {
     map: SharedMap,
     slot: usize,
-    /// The byte ranges of the segment's slots that this process's threads are copying now,
-    /// shared by every mapping of the segment in this process (`busy.rs`).
-    busy: Arc<Busy>,
-    /// Whether this process writes the segment (its owner's mapping, or a peer's of a
-    /// segment made in this process): then every copy enters `busy`.
-    guarded: bool,
-}
-
-/// Who maps a segment, and so how its copies are guarded.
-enum Holder {
-    /// Its owner, which made it (read-write), with the segment's new record.
-    Owner(Arc<Busy>),
-    /// A peer rank in the process that made it (read-only), with the owner's record.
-    PeerHere(Arc<Busy>),
-    /// A peer rank in another process (read-only): no thread of this process writes it.
-    PeerElsewhere,
+    /// Where this process writes the segment (its owner's mapping, or a peer's of a segment
+    /// made in this process): the byte ranges of its slots that this process's threads are
+    /// copying now, shared by every mapping of it here (`busy.rs`), which every copy enters.
+    /// `None` for a segment of another process.
+    busy: Option<Arc<Busy>>,
 }
 
 /// Why a slot access was refused (nothing was copied).
@@ -120,9 +114,10 @@ impl Mapping {
         let len = HEADER as u64 + 2 * slot;
         rustix::fs::ftruncate(&fd, len)?;
         // Mapped writable before the seals: after them no writable mapping can be made.
-        let own = Holder::Owner(busy::for_new_file(&fd)?);
-        let m = Mapping::map(&fd, len as usize, slot as usize, own)?;
+        let (token, busy) = busy::for_new_file(&fd)?;
+        let m = Mapping::map(&fd, len as usize, slot as usize, Some(busy))?;
         rustix::fs::fcntl_add_seals(&fd, required_seals())?;
+        m.store_u64(OFF_TOKEN, token, Ordering::Relaxed);
         m.store_u64(OFF_SLOT, slot, Ordering::Relaxed);
         m.store_u32(OFF_RANK, rank as u32, Ordering::Relaxed);
         m.store_u32(OFF_PID, std::process::id(), Ordering::Relaxed);
@@ -141,11 +136,7 @@ impl Mapping {
         }
         let want = HEADER as u64 + 2 * slot;
         check_sealed(fd, want, required_seals(), "arena segment")?;
-        let holder = match busy::for_file(fd).map_err(|e| format!("fstat: {e}"))? {
-            Some(b) => Holder::PeerHere(b),
-            None => Holder::PeerElsewhere,
-        };
-        let m = Mapping::map(fd, want as usize, slot as usize, holder)
+        let mut m = Mapping::map(fd, want as usize, slot as usize, None)
             .map_err(|e| format!("mmap: {e}"))?;
         let (magic, version, rank, hslot) = (
             m.load_u64(OFF_MAGIC),
@@ -159,24 +150,24 @@ impl Mapping {
                  {hslot} bytes (expected {MAGIC:#x}, {VERSION}, {peer}, {slot})"
             ));
         }
+        // A segment made in this process (a peer rank of it): its copies are guarded with
+        // the owner's record.
+        m.busy = busy::for_file(fd, m.load_u64(OFF_TOKEN)).map_err(|e| format!("fstat: {e}"))?;
         Ok(m)
     }
 
-    fn map(fd: &impl AsFd, len: usize, slot: usize, holder: Holder) -> io::Result<Mapping> {
+    /// Maps the segment: read-write for its owner, given its new record (`own`), else
+    /// read-only and unguarded (`open` then looks for the owner's record).
+    fn map(fd: &impl AsFd, len: usize, slot: usize, own: Option<Arc<Busy>>) -> io::Result<Mapping> {
         // SAFETY: `len` is the file's size, which its seals keep: `create` maps the file it
         // made and seals it before any peer sees it (nothing resizes it in between); `open`
         // maps only after `check_sealed`. (Tests: `arena_tests::segments_round_trip`,
         // `hostile_segments_are_refused`.)
-        let map = unsafe { SharedMap::new(fd, len, matches!(holder, Holder::Owner(_)))? };
-        let (busy, guarded) = match holder {
-            Holder::Owner(b) | Holder::PeerHere(b) => (b, true),
-            Holder::PeerElsewhere => (Arc::default(), false),
-        };
+        let map = unsafe { SharedMap::new(fd, len, own.is_some())? };
         Ok(Mapping {
             map,
             slot,
-            busy,
-            guarded,
+            busy: own,
         })
     }
 
@@ -259,8 +250,8 @@ impl Mapping {
             return Err(Refused::OutOfRange);
         }
         let start = slot * self.slot + offset;
-        let _entered = self
-            .busy
+        let busy = self.busy.as_ref().ok_or(Refused::OutOfRange)?;
+        let _entered = busy
             .enter(start, start + data.len(), true)
             .ok_or(Refused::Busy)?;
         // SAFETY: the range is within slot `slot` (checked above), inside the live mapping of
@@ -289,13 +280,12 @@ impl Mapping {
         }
         let start = slot * self.slot + offset;
         // A segment of another process: no thread of this one writes it, nothing to enter.
-        let _entered = match self.guarded {
-            true => Some(
-                self.busy
-                    .enter(start, start + dst.len(), false)
+        let _entered = match &self.busy {
+            Some(busy) => Some(
+                busy.enter(start, start + dst.len(), false)
                     .ok_or(Refused::Busy)?,
             ),
-            false => None,
+            None => None,
         };
         // SAFETY: as in `write`, for reading: the range is within the mapping, and where this
         // process writes the segment no thread of it writes these bytes meanwhile (`busy`).
@@ -309,9 +299,10 @@ impl Mapping {
         Ok(())
     }
 
-    /// The accesses in progress on this mapping's segment (for tests that hold one open).
+    /// The accesses in progress on this mapping's segment, where this process writes it (for
+    /// tests that hold one open).
     #[cfg(test)]
-    pub(crate) fn busy(&self) -> &Busy {
-        &self.busy
+    pub(crate) fn busy(&self) -> Option<&Busy> {
+        self.busy.as_deref()
     }
 }

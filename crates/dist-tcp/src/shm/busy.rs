@@ -6,9 +6,10 @@
 //!
 //! A segment's record is shared by every mapping of it in this process: the owner's, and a
 //! peer's where the peer rank lives in the same process (ranks as threads of one process map
-//! each other's segments at other addresses), found by the segment's file ([`for_file`]).
+//! each other's segments at other addresses), found by the segment's file and a token in its header ([`for_file`]).
 
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// The ranges of a segment's slots (byte offsets from the first slot) being copied now, each
@@ -55,40 +56,46 @@ impl Drop for Entered<'_> {
     }
 }
 
-/// A file's identity: its device and inode (unique among live files).
-type FileId = (u64, u64);
+/// A segment's identity in this process: its file's device and inode, and the token the
+/// owner wrote in its header ([`for_new_file`]). The inode alone would do on kernels from 5.9
+/// (never reused for a memfd); before, a 32-bit count shared with other kernel files could in
+/// principle give two live files one number, and the token keeps them apart.
+type SegmentId = (u64, u64, u64);
 
-/// The records of the segments made in this process, by file; an entry whose record is gone
-/// (no mapping of its segment alive) is dropped when the next segment is made.
-type MadeHere = Mutex<Vec<(FileId, Weak<Busy>)>>;
+/// The records of the segments made in this process, by identity; an entry whose record is
+/// gone (no mapping of its segment alive) is dropped when the next segment is made.
+type MadeHere = Mutex<Vec<(SegmentId, Weak<Busy>)>>;
 
 fn made_here() -> &'static MadeHere {
     static MADE: OnceLock<MadeHere> = OnceLock::new();
     MADE.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-fn file_id(fd: &impl AsFd) -> std::io::Result<FileId> {
+fn segment_id(fd: &impl AsFd, token: u64) -> std::io::Result<SegmentId> {
     let st = rustix::fs::fstat(fd)?;
     // Already u64 on some targets, not on all.
     #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
-    Ok((st.st_dev as u64, st.st_ino as u64))
+    Ok((st.st_dev as u64, st.st_ino as u64, token))
 }
 
-/// A new record for a segment this process just made in file `fd`.
-pub(crate) fn for_new_file(fd: &impl AsFd) -> std::io::Result<Arc<Busy>> {
-    let id = file_id(fd)?;
+/// A new record for a segment this process just made in file `fd`, with the token (never 0,
+/// never given twice in this process) its owner writes in the segment's header.
+pub(crate) fn for_new_file(fd: &impl AsFd) -> std::io::Result<(u64, Arc<Busy>)> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let token = NEXT.fetch_add(1, Ordering::Relaxed);
+    let id = segment_id(fd, token)?;
     let busy = Arc::new(Busy::default());
     let mut made = made_here().lock().unwrap_or_else(|p| p.into_inner());
-    // A file of the same identity that is gone (no mapping of it alive) leaves its entry.
-    made.retain(|(other, b)| *other != id && b.strong_count() > 0);
+    made.retain(|(_, b)| b.strong_count() > 0);
     made.push((id, Arc::downgrade(&busy)));
-    Ok(busy)
+    Ok((token, busy))
 }
 
-/// The record of the segment in file `fd` if this process made it (a peer rank of this
-/// process), else `None` (a segment of another process, which this one only reads).
-pub(crate) fn for_file(fd: &impl AsFd) -> std::io::Result<Option<Arc<Busy>>> {
-    let id = file_id(fd)?;
+/// The record of the segment in file `fd` whose header holds `token`, if this process made
+/// it (a peer rank of this process) and a mapping of it is alive; else `None` (a segment of
+/// another process, which this one only reads).
+pub(crate) fn for_file(fd: &impl AsFd, token: u64) -> std::io::Result<Option<Arc<Busy>>> {
+    let id = segment_id(fd, token)?;
     let made = made_here().lock().unwrap_or_else(|p| p.into_inner());
     Ok(made
         .iter()

@@ -185,15 +185,29 @@ fn a_rank_copies_in_only_what_its_peers_reduce() {
                 let share = segment(count, n, r);
                 let share = share.start * 4..share.end * 4;
                 let first_read = trace.iter().position(|a| !a.write).expect("reads");
+                let at = format!("{n} ranks, {threads} threads, rank {r}");
                 for a in &trace[..first_read] {
                     assert!(
                         a.offset + a.len <= share.start || a.offset >= share.end,
-                        "{n} ranks, {threads} threads, rank {r}: input copied into its own \
-                         share {share:?}: {a:?}"
+                        "{at}: input copied into its own share {share:?}: {a:?}"
                     );
                 }
-                let written: usize = trace.iter().filter(|a| a.write).map(|a| a.len).sum();
-                assert_eq!(written, count * 4, "{n} ranks, {threads} threads, rank {r}");
+                for a in trace[first_read..].iter().filter(|a| a.write) {
+                    assert!(
+                        share.start <= a.offset && a.offset + a.len <= share.end,
+                        "{at}: a write outside its share {share:?} after the inputs: {a:?}"
+                    );
+                }
+                let mut times = vec![0u8; count * 4];
+                for a in trace.iter().filter(|a| a.write) {
+                    for t in &mut times[a.offset..a.offset + a.len] {
+                        *t += 1;
+                    }
+                }
+                assert!(
+                    times.iter().all(|&t| t == 1),
+                    "{at}: a byte written twice or never"
+                );
             }
         }
     }

@@ -109,8 +109,8 @@ every_type! {
 /// Floats whose sum depends on the order: bitwise alike on every rank, the rank-order
 /// reference, and the arena's copies' result (the same input run both ways); calls of both
 /// kinds and other collectives between them keep the arena's count in step. Each rank's share
-/// of the direct call is over two of the reduction's 128 KiB chunks, so every position's sum
-/// runs across chunks.
+/// of the direct call spans three of the reduction's 128 KiB chunks, so the order is checked
+/// in chunks after the first too.
 #[test]
 fn direct_results_are_bitwise_those_of_the_copies() {
     let value = |r: usize, i: usize| 1.0f32 / ((r * 31 + i * 7) % 97 + 1) as f32;
