@@ -73,8 +73,8 @@ fn reads_torchrun_variables() {
 }
 
 /// Direct reads: by default where the host's ranks outnumber its cores without crowding it
-/// (above the arena's 1 MiB there) or have two cores each (from 16 MiB), and the reads are fast;
-/// `DIST_DIRECT` decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
+/// (above the arena's limit there: 1 MiB, or as set) or have two cores each (from 16 MiB), and
+/// the reads are fast; `DIST_DIRECT` decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
 #[test]
 fn direct_reads_by_default_and_by_variable() {
     use crate::config::{SHARED_CORES_DIRECT_MIN, SPARE_DIRECT_MIN, direct_for};
@@ -102,6 +102,18 @@ fn direct_reads_by_default_and_by_variable() {
     v.push(("DIST_DIRECT_MIN_KB", "512"));
     let c = TcpConfig::from_lookup(env(&v)).unwrap();
     assert_eq!(direct_for(&c, 4, 16, fast), Some(512 << 10));
+    // Where ranks outnumber cores, from just above the arena's limit as set (the arena keeps
+    // every size it was given), unless a size for direct reads is set too.
+    for kb in ["256", "4096"] {
+        let mut v = OK.to_vec();
+        v.push(("DIST_ARENA_MAX_KB", kb));
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        let want = (kb.parse::<usize>().unwrap() << 10) + 1;
+        assert_eq!(direct_for(&c, 4, 2, fast), Some(want), "arena to {kb} KiB");
+        v.push(("DIST_DIRECT_MIN_KB", "2048"));
+        let c = TcpConfig::from_lookup(env(&v)).unwrap();
+        assert_eq!(direct_for(&c, 4, 2, fast), Some(2 << 20));
+    }
 }
 
 /// An arena all_reduce's threads a rank: by default the cores each of the host's ranks has

@@ -47,7 +47,8 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// only where it matters) and either the host's `local` ranks outnumber the `cores` this rank
 /// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
 /// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
-/// nothing was measured), above the arena's limit there ([`SHARED_CORES_DIRECT_MIN`]), or
+/// nothing was measured), above the arena's limit there (`DIST_ARENA_MAX_KB` where set, else
+/// [`SHARED_CORES_DIRECT_MIN`]), or
 /// those cores are two or more a rank, from [`SPARE_DIRECT_MIN`] (there it splits its part
 /// over them: [`arena_threads_for`]). With `DIST_DIRECT=1` and no size, from
 /// [`HOST_DIRECT_MIN`]. A size set in `cfg` wins. All_reduce µs, medians of three
@@ -67,7 +68,12 @@ pub(crate) fn direct_for(
     match cfg.direct {
         Some(on) => on.then(|| min(HOST_DIRECT_MIN)),
         None if crowded(local, cores) => None,
-        None if local > cores => fast().then(|| min(SHARED_CORES_DIRECT_MIN)),
+        None if local > cores => fast().then(|| {
+            // Just above the arena's limit there: the one set, if one is (0 sets none).
+            let set = cfg.arena_max_kb.filter(|&kb| kb > 0);
+            let limit = set.map(|kb| ((kb as usize) << 10) + 1);
+            min(limit.unwrap_or(SHARED_CORES_DIRECT_MIN))
+        }),
         None if cores >= local.saturating_mul(2) => fast().then(|| min(SPARE_DIRECT_MIN)),
         None => None,
     }
