@@ -35,3 +35,27 @@ cmp)
   grep -c "^==" "$f"
   ;;
 esac
+# Added (the host as a 2-core Xeon, as session 14's CI-class machine was):
+#   s15-run.sh probe         what the host has of Open MPI, its C library and system
+#   s15-run.sh pinned        all_reduce, 4 ranks bound to cores 0 and 1 (`taskset -c 0,1`: each
+#                            rank's affinity mask then says 2 cores, so the defaults are those of
+#                            a 2-core host), 8 B, 1 MiB and 32 MiB, five alternating rounds of
+#                            bundle/new and bundle/old
+if [ "$1" = probe ]; then
+  { which mpirun mpicc taskset; ldd --version | head -1; grep -E "^(NAME|VERSION)=" /etc/os-release;
+    ls /usr/lib/x86_64-linux-gnu/ | grep -ci mpi; } > "$OUT/s15-probe.txt" 2>&1
+  cat "$OUT/s15-probe.txt"
+fi
+if [ "$1" = pinned ]; then
+  f="$OUT/s15-pinned.txt"
+  for i in 1 2 3 4 5; do
+    for v in new old; do
+      echo "== $v round $i" >> "$f"
+      for s in 8 1M 32M; do
+        taskset -c 0,1 timeout 120 bundle/$v/run perf --op all_reduce -n 4 -b $s -e $s --check 2>&1 \
+          | grep -v -e '^\[' -e '^#' >> "$f"
+      done
+    done
+  done
+  grep -c "^==" "$f"
+fi
