@@ -59,3 +59,30 @@ if [ "$1" = pinned ]; then
   done
   grep -c "^==" "$f"
 fi
+#   s15-run.sh pinned-vader [YIELD]
+#                            as pinned, alternating rounds (ROUNDS, default 5) of bundle/new and
+#                            Open MPI's vader (the host's Open MPI, `--bind-to none` so that the
+#                            ranks keep the two cores taskset gives them). Open MPI sees 16 cores
+#                            and so does not know it is oversubscribed: its ranks spin without
+#                            giving the core away (the first run, `s15-pinned-vader-spinning.txt`,
+#                            8 B in 4,000-5,000 us). YIELD=1 adds `--mca mpi_yield_when_idle 1`,
+#                            what it sets itself where it counts more ranks than cores.
+if [ "$1" = pinned-vader ]; then
+  f="$OUT/s15-pinned-vader.txt" bin=/tmp/dist-mpi-allreduce
+  yield=(); [ "${2:-}" = 1 ] && yield=(--mca mpi_yield_when_idle 1)
+  mpicc -O2 -o $bin benches/peers/mpi_allreduce.c
+  mpirun --version | head -1 >> "$f"
+  for i in $(seq 1 ${ROUNDS:-5}); do
+    for v in new vader; do
+      echo "== $v round $i" >> "$f"
+      for s in 8 1M 32M; do
+        case $v in
+          new) taskset -c 0,1 timeout 120 bundle/new/run perf --op all_reduce -n 4 -b $s -e $s --check ;;
+          vader) taskset -c 0,1 timeout 60 mpirun --allow-run-as-root --oversubscribe --bind-to none \
+                   "${yield[@]}" -np 4 --mca btl vader,self $bin -b $s -e $s ;;
+        esac 2>&1 | grep -v -e '^\[' -e '^#' >> "$f"
+      done
+    done
+  done
+  grep -c "^==" "$f"
+fi
