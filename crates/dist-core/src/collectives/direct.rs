@@ -41,8 +41,9 @@ use crate::error::{DistError, Result};
 use crate::link::Link;
 use crate::types::{Element, ReduceOp};
 
+use super::arena_wait::wait_word;
 use super::call::finish;
-use super::host::{Host, wait_word};
+use super::host::Host;
 use super::scratch::{bytes_mut, segment};
 
 /// The bytes read from a peer at a time during the reduction (with as many of this rank's

@@ -26,30 +26,24 @@
 //! slot, and every rank compares its peers' with its own: a mismatched call is reported as
 //! every collective's is. A peer's word is checked against what the protocol allows (one piece
 //! behind, or at most one ahead for `Input`): anything else is a corrupt arena, an error naming
-//! that peer. Waits spin for the arena's spin time, then sleep in slices of [`SLICE`] until the
-//! call's deadline, checking between slices whether the peer is gone, an abort has come, or
-//! the peer sent a message of another collective (a mismatched call on the TCP path).
-
-use std::time::{Duration, Instant};
+//! that peer. Waits (`collectives/arena_wait.rs`) spin for the arena's spin time, then sleep
+//! in slices until the call's deadline, checking between slices whether the peer is gone, an
+//! abort has come, or the peer sent a message of another collective (a mismatched call on the
+//! TCP path).
 
 use crate::arena::{ArenaWord, HostArena};
 use crate::error::{DistError, Result};
 use crate::link::Link;
 use crate::types::{Element, ReduceOp};
 
+use super::arena_wait::wait_word;
 use super::call::{Call, finish};
-use super::consts::{COLLECTIVE_TAG, HOST_SPLIT_MIN};
+use super::consts::HOST_SPLIT_MIN;
 use super::desc::Desc;
 use super::scratch::{bytes, bytes_mut, segment, with_scratch};
 
 /// Fills its buffer with a local peer's bytes from a byte offset: `read(rank, offset, dst)`.
 pub(super) type ReadPeer<'r> = &'r (dyn Fn(usize, usize, &mut [u8]) -> Result<()> + Sync);
-
-/// The longest sleep of an arena wait between checks of the peer, aborts and the deadline.
-pub const SLICE: Duration = Duration::from_millis(50);
-
-/// How long a wait yields its core, after its spin, before it sleeps.
-const YIELD: Duration = Duration::from_micros(100);
 
 /// The bytes reduced at a time from a peer's slot (copied first into a buffer that stays in
 /// the cache: no reference into memory another process writes is ever made).
@@ -486,127 +480,5 @@ impl<L: Link> Host<'_, '_, L> {
                 return Ok(());
             }
         }
-    }
-}
-
-/// Waits until rank `owner`'s `word` reaches `target` (by the call's deadline). The values the
-/// protocol allows: `target - 1` (not yet), `target`, and for `Input` `target + 1` (the peer
-/// has published the next piece already). Anything else is a corrupt arena: an error naming
-/// `owner`.
-pub(super) fn wait_word<L: Link>(
-    c: &Call<'_, L>,
-    a: &dyn HostArena,
-    owner: usize,
-    word: ArenaWord,
-    target: u32,
-) -> Result<()> {
-    let ahead = match word {
-        ArenaWord::Input => 1,
-        ArenaWord::Reduced => 0,
-    };
-    let reached = |v: u32| -> Result<bool> {
-        word_reached(v, target, ahead).ok_or_else(|| corrupt(c, owner, word, v, target, ahead))
-    };
-    // Spin for the arena's spin time, then some more, giving the core away between looks
-    // (with more ranks than cores the peer waited for may need it: a pure busy loop here took
-    // 3.5x the time of an 8 B all_reduce at 4 ranks on 2 cores); then sleep.
-    let started = Instant::now();
-    let until = a.spin() + YIELD;
-    let mut v = a.load(owner, word);
-    while !reached(v)? {
-        if started.elapsed() >= until {
-            return sleep_until(c, a, owner, (word, target), v, started, &reached);
-        }
-        std::thread::yield_now();
-        v = a.load(owner, word);
-    }
-    Ok(())
-}
-
-/// The sleeping part of [`wait_word`]: slices of [`SLICE`] at most, with the checks between.
-fn sleep_until<L: Link>(
-    c: &Call<'_, L>,
-    a: &dyn HostArena,
-    owner: usize,
-    (word, target): (ArenaWord, u32),
-    mut v: u32,
-    started: Instant,
-    reached: &dyn Fn(u32) -> Result<bool>,
-) -> Result<()> {
-    let link = c.g.link();
-    loop {
-        if let Some(n) = c.abort_notice() {
-            return Err(c.aborted(n));
-        }
-        a.check_peer(owner, &|| c.op_text())?;
-        // A peer in another collective of the same number (which it says in the arena), or
-        // one that sends that collective's messages: a mismatch. A peer still in an earlier
-        // collective is late, not mismatched.
-        let now = a.call(owner);
-        let same_number = now != [0; 16] && Desc::decode(&now).seq == c.desc().seq;
-        let sent = link.peek(owner, COLLECTIVE_TAG).map(|(_, m)| m);
-        let found = match sent.filter(|m| *m != c.meta()) {
-            Some(m) => Some(m),
-            None => (same_number && now != c.meta()).then_some(now),
-        };
-        if let Some(m) = found {
-            return Err(DistError::CollectiveMismatch {
-                rank: c.me,
-                op: c.op_text(),
-                peer: owner,
-                detail: c.desc().differences(&Desc::decode(&m)),
-            });
-        }
-        let left = c.deadline().saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(DistError::Timeout {
-                rank: c.me,
-                op: format!(
-                    "{} (its {} word on the host arena, at {v}, waited for {target})",
-                    c.op_text(),
-                    word.name()
-                ),
-                peer: owner,
-                waited: started.elapsed(),
-            });
-        }
-        a.sleep(owner, word, v, left.min(SLICE));
-        v = a.load(owner, word);
-        if reached(v)? {
-            return Ok(());
-        }
-    }
-}
-
-/// Whether a peer's word `v` has reached `target`: `Some(false)` for `target - 1` (not yet),
-/// `Some(true)` from `target` to `target + ahead`, `None` for any other value (not one the
-/// protocol allows: a corrupt arena). Wrapping at 2³².
-pub(super) fn word_reached(v: u32, target: u32, ahead: u32) -> Option<bool> {
-    match v.wrapping_sub(target.wrapping_sub(1)) {
-        0 => Some(false),
-        d if d <= 1 + ahead => Some(true),
-        _ => None,
-    }
-}
-
-fn corrupt<L: Link>(
-    c: &Call<'_, L>,
-    owner: usize,
-    word: ArenaWord,
-    v: u32,
-    target: u32,
-    ahead: u32,
-) -> DistError {
-    DistError::PeerGone {
-        rank: c.me,
-        peer: owner,
-        op: c.op_text(),
-        cause: format!(
-            "corrupt host arena: its {} word is {v}, where this rank waits for {target} \
-             (possible: {} to {})",
-            word.name(),
-            target.wrapping_sub(1),
-            target.wrapping_add(ahead)
-        ),
     }
 }

@@ -38,6 +38,7 @@ use crate::group::Group;
 use crate::link::{Link, PostedRecv};
 use crate::types::{Element, ReduceOp};
 
+mod arena_wait;
 mod call;
 mod chain;
 mod consts;
@@ -56,10 +57,10 @@ mod tree;
 pub(crate) mod uneven;
 
 pub use crate::group::{GROUP_TAG, RING_PIECE, forming_tree};
+pub use arena_wait::SLICE as HOST_WAIT_SLICE;
 pub(crate) use call::abort_all;
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
-pub use host::SLICE as HOST_WAIT_SLICE;
 pub use select::{
     AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
 };

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::super::HOST_SPLIT_MIN;
-use super::super::host::word_reached;
+use super::super::arena_wait::word_reached;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::arena::ArenaWord;
 use crate::link::Link;
