@@ -63,9 +63,10 @@ pub trait HostArena: Send + Sync {
     /// The bytes of one slot.
     fn slot_len(&self) -> usize;
 
-    /// How long a wait keeps looking at a peer's word, giving its core away between looks,
-    /// before it sleeps (dist-tcp: its receive spin, 50 µs unless the host is crowded with more
-    /// than 16 ranks a core, then zero).
+    /// The arena's spin time: a wait looks at a peer's word for this long and the collectives'
+    /// yield time more (`collectives/arena_wait.rs`), giving its core away between looks, before
+    /// it sleeps (dist-tcp: its receive spin, 50 µs unless the host is crowded with more than 16
+    /// ranks a core, then zero).
     fn spin(&self) -> Duration;
 
     /// Copies `data` into this rank's slot `slot` (0 or 1) at byte `offset`. Any thread may

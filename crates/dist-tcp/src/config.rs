@@ -422,7 +422,8 @@ impl TcpConfig {
 
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
     /// ([`TcpConfig::direct`]; default: where the host's ranks outnumber its cores, every size
-    /// above the arena's limit there, 1 MiB; where each has two cores or more, 16 MiB; with
+    /// above the arena's limit there, 1 MiB or [`TcpConfig::arena_max_kb`] where set (not 0);
+    /// where each has two cores or more, 16 MiB; with
     /// direct reads asked for, [`dist_core::collectives::HOST_DIRECT_MIN`]; never
     /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct

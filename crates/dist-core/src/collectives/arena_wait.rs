@@ -40,7 +40,8 @@ pub(super) fn wait_word<L: Link>(
     };
     // Spin for the arena's spin time, then some more, giving the core away between looks
     // (with more ranks than cores the peer waited for may need it: a pure busy loop here took
-    // 3.5x the time of an 8 B all_reduce at 4 ranks on 2 cores); then sleep.
+    // 7.6 times the time of an 8 B all_reduce at 4 ranks on 2 cores, 56 against 7.4 us,
+    // commit a37476a); then sleep.
     let started = Instant::now();
     let until = a.spin() + YIELD;
     let mut v = a.load(owner, word);

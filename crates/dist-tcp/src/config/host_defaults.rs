@@ -80,7 +80,8 @@ pub(crate) fn direct_for(
 }
 
 /// The smallest all_reduce that reads peers' buffers directly by default where the host's
-/// ranks outnumber its cores: just above the arena's limit there
+/// ranks outnumber its cores and no arena limit is set (`DIST_ARENA_MAX_KB`: then just above
+/// that one): just above the arena's default limit there
 /// ([`HOST_ARENA_MAX_OVERSUBSCRIBED`], 1 MiB), since below it the arena's copies are faster and
 /// above it direct reads beat the rings. 4 ranks on 2 cores where the read copies at 0.7 of a
 /// copy's rate (`docs/benchmarks.md`, "Session 14"), direct against the arena's copies 512 KiB
