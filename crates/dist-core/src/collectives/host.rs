@@ -341,8 +341,7 @@ impl<L: Link> Host<'_, '_, L> {
         let share = segment(len, m, self.pos);
         // Only what the peers reduce goes into the slot: this rank reduces its own share from
         // its buffer, and writes the result over that share of the slot.
-        let (before, rest) = piece.split_at_mut(share.start);
-        let inputs = vec![(0, before), (share.end, &mut rest[share.len()..])];
+        let inputs = around(piece, &share);
         self.in_parts_of(inputs, part_min, &|at, part| write(at, part))?;
         self.announce::<T>(None, k, slot, first)?;
         self.in_parts(&mut piece[share.clone()], part_min, &|at, part| {
@@ -375,9 +374,7 @@ impl<L: Link> Host<'_, '_, L> {
         }
         // The elements outside this rank's share, split; each range takes the part of every
         // other share that falls in it.
-        let (before, rest) = piece.split_at_mut(share.start);
-        let after = &mut rest[share.len()..];
-        let outside = vec![(0, before), (share.end, after)];
+        let outside = around(piece, &share);
         self.in_parts_of(outside, part_min, &|at, part| {
             for (q, theirs) in others() {
                 let (from, to) = (theirs.start.max(at), theirs.end.min(at + part.len()));
@@ -481,4 +478,10 @@ impl<L: Link> Host<'_, '_, L> {
             }
         }
     }
+}
+
+/// The two ranges of `piece` around `share`, each with the element it starts at.
+fn around<'p, T>(piece: &'p mut [T], share: &std::ops::Range<usize>) -> [(usize, &'p mut [T]); 2] {
+    let (before, rest) = piece.split_at_mut(share.start);
+    [(0, before), (share.end, &mut rest[share.len()..])]
 }

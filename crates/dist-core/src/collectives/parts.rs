@@ -34,12 +34,13 @@ impl<L: Link> Host<'_, '_, L> {
         }
     }
 
-    /// [`Host::in_parts`] over several ranges, each `(at, data)`: the parts cut their
-    /// elements, in order, into equal shares, and `f` runs on each range of a part (a part
-    /// may hold the end of one range and the start of the next).
+    /// [`Host::in_parts`] over two ranges (those around this rank's share of a piece), each
+    /// `(at, data)`: the parts cut their elements, in order, into equal shares, and `f` runs
+    /// on each range of a part (a part may hold the end of one range and the start of the
+    /// next).
     pub(super) fn in_parts_of<T: Element>(
         &self,
-        ranges: Vec<(usize, &mut [T])>,
+        ranges: [(usize, &mut [T]); 2],
         min: usize,
         f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
     ) -> Result<()> {
@@ -106,7 +107,11 @@ fn run_parts<T: Element>(
 
 /// `ranges` (`len` elements in all) cut into `parts` parts of [`segment`]'s lengths, each a
 /// list of `(at, data)` pieces of the ranges in order.
-fn cut<T>(ranges: Vec<(usize, &mut [T])>, len: usize, parts: usize) -> Vec<Vec<(usize, &mut [T])>> {
+fn cut<'d, T>(
+    ranges: impl IntoIterator<Item = (usize, &'d mut [T])>,
+    len: usize,
+    parts: usize,
+) -> Vec<Vec<(usize, &'d mut [T])>> {
     let mut out: Vec<Vec<(usize, &mut [T])>> = (0..parts).map(|_| Vec::new()).collect();
     let mut i = 0;
     let mut room = segment(len, parts, 0).len();

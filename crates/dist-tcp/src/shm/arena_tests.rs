@@ -272,8 +272,12 @@ fn racing_copies_never_see_a_mix() {
     let (a, b) = pair();
     let len = 1 << 20;
     a.write(0, 0, &vec![1u8; len]).unwrap();
+    // Each thread tries again after a refusal, for at most 60 s: a guard that refused every
+    // copy fails here instead of hanging.
+    let until = Instant::now() + Duration::from_secs(60);
     let refused = |e: dist_core::DistError| {
         assert!(e.to_string().contains("another thread"), "{e}");
+        assert!(Instant::now() < until, "copies refused for 60 s");
         std::thread::yield_now();
     };
     let uniform = |v: &[u8]| v.iter().all(|&x| x == v[0]) && v[0] != 0;

@@ -105,6 +105,35 @@ fn threads_of<'a>(accesses: impl Iterator<Item = &'a ArenaAccess>) -> usize {
     seen.len()
 }
 
+/// One traced piece of a slot's length (the second of two all_reduces of ones, `n` ranks,
+/// `threads` a rank): each rank's arena accesses during it, with its own share's byte range,
+/// after checking every rank's result.
+fn traced_piece(
+    n: usize,
+    threads: usize,
+) -> Vec<(usize, Vec<ArenaAccess>, std::ops::Range<usize>)> {
+    let count = SLOT / 4;
+    let results = on_one_host(n, threads, |g| {
+        let mut x = vec![1.0f32; count];
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        g.link().trace_arena(true);
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        Ok((g.rank(), g.link().trace_arena(false), x))
+    });
+    results
+        .into_iter()
+        .map(|res| {
+            let (r, trace, x) = res.unwrap_or_else(|e| panic!("{n} ranks: {e}"));
+            assert!(
+                x.iter().all(|&v| v == (n * n) as f32),
+                "{n} ranks, {threads} threads, rank {r}"
+            );
+            let share = segment(count, n, r);
+            (r, trace, share.start * 4..share.end * 4)
+        })
+        .collect()
+}
+
 /// One piece, four threads a rank: its input's copy into the slot, the reads of its share for
 /// the reduction, the reduced share's writes and the copies of the other shares each run on
 /// more than one thread; the copies out read only outside the rank's own share, each range
@@ -113,21 +142,7 @@ fn threads_of<'a>(accesses: impl Iterator<Item = &'a ArenaAccess>) -> usize {
 fn every_step_of_a_piece_runs_on_several_threads() {
     for n in [2, 5, 8] {
         let count = SLOT / 4;
-        let results = on_one_host(n, 4, |g| {
-            let mut x = vec![1.0f32; count];
-            g.all_reduce(&mut x, ReduceOp::Sum)?;
-            g.link().trace_arena(true);
-            g.all_reduce(&mut x, ReduceOp::Sum)?;
-            Ok((g.rank(), g.link().trace_arena(false), x))
-        });
-        for res in results {
-            let (r, trace, x) = res.unwrap_or_else(|e| panic!("{n} ranks: {e}"));
-            assert!(
-                x.iter().all(|&v| v == (n * n) as f32),
-                "{n} ranks, rank {r}"
-            );
-            let share = segment(count, n, r);
-            let share = share.start * 4..share.end * 4;
+        for (r, trace, share) in traced_piece(n, 4) {
             let first_read = trace.iter().position(|a| !a.write).expect("reads");
             let (copy_in, rest) = trace.split_at(first_read);
             let reduce = rest
@@ -169,21 +184,7 @@ fn a_rank_copies_in_only_what_its_peers_reduce() {
     for threads in [1, 4] {
         for n in [2, 3, 5] {
             let count = SLOT / 4;
-            let results = on_one_host(n, threads, |g| {
-                let mut x = vec![1.0f32; count];
-                g.all_reduce(&mut x, ReduceOp::Sum)?;
-                g.link().trace_arena(true);
-                g.all_reduce(&mut x, ReduceOp::Sum)?;
-                Ok((g.rank(), g.link().trace_arena(false), x))
-            });
-            for res in results {
-                let (r, trace, x) = res.unwrap_or_else(|e| panic!("{n} ranks: {e}"));
-                assert!(
-                    x.iter().all(|&v| v == (n * n) as f32),
-                    "{n} ranks, rank {r}"
-                );
-                let share = segment(count, n, r);
-                let share = share.start * 4..share.end * 4;
+            for (r, trace, share) in traced_piece(n, threads) {
                 let first_read = trace.iter().position(|a| !a.write).expect("reads");
                 let at = format!("{n} ranks, {threads} threads, rank {r}");
                 for a in &trace[..first_read] {
