@@ -73,20 +73,25 @@ fn reads_torchrun_variables() {
 }
 
 /// Direct reads: by default where the host's ranks outnumber its cores without crowding it
-/// (above the arena's limit there: 1 MiB, or as set) or have two cores each (from 16 MiB), and
+/// (above the arena's limit there: 1 MiB, or as set) or have a core each (from 16 MiB), and
 /// the reads are fast; `DIST_DIRECT` decides otherwise, and `DIST_DIRECT_MIN_KB` sets the size.
 #[test]
 fn direct_reads_by_default_and_by_variable() {
-    use crate::config::{SHARED_CORES_DIRECT_MIN, SPARE_DIRECT_MIN, direct_for};
+    use crate::config::{CORE_A_RANK_DIRECT_MIN, SHARED_CORES_DIRECT_MIN, direct_for};
     let c = TcpConfig::from_lookup(env(&OK)).unwrap();
     assert_eq!((c.direct, c.direct_min_kb), (None, None));
     let (fast, slow) = (|| true, || false);
     assert_eq!(direct_for(&c, 4, 2, fast), Some((1 << 20) + 1));
     assert_eq!(SHARED_CORES_DIRECT_MIN, (1 << 20) + 1);
     assert_eq!(direct_for(&c, 4, 2, slow), None);
-    assert_eq!(direct_for(&c, 4, 4, fast), None, "a core a rank");
-    assert_eq!(direct_for(&c, 4, 7, fast), None, "under two cores a rank");
-    assert_eq!(direct_for(&c, 4, 8, fast), Some(SPARE_DIRECT_MIN));
+    assert_eq!(
+        direct_for(&c, 4, 4, fast),
+        Some(CORE_A_RANK_DIRECT_MIN),
+        "a core a rank"
+    );
+    assert_eq!(direct_for(&c, 4, 7, fast), Some(CORE_A_RANK_DIRECT_MIN));
+    assert_eq!(direct_for(&c, 4, 4, slow), None);
+    assert_eq!(direct_for(&c, 4, 8, fast), Some(CORE_A_RANK_DIRECT_MIN));
     assert_eq!(direct_for(&c, 4, 16, slow), None);
     assert_eq!(direct_for(&c, 40, 2, fast), None, "crowded");
     for (val, on) in [("0", false), ("1", true)] {

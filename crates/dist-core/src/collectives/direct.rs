@@ -1,28 +1,37 @@
 //! all_reduce among the ranks of one host that read each other's buffers directly
 //! ([`HostArena::read_direct`](crate::HostArena::read_direct): `process_vm_readv` on Linux)
-//! instead of copying them into the arena first: one copy out of each peer's buffer for the
-//! reduction, one for the result, against the arena's three passes.
+//! for the reduction instead of copying them into the arena first, and pass the results
+//! through the arena's slots: one copy out of each peer's buffer for the reduction and one
+//! out of the slots for the result, against the arena's three passes. (The results once went
+//! from buffer to buffer by direct reads too, every rank's share read by every peer at once:
+//! 1.25–1.3× slower at 16 MiB on a 16-core host, and 0.92–0.98 at 64 MiB, where a share
+//! takes several rounds; `docs/benchmarks.md`, "Session 16".)
 //!
-//! One call takes two pieces of the arena's count (k and k + 1; their words as in
-//! `collectives/host.rs`):
+//! One call takes the arena's pieces k, k + 1, …, k + R (R rounds, then one to close; their
+//! words as in `collectives/host.rs`):
 //! 1. Each rank writes the address and byte length of its buffer at the start of its slot
 //!    `k % 2`, with the call's descriptor beside it, publishes `Input = k + 1` and waits for
 //!    every peer's; it checks their descriptors and lengths.
-//! 2. Rank i reduces share i of the buffer (1/n of it), reading every peer's share i from the
-//!    peer's buffer in rank order, in chunks that stay in the cache, writes the result over
-//!    share i of its own buffer and publishes `Reduced = k + 1`. Nobody else reads share i of
-//!    rank i's buffer, and rank i reads share i of the others', which they do not write.
-//! 3. For every peer q, once q's `Reduced` says so, it reads share q of q's buffer into its
-//!    own share q. Peer i read share i of this rank's buffer before it published, so the
-//!    write takes nothing from under a reader.
-//! 4. It publishes `Input = k + 2` and waits for every peer's (every read of its buffer is
-//!    done), then publishes `Reduced = k + 2` and waits for every peer's: no rank returns, and
-//!    so lets its caller change or free the buffer, while a peer may still read it.
+//! 2. Round r (piece k + r; from the second round on, it starts by publishing `Input` and
+//!    waiting for every peer's, which says they copied the round before out of their slots):
+//!    rank i reduces the round's part of share i of the buffer (share i is 1/n of it; a round
+//!    takes at most a slot's worth, after the header, of each share), reading every peer's
+//!    bytes there from the peer's buffer in rank order, in chunks that stay in the cache;
+//!    it writes each chunk's result over its own buffer and into its slot after the header,
+//!    and publishes `Reduced = k + r + 1`. Nobody else reads share i of rank i's buffer, and
+//!    rank i reads share i of the others', which they do not write until step 3.
+//! 3. For every peer q, once q's `Reduced` says so, it copies q's part of the round out of q's
+//!    slot into its own share q. Peer q read share q of this rank's buffer before it
+//!    published, so the write takes nothing from under a reader.
+//! 4. After the last round it publishes `Input = k + R + 1` and waits for every peer's (every
+//!    read of its buffer is done), then publishes `Reduced = k + R + 1` and waits for every
+//!    peer's: no rank returns, and so lets its caller change or free the buffer, while a peer
+//!    may still read it.
 //!
 //! A rank that fails returns at once, whatever the step. Its `Reduced` word then never reaches
-//! k + 2, which it publishes only once every rank has read everything it needs: a peer that
-//! read from its buffer after it left (and so perhaps bytes its caller changed) fails in the
-//! last wait, so nobody returns a result read from a buffer that changed under it.
+//! k + R + 1, which it publishes only once every rank has read everything it needs: a peer
+//! that read from its buffer after it left (and so perhaps bytes its caller changed) fails in
+//! the last wait, so nobody returns a result read from a buffer that changed under it.
 //!
 //! Each element is reduced by one rank, in rank order, as on the arena: every rank gets bitwise
 //! the same result, and the same as the arena's.
@@ -44,7 +53,7 @@ use crate::types::{Element, ReduceOp};
 use super::arena_wait::wait_word;
 use super::call::finish;
 use super::host::Host;
-use super::scratch::{bytes_mut, segment};
+use super::scratch::{bytes, bytes_mut, segment};
 
 /// The bytes read from a peer at a time during the reduction (with as many of this rank's
 /// own, they stay in the cache).
@@ -65,51 +74,95 @@ const EXPLAIN_POLL: Duration = Duration::from_millis(1);
 pub(super) const HEADER: usize = 16;
 
 impl<L: Link> Host<'_, '_, L> {
-    /// all_reduce of `data` in place among the host's ranks, reading their buffers directly.
+    /// all_reduce of `data` in place among the host's ranks, reading their buffers directly
+    /// for the reduction and passing the results through the arena's slots.
     pub(super) fn all_reduce_direct<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let (c, a) = (self.c, self.a);
         let len = std::mem::size_of_val(data);
-        let (k, slot) = self.next_piece();
+        let size = std::mem::size_of::<T>();
+        // The elements of a share that one round passes through a slot, after the header.
+        let per_round = a.slot_len().saturating_sub(HEADER) / size;
+        if per_round == 0 {
+            return Err(c.invalid(format!(
+                "arena slots of {} bytes hold no {}-byte element after the direct reads' header",
+                a.slot_len(),
+                size
+            )));
+        }
+        let (k0, slot0) = self.next_piece();
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&(data.as_ptr() as usize as u64).to_le_bytes());
         header[8..].copy_from_slice(&(len as u64).to_le_bytes());
-        self.announce(Some(&header[..]), k, slot, true)?;
-        let addrs = self.peer_buffers(slot, len)?;
+        self.announce(Some(&header[..]), k0, slot0, true)?;
+        let addrs = self.peer_buffers(slot0, len)?;
 
         let m = self.local.len();
-        let size = std::mem::size_of::<T>();
-        let read = |q: usize, addr: u64, dst: &mut [u8]| -> Result<()> {
+        let read = |q: usize, off: usize, dst: &mut [u8]| -> Result<()> {
+            let addr = addrs[q] + off as u64;
             a.read_direct(q, addr, dst)
                 .map_err(|e| self.explain_failed_read(q, addr, dst.len(), e))
         };
-
-        let share = segment(data.len(), m, self.pos);
-        let mine = &mut data[share.clone()];
-        self.in_parts(mine, PART_MIN, &|at, part| {
-            self.reduce_from(part, share.start + at, op, DIRECT_CHUNK, &|q, off, dst| {
-                read(q, addrs[q] + off as u64, dst)
-            })
-        })?;
-        if self.whole {
-            finish(mine, op, c.n);
-        }
-        a.publish(ArenaWord::Reduced, k.wrapping_add(1));
-
-        // The others' shares, starting after this rank's so that the owners are read in turn.
-        for step in 1..m {
-            let i = (self.pos + step) % m;
-            let q = self.local[i];
-            let theirs = segment(data.len(), m, i);
-            if theirs.is_empty() {
-                continue;
-            }
-            wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
-            let base = addrs[q] + (theirs.start * size) as u64;
-            self.in_parts(&mut data[theirs], PART_MIN, &|at, part| {
-                read(q, base + (at * size) as u64, bytes_mut(part))
+        let count = data.len();
+        // Round `r`'s part of share `i`: its elements from `r * per_round`, at most `per_round`.
+        let part_of = |i: usize, r: usize| {
+            let s = segment(count, m, i);
+            let from = s
+                .start
+                .saturating_add(r.saturating_mul(per_round))
+                .min(s.end);
+            from..from.saturating_add(per_round).min(s.end)
+        };
+        let longest = (0..m)
+            .map(|i| segment(count, m, i).len())
+            .max()
+            .unwrap_or(0);
+        let rounds = longest.div_ceil(per_round).max(1);
+        let per_chunk = (DIRECT_CHUNK / size).max(1);
+        for r in 0..rounds {
+            let (k, slot) = if r == 0 {
+                (k0, slot0)
+            } else {
+                let (k, slot) = self.next_piece();
+                self.announce::<T>(None, k, slot, false)?;
+                (k, slot)
+            };
+            let mine = part_of(self.pos, r);
+            let base = mine.start;
+            // Each chunk of the share is reduced, then written into the slot while it is
+            // still in the cache.
+            self.in_parts(&mut data[mine], PART_MIN, &|at, part| {
+                for (j, chunk) in part.chunks_mut(per_chunk).enumerate() {
+                    let from = at + j * per_chunk;
+                    self.reduce_from(chunk, base + from, op, DIRECT_CHUNK, &read)?;
+                    if self.whole {
+                        finish(chunk, op, c.n);
+                    }
+                    a.write(slot, HEADER + from * size, bytes(chunk))
+                        .map_err(|e| e.map_op(|_| c.op_text()))?;
+                }
+                Ok(())
             })?;
+            a.publish(ArenaWord::Reduced, k.wrapping_add(1));
+
+            // The others' results, starting after this rank's so that the owners are read
+            // in turn.
+            for step in 1..m {
+                let i = (self.pos + step) % m;
+                let q = self.local[i];
+                let theirs = part_of(i, r);
+                if theirs.is_empty() {
+                    continue;
+                }
+                wait_word(c, a, q, ArenaWord::Reduced, k.wrapping_add(1))?;
+                self.in_parts(&mut data[theirs], PART_MIN, &|at, part| {
+                    a.read(q, slot, HEADER + at * size, bytes_mut(part))
+                        .map_err(|e| e.map_op(|_| c.op_text()))
+                })?;
+            }
         }
 
+        // Every read of this rank's buffer is done once every peer's `Input` says so; it
+        // returns only once every peer has seen that too.
         let (k2, slot2) = self.next_piece();
         self.announce::<u8>(None, k2, slot2, false)?;
         a.publish(ArenaWord::Reduced, k2.wrapping_add(1));

@@ -28,6 +28,8 @@ struct Part {
     direct_fault: Mutex<DirectFault>,
     /// The direct reads this rank made.
     direct_reads: AtomicUsize,
+    /// The bytes those reads asked for.
+    direct_read_bytes: AtomicUsize,
     /// What [`HostArena::threads`] says.
     threads: AtomicUsize,
     /// This rank's slot accesses, while traced.
@@ -110,6 +112,7 @@ impl Arenas {
                     direct_min: AtomicU64::new(u64::MAX),
                     direct_fault: Mutex::new(DirectFault::None),
                     direct_reads: AtomicUsize::new(0),
+                    direct_read_bytes: AtomicUsize::new(0),
                     threads: AtomicUsize::new(1),
                     trace: Mutex::new(None),
                     dies_at_reduced: AtomicU32::new(0),
@@ -238,6 +241,12 @@ impl MemArena {
             .load(Ordering::Relaxed)
     }
 
+    pub(super) fn direct_read_bytes(&self) -> usize {
+        self.arenas.parts[self.me]
+            .direct_read_bytes
+            .load(Ordering::Relaxed)
+    }
+
     /// Wakes every sleeper (after a death, so that it looks at once).
     pub(super) fn wake(&self) {
         let _held = self.arenas.lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -316,6 +325,8 @@ impl HostArena for MemArena {
         }
         let part = &self.arenas.parts[self.me];
         let before = part.direct_reads.fetch_add(1, Ordering::Relaxed);
+        part.direct_read_bytes
+            .fetch_add(dst.len(), Ordering::Relaxed);
         seen_on(&part.read_threads);
         let fault = *self.fault();
         match fault {
@@ -427,6 +438,11 @@ impl super::MemLink {
     /// How many direct reads of its peers' memory this rank made (0 without an arena).
     pub fn direct_reads(&self) -> usize {
         self.arena.as_ref().map_or(0, |a| a.direct_reads())
+    }
+
+    /// The bytes this rank's direct reads of its peers' memory asked for (0 without an arena).
+    pub fn direct_read_bytes(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.direct_read_bytes())
     }
 
     /// The threads this rank may split its part of an all_reduce on the arena over

@@ -44,20 +44,18 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
 /// does not): as `cfg` says, else where `fast` says `process_vm_readv` copies at least half
 /// as fast as a copy within the process ([`dist_core::arena::read_process_is_fast`], asked
-/// only where it matters) and either the host's `local` ranks outnumber the `cores` this rank
-/// may run on (`available_parallelism`: its affinity mask and cgroup, not the host's count)
-/// without crowding them ([`crowded`]: there the probe's few milliseconds a rank add up, and
-/// nothing was measured), above the arena's limit there (`DIST_ARENA_MAX_KB` where set, else
-/// [`SHARED_CORES_DIRECT_MIN`]), or
-/// those cores are two or more a rank, from [`SPARE_DIRECT_MIN`] (there it splits its part
-/// over them: [`arena_threads_for`]). With `DIST_DIRECT=1` and no size, from
+/// only where it matters) and the host's `local` ranks do not crowd the `cores` this rank may
+/// run on (`available_parallelism`: its affinity mask and cgroup, not the host's count;
+/// [`crowded`]: there the probe's few milliseconds a rank add up, and nothing was measured):
+/// where the ranks outnumber those cores, above the arena's limit there (`DIST_ARENA_MAX_KB`
+/// where set, else [`SHARED_CORES_DIRECT_MIN`]), else (a core a rank or more) from
+/// [`CORE_A_RANK_DIRECT_MIN`] (with two or more it splits its part over them:
+/// [`arena_threads_for`]). With `DIST_DIRECT=1` and no size, from
 /// [`HOST_DIRECT_MIN`]. A size set in `cfg` wins. All_reduce µs, medians of three
 /// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
 /// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
 /// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
-/// 14,854 against 9,826. For 16 cores see [`SPARE_DIRECT_MIN`]; with a core a rank and none
-/// spare ("Session 13", 16 ranks) direct reads were 0.59 of the arena's copies at 1 MiB and
-/// 1.04–1.07 at 16–64 MiB: not proposed.
+/// 14,854 against 9,826. For a core a rank or more see [`CORE_A_RANK_DIRECT_MIN`].
 pub(crate) fn direct_for(
     cfg: &TcpConfig,
     local: usize,
@@ -74,8 +72,7 @@ pub(crate) fn direct_for(
             let limit = set.map(|kb| ((kb as usize) << 10) + 1);
             min(limit.unwrap_or(SHARED_CORES_DIRECT_MIN))
         }),
-        None if cores >= local.saturating_mul(2) => fast().then(|| min(SPARE_DIRECT_MIN)),
-        None => None,
+        None => fast().then(|| min(CORE_A_RANK_DIRECT_MIN)),
     }
 }
 
@@ -90,13 +87,16 @@ pub(crate) fn direct_for(
 pub(crate) const SHARED_CORES_DIRECT_MIN: usize = HOST_ARENA_MAX_OVERSUBSCRIBED + 1;
 
 /// The smallest all_reduce that reads peers' buffers directly by default where each of the
-/// host's ranks has two cores or more: 16 MiB. 16 cores, all_reduce µs, direct reads split
+/// host's ranks has a core or more: 16 MiB. 16 cores, all_reduce µs, direct reads split
 /// over each rank's cores against the arena's slots (4 MiB) split likewise
 /// (`docs/benchmarks.md`, "Session 14"): 4 ranks 4 MiB 978 against 606, 8 MiB 1,452 against
 /// 1,243, 16 MiB 1,683 against 2,534; 8 ranks 4 MiB 1,405 against 1,191, 8 MiB 2,509 against
 /// 2,374, 16 MiB 4,760 against 4,680; 64 MiB (1 MiB slots) 4 ranks 7,487 against 12,193, 8
-/// ranks 18,755 against 26,901.
-pub(crate) const SPARE_DIRECT_MIN: usize = 16 << 20;
+/// ranks 18,755 against 26,901. With a core a rank, 16 ranks, once the results went through
+/// the slots ("Session 16"): direct reads against the arena's slots 4 MiB 1,731 against
+/// 2,311, 16 MiB 8,362 against 12,706, 64 MiB 39,979 against 48,571, but 1 MiB 634 against
+/// 559 (and "Session 13", before, 4 MiB 2,092 against 1,793).
+pub(crate) const CORE_A_RANK_DIRECT_MIN: usize = 16 << 20;
 
 /// The most threads a rank may be told to split its part of an all_reduce on the arena over.
 pub(crate) const ARENA_THREADS_LIMIT: u32 = 64;

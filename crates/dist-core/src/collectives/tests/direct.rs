@@ -10,24 +10,32 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use super::super::HOST_SPLIT_MIN;
-use super::super::direct::PART_MIN;
+use super::super::direct::{HEADER, PART_MIN};
+use super::super::scratch::segment;
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::link::Link;
 use crate::testing::{DirectFault, MemLink, run_links};
 use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
 
-/// Slots of the arena's copies (several pieces for the larger counts).
+/// Slots of the arena's copies (several pieces for the larger counts), and of the direct
+/// reads' results (several rounds for the larger counts).
 const SLOT: usize = 16 << 10;
 
-/// Runs `f` on `n` ranks of one host whose arenas propose direct reads from `min` bytes, with
+/// Slots that take a round of over two [`PART_MIN`] parts of a share (split over threads),
+/// or a whole share of the smaller calls.
+const BIG_SLOT: usize = 1 << 20;
+
+/// Runs `f` on `n` ranks of one host whose arenas (of slots of `slot` bytes) propose direct
+/// reads from `min` bytes, with
 /// no limit on the arena's sizes; panics naming the rank on an error. Returns each rank's
 /// count of direct reads.
 fn direct_on_one_host(
     n: usize,
     min: usize,
+    slot: usize,
     f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
 ) -> Vec<usize> {
-    let links = MemLink::mesh_on_hosts(&vec![3; n], SLOT);
+    let links = MemLink::mesh_on_hosts(&vec![3; n], slot);
     for l in &links {
         l.set_arena_direct(Some(min));
     }
@@ -64,7 +72,7 @@ fn counts<E: Element>() -> Vec<usize> {
 
 fn every_op<E: Element>() {
     for n in 1..=9 {
-        let reads = direct_on_one_host(n, 0, |g| {
+        let reads = direct_on_one_host(n, 0, SLOT, |g| {
             for op in ops_for::<E>() {
                 for count in counts::<E>() {
                     let mut x = inputs::<E>(op, g.rank(), count);
@@ -116,7 +124,7 @@ fn direct_results_are_bitwise_those_of_the_copies() {
     let value = |r: usize, i: usize| 1.0f32 / ((r * 31 + i * 7) % 97 + 1) as f32;
     for n in [2, 3, 5, 8] {
         let count = n * (300 << 10) / 4 + 5;
-        let reads = direct_on_one_host(n, 128 << 10, |g| {
+        let reads = direct_on_one_host(n, 128 << 10, BIG_SLOT, |g| {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             let mut want: Vec<f32> = (0..count).map(|i| value(0, i)).collect();
             for r in 1..n {
@@ -142,6 +150,54 @@ fn direct_results_are_bitwise_those_of_the_copies() {
     }
 }
 
+/// The direct reads are the reduction's only: a rank reads from each peer's buffer just its
+/// own share (in rounds of a slot's worth), and copies every other share's result out of its
+/// owner's slot, each byte once. (Before, the results too were read from the owners' buffers:
+/// every byte outside the rank's share was a direct read.)
+#[test]
+fn results_come_through_the_slots() {
+    for n in [2, 3, 5] {
+        let count = n * 10_000 + 3;
+        let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+        for l in &links {
+            l.set_arena_direct(Some(0));
+        }
+        let results = run_links(links, |l| {
+            let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+            g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+            let before = g.link().direct_read_bytes();
+            g.link().trace_arena(true);
+            let mut x = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+            g.all_reduce(&mut x, ReduceOp::Sum)?;
+            let trace = g.link().trace_arena(false);
+            same(&g, "sum", &x, &reduced::<u32>(ReduceOp::Sum, n, count))?;
+            Ok((g.link().direct_read_bytes() - before, trace))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let (direct, trace) = res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}"));
+            let share = segment(count, n, r).len() * 4;
+            assert_eq!(direct, (n - 1) * share, "{n} ranks, rank {r}: direct bytes");
+            // The peers' headers (their buffers' addresses), then their results.
+            let from_slots: usize = trace
+                .iter()
+                .filter(|a| !a.write && a.owner != r && a.offset >= HEADER)
+                .map(|a| a.len)
+                .sum();
+            assert_eq!(
+                from_slots,
+                count * 4 - share,
+                "{n} ranks, rank {r}: slot bytes"
+            );
+            let written: usize = trace
+                .iter()
+                .filter(|a| a.write && a.offset >= HEADER)
+                .map(|a| a.len)
+                .sum();
+            assert_eq!(written, share, "{n} ranks, rank {r}: results written");
+        }
+    }
+}
+
 /// A rank that splits its part over several threads (`HostArena::threads`): its reads
 /// run on more than one thread where its share is at least two parts of `PART_MIN`, and the
 /// results are bitwise those of one thread (each element still reduced by one rank, in rank
@@ -153,7 +209,7 @@ fn split_direct_reads_give_the_same_bits() {
         let big = n * (2 * PART_MIN + 40_000) / 4 + 3;
         let mut got = Vec::new();
         for threads in [1, 4] {
-            let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+            let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
             for l in &links {
                 l.set_arena_direct(Some(0));
                 l.set_arena_threads(threads);
@@ -229,7 +285,7 @@ fn direct_errors(
     setup: impl Fn(&MemLink),
     f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
 ) -> Vec<Result<()>> {
-    let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+    let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
     for l in &links {
         l.set_arena_direct(Some(0));
         setup(l);
@@ -246,10 +302,10 @@ fn direct_errors(
 /// no rank reports a result.
 #[test]
 fn failed_direct_reads_are_named() {
-    // One thread, and a call that rank 1 splits over 4 (a share of over 4 parts); the reads
-    // all refused or wild, or only those after the first two (parts that fail beside parts
-    // that succeed).
-    let cases = [(1, 50_000), (4, 3 * PART_MIN + 100)];
+    // One thread (a share of two chunks: four reads), and a call that rank 1 splits over 4 (a
+    // share of over 4 parts); the reads all refused or wild, or only those after the first two
+    // (parts that fail beside parts that succeed).
+    let cases = [(1, 120_000), (4, 3 * PART_MIN + 100)];
     let faults = [
         DirectFault::Refused,
         DirectFault::WildAddress,
@@ -355,17 +411,18 @@ fn mismatched_direct_calls_are_reported() {
 /// passes while a descheduled peer has yet to read its share), and whose caller then changes
 /// the buffer, and whose abort notice is slow to come: the peer that read it late fails too,
 /// rather than return the changed bytes.
-/// Without the last wait (every peer's `Reduced` at k + 2) rank 1 returned `Ok` with rank 0's
-/// scribbled share.
+/// Without the last wait (every peer's `Reduced` after the last round) rank 1 returned `Ok`
+/// with its share reduced from rank 0's scribbled bytes.
 #[test]
 fn a_rank_that_leaves_early_fails_its_late_reader() {
-    let links = MemLink::mesh_on_hosts(&[0; 2], SLOT);
+    // One round: the late read is the last of the call.
+    let links = MemLink::mesh_on_hosts(&[0; 2], BIG_SLOT);
     for l in &links {
         l.set_arena_direct(Some(0));
     }
-    // Rank 1's reduction read is at full speed, its read of rank 0's share waits 2.5 s.
+    // Rank 1's read of rank 0's buffer for its share's reduction waits 2.5 s.
     links[1].set_arena_direct_fault(DirectFault::Slow {
-        after: 1,
+        after: 0,
         by: Duration::from_millis(2500),
     });
     // Its abort notice comes late (here never): rank 1 learns of rank 0's failure only from
