@@ -263,11 +263,14 @@ pub fn read_process_is_fast() -> bool {
 
 /// Whether ranks of one host should read each other's buffers directly, given the time one
 /// `process_vm_readv` and one copy within the process take for the same bytes: if the first
-/// is at most twice the second. Per rank a direct all_reduce reads about twice the buffer from
-/// peers (each peer's share for the reduction, then the others' reduced shares), where the
-/// shared-memory rings copy about twice the buffer in and as much out; where ranks outnumber
-/// cores, the cores' copying is the whole cost. (With cores to spare a rank splits its reads
-/// over several, which the rule leaves out: it keeps direct reads off where they are slow.)
+/// is at most twice the second. Per rank a direct all_reduce reads about its buffer's size
+/// from peers (each peer's bytes of the rank's share, for the reduction) and copies about as
+/// much out of their arena slots (the others' reduced shares), where the shared-memory rings
+/// copy about twice the buffer in and as much out; where ranks outnumber cores, the cores'
+/// copying is the whole cost. (With cores to spare a rank splits its reads over several,
+/// which the rule leaves out: it keeps direct reads off where they are slow.) The threshold
+/// was set when the reduced shares too were direct reads (`docs/benchmarks.md`, "Session 12"
+/// and "Session 13") and has not been measured again since.
 pub fn direct_reads_pay(read: Duration, copy: Duration) -> bool {
     read <= copy.saturating_mul(2)
 }

@@ -1,11 +1,13 @@
 //! all_reduce among the ranks of one host that read each other's buffers directly
 //! ([`HostArena::read_direct`](crate::HostArena::read_direct): `process_vm_readv` on Linux)
 //! for the reduction instead of copying them into the arena first, and pass the results
-//! through the arena's slots: one copy out of each peer's buffer for the reduction and one
-//! out of the slots for the result, against the arena's three passes. (The results once went
-//! from buffer to buffer by direct reads too, every rank's share read by every peer at once:
-//! 1.25–1.3× slower at 16 MiB on a 16-core host, and 0.92–0.98 at 64 MiB, where a share
-//! takes several rounds; `docs/benchmarks.md`, "Session 16".)
+//! through the arena's slots: one copy out of each peer's buffer for the reduction, the
+//! reduced share written into the slot, and one copy out of the slots for the others'
+//! results, against the arena's three passes. (The results once went from buffer to buffer by
+//! direct reads too, every rank's share read by every peer at once. On a 16-core host at 4 and
+//! 8 ranks that was 1.25–1.3× slower at 16 MiB, but 2–8 % faster at 64 MiB, where a share
+//! takes several rounds here, each a wait for every rank; `docs/benchmarks.md`,
+//! "Session 16".)
 //!
 //! One call takes the arena's pieces k, k + 1, …, k + R (R rounds, then one to close; their
 //! words as in `collectives/host.rs`):
@@ -23,15 +25,18 @@
 //! 3. For every peer q, once q's `Reduced` says so, it copies q's part of the round out of q's
 //!    slot into its own share q. Peer q read share q of this rank's buffer before it
 //!    published, so the write takes nothing from under a reader.
-//! 4. After the last round it publishes `Input = k + R + 1` and waits for every peer's (every
-//!    read of its buffer is done), then publishes `Reduced = k + R + 1` and waits for every
-//!    peer's: no rank returns, and so lets its caller change or free the buffer, while a peer
-//!    may still read it.
+//! 4. After the last round it publishes `Input = k + R + 1` and waits for every peer's, then
+//!    publishes `Reduced = k + R + 1` (no wait: it keeps the words a piece apart). A peer
+//!    publishes that `Input` only once it has seen, in every round, the `Reduced` of every
+//!    rank with a part to reduce, which each publishes after its reads (so every read of the
+//!    peer's buffer is done), and copied every result out (the slots are free for the next
+//!    call).
 //!
-//! A rank that fails returns at once, whatever the step. Its `Reduced` word then never reaches
-//! k + R + 1, which it publishes only once every rank has read everything it needs: a peer
-//! that read from its buffer after it left (and so perhaps bytes its caller changed) fails in
-//! the last wait, so nobody returns a result read from a buffer that changed under it.
+//! A rank that fails returns at once, whatever the step, and never publishes the closing
+//! `Input`: a peer that read from its buffer after it left (and so perhaps bytes its caller
+//! changed) fails in the next `Input` wait, the next round's or the closing one, so nobody
+//! returns a result read from a buffer that changed under it. A rank whose closing `Input`
+//! is out has nothing of its buffer left to be read, so it may fail after that.
 //!
 //! Each element is reduced by one rank, in rank order, as on the arena: every rank gets bitwise
 //! the same result, and the same as the arena's.
@@ -161,14 +166,11 @@ impl<L: Link> Host<'_, '_, L> {
             }
         }
 
-        // Every read of this rank's buffer is done once every peer's `Input` says so; it
-        // returns only once every peer has seen that too.
+        // Every peer's `Input` here says that it stayed in the call until every read of its
+        // buffer was done, and that it copied every result out of the slots.
         let (k2, slot2) = self.next_piece();
         self.announce::<u8>(None, k2, slot2, false)?;
         a.publish(ArenaWord::Reduced, k2.wrapping_add(1));
-        for &q in self.local.iter().filter(|&&q| q != c.me) {
-            wait_word(c, a, q, ArenaWord::Reduced, k2.wrapping_add(1))?;
-        }
         Ok(())
     }
 

@@ -141,11 +141,12 @@ impl<'a, 'c, L: Link> Host<'a, 'c, L> {
 
 /// Whether an all_reduce of `bytes` on the arena reads the peers' buffers directly
 /// (`collectives/direct.rs`): where the group agreed to, from the size it agreed on, for
-/// buffers the arena would split (larger than [`HOST_SPLIT_MIN`]).
+/// buffers the arena would split (larger than [`HOST_SPLIT_MIN`]), if a slot holds the
+/// buffer's address and an element of any type after it (where the results go).
 pub(super) fn direct_for<L: Link>(c: &Call<'_, L>, a: &dyn HostArena, bytes: usize) -> bool {
     c.g.arena_direct_min()
         .is_some_and(|min| bytes >= min.max(HOST_SPLIT_MIN + 1))
-        && a.slot_len() >= super::direct::HEADER
+        && a.slot_len() >= super::direct::HEADER + 8
 }
 
 /// all_reduce of `data` in place over the arena among the ranks of this host (`local`): the

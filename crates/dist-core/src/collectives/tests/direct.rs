@@ -198,6 +198,57 @@ fn results_come_through_the_slots() {
     }
 }
 
+/// Shares whose last round some ranks have nothing in (the shorter shares are whole rounds,
+/// the longer one element more), and a read refused in a later round than the first: the
+/// results right, and the error named as in the first round, every rank failing.
+#[test]
+fn uneven_last_rounds_and_late_failures() {
+    let per_round = (SLOT - HEADER) / 4;
+    for (n, rounds) in [(3, 2), (4, 3)] {
+        // Shares of `rounds * per_round` elements, the last rank's one more.
+        let count = n * rounds * per_round + 1;
+        assert_eq!(segment(count, n, n - 1).len(), rounds * per_round + 1);
+        assert_eq!(segment(count, n, 0).len(), rounds * per_round);
+        let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+        for l in &links {
+            l.set_arena_direct(Some(0));
+        }
+        let results = run_links(links, |l| {
+            let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+            for _ in 0..2 {
+                let mut x = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                same(&g, "sum", &x, &reduced::<u32>(ReduceOp::Sum, n, count))?;
+            }
+            Ok(())
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}"));
+        }
+    }
+    // Rank 1 of 3, one thread, reads once from each peer a round (a part of one chunk): its
+    // third read, the first of the second round, is refused.
+    let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
+        l.set_arena_direct(Some(0));
+        let g = Group::form(l, Tuning::default(), Duration::from_secs(3))?;
+        g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
+        if g.rank() == 1 {
+            g.link()
+                .set_arena_direct_fault(DirectFault::RefusedAfter(2));
+        }
+        g.all_reduce(&mut vec![1u32; 3 * 2 * per_round], ReduceOp::Sum)
+    });
+    match results[1].as_ref().unwrap_err() {
+        DistError::Io {
+            rank: 1, context, ..
+        } => assert!(context.contains("direct read of"), "{context}"),
+        e => panic!("rank 1: {e}"),
+    }
+    for r in [0, 2] {
+        assert!(results[r].is_err(), "rank {r}: {:?}", results[r]);
+    }
+}
+
 /// A rank that splits its part over several threads (`HostArena::threads`): its reads
 /// run on more than one thread where its share is at least two parts of `PART_MIN`, and the
 /// results are bitwise those of one thread (each element still reduced by one rank, in rank
@@ -411,8 +462,8 @@ fn mismatched_direct_calls_are_reported() {
 /// passes while a descheduled peer has yet to read its share), and whose caller then changes
 /// the buffer, and whose abort notice is slow to come: the peer that read it late fails too,
 /// rather than return the changed bytes.
-/// Without the last wait (every peer's `Reduced` after the last round) rank 1 returned `Ok`
-/// with its share reduced from rank 0's scribbled bytes.
+/// Without the closing piece (every peer's `Input` after the last round, which rank 0 never
+/// publishes) rank 1 returned `Ok` with its share reduced from rank 0's scribbled bytes.
 #[test]
 fn a_rank_that_leaves_early_fails_its_late_reader() {
     // One round: the late read is the last of the call.
