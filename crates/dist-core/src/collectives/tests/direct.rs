@@ -249,6 +249,26 @@ fn uneven_last_rounds_and_late_failures() {
     }
 }
 
+/// Slots with room for the buffer's address but not for an element after it: the group does
+/// not read directly (the arena's copies or messages run instead; before, every direct call
+/// of 8-byte elements failed as the caller's error).
+#[test]
+fn slots_too_small_for_a_result_read_nothing_directly() {
+    let count = (HOST_SPLIT_MIN / 8) + 5;
+    let results = run_links(MemLink::mesh_on_hosts(&[0; 3], HEADER + 4), |l| {
+        l.set_arena_direct(Some(0));
+        let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+        let mut x = inputs::<u64>(ReduceOp::Sum, g.rank(), count);
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        same(&g, "sum", &x, &reduced::<u64>(ReduceOp::Sum, 3, count))?;
+        Ok(g.link().direct_reads())
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let reads = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(reads, 0, "rank {r}");
+    }
+}
+
 /// A rank that splits its part over several threads (`HostArena::threads`): its reads
 /// run on more than one thread where its share is at least two parts of `PART_MIN`, and the
 /// results are bitwise those of one thread (each element still reduced by one rank, in rank
