@@ -404,14 +404,15 @@ impl TcpConfig {
 
     /// Whether this rank proposes that the ranks of its host read each other's buffers
     /// directly in a large all_reduce on the host arena (`process_vm_readv`, Linux;
-    /// `DIST_DIRECT`): one copy out of each peer's buffer instead of a copy into the arena
-    /// first. Default: where the read copies at least half as fast as a copy within the
-    /// process (timed once at init) and either the host's ranks outnumber the cores this rank
-    /// may run on, at most 16 a core, or each has two cores or more (then from 16 MiB, each
-    /// rank splitting its part over its cores: [`TcpConfig::arena_threads`]): measured
-    /// faster there than the arena's copies and the shared-memory rings, and slower where the
-    /// read is slower or on a host with a core a rank and none spare (`docs/benchmarks.md`,
-    /// "Session 12" to "Session 14"). Used only if every
+    /// `DIST_DIRECT`): one copy out of each peer's buffer for the reduction instead of a copy
+    /// into the arena first (the results then pass through the arena's slots). Default: where
+    /// the read copies at least half as fast as a copy within the process (timed once at init)
+    /// and the host's ranks are at most 16 to each core this rank may run on: where they
+    /// outnumber those cores above the arena's limit, else (a core a rank or more) from
+    /// 16 MiB, a rank with two cores or more splitting its part over them
+    /// ([`TcpConfig::arena_threads`]): measured faster there than the arena's copies and the
+    /// shared-memory rings, and slower where the read is slower or below those sizes
+    /// (`docs/benchmarks.md`, "Session 12" to "Session 16"). Used only if every
     /// rank of the group proposes it and can (probed: a strict ptrace policy such as Yama's
     /// `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and then the arena's copies
     /// run as before).
@@ -423,7 +424,7 @@ impl TcpConfig {
     /// The smallest all_reduce, in KiB, whose ranks read each other's buffers directly
     /// ([`TcpConfig::direct`]; default: where the host's ranks outnumber its cores, every size
     /// above the arena's limit there, 1 MiB or [`TcpConfig::arena_max_kb`] where set (not 0);
-    /// where each has two cores or more, 16 MiB; with
+    /// where each has a core or more, 16 MiB; with
     /// direct reads asked for, [`dist_core::collectives::HOST_DIRECT_MIN`]; never
     /// below the arena's split size, [`dist_core::collectives::HOST_SPLIT_MIN`];
     /// `DIST_DIRECT_MIN_KB`). The group takes the largest any rank proposes. A direct

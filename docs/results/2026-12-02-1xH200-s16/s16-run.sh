@@ -63,3 +63,30 @@ if [ "$1" = cores ]; then
   done
   grep -c "^==" "$f"
 fi
+#   s16-run.sh pinned        the host as a 2-core Xeon (session 15's `pinned-vader 1`): 4 ranks
+#                            under `taskset -c 0,1`, five alternating rounds (ROUNDS) of $NEW's
+#                            defaults, $NEW with direct reads from 256 KiB (`newd`:
+#                            DIST_DIRECT=1 DIST_DIRECT_MIN_KB=256) and Open MPI's vader
+#                            (`--bind-to none --mca mpi_yield_when_idle 1`), 8 B, 256 KiB-2 MiB
+#                            (factor 2) and 32 MiB
+if [ "$1" = pinned ]; then
+  f="$OUT/s16-pinned.txt" bin=/tmp/dist-mpi-allreduce
+  mpicc -O2 -o $bin benches/peers/mpi_allreduce.c
+  mpirun --version | head -1 >> "$f"
+  one() {
+    case $1 in
+      new) taskset -c 0,1 timeout 120 bundle/$NEW/run perf --op all_reduce -n 4 -b $2 -e $3 -f 2 --check ;;
+      newd) DIST_DIRECT=1 DIST_DIRECT_MIN_KB=256 taskset -c 0,1 timeout 120 \
+              bundle/$NEW/run perf --op all_reduce -n 4 -b $2 -e $3 -f 2 --check ;;
+      vader) taskset -c 0,1 timeout 60 mpirun --allow-run-as-root --oversubscribe --bind-to none \
+               --mca mpi_yield_when_idle 1 -np 4 --mca btl vader,self $bin -b $2 -e $3 -f 2 ;;
+    esac 2>&1 | grep -v -e '^\[' -e '^#'
+  }
+  for i in $(seq 1 ${ROUNDS:-5}); do
+    for v in new newd vader; do
+      echo "== $v round $i $(date -u +%T)" >> "$f"
+      { one $v 8 8; one $v 256K 2M; one $v 32M 32M; } >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi
