@@ -302,3 +302,72 @@ fn a_dead_rank_is_named_with_split_pieces() {
         assert!(took < Duration::from_secs(1), "rank {r}: {took:?}");
     }
 }
+
+/// A call run as async work (on the group's executor, a rayon worker, which must not wait on
+/// a pool: it would run other queued collectives inside this one) splits too, on threads
+/// started for its steps, with the bits of the same call made blocking. Before, it ran on
+/// one thread.
+#[test]
+fn async_calls_split_too() {
+    let value = |r: usize, i: usize| 1.0f32 / ((r * 7 + i * 3) % 83 + 1) as f32;
+    for n in [2, 3, 5] {
+        let count = 2 * (SLOT / 4) + 9;
+        let results = on_one_host(n, 4, |g| {
+            let mut blocking: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
+            g.all_reduce(&mut blocking, ReduceOp::Sum)?;
+            let mut by_work: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
+            g.link().trace_arena(true);
+            g.scope(|s| s.all_reduce(&mut by_work, ReduceOp::Sum).wait().map(|_| ()))?;
+            let trace = g.link().trace_arena(false);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            Ok((
+                bits(&blocking) == bits(&by_work),
+                threads_of(trace.iter().filter(|a| a.write)),
+            ))
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            let (same_bits, used) = res.unwrap_or_else(|e| panic!("{n} ranks, rank {r}: {e}"));
+            assert!(same_bits, "{n} ranks, rank {r}: async bits differ");
+            assert!(
+                used >= 2,
+                "{n} ranks, rank {r}: async writes on {used} thread"
+            );
+        }
+    }
+}
+
+/// The same for direct reads of the peers' buffers (`collectives/direct.rs`): an async call's
+/// reads run on more than one thread, its result that of the blocking call.
+#[test]
+fn async_direct_reads_split_too() {
+    let n = 3;
+    let count = n * (2 * super::super::direct::PART_MIN + 4096) / 4;
+    let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
+    for l in &links {
+        l.set_arena_direct(Some(0));
+        l.set_arena_threads(4);
+    }
+    let results = run_links(links, |l| {
+        let g = Group::form(l, Tuning::default(), TIMEOUT)?;
+        let mut blocking = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+        g.all_reduce(&mut blocking, ReduceOp::Sum)?;
+        let (reads, threads) = (g.link().direct_reads(), g.link().direct_read_threads());
+        let mut by_work = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
+        g.scope(|s| s.all_reduce(&mut by_work, ReduceOp::Sum).wait().map(|_| ()))?;
+        same(&g, "async sum", &by_work, &blocking)?;
+        Ok((
+            g.link().direct_reads() - reads,
+            g.link().direct_read_threads() - threads,
+        ))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let (reads, threads) = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(reads > 0, "rank {r}: no direct reads");
+        // Threads the blocking call's reads did not run on (the caller and the pool's): the
+        // executor's and, split, at least one started for a step.
+        assert!(
+            threads >= 2,
+            "rank {r}: async reads on {threads} new thread"
+        );
+    }
+}
