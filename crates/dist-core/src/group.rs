@@ -477,19 +477,13 @@ impl<L: Link> Group<L> {
         }
     }
 
-    /// The `threads - 1` threads that split one call's copies with the caller: `None` for one
-    /// thread. For a caller that is a rayon worker (a call run as async work, on the group's
-    /// executor, or one made inside a rayon pool of the user's), threads started for each step
-    /// ([`Helpers::Started`]): waiting on a pool, a rayon worker runs its own pool's jobs,
-    /// other collectives among them, inside this one. Else a rayon pool started on the first
-    /// call that asks and kept for the group's life (its size is that call's), or, where it
-    /// cannot start, `None`.
-    pub(crate) fn helpers(&self, threads: usize) -> Option<Helpers<'_>> {
-        if threads <= 1 {
+    /// The `threads - 1` threads that split one call's copies with the caller, a rayon pool
+    /// started on the first call that asks and kept for the group's life (its size is that
+    /// call's): `None` for one thread, where the pool cannot start, or where the caller is
+    /// itself a rayon worker (which, waiting, would run its own pool's jobs).
+    pub(crate) fn helpers(&self, threads: usize) -> Option<&rayon::ThreadPool> {
+        if threads <= 1 || rayon::current_thread_index().is_some() {
             return None;
-        }
-        if rayon::current_thread_index().is_some() {
-            return Some(Helpers::Started);
         }
         let me = self.link.rank();
         self.helpers
@@ -501,17 +495,7 @@ impl<L: Link> Group<L> {
                     .ok()
             })
             .as_ref()
-            .map(Helpers::Pool)
     }
-}
-
-/// Where the other parts of a call split over several threads run ([`Group::helpers`]).
-pub(crate) enum Helpers<'g> {
-    /// The group's pool.
-    Pool(&'g rayon::ThreadPool),
-    /// Threads started for the step and joined at its end (a plain join: the caller runs
-    /// nothing else meanwhile).
-    Started,
 }
 
 /// Runs `first` on this thread and `second` on a thread started for the call, at once (and, if

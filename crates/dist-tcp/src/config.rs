@@ -442,8 +442,7 @@ impl TcpConfig {
     /// ([`TcpConfig::direct`]) each reads and reduces a range of at least 256 KiB. Default: the cores this rank may run on (its
     /// affinity mask and cgroup) over its host's ranks, from 1 to 8. The rank's own choice:
     /// the results are the same whatever the count. Calls run as async work
-    /// ([`dist_core::Collectives::scope`]) split over threads started for each step instead
-    /// of the pool.
+    /// ([`dist_core::Collectives::scope`]) do not split.
     pub fn arena_threads(mut self, threads: u32) -> Self {
         self.arena_threads = Some(threads.clamp(1, ARENA_THREADS_LIMIT));
         self

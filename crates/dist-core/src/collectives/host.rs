@@ -328,8 +328,7 @@ impl<L: Link> Host<'_, '_, L> {
         let (k, slot) = self.next_piece();
         let size = std::mem::size_of::<T>();
         // Split only a piece large enough to pay for the helpers' wake-ups.
-        // (Without helpers, where the group's pool cannot start, the rank copies each share
-        // as it comes.)
+        // (Without helpers, inside a rayon worker, the rank copies each share as it comes.)
         let split = a.threads() > 1
             && std::mem::size_of_val(piece) >= ARENA_THREADS_MIN
             && self.c.g.helpers(a.threads()).is_some();

@@ -1,7 +1,6 @@
 //! A rank's share of an all_reduce on the host arena split over several threads: this one and
-//! the group's helper pool ([`HostArena::threads`](crate::HostArena::threads) in all), or, for
-//! a caller that is a rayon worker (async work), threads started for the step
-//! ([`Group::helpers`](crate::Group)), each taking a range of the bytes. Every element is still reduced by one rank, in rank order,
+//! the group's helper pool ([`HostArena::threads`](crate::HostArena::threads) in all), each
+//! taking a range of the bytes. Every element is still reduced by one rank, in rank order,
 //! whatever the count, so the result is the same bits.
 
 use std::sync::Mutex;
@@ -12,7 +11,6 @@ use crate::types::Element;
 
 use super::host::Host;
 use super::scratch::segment;
-use crate::group::Helpers;
 
 impl<L: Link> Host<'_, '_, L> {
     /// Runs `f(at, part)` over `data` cut into parts of at least `min` bytes (`usize::MAX`:
@@ -29,9 +27,9 @@ impl<L: Link> Host<'_, '_, L> {
     ) -> Result<()> {
         match self.pool_for(std::mem::size_of_val(data), min) {
             None => f(0, data),
-            Some((helpers, parts)) => {
+            Some((pool, parts)) => {
                 let len = data.len();
-                run_parts(helpers, cut(vec![(0, data)], len, parts), f)
+                run_parts(pool, cut(vec![(0, data)], len, parts), f)
             }
         }
     }
@@ -48,7 +46,7 @@ impl<L: Link> Host<'_, '_, L> {
     ) -> Result<()> {
         let len: usize = ranges.iter().map(|(_, d)| d.len()).sum();
         match self.pool_for(len * std::mem::size_of::<T>(), min) {
-            Some((helpers, parts)) => run_parts(helpers, cut(ranges, len, parts), f),
+            Some((pool, parts)) => run_parts(pool, cut(ranges, len, parts), f),
             None => {
                 let mut first = None;
                 for (at, d) in ranges {
@@ -61,22 +59,22 @@ impl<L: Link> Host<'_, '_, L> {
         }
     }
 
-    /// The helpers and the number of parts for `bytes` cut into parts of at least `min`
-    /// bytes, one a thread: `None` for one part (or no helpers).
-    fn pool_for(&self, bytes: usize, min: usize) -> Option<(Helpers<'_>, usize)> {
+    /// The helper pool and the number of parts for `bytes` cut into parts of at least `min`
+    /// bytes, one a thread: `None` for one part (or no pool).
+    fn pool_for(&self, bytes: usize, min: usize) -> Option<(&rayon::ThreadPool, usize)> {
         let threads = self.a.threads();
         let parts = threads.min(bytes / min.max(1));
         if parts < 2 {
             return None;
         }
-        self.c.g.helpers(threads).map(|h| (h, parts))
+        self.c.g.helpers(threads).map(|pool| (pool, parts))
     }
 }
 
-/// Runs `f` over every range of every part, part 0 on this thread and each other on a helper,
+/// Runs `f` over every range of every part, part 0 on this thread and each other on `pool`,
 /// and returns once all have ended: the first failed part's error, if any.
 fn run_parts<T: Element>(
-    helpers: Helpers<'_>,
+    pool: &rayon::ThreadPool,
     mut cut: Vec<Vec<(usize, &mut [T])>>,
     f: &(dyn Fn(usize, &mut [T]) -> Result<()> + Sync),
 ) -> Result<()> {
@@ -91,41 +89,13 @@ fn run_parts<T: Element>(
             }
         }
     };
-    let own = std::mem::take(&mut cut[0]);
-    match helpers {
-        Helpers::Pool(pool) => pool.in_place_scope(|s| {
-            for (i, part) in cut.into_iter().enumerate().skip(1) {
-                s.spawn(move |_| run(i, part));
-            }
-            run(0, own);
-        }),
-        Helpers::Started => std::thread::scope(|s| {
-            // A part whose thread cannot start runs here, after this thread's own.
-            let mut left = Vec::new();
-            for (i, part) in cut.into_iter().enumerate().skip(1) {
-                let slot = std::sync::Arc::new(Mutex::new(Some(part)));
-                let theirs = std::sync::Arc::clone(&slot);
-                let started = std::thread::Builder::new()
-                    .name("dist-part".into())
-                    .spawn_scoped(s, move || {
-                        let part = theirs.lock().ok().and_then(|mut p| p.take());
-                        if let Some(part) = part {
-                            run(i, part);
-                        }
-                    });
-                if started.is_err() {
-                    left.push((i, slot));
-                }
-            }
-            run(0, own);
-            for (i, slot) in left {
-                let part = slot.lock().ok().and_then(|mut p| p.take());
-                if let Some(part) = part {
-                    run(i, part);
-                }
-            }
-        }),
-    }
+    pool.in_place_scope(|s| {
+        let own = std::mem::take(&mut cut[0]);
+        for (i, part) in cut.into_iter().enumerate().skip(1) {
+            s.spawn(move |_| run(i, part));
+        }
+        run(0, own);
+    });
     match failed
         .into_iter()
         .find_map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
