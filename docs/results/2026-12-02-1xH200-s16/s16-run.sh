@@ -90,3 +90,18 @@ if [ "$1" = pinned ]; then
   done
   grep -c "^==" "$f"
 fi
+#   s16-run.sh overlap       issue 14's bucketed all_reduce overlapped with compute
+#                            (`bench-overlap -n 4`: 4 ranks, 4 buckets of 4 MiB), three
+#                            alternating runs of bundle/$NEW (async calls split over threads
+#                            started for each step) and bundle/before (the commit before: async
+#                            calls on one thread; slim: run, xtask, dist-overlap-bench)
+if [ "$1" = overlap ]; then
+  f="$OUT/s16-overlap.txt"
+  for i in 1 2 3; do
+    for v in $NEW before; do
+      echo "== $v run $i $(date -u +%T)" >> "$f"
+      timeout 120 bundle/$v/run bench-overlap -n 4 2>&1 | grep -v '^\[' >> "$f"
+    done
+  done
+  grep -c "^==" "$f"
+fi
