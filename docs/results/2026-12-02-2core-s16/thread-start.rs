@@ -1,3 +1,7 @@
+//! What starting and joining 1 or 3 scoped threads costs per step (2,000 steps each), for the
+//! async split tried and reverted in session 16 (`docs/benchmarks.md`, "Session 16"). Not part
+//! of any crate: `rustc -O thread-start.rs -o thread-start && ./thread-start`.
+
 use std::time::Instant;
 fn main() {
     for k in [1usize, 3] {
