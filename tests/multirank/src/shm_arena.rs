@@ -71,12 +71,13 @@ fn value(r: usize, i: usize) -> f32 {
 }
 
 /// all_reduce (sum, max; f32, and i64 out of place) at counts around the thresholds, every
-/// element checked.
+/// element checked; reading directly (the `direct` variant), also shares of more than a slot,
+/// which pass their results through the slots in several rounds.
 fn check_sizes(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
     let per = slot(b) / 4;
     let split = HOST_SPLIT_MIN / 4;
-    for count in [
+    let mut counts = vec![
         1,
         2,
         7,
@@ -87,7 +88,11 @@ fn check_sizes(b: &TcpBackend) {
         per,
         per + 1,
         2 * per + 5,
-    ] {
+    ];
+    if std::env::var("DIST_DIRECT").as_deref() == Ok("1") {
+        counts.push(n * per + n);
+    }
+    for count in counts {
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             let mut x: Vec<f32> = (0..count).map(|i| value(me, i)).collect();
             b.all_reduce(&mut x, op).unwrap_or_else(|e| panic!("{e}"));
