@@ -7,6 +7,7 @@
 mod bindgen;
 mod bundle;
 mod multirank;
+mod plot;
 mod scale;
 #[cfg(test)]
 mod tidy;
@@ -71,6 +72,8 @@ enum Cmd {
         #[arg(long)]
         example: String,
     },
+    /// docs/benchmarks.md's plots (docs/plots/*.png) from the raw files in docs/results/.
+    Plot(plot::Args),
     /// Where each rank was when a job failed, from the flight records in DIST_TRACE_DIR.
     Trace(trace::Args),
     /// Start N ranks on this host (form, barrier, 8 B and 1 MiB all_reduce) and print each
@@ -221,6 +224,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Bindgen(a) => bindgen::run(&a),
         Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
+        Cmd::Plot(a) => plot::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p { pin, latency_only } => {
             let mut args = Vec::new();
