@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU host (session 8), from the bundle of this session's code:
+# On the GPU host (the runs of 2026-12-01 at 8753701), from the bundle of these runs' code:
 #   run.sh suite        the whole GPU suite (every nccl_/hybrid_ case)
 #   run.sh gloo N LO HI dist (its defaults: shared memory, the host arena) beside Gloo, N ranks
 #   run.sh tcp N LO HI  dist over loopback TCP (DIST_SHM=0) beside Gloo
@@ -7,7 +7,7 @@ set -u
 export NCCL_NVLS_ENABLE=0
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-B=bundle-s8
+B=bundle
 case "$1" in
 suite)
   { date -u; head -3 $B/MANIFEST; nproc; nvidia-smi -L; } > "$OUT/info.txt" 2>&1
@@ -33,7 +33,7 @@ ab)
   n="$2" lo="$3" hi="$4"
   for i in 1 2 3; do
     for v in old new; do
-      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-s8/old"
+      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu/old"
       echo "== $v round $i" >> "$OUT/ab$n.txt"
       DIST_BUNDLE_DIR="$dir" timeout 100 $B/xtask perf --backend tcp --op all_reduce -n $n -b $lo -e $hi -f 4 --check 2>&1 | grep -v '^\[' >> "$OUT/ab$n.txt"
     done
@@ -41,11 +41,11 @@ ab)
   tail -n 8 "$OUT/ab$n.txt"
   ;;
 shape)
-  # Issue 12's check on this host: 578d457's dist-perf beside this bundle's (its defaults, and
+  # The split's check on this host: 578d457's dist-perf beside this bundle's (its defaults, and
   # DIST_SHM=0), 4 ranks, 8 B-32 MiB, three alternating rounds.
   for i in 1 2 3; do
     for v in old new new-tcp; do
-      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-s7/old"
+      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-prev/old"
       shm=1; [ "$v" = new-tcp ] && shm=0
       echo "== $v round $i" >> "$OUT/shape.txt"
       DIST_SHM=$shm DIST_BUNDLE_DIR="$dir" timeout 100 $B/xtask perf --op all_reduce -n 4 -b 8 -e 32M -f 2 --check 2>&1 | grep -v '^\[' >> "$OUT/shape.txt"
@@ -58,7 +58,7 @@ knobs)
   # knob changed at a time, three alternating rounds.
   for i in 1 2 3; do
     for v in old def par0 piece512 piece2048 spin200; do
-      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-s7/old"
+      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-prev/old"
       env=(DIST_SHM=0)
       case $v in par0) env+=(DIST_TCP_PARALLEL=0);; piece512) env+=(DIST_RING_PIECE_KB=512);;
         piece2048) env+=(DIST_RING_PIECE_KB=2048);; spin200) env+=(DIST_SPIN_US=200);; spin)
@@ -66,7 +66,7 @@ knobs)
   # (50), 200 and 500, three alternating rounds.
   for i in 1 2 3; do
     for v in old def spin200 spin500; do
-      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-s7/old"
+      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-prev/old"
       env=(DIST_SHM=0)
       case $v in spin200) env+=(DIST_SPIN_US=200);; spin500) env+=(DIST_SPIN_US=500);; esac
       echo "== $v round $i" >> "$OUT/spin.txt"
@@ -87,7 +87,7 @@ spin)
   # (50), 200 and 500, three alternating rounds.
   for i in 1 2 3; do
     for v in old def spin200 spin500; do
-      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-s7/old"
+      dir="$root/$B"; [ "$v" = old ] && dir="$root/gpu-prev/old"
       env=(DIST_SHM=0)
       case $v in spin200) env+=(DIST_SPIN_US=200);; spin500) env+=(DIST_SPIN_US=500);; esac
       echo "== $v round $i" >> "$OUT/spin.txt"

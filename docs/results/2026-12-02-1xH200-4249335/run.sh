@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the lent GPU host (session 16), from bundles made here (git-ignored, in `carry`):
-# bundle/$NEW (NEW=s16 by default: direct reads pass their results through the arena's
-# slots; s16b the same with direct reads from 16 MiB where each rank has a core; s16c and
-# s16d later commits, see README.md) and slim ones (run, xtask, MANIFEST and the binaries the
+# On the lent GPU host (the runs of 2026-12-02 afternoon (4249335)), from bundles made here (git-ignored, in `carry`):
+# bundle/$NEW (NEW=new by default: direct reads pass their results through the arena's
+# slots; b4249335 the same with direct reads from 16 MiB where each rank has a core; bd3ca466 and
+# b7a89dd6 later commits, see README.md) and slim ones (run, xtask, MANIFEST and the binaries the
 # mode runs): bundle/old (e0a2915, the results read from the owners' buffers), bundle/c512,
 # bundle/before. Every mode but `info` runs alternating rounds through
 # benches/peers/alternate.sh (ROUNDS); benches/peers/medians.py FILE gives the medians.
@@ -22,10 +22,10 @@
 #                            rounds of $NEW's defaults, `newd` ($NEW with DIST_DIRECT=1
 #                            DIST_DIRECT_MIN_KB=256) and Open MPI's vader (`--bind-to none
 #                            --mca mpi_yield_when_idle 1`), 8 B, 256 KiB-2 MiB (factor 2), 32 MiB
-#   run.sh overlap       issue 14's overlap bench (`bench-overlap -n 4`), three rounds of
+#   run.sh overlap       the overlap bench (`bench-overlap -n 4`), three rounds of
 #                            bundle/$NEW and bundle/before
 set -u
-NEW=${NEW:-s16}
+NEW=${NEW:-new}
 export NCCL_NVLS_ENABLE=0
 root="$(cd "$(dirname "$0")/../../.." && pwd)"
 cd "$root"
