@@ -277,10 +277,18 @@ def draw(fig, out):
             sizes = sorted(series)
             every.update(sizes)
             kw = dict(color=color, linestyle=style if "dist" in pair else ":", marker=marker,
-                      markersize=4, linewidth=1.8 if role == "dist" else 1.4)
+                      markersize=5, linewidth=1.8 if role == "dist" else 1.4)
             name = f"{label} ({pair['run']})"
-            bw.plot(sizes, [busbw(s, series[s], n) for s in sizes], label=name, **kw)
-            tm.plot(sizes, [series[s] for s in sizes], label=name, **kw)
+            # A line joins sizes the run stepped between; a gap over 4 times the run's smallest
+            # step stays open (markers only), so that no line stands for sizes it skipped.
+            step = min((b / a for a, b in zip(sizes, sizes[1:])), default=1)
+            xs, bws, tms = [], [], []
+            for prev, s in zip([None] + sizes, sizes):
+                if prev is not None and s > 4 * step * prev:
+                    xs.append(float("nan")), bws.append(float("nan")), tms.append(float("nan"))
+                xs.append(s), bws.append(busbw(s, series[s], n)), tms.append(series[s])
+            bw.plot(xs, bws, label=name, **kw)
+            tm.plot(xs, tms, label=name, **kw)
     size_fmt = FuncFormatter(lambda v, _: human(int(v)) if v >= 1 and int(v) == v else "")
     lo, hi = min(every).bit_length() - 1, max(every).bit_length() - 1
     step = max(1, -(-(hi - lo) // 9))
@@ -299,7 +307,10 @@ def draw(fig, out):
             label.set_rotation(45)
     handles, labels = tm.get_legend_handles_labels()
     f.legend(handles, labels, loc="lower center", ncol=2, fontsize=8.5, frameon=False)
-    f.suptitle(fig["title"] + "\nsolid: dist; dashed: its peer in the same run", fontsize=11)
+    f.suptitle(
+        fig["title"] + "\nsolid: dist; dashed: its peer in the same run; no line across sizes a run skipped",
+        fontsize=11,
+    )
     rows = (len(labels) + 1) // 2
     f.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     path = os.path.join(out, fig["name"] + ".png")
