@@ -111,13 +111,13 @@ FIGURES = [
         "pairs": [
             {
                 "run": "2026-11-30, 8d446df",
-                "dist": ("dist-nccl", ("block", "2026-11-30-2xH200-dd3ee2b/8d446df-allreduce-vs-torch.txt", 0)),
-                "peer": ("PyTorch 2.11 (NCCL)", ("block", "2026-11-30-2xH200-dd3ee2b/8d446df-allreduce-vs-torch.txt", 1)),
+                "dist": ("dist-nccl", ("block", "2026-11-30-2xH200-8c8398a/8d446df-allreduce-vs-torch.txt", 0)),
+                "peer": ("PyTorch 2.11 (NCCL)", ("block", "2026-11-30-2xH200-8c8398a/8d446df-allreduce-vs-torch.txt", 1)),
             },
             {
                 "run": "2026-11-30, 0091f25",
-                "dist": ("dist-nccl", ("per_call", "2026-11-30-2xH200-dd3ee2b/0091f25-perf-allreduce.txt", 0)),
-                "peer": ("bare ncclAllReduce loop", ("per_call", "2026-11-30-2xH200-dd3ee2b/0091f25-perf-allreduce.txt", 1)),
+                "dist": ("dist-nccl", ("per_call", "2026-11-30-2xH200-efd5e41/0091f25-perf-allreduce.txt", 0)),
+                "peer": ("bare ncclAllReduce loop", ("per_call", "2026-11-30-2xH200-efd5e41/0091f25-perf-allreduce.txt", 1)),
             },
             {
                 "run": "2026-11-29, reference, not side by side",
@@ -189,8 +189,8 @@ FIGURES = [
             {
                 "run": "16 ranks, 2026-11-30, ca855ca, 32-core Xeon, every size",
                 "ranks": 16,
-                "dist": ("dist", ("rounds", "2026-11-30-2xH200-dd3ee2b/ca855ca-gloo16-shm.txt", "dist")),
-                "peer": ("Gloo", ("rounds", "2026-11-30-2xH200-dd3ee2b/ca855ca-gloo16-shm.txt", "gloo")),
+                "dist": ("dist", ("rounds", "2026-11-30-2xH200-ca855ca/ca855ca-gloo16-shm.txt", "dist")),
+                "peer": ("Gloo", ("rounds", "2026-11-30-2xH200-ca855ca/ca855ca-gloo16-shm.txt", "gloo")),
             },
         ],
     },

@@ -98,7 +98,7 @@ pub(crate) fn split_absent() -> Result<(), String> {
 /// bounded the same way when NCCL connects rings and trees at init (`NCCL_RUNTIME_CONNECT=0`,
 /// which the launcher sets). Before `connect_peers`, NCCL connected the pair inside the send's
 /// `ncclGroupEnd`, which waited for the idle rank for ever: rank 0 stayed inside NCCL (2 x H200: still there
-/// after 40 s, `docs/results/2026-11-30-2xH200-dd3ee2b/fe7a790-connect-absent-without.txt`).
+/// after 40 s, `docs/results/2026-11-30-2xH200-efd5e41/fe7a790-connect-absent-without.txt`).
 pub(crate) fn connect_absent() -> Result<(), String> {
     use std::sync::mpsc;
     let timeout = Duration::from_secs(3);
@@ -184,8 +184,9 @@ pub(crate) fn connect_absent() -> Result<(), String> {
             t.elapsed()
         );
     }
-    // The teardown after the aborts, bounded. It used to hang (runs s2-c … s2-h and s3-b of
-    // docs/results/2026-11-30-2xH200-dd3ee2b/, 6 of 7 tries in run 0aa176d-diag-b): the split's `ncclCommAbort` waits
+    // The teardown after the aborts, bounded. It used to hang (runs eef0a71 … efd5e41 in
+    // docs/results/2026-11-30-2xH200-efd5e41/; 6 of 7 tries in run 0aa176d-diag-b,
+    // docs/results/2026-11-30-2xH200-8c8398a/): the split's `ncclCommAbort` waits
     // in `cuMemFreeHost` for the device to go idle, which needs the main communicator's pending
     // receive to end, which needs its abort; that abort was deferred behind the main
     // communicator's lock, which its watchdog held while blocked in `cuEventRecord` behind the
