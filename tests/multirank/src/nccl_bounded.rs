@@ -203,8 +203,8 @@ pub(crate) fn connect_absent() -> Result<(), String> {
 /// first `ncclCommAbort` waits in `cuMemFreeHost` for the device to go idle, which needs the
 /// other's kernel to end, which needs the other's abort. Before the deadline thread
 /// (`dist-nccl/src/deadline.rs`), that abort was decided by the other's watchdog after an event
-/// query, which blocks behind the first abort: both waited for ever (the deadlock of run 0aa176d-diag-b,
-/// in a second shape, found in review).
+/// query, which blocks behind the first abort: both waited for ever (the deadlock of run
+/// 0aa176d-diag-b, in a second shape, found in review).
 pub(crate) fn two_stalled() -> Result<(), String> {
     let timeout = Duration::from_secs(3);
     let Some((r, sub)) = split_with_idle_rank(timeout)? else {
