@@ -1,0 +1,458 @@
+//! Tidy tests of the names the docs use: every environment variable the code reads has one row
+//! in `docs/config.md` and every one a doc names is read; every API item a doc names in
+//! backticks (`TcpConfig::direct_min_kb`, `DistError::ConcurrentUse`, `ncclGroupEnd`,
+//! `from_env()`) is defined in the repository's Rust sources.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{docs, files, read, report};
+
+/// Docs that record what was measured when, in the words of the time (a renamed variable
+/// included), rather than what the code does now: the name checks skip them, as they skip
+/// `docs/results/`.
+const RECORDS: &[&str] = &["docs/benchmarks.md"];
+
+/// The docs that say what the code does now: [`docs`] less [`RECORDS`].
+pub(super) fn current_docs(files: &[String]) -> Vec<String> {
+    docs(files)
+        .into_iter()
+        .filter(|d| !RECORDS.contains(&d.as_str()))
+        .collect()
+}
+
+/// The Rust files whose strings and definitions count as the code: every `.rs` file but the
+/// tidy tests' own, which name missing things on purpose.
+fn rust_files(files: &[String]) -> Vec<&String> {
+    files
+        .iter()
+        .filter(|f| f.ends_with(".rs") && !f.starts_with("xtask/src/tidy"))
+        .collect()
+}
+
+fn is_variable(name: &str) -> bool {
+    name.len() >= 3
+        && name.starts_with(|c: char| c.is_ascii_uppercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+        && !name.ends_with('_')
+}
+
+/// Every string literal of `text` that looks like an environment variable (`"DIST_SHM"`,
+/// `"RANK"`).
+pub(super) fn variable_literals(text: &str) -> BTreeSet<String> {
+    text.split('"')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| is_variable(s))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every `DIST_…` word of `text` (not `DIST_*` or a bare `DIST_`).
+pub(super) fn dist_words(text: &str) -> BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("DIST_") && is_variable(w))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The variables of `config`'s table rows (the backticked names of each row's first cell),
+/// with the number of rows each is in.
+pub(super) fn config_rows(config: &str) -> BTreeMap<String, usize> {
+    let mut rows = BTreeMap::new();
+    for line in config.lines() {
+        let Some(first) = line.strip_prefix('|').and_then(|l| l.split('|').next()) else {
+            continue;
+        };
+        for name in first.split('`').skip(1).step_by(2) {
+            if is_variable(name) {
+                *rows.entry(name.to_owned()).or_insert(0) += 1;
+            }
+        }
+    }
+    rows
+}
+
+/// Variables read by a library rather than by a string of ours, and the code that reads them.
+const READ_BY_LIBRARIES: &[(&str, &str)] = &[("RUST_LOG", "EnvFilter::try_from_default_env")];
+
+/// Every `DIST_*` variable the libraries, tools and xtask read (not `DIST_TEST_*`, which the
+/// test launcher sets for the test programs) has exactly one row in `docs/config.md`, every variable
+/// there is read somewhere in the Rust code, and no variable has two rows.
+#[test]
+fn every_variable_the_code_reads_has_one_row_in_config_md() {
+    let files = files();
+    let rust = rust_files(&files);
+    let mut read_by_users = BTreeSet::new();
+    let mut read_anywhere = BTreeSet::new();
+    let mut sources = String::new();
+    for f in &rust {
+        let text = read(f);
+        let vars = variable_literals(&text);
+        if ["crates/", "tools/", "xtask/", "benches/"]
+            .iter()
+            .any(|p| f.starts_with(p))
+        {
+            read_by_users.extend(
+                vars.iter()
+                    .filter(|v| v.starts_with("DIST_") && !v.starts_with("DIST_TEST_"))
+                    .cloned(),
+            );
+        }
+        read_anywhere.extend(vars);
+        sources.push_str(&text);
+    }
+    assert!(
+        read_by_users.len() >= 20,
+        "found only {read_by_users:?}: is the scan broken?"
+    );
+    let rows = config_rows(&read("docs/config.md"));
+    let mut found = Vec::new();
+    for v in &read_by_users {
+        match rows.get(v).copied().unwrap_or(0) {
+            1 => {}
+            0 => found.push(format!(
+                "config: {v} is read by the code but has no row in docs/config.md"
+            )),
+            n => found.push(format!(
+                "config: {v} has {n} rows in docs/config.md, not one"
+            )),
+        }
+    }
+    for (v, n) in &rows {
+        if *n > 1 && !v.starts_with("DIST_") {
+            found.push(format!(
+                "config: {v} has {n} rows in docs/config.md, not one"
+            ));
+        }
+        let by_library = READ_BY_LIBRARIES
+            .iter()
+            .any(|(name, how)| name == v && sources.contains(how));
+        if !read_anywhere.contains(v) && !by_library {
+            found.push(format!(
+                "config: {v} has a row in docs/config.md but no Rust code reads it"
+            ));
+        }
+    }
+    report("config", found);
+}
+
+/// Every `DIST_*` variable the README and `docs/*.md` name (in prose too) is read by some Rust
+/// code of the repository.
+#[test]
+fn every_variable_a_doc_names_is_read_by_the_code() {
+    let files = files();
+    let read_anywhere: BTreeSet<String> = rust_files(&files)
+        .iter()
+        .flat_map(|f| variable_literals(&read(f)))
+        .collect();
+    let mut found = Vec::new();
+    let mut checked = 0;
+    for doc in current_docs(&files) {
+        for (n, line) in read(&doc).lines().enumerate() {
+            for v in dist_words(line) {
+                checked += 1;
+                if !read_anywhere.contains(&v) {
+                    found.push(format!(
+                        "variables: {doc}:{} names {v}, which no Rust code reads",
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} variables named: is the scan broken?"
+    );
+    report("variables", found);
+}
+
+/// Names defined outside the repository (the standard library, cudarc, libc, the kernel) that
+/// the docs name in backticks: the API-item check does not look for them here.
+const EXTERNAL: &[&str] = &[
+    "std",
+    "core",
+    "alloc",
+    "mem",
+    "ptr",
+    "slice",
+    "libc",
+    "rayon",
+    "cudarc",
+    "socket2",
+    "bytemuck",
+    "tracing",
+    "tracing_subscriber",
+    "AtomicU32",
+    "AtomicU64",
+    "AtomicPtr",
+    "AtomicBool",
+    "SeqCst",
+    "OnceLock",
+    "OwnedFd",
+    "CudaContext",
+    "CudaSlice",
+    "CudaStream",
+    "DeviceRepr",
+    "MaybeUninit",
+    "TcpStream",
+    "VmHWM",
+];
+
+/// What the Rust sources define: per file, the names it defines and the types (and enum
+/// variants) whose members it may define.
+pub(super) struct Definitions {
+    files: Vec<(BTreeSet<String>, BTreeSet<String>)>,
+    /// `use … X as Y`: Y's members are X's.
+    aliases: BTreeMap<String, String>,
+    /// Every name defined anywhere, and the workspace's crate names (`dist_core`).
+    all: BTreeSet<String>,
+}
+
+fn idents(line: &str) -> impl Iterator<Item = &str> {
+    line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_'))
+}
+
+fn camel(w: &str) -> bool {
+    w.starts_with(|c: char| c.is_ascii_uppercase()) && w.chars().any(|c| c.is_ascii_lowercase())
+}
+
+impl Definitions {
+    /// Reads the definitions of `sources` (`(path, text)`).
+    pub(super) fn of<'a>(sources: impl Iterator<Item = (&'a str, String)>) -> Definitions {
+        let mut files = Vec::new();
+        let mut aliases = BTreeMap::new();
+        let mut all = BTreeSet::new();
+        for (path, text) in sources {
+            if let Some(krate) = path
+                .strip_prefix("crates/")
+                .and_then(|p| p.split('/').next())
+            {
+                all.insert(krate.replace('-', "_"));
+            }
+            let (mut defined, mut owners) = (BTreeSet::new(), BTreeSet::new());
+            for line in text.lines() {
+                let t = line.trim_start();
+                if t.starts_with("//") {
+                    continue;
+                }
+                let words: Vec<&str> = idents(t).collect();
+                for w in words.windows(2) {
+                    let keyword = matches!(
+                        w[0],
+                        "fn" | "struct"
+                            | "enum"
+                            | "trait"
+                            | "type"
+                            | "const"
+                            | "static"
+                            | "mod"
+                            | "union"
+                            | "macro_rules"
+                    );
+                    if keyword && w[1] != "fn" {
+                        defined.insert(w[1].to_owned());
+                        if ["struct", "enum", "trait", "union", "type"].contains(&w[0]) {
+                            owners.insert(w[1].to_owned());
+                        }
+                    }
+                }
+                // `pub use dist_nccl_sys::{Library as Nccl, …}`: Nccl is defined, as Library.
+                if t.starts_with("pub use") || t.starts_with("use") {
+                    for (i, w) in words.iter().enumerate() {
+                        if *w == "as" && i > 0 && i + 1 < words.len() {
+                            defined.insert(words[i + 1].to_owned());
+                            aliases.insert(words[i + 1].to_owned(), words[i - 1].to_owned());
+                        }
+                    }
+                }
+                if t.starts_with("impl") || t.starts_with("unsafe impl") {
+                    owners.extend(words.iter().filter(|w| camel(w)).map(|w| w.to_string()));
+                }
+                // A field, an enum variant or a named argument at the start of its line:
+                // `pub(crate) rank: usize,`, `Ring {`, `Timeout { peer, .. }`.
+                let bare = t
+                    .strip_prefix("pub(crate) ")
+                    .or_else(|| t.strip_prefix("pub(super) "))
+                    .or_else(|| t.strip_prefix("pub "))
+                    .unwrap_or(t);
+                let head: String = bare
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let rest = bare[head.len()..].trim_start();
+                if !head.is_empty()
+                    && !head.starts_with(|c: char| c.is_ascii_digit())
+                    && (rest.is_empty() || rest.starts_with([',', '(', '{', ':', '=']))
+                    && !rest.starts_with("::")
+                {
+                    defined.insert(head.clone());
+                    if camel(&head) {
+                        owners.insert(head);
+                    }
+                }
+            }
+            all.extend(defined.iter().cloned());
+            files.push((defined, owners));
+        }
+        Definitions {
+            files,
+            aliases,
+            all,
+        }
+    }
+
+    /// Whether some file defines `member` beside an `impl`, a definition or a variant of
+    /// `owner` (or of the type `owner` aliases).
+    fn member(&self, owner: &str, member: &str) -> bool {
+        let names = [Some(owner), self.aliases.get(owner).map(String::as_str)];
+        self.files.iter().any(|(defined, owners)| {
+            defined.contains(member) && names.iter().flatten().any(|o| owners.contains(*o))
+        })
+    }
+
+    /// What is wrong with the API item `span` names (`TcpConfig::direct_min_kb`,
+    /// `Communicator::on()`, `ConcurrentUse`, `ncclGroupEnd`, `from_env()`), or `None` where it
+    /// is defined or is not read as an API item.
+    pub(super) fn check(&self, span: &str) -> Option<String> {
+        // `Tag::user(7)`, `comm.on(&stream)`: the path before the arguments.
+        let (path, called) = match span.find('(') {
+            Some(i) if span.ends_with(')') => (&span[..i], true),
+            Some(_) => return None,
+            None => (span, false),
+        };
+        let segments: Vec<&str> = path.split("::").collect();
+        let ident = |s: &&str| {
+            !s.is_empty()
+                && s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        if !segments.iter().all(ident) || EXTERNAL.contains(&segments[0]) {
+            return None;
+        }
+        let last = segments[segments.len() - 1];
+        if segments.len() == 1 {
+            let api = (camel(last) && last.chars().filter(char::is_ascii_uppercase).count() >= 2)
+                || (last.starts_with("nccl") && camel(&last[4..]))
+                || (called
+                    && span.ends_with("()")
+                    && last.contains('_')
+                    && last == last.to_ascii_lowercase());
+            return (api && !self.all.contains(last)).then(|| format!("{last} is defined nowhere"));
+        }
+        // Test trials (`coll_reductions::lanes2::n3`, `CASE::nN`) are not API items.
+        if last.starts_with('n') && last[1..].chars().all(|c| c.is_ascii_digit() || c == 'N') {
+            return None;
+        }
+        for pair in segments.windows(2) {
+            let (owner, member) = (pair[0], pair[1]);
+            let ok = if owner.starts_with(|c: char| c.is_ascii_uppercase()) {
+                self.member(owner, member)
+            } else {
+                self.all.contains(member)
+            };
+            if !ok {
+                return Some(format!("{member} is not defined as a member of {owner}"));
+            }
+        }
+        None
+    }
+}
+
+/// The spans between backticks of `line`.
+pub(super) fn backticked(line: &str) -> impl Iterator<Item = &str> {
+    line.split('`').skip(1).step_by(2)
+}
+
+/// Every API item the README and `docs/*.md` name in backticks is defined in the Rust sources:
+/// a path's type (`TcpConfig`) beside its member (`direct_min_kb`: defined in a file that has an
+/// `impl` or the definition of that type), an enum's variant, a single CamelCase name
+/// (`ConcurrentUse`), an NCCL function (`ncclGroupEnd`, from the bindings), a snake_case call
+/// (`from_env()`). Names from outside the repository are in [`EXTERNAL`].
+#[test]
+fn every_api_item_a_doc_names_is_defined() {
+    let files = files();
+    let defs = Definitions::of(
+        rust_files(&files)
+            .into_iter()
+            .map(|f| (f.as_str(), read(f))),
+    );
+    let mut found = Vec::new();
+    let mut spans = 0;
+    for doc in current_docs(&files) {
+        for (n, line) in read(&doc).lines().enumerate() {
+            for span in backticked(line) {
+                spans += 1;
+                if let Some(why) = defs.check(span) {
+                    found.push(format!("api: {doc}:{} names `{span}`: {why}", n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        spans > 200,
+        "only {spans} backticked spans: is the scan broken?"
+    );
+    report("api", found);
+}
+
+#[test]
+fn the_name_scanners_read_what_the_docs_write() {
+    assert_eq!(
+        variable_literals(r#"get("DIST_SHM") + "RANK" + "Rank" "DIST_" "x""#),
+        BTreeSet::from(["DIST_SHM".to_string(), "RANK".to_string()])
+    );
+    assert_eq!(
+        dist_words("`DIST_*`, DIST_TIMEOUT=5 and `DIST_A`"),
+        BTreeSet::from(["DIST_A".to_string(), "DIST_TIMEOUT".to_string()])
+    );
+    let config = "| variable | default |\n| --- | --- |\n| `RANK`, `WORLD_SIZE` | x |\n\
+                  | `DIST_X` | `DIST_Y` |\n| `DIST_X` | |\nprose `DIST_Z`\n";
+    assert_eq!(
+        config_rows(config),
+        BTreeMap::from([
+            ("DIST_X".to_string(), 2),
+            ("RANK".to_string(), 1),
+            ("WORLD_SIZE".to_string(), 1)
+        ])
+    );
+    let src = "pub struct Conf { pub(crate) rank: usize }\nimpl Conf {\n    pub fn direct_min_kb(self) {}\n}\n\
+               pub enum Error {\n    ConcurrentUse { op: String },\n    Gone,\n}\n\
+               pub use inner::{Library as Nccl};\nimpl Library { pub fn load() {} }\n\
+               pub unsafe fn ncclGroupEnd() {}\n";
+    let other = "pub fn unrelated() {}\nstruct Other;\n";
+    let defs = Definitions::of(
+        [
+            ("crates/dist-x/src/a.rs", src.to_string()),
+            ("crates/dist-x/src/b.rs", other.to_string()),
+        ]
+        .into_iter(),
+    );
+    assert_eq!(defs.check("Conf::direct_min_kb"), None);
+    assert_eq!(defs.check("Conf::direct_min_kb(kb)"), None);
+    assert!(defs.check("Conf::direct_max_kb").is_some());
+    assert!(
+        defs.check("Other::direct_min_kb").is_some(),
+        "a member of another type"
+    );
+    assert_eq!(defs.check("Error::ConcurrentUse"), None);
+    assert_eq!(defs.check("ConcurrentUse"), None);
+    assert!(defs.check("ConcurrentUsage").is_some());
+    assert_eq!(defs.check("Nccl::load"), None);
+    assert_eq!(defs.check("dist_x::Conf"), None);
+    assert_eq!(defs.check("ncclGroupEnd"), None);
+    assert!(defs.check("ncclGroupStart").is_some());
+    assert_eq!(defs.check("unrelated()"), None);
+    assert!(defs.check("related_to()").is_some());
+    assert_eq!(defs.check("coll_x::lanes2::n3"), None);
+    assert_eq!(defs.check("std::thread::scope"), None);
+    assert_eq!(defs.check("cargo xtask test"), None);
+    assert_eq!(
+        defs.check("Conf"),
+        None,
+        "one hump: not read as an API item"
+    );
+}
