@@ -227,6 +227,43 @@ fn the_docs_state_the_codes_protocol_version() {
     report("version", found);
 }
 
+/// What is wrong with `readme` as the one page to start: longer than [`README_LINES`], or its
+/// first lines after the title are not the two commands.
+fn readme_problems(readme: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let lines = readme.lines().count();
+    if lines > README_LINES {
+        found.push(format!(
+            "readme: README.md has {lines} lines, over {README_LINES}: move reference to docs/"
+        ));
+    }
+    let commands: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("```"))
+        .skip(1)
+        .take(2)
+        .collect();
+    let first = |l: &&str, c: &str| l.starts_with(c);
+    if commands.len() != 2
+        || !first(&commands[0], "cargo xtask demo")
+        || !first(&commands[1], "cargo xtask test")
+    {
+        found.push(format!(
+            "readme: README.md's first block does not start with `cargo xtask demo` and `cargo xtask test`: {commands:?}"
+        ));
+    }
+    found
+}
+
+/// The most lines the README may have: it is one page to start, and the reference is in `docs/`.
+const README_LINES: usize = 120;
+
+/// The README is one page, and its first block is the two commands to try.
+#[test]
+fn the_readme_is_one_page_that_starts_with_the_two_commands() {
+    report("readme", readme_problems(&read("README.md")));
+}
+
 /// Every Rust source file starts with a `//!` line saying what it is for (the generated
 /// bindings too: `cargo xtask bindgen` writes one).
 #[test]
@@ -248,6 +285,12 @@ fn every_rust_file_starts_with_a_module_doc() {
 
 #[test]
 fn the_scanners_read_what_the_docs_write() {
+    assert!(readme_problems("# d\n\n```sh\ncargo xtask demo\ncargo xtask test\n```\n").is_empty());
+    assert_eq!(
+        readme_problems("# d\n```sh\ncargo xtask test\ncargo xtask demo\n```\n").len(),
+        1
+    );
+    assert_eq!(readme_problems(&"x\n".repeat(121)).len(), 2);
     assert_eq!(
         stated_versions("the Protocol version (4), protocol\nversion 12 and protocol versions"),
         vec![4, 12]
