@@ -314,10 +314,10 @@ impl Definitions {
         })
     }
 
-    /// What is wrong with the API item `span` names (`TcpConfig::direct_min_kb`,
-    /// `Communicator::on()`, `ConcurrentUse`, `ncclGroupEnd`, `from_env()`), or `None` where it
-    /// is defined or is not read as an API item.
-    pub(super) fn check(&self, span: &str) -> Option<String> {
+    /// Whether `span` names an API item (`TcpConfig::direct_min_kb`, `Communicator::on()`,
+    /// `ConcurrentUse`, `ncclGroupEnd`, `from_env()`) and, if so, what is wrong with it:
+    /// `None` where it is not read as one, `Some(Ok(()))` where it is defined.
+    pub(super) fn check(&self, span: &str) -> Option<Result<(), String>> {
         // `Tag::user(7)`, `comm.on(&stream)`: the path before the arguments.
         let (path, called) = match span.find('(') {
             Some(i) if span.ends_with(')') => (&span[..i], true),
@@ -341,7 +341,13 @@ impl Definitions {
                     && span.ends_with("()")
                     && last.contains('_')
                     && last == last.to_ascii_lowercase());
-            return (api && !self.all.contains(last)).then(|| format!("{last} is defined nowhere"));
+            return api.then(|| {
+                if self.all.contains(last) {
+                    Ok(())
+                } else {
+                    Err(format!("{last} is defined nowhere"))
+                }
+            });
         }
         // Test trials (`coll_reductions::lanes2::n3`, `CASE::nN`) are not API items.
         if last.starts_with('n') && last[1..].chars().all(|c| c.is_ascii_digit() || c == 'N') {
@@ -355,10 +361,12 @@ impl Definitions {
                 self.all.contains(member)
             };
             if !ok {
-                return Some(format!("{member} is not defined as a member of {owner}"));
+                return Some(Err(format!(
+                    "{member} is not defined as a member of {owner}"
+                )));
             }
         }
-        None
+        Some(Ok(()))
     }
 }
 
@@ -381,20 +389,23 @@ fn every_api_item_a_doc_names_is_defined() {
             .map(|f| (f.as_str(), read(f))),
     );
     let mut found = Vec::new();
-    let mut spans = 0;
+    let mut items = 0;
     for doc in current_docs(&files) {
         for (n, line) in read(&doc).lines().enumerate() {
             for span in backticked(line) {
-                spans += 1;
-                if let Some(why) = defs.check(span) {
-                    found.push(format!("api: {doc}:{} names `{span}`: {why}", n + 1));
+                match defs.check(span) {
+                    None => {}
+                    Some(Ok(())) => items += 1,
+                    Some(Err(why)) => {
+                        found.push(format!("api: {doc}:{} names `{span}`: {why}", n + 1))
+                    }
                 }
             }
         }
     }
     assert!(
-        spans > 200,
-        "only {spans} backticked spans: is the scan broken?"
+        items > 200,
+        "only {items} API items checked: is the scan broken?"
     );
     report("api", found);
 }
@@ -423,7 +434,7 @@ fn the_name_scanners_read_what_the_docs_write() {
                pub enum Error {\n    ConcurrentUse { op: String },\n    Gone,\n}\n\
                pub use inner::{Library as Nccl};\nimpl Library { pub fn load() {} }\n\
                pub unsafe fn ncclGroupEnd() {}\n";
-    let other = "pub fn unrelated() {}\nstruct Other;\n";
+    let other = "pub fn un_related() {}\nstruct Other;\n";
     let defs = Definitions::of(
         [
             ("crates/dist-x/src/a.rs", src.to_string()),
@@ -431,22 +442,22 @@ fn the_name_scanners_read_what_the_docs_write() {
         ]
         .into_iter(),
     );
-    assert_eq!(defs.check("Conf::direct_min_kb"), None);
-    assert_eq!(defs.check("Conf::direct_min_kb(kb)"), None);
-    assert!(defs.check("Conf::direct_max_kb").is_some());
+    assert_eq!(defs.check("Conf::direct_min_kb"), Some(Ok(())));
+    assert_eq!(defs.check("Conf::direct_min_kb(kb)"), Some(Ok(())));
+    assert!(matches!(defs.check("Conf::direct_max_kb"), Some(Err(_))));
     assert!(
-        defs.check("Other::direct_min_kb").is_some(),
+        matches!(defs.check("Other::direct_min_kb"), Some(Err(_))),
         "a member of another type"
     );
-    assert_eq!(defs.check("Error::ConcurrentUse"), None);
-    assert_eq!(defs.check("ConcurrentUse"), None);
-    assert!(defs.check("ConcurrentUsage").is_some());
-    assert_eq!(defs.check("Nccl::load"), None);
-    assert_eq!(defs.check("dist_x::Conf"), None);
-    assert_eq!(defs.check("ncclGroupEnd"), None);
-    assert!(defs.check("ncclGroupStart").is_some());
-    assert_eq!(defs.check("unrelated()"), None);
-    assert!(defs.check("related_to()").is_some());
+    assert_eq!(defs.check("Error::ConcurrentUse"), Some(Ok(())));
+    assert_eq!(defs.check("ConcurrentUse"), Some(Ok(())));
+    assert!(matches!(defs.check("ConcurrentUsage"), Some(Err(_))));
+    assert_eq!(defs.check("Nccl::load"), Some(Ok(())));
+    assert_eq!(defs.check("dist_x::Conf"), Some(Ok(())));
+    assert_eq!(defs.check("ncclGroupEnd"), Some(Ok(())));
+    assert!(matches!(defs.check("ncclGroupStart"), Some(Err(_))));
+    assert_eq!(defs.check("un_related()"), Some(Ok(())));
+    assert!(matches!(defs.check("related_to()"), Some(Err(_))));
     assert_eq!(defs.check("coll_x::lanes2::n3"), None);
     assert_eq!(defs.check("std::thread::scope"), None);
     assert_eq!(defs.check("cargo xtask test"), None);
