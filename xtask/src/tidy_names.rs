@@ -199,6 +199,8 @@ const EXTERNAL: &[&str] = &[
     "MaybeUninit",
     "TcpStream",
     "VmHWM",
+    "process_vm_readv",
+    "in_place_scope_fifo",
 ];
 
 /// What the Rust sources define: per file, the names it defines and the types (and enum
@@ -209,6 +211,9 @@ pub(super) struct Definitions {
     aliases: BTreeMap<String, String>,
     /// Every name defined anywhere, and the workspace's crate names (`dist_core`).
     all: BTreeSet<String>,
+    /// Every string literal that is one identifier: the multi-rank cases' names
+    /// (`"fail_sigkill"`).
+    literals: BTreeSet<String>,
 }
 
 fn idents(line: &str) -> impl Iterator<Item = &str> {
@@ -226,7 +231,15 @@ impl Definitions {
         let mut files = Vec::new();
         let mut aliases = BTreeMap::new();
         let mut all = BTreeSet::new();
+        let mut literals = BTreeSet::new();
         for (path, text) in sources {
+            literals.extend(
+                text.split('"')
+                    .skip(1)
+                    .step_by(2)
+                    .filter(|l| idents(l).next() == Some(*l))
+                    .map(str::to_owned),
+            );
             if let Some(krate) = path
                 .strip_prefix("crates/")
                 .and_then(|p| p.split('/').next())
@@ -302,6 +315,7 @@ impl Definitions {
             files,
             aliases,
             all,
+            literals,
         }
     }
 
@@ -341,6 +355,21 @@ impl Definitions {
                     && span.ends_with("()")
                     && last.contains('_')
                     && last == last.to_ascii_lowercase());
+            // A test's or a multi-rank case's name (`a_corrupt_position_is_an_error`; with one
+            // underscore, as `fail_sigkill`, it is not read as one).
+            let test = !called
+                && last.matches('_').count() >= 2
+                && last.starts_with(|c: char| c.is_ascii_lowercase())
+                && last == last.to_ascii_lowercase();
+            if test {
+                return Some(if self.all.contains(last) || self.literals.contains(last) {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "{last} is neither a function nor a case of that name"
+                    ))
+                });
+            }
             return api.then(|| {
                 if self.all.contains(last) {
                     Ok(())
@@ -434,7 +463,7 @@ fn the_name_scanners_read_what_the_docs_write() {
                pub enum Error {\n    ConcurrentUse { op: String },\n    Gone,\n}\n\
                pub use inner::{Library as Nccl};\nimpl Library { pub fn load() {} }\n\
                pub unsafe fn ncclGroupEnd() {}\n";
-    let other = "pub fn un_related() {}\nstruct Other;\n";
+    let other = "pub fn un_related() {}\nstruct Other;\nCase::new(\"shm_arena_sigkill\", f)\n#[test]\nfn a_test_of_it() {}\n";
     let defs = Definitions::of(
         [
             ("crates/dist-x/src/a.rs", src.to_string()),
@@ -458,6 +487,14 @@ fn the_name_scanners_read_what_the_docs_write() {
     assert!(matches!(defs.check("ncclGroupStart"), Some(Err(_))));
     assert_eq!(defs.check("un_related()"), Some(Ok(())));
     assert!(matches!(defs.check("related_to()"), Some(Err(_))));
+    assert_eq!(defs.check("a_test_of_it"), Some(Ok(())));
+    assert_eq!(defs.check("shm_arena_sigkill"), Some(Ok(())));
+    assert!(matches!(defs.check("a_test_of_that"), Some(Err(_))));
+    assert_eq!(
+        defs.check("fail_sigkill"),
+        None,
+        "one underscore: not read as a name"
+    );
     assert_eq!(defs.check("coll_x::lanes2::n3"), None);
     assert_eq!(defs.check("std::thread::scope"), None);
     assert_eq!(defs.check("cargo xtask test"), None);
