@@ -1,7 +1,8 @@
 //! Tidy tests of the names the docs use: every environment variable the code reads has one row
 //! in `docs/config.md` and every one a doc names is read; every API item a doc names in
 //! backticks (`TcpConfig::direct_min_kb`, `DistError::ConcurrentUse`, `ncclGroupEnd`,
-//! `from_env()`) is defined in the repository's Rust sources.
+//! `from_env()`, a test's or multi-rank case's name) is defined in the repository's Rust
+//! sources; every `cargo xtask NAME` a doc runs is a subcommand.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -439,6 +440,68 @@ fn every_api_item_a_doc_names_is_defined() {
     report("api", found);
 }
 
+/// The subcommands of `cargo xtask`: the variants of `enum Cmd` in `xtask/src/main.rs`, in
+/// clap's kebab case (`TestMultirank` is `test-multirank`).
+pub(super) fn xtask_commands(main: &str) -> BTreeSet<String> {
+    let start = main
+        .find("enum Cmd {")
+        .expect("xtask/src/main.rs has `enum Cmd`");
+    let body = &main[start..];
+    let body = &body[..body.find("\n}").unwrap_or(body.len())];
+    body.lines()
+        .filter(|l| l.starts_with("    ") && l[4..].starts_with(|c: char| c.is_ascii_uppercase()))
+        .map(|l| {
+            let name: String = l[4..]
+                .chars()
+                .take_while(char::is_ascii_alphanumeric)
+                .collect();
+            let mut kebab = String::new();
+            for (i, c) in name.chars().enumerate() {
+                if c.is_ascii_uppercase() && i > 0 {
+                    kebab.push('-');
+                }
+                kebab.push(c.to_ascii_lowercase());
+            }
+            kebab
+        })
+        .collect()
+}
+
+/// The subcommands `text` runs as `cargo xtask NAME`.
+pub(super) fn xtask_uses(text: &str) -> Vec<String> {
+    text.match_indices("cargo xtask ")
+        .map(|(i, m)| {
+            text[i + m.len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect::<String>()
+        })
+        .filter(|w| !w.is_empty() && !w.starts_with('-'))
+        .collect()
+}
+
+/// Every `cargo xtask NAME` the README and `docs/*.md` run is a subcommand of xtask.
+#[test]
+fn every_xtask_command_a_doc_runs_exists() {
+    let files = files();
+    let commands = xtask_commands(&read("xtask/src/main.rs"));
+    assert!(commands.len() >= 8, "{commands:?}: is the scan broken?");
+    let mut found = Vec::new();
+    for doc in current_docs(&files) {
+        for (n, line) in read(&doc).lines().enumerate() {
+            for c in xtask_uses(line) {
+                if !commands.contains(&c) {
+                    found.push(format!(
+                        "xtask: {doc}:{} runs `cargo xtask {c}`, which is no subcommand",
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    report("xtask", found);
+}
+
 #[test]
 fn the_name_scanners_read_what_the_docs_write() {
     assert_eq!(
@@ -494,6 +557,19 @@ fn the_name_scanners_read_what_the_docs_write() {
         defs.check("fail_sigkill"),
         None,
         "one underscore: not read as a name"
+    );
+    let main = "enum Other {\n    Nope,\n}\nenum Cmd {\n    /// Doc.\n    TestMultirank(Args),\n    Demo {\n        n: usize,\n    },\n    Test,\n}\n";
+    assert_eq!(
+        xtask_commands(main),
+        BTreeSet::from([
+            "demo".to_string(),
+            "test".to_string(),
+            "test-multirank".to_string()
+        ])
+    );
+    assert_eq!(
+        xtask_uses("`cargo xtask test-multirank -n 4`, cargo xtask --help, cargo xtask demo."),
+        ["test-multirank", "demo"]
     );
     assert_eq!(defs.check("coll_x::lanes2::n3"), None);
     assert_eq!(defs.check("std::thread::scope"), None);
