@@ -1,7 +1,14 @@
 //! Tidy tests: the docs kept true by the code, as rust-analyzer's `tidy.rs` does it. Each test
 //! reads the repository's own files, so that `cargo test` fails when a doc and the code part:
-//! a `DIST_*` variable the README's table lacks, a path a doc names that does not exist, a
-//! protocol version the handshake does not speak, a source file without its `//!` line.
+//! a path a doc names that does not exist, a protocol version the handshake does not speak, a
+//! source file without its `//!` line; in `tidy_names.rs`, a variable or API item a doc names
+//! that the code does not define, a variable without its one row in `docs/config.md`; in
+//! `tidy_figures.rs`, a figure a doc quotes from a raw result file that the file does not hold.
+
+#[path = "tidy_figures.rs"]
+mod figures;
+#[path = "tidy_names.rs"]
+mod names;
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -78,70 +85,6 @@ fn report(check: &str, found: Vec<String>) {
     );
 }
 
-/// Every `"DIST_…"` string literal in `text`.
-fn dist_literals(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("\"DIST_") {
-        let name: String = rest[i + 1..]
-            .chars()
-            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-            .collect();
-        if rest[i + 1 + name.len()..].starts_with('"') && name.len() > "DIST_".len() {
-            out.insert(name);
-        }
-        rest = &rest[i + 1..];
-    }
-    out
-}
-
-/// The variables the README's table names: the `DIST_…` names in the first cell of the rows
-/// under "## Environment variables".
-fn readme_variables(readme: &str) -> BTreeSet<String> {
-    let section = readme
-        .split("\n## ")
-        .find(|s| s.starts_with("Environment variables"))
-        .expect("README.md has a section \"## Environment variables\"");
-    section
-        .lines()
-        .filter_map(|l| l.strip_prefix('|')?.split('|').next())
-        .flat_map(|cell| cell.split('`'))
-        .filter(|w| w.starts_with("DIST_"))
-        .map(str::to_owned)
-        .collect()
-}
-
-/// Every `DIST_*` variable read under `crates/` is in the README's table, and every `DIST_*`
-/// variable the table lists is read somewhere in the repository's Rust code.
-#[test]
-fn every_dist_variable_is_in_the_readme_table() {
-    let files = files();
-    let rust = |under: &[&str]| -> BTreeSet<String> {
-        files
-            .iter()
-            .filter(|f| f.ends_with(".rs") && under.iter().any(|u| f.starts_with(u)))
-            .flat_map(|f| dist_literals(&read(f)))
-            .collect()
-    };
-    let read_by_crates = rust(&["crates/"]);
-    let read_anywhere = rust(&[""]);
-    let table = readme_variables(&read("README.md"));
-    assert!(
-        read_by_crates.len() >= 10,
-        "found only {read_by_crates:?} under crates/: is the scan broken?"
-    );
-    let mut found: Vec<String> = read_by_crates
-        .difference(&table)
-        .map(|v| format!("variables: {v} is read under crates/ but not in README.md's table"))
-        .collect();
-    found.extend(
-        table
-            .difference(&read_anywhere)
-            .map(|v| format!("variables: {v} is in README.md's table but no Rust code reads it")),
-    );
-    report("variables", found);
-}
-
 /// The words of `text` that may be paths: runs of path characters, trailing punctuation cut.
 fn words(text: &str) -> impl Iterator<Item = &str> {
     text.split(|c: char| !(c.is_ascii_alphanumeric() || "_./*-".contains(c)))
@@ -196,11 +139,11 @@ fn every_path_a_doc_names_exists() {
     assert!(top.contains("crates") && top.contains("docs"), "{top:?}");
     let mut found = Vec::new();
     let mut checked = 0;
-    // The docs, and the comments of the Rust sources (not this file's, whose tests name
+    // The docs, and the comments of the Rust sources (not the tidy tests' own, which name
     // missing paths on purpose).
     let rust = files
         .iter()
-        .filter(|f| f.ends_with(".rs") && !f.ends_with("xtask/src/tidy.rs"));
+        .filter(|f| f.ends_with(".rs") && !f.starts_with("xtask/src/tidy"));
     for doc in docs(&files).iter().chain(rust) {
         let comments_only = doc.ends_with(".rs");
         for (n, line) in read(doc).lines().enumerate() {
@@ -284,6 +227,43 @@ fn the_docs_state_the_codes_protocol_version() {
     report("version", found);
 }
 
+/// What is wrong with `readme` as the one page to start: longer than [`README_LINES`], or its
+/// first lines after the title are not the two commands.
+fn readme_problems(readme: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let lines = readme.lines().count();
+    if lines > README_LINES {
+        found.push(format!(
+            "readme: README.md has {lines} lines, over {README_LINES}: move reference to docs/"
+        ));
+    }
+    let commands: Vec<&str> = readme
+        .lines()
+        .skip_while(|l| !l.starts_with("```"))
+        .skip(1)
+        .take(2)
+        .collect();
+    let first = |l: &&str, c: &str| l.starts_with(c);
+    if commands.len() != 2
+        || !first(&commands[0], "cargo xtask demo")
+        || !first(&commands[1], "cargo xtask test")
+    {
+        found.push(format!(
+            "readme: README.md's first block does not start with `cargo xtask demo` and `cargo xtask test`: {commands:?}"
+        ));
+    }
+    found
+}
+
+/// The most lines the README may have: it is one page to start, and the reference is in `docs/`.
+const README_LINES: usize = 120;
+
+/// The README is one page, and its first block is the two commands to try.
+#[test]
+fn the_readme_is_one_page_that_starts_with_the_two_commands() {
+    report("readme", readme_problems(&read("README.md")));
+}
+
 /// Every Rust source file starts with a `//!` line saying what it is for (the generated
 /// bindings too: `cargo xtask bindgen` writes one).
 #[test]
@@ -305,16 +285,12 @@ fn every_rust_file_starts_with_a_module_doc() {
 
 #[test]
 fn the_scanners_read_what_the_docs_write() {
+    assert!(readme_problems("# d\n\n```sh\ncargo xtask demo\ncargo xtask test\n```\n").is_empty());
     assert_eq!(
-        dist_literals(r#"env("DIST_A_1") "DIST_" DIST_B "DIST_c""#),
-        BTreeSet::from(["DIST_A_1".to_string()])
+        readme_problems("# d\n```sh\ncargo xtask test\ncargo xtask demo\n```\n").len(),
+        1
     );
-    let readme = "# x\n## Environment variables\n| variable | meaning |\n| --- | --- |\n\
-                  | `RANK`, `DIST_X` | a `DIST_Y` |\n## More\n| `DIST_Z` | |\n";
-    assert_eq!(
-        readme_variables(readme),
-        BTreeSet::from(["DIST_X".to_string()])
-    );
+    assert_eq!(readme_problems(&"x\n".repeat(121)).len(), 2);
     assert_eq!(
         stated_versions("the Protocol version (4), protocol\nversion 12 and protocol versions"),
         vec![4, 12]
