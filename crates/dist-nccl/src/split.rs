@@ -156,10 +156,11 @@ impl Communicator {
                 Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
             };
             let limit = cfg.init_timeout;
-            if let Err(e) = connect_peers(&nccl, s, &ctx, &who, (rank, size), started, limit) {
-                return Err(fail(e, s));
+            match connect_peers(&nccl, s, &ctx, &who, (rank, size), started, limit) {
+                Ok(s) => s,
+                // `connect_peers` aborted `s` before freeing the buffer its transfers use.
+                Err(e) => return Err(fail(e, std::ptr::null_mut())),
             }
-            s
         } else {
             std::ptr::null_mut()
         };
