@@ -4,6 +4,8 @@
 //! each size is then timed three more rounds, alternating dist-nccl's loop and a bare loop of the
 //! same raw NCCL call on a second communicator in the same program (the floor dist-nccl's
 //! per-call overhead is measured against), and a line gives both medians and the difference.
+//! With `DIST_PERF_HYBRID_CHECK=1` it measures `HybridBackend`'s NCCL call check instead
+//! (`nccl_check_cost.rs`).
 
 // A binary crate: `pub` in its modules means "used by main", nothing is exported.
 #![allow(unreachable_pub)]
@@ -65,8 +67,13 @@ fn run_op(comm: &Communicator, op: PerfOp, a: &mut CudaSlice<f32>, b: &mut CudaS
     r.unwrap_or_else(|e| panic!("{e}"));
 }
 
+mod nccl_check_cost;
+
 fn main() -> ExitCode {
     dist_multirank::init_logging();
+    if nccl_check_cost::wanted() {
+        return nccl_check_cost::run();
+    }
     let o = dist_multirank::perf::perf_opts_or_exit("dist-nccl-perf", 1 << 30, |o| {
         if o.dtype != DType::F32 {
             return Err(format!(

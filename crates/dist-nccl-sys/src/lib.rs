@@ -12,6 +12,22 @@
 //! `libnccl.so.2`, then `libnccl.so` (through the dynamic loader's usual search). Every function
 //! is looked up when the library is loaded; one the library lacks is reported, with the version
 //! that introduced it, when it is first asked for ([`Library::get`]), never by a panic.
+//!
+//! # What loading trusts
+//!
+//! Loading a shared library runs its initialisers, and calling its functions trusts that they
+//! are NCCL's, with the signatures of [`bindings`]. Nothing in a file shows either, so a path
+//! is trusted, never checked:
+//! - [`Library::load_from`] is `unsafe`: its caller promises that the path names an NCCL
+//!   library (see its `# Safety`).
+//! - [`Library::load`] is safe because what it loads is chosen by the process's environment:
+//!   `$DIST_NCCL_LIBRARY`, or the dynamic loader's search (`LD_LIBRARY_PATH`, the loader's
+//!   cache). Setting `DIST_NCCL_LIBRARY` is the operator's promise that it names an NCCL
+//!   library of at least the version the calls need, as setting `LD_LIBRARY_PATH` or
+//!   `LD_PRELOAD` is a promise about what they name; a program that lets someone else set its
+//!   environment has handed them its code already. What is checked is what can be: the file
+//!   loads, exports `ncclGetVersion`, and that call succeeds; each function's version is
+//!   checked against [`INTRODUCED`] before it is handed out.
 
 #![warn(missing_docs)]
 
@@ -94,7 +110,11 @@ pub fn version_string(code: i32) -> String {
     }
 }
 
-/// The NCCL version that introduced each function this project calls (from NVIDIA's headers).
+/// The NCCL version that introduced each function this project calls (from NVIDIA's headers):
+/// every function called through [`nccl_fn!`] must be listed (a name the table lacks does not
+/// compile), and the test `the_table_lists_exactly_the_functions_called` checks that every
+/// one listed is called somewhere in the workspace and that none is reached through
+/// [`Library::raw`] without being listed.
 pub const INTRODUCED: &[(&str, i32)] = &[
     ("ncclGetVersion", version_code(2, 3, 0)),
     ("ncclGetUniqueId", version_code(2, 0, 0)),
@@ -102,7 +122,6 @@ pub const INTRODUCED: &[(&str, i32)] = &[
     ("ncclCommInitAll", version_code(2, 0, 0)),
     ("ncclCommDestroy", version_code(2, 0, 0)),
     ("ncclCommCount", version_code(2, 0, 0)),
-    ("ncclCommCuDevice", version_code(2, 0, 0)),
     ("ncclCommUserRank", version_code(2, 0, 0)),
     ("ncclGetErrorString", version_code(2, 0, 0)),
     ("ncclAllReduce", version_code(2, 0, 0)),
@@ -122,11 +141,6 @@ pub const INTRODUCED: &[(&str, i32)] = &[
     ("ncclCommInitRankConfig", version_code(2, 14, 0)),
     ("ncclCommFinalize", version_code(2, 14, 0)),
     ("ncclCommSplit", version_code(2, 18, 0)),
-    ("ncclMemAlloc", version_code(2, 19, 0)),
-    ("ncclCommRegister", version_code(2, 19, 0)),
-    ("ncclCommInitRankScalable", version_code(2, 23, 0)),
-    ("ncclCommShrink", version_code(2, 27, 0)),
-    ("ncclCommWindowRegister", version_code(2, 27, 0)),
     ("ncclAlltoAll", version_code(2, 28, 0)),
     ("ncclGather", version_code(2, 28, 0)),
     ("ncclScatter", version_code(2, 28, 0)),
@@ -222,7 +236,10 @@ impl std::fmt::Debug for Library {
 }
 
 impl Library {
-    /// Loads NCCL from `$DIST_NCCL_LIBRARY`, else `libnccl.so.2`, else `libnccl.so`.
+    /// Loads NCCL from `$DIST_NCCL_LIBRARY`, else `libnccl.so.2`, else `libnccl.so`. Safe: the
+    /// environment that picks the library is the operator's contract (see the crate's "What
+    /// loading trusts"), and the loader's search finds `libnccl.so.2` only where the system's
+    /// configuration put it.
     pub fn load() -> Result<Library, LoadError> {
         let mut candidates = Vec::new();
         if let Some(p) = std::env::var_os("DIST_NCCL_LIBRARY") {
@@ -230,28 +247,57 @@ impl Library {
         }
         candidates.push("libnccl.so.2".into());
         candidates.push("libnccl.so".into());
-        Self::load_first(&candidates)
+        // SAFETY: every candidate is an NCCL library by the operator's contract: the
+        // environment variable, or the names NCCL's own packages install, found through the
+        // loader's configured search (the crate's "What loading trusts").
+        unsafe { Self::load_first(&candidates) }
     }
 
     /// Loads NCCL from `path` only.
-    pub fn load_from(path: impl AsRef<std::path::Path>) -> Result<Library, LoadError> {
-        Self::load_first(&[path.as_ref().to_string_lossy().into_owned()])
+    ///
+    /// # Safety
+    ///
+    /// `path` must name an NCCL shared library (or one the dynamic loader resolves to one):
+    /// loading it runs its initialisers in this process, and its exported `ncclGetVersion` is
+    /// called, and every other function later handed out by [`Library::get`] may be, with the
+    /// signatures of NCCL 2.28's `nccl.h` ([`bindings`]). Any other library (one whose
+    /// initialisers are not meant to run here, or that exports an NCCL name with another
+    /// meaning) makes those calls undefined behaviour. A missing file, or a library without
+    /// `ncclGetVersion`, is an error, not undefined behaviour.
+    ///
+    /// A safe call does not compile:
+    ///
+    /// ```compile_fail,E0133
+    /// let _ = dist_nccl_sys::Library::load_from("/usr/lib/libnccl.so.2");
+    /// ```
+    pub unsafe fn load_from(path: impl AsRef<std::path::Path>) -> Result<Library, LoadError> {
+        // SAFETY: the caller's contract above.
+        unsafe { Self::load_first(&[path.as_ref().to_string_lossy().into_owned()]) }
     }
 
-    fn load_first(candidates: &[String]) -> Result<Library, LoadError> {
+    /// # Safety
+    ///
+    /// Every candidate must be an NCCL library ([`Library::load_from`]'s contract).
+    unsafe fn load_first(candidates: &[String]) -> Result<Library, LoadError> {
         let mut tried = Vec::new();
         for path in candidates {
-            // SAFETY: loading a shared library runs its initialisers; libnccl's are those of a
-            // library meant to be loaded this way (PyTorch and others dlopen it too).
+            // SAFETY: loading a shared library runs its initialisers; the candidate is an NCCL
+            // library (this function's contract), whose initialisers are meant to run in a
+            // process that dlopens it (PyTorch and others load it this way too).
             match unsafe { NcclLib::new(path) } {
-                Ok(raw) => return Self::check(raw, path.clone()),
+                // SAFETY: `raw` was loaded from a candidate, an NCCL library (this contract).
+                Ok(raw) => return unsafe { Self::check(raw, path.clone()) },
                 Err(e) => tried.push((path.clone(), e.to_string())),
             }
         }
         Err(LoadError::NotFound { tried })
     }
 
-    fn check(raw: NcclLib, path: String) -> Result<Library, LoadError> {
+    /// # Safety
+    ///
+    /// `raw` is an NCCL library ([`Library::load_from`]'s contract): its `ncclGetVersion` is
+    /// called.
+    unsafe fn check(raw: NcclLib, path: String) -> Result<Library, LoadError> {
         let get_version = raw
             .ncclGetVersion
             .as_ref()
@@ -260,7 +306,8 @@ impl Library {
                 why: format!("no ncclGetVersion: {e}"),
             })?;
         let mut version = 0;
-        // SAFETY: `ncclGetVersion` writes one int through the pointer, which is valid.
+        // SAFETY: the library is NCCL (the contract of `load_first`'s callers), whose
+        // `ncclGetVersion` writes one int through the pointer, which is valid.
         let r = unsafe { get_version(&mut version) };
         if r != ncclResult_t::ncclSuccess {
             return Err(LoadError::Unusable {
@@ -411,7 +458,8 @@ mod tests {
 
     #[test]
     fn a_missing_library_names_every_path_tried() {
-        let e = Library::load_from("/nonexistent/libnccl.so.2").unwrap_err();
+        // SAFETY: no file is at the path, so nothing is loaded and nothing is called.
+        let e = unsafe { Library::load_from("/nonexistent/libnccl.so.2") }.unwrap_err();
         let s = e.to_string();
         assert!(matches!(e, LoadError::NotFound { .. }), "{s}");
         assert!(s.contains("/nonexistent/libnccl.so.2"), "{s}");
@@ -419,8 +467,10 @@ mod tests {
 
     #[test]
     fn a_library_that_is_not_nccl_is_unusable() {
-        // libc exports no ncclGetVersion.
-        let e = Library::load_from("libc.so.6").unwrap_err();
+        // SAFETY: outside `load_from`'s contract, but known harmless here: libc is already
+        // loaded into this process (std links it), so loading it again runs no initialiser,
+        // and it exports no ncclGetVersion, so no function of it is called.
+        let e = unsafe { Library::load_from("libc.so.6") }.unwrap_err();
         assert!(matches!(e, LoadError::Unusable { .. }), "{e}");
         assert!(e.to_string().contains("no ncclGetVersion"), "{e}");
     }
@@ -435,7 +485,9 @@ mod tests {
     fn real_library_reports_version_errors_and_ids() {
         let path = std::env::var_os("DIST_NCCL_LIBRARY")
             .expect("DIST_NCCL_LIBRARY names the libnccl.so.2 to test against");
-        let lib = Library::load_from(&path).unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the variable names an NCCL library (the operator's contract, here `.ci/run`'s
+        // wheel); this test exists to check that library.
+        let lib = unsafe { Library::load_from(&path) }.unwrap_or_else(|e| panic!("{e}"));
         assert!(lib.version() >= version_code(2, 28, 0), "{lib:?}");
         let err = nccl_fn!(&lib, ncclGetErrorString).unwrap();
         // SAFETY: ncclGetErrorString returns a static C string for any result code.
@@ -461,6 +513,85 @@ mod tests {
                 "ncclAlltoAll needs NCCL 2.28.0 or newer; {} is NCCL 2.18.0",
                 too_new.path()
             )
+        );
+    }
+
+    /// `ncclX...`: an identifier that can name an NCCL function.
+    fn is_nccl_name(s: &str) -> bool {
+        s.starts_with("nccl")
+            && s.chars().nth(4).is_some_and(|c| c.is_ascii_uppercase())
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    }
+
+    /// The NCCL functions the workspace's Rust code reaches: the name in every
+    /// `nccl_fn!(lib, name)` and every `.name` field access (`raw().ncclSend`), outside
+    /// comments (doc examples included) and outside the generated bindings.
+    fn functions_called() -> std::collections::BTreeSet<String> {
+        fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for e in std::fs::read_dir(dir).unwrap().map(Result::unwrap) {
+                let (p, name) = (e.path(), e.file_name());
+                let name = name.to_string_lossy();
+                if p.is_dir() {
+                    if !name.starts_with('.') && name != "target" {
+                        walk(&p, out);
+                    }
+                } else if name.ends_with(".rs") && name != "bindings.rs" {
+                    out.push(p);
+                }
+            }
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut files = Vec::new();
+        walk(&root, &mut files);
+        assert!(files.len() > 20, "the workspace's files were not found");
+        let mut called = std::collections::BTreeSet::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap();
+            let code: String = text
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            // `nccl_fn!(` ... `, name)`: the last identifier before the closing parenthesis.
+            for (i, _) in code.match_indices("nccl_fn!(") {
+                let rest = &code[i..];
+                let args = &rest[..rest.find(')').unwrap()];
+                let name = args.rsplit(',').next().unwrap().trim();
+                if is_nccl_name(name) {
+                    called.insert(name.to_string());
+                }
+            }
+            // `.ncclName` (a field of the raw table, or a method of it).
+            for (i, _) in code.match_indices(".nccl") {
+                let name: String = code[i + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if is_nccl_name(&name) {
+                    called.insert(name);
+                }
+            }
+        }
+        called
+    }
+
+    #[test]
+    fn the_table_lists_exactly_the_functions_called() {
+        let called = functions_called();
+        // The scan sees what it should: a macro call and a field reached through `raw`.
+        assert!(called.contains("ncclAllReduce"), "{called:?}");
+        assert!(called.contains("ncclGetVersion"), "{called:?}");
+        let listed: std::collections::BTreeSet<String> =
+            INTRODUCED.iter().map(|(n, _)| n.to_string()).collect();
+        let never: Vec<_> = listed.difference(&called).collect();
+        assert!(
+            never.is_empty(),
+            "INTRODUCED lists functions the project never calls: {never:?}"
+        );
+        let unlisted: Vec<_> = called.iter().filter(|n| !listed.contains(*n)).collect();
+        assert!(
+            unlisted.is_empty(),
+            "functions called but not in INTRODUCED: {unlisted:?}"
         );
     }
 

@@ -1,7 +1,6 @@
 //! `Communicator`: one rank of an NCCL communicator on one GPU, how it forms (with a
 //! deadline), splits, synchronizes, aborts and is dropped (within its timeout).
 
-use std::ffi::CString;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,8 +33,6 @@ pub struct Communicator {
     /// re-recorded by another thread would let a wait end early).
     sync_event: Mutex<CudaEvent>,
     watchdog: Option<JoinHandle<()>>,
-    /// The name NCCL was given (kept alive for as long as the communicator).
-    _name: Option<CString>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -74,12 +71,11 @@ impl Communicator {
         runtime_connect_note();
         ctx.bind_to_thread()
             .map_err(cuda(&who, "bind the CUDA context"))?;
-        let name = split::c_name(cfg.name.as_ref());
-        let mut conf = config(&nccl, &cfg, name.as_ref(), false);
+        let mut conf = config(nccl.version(), &cfg, false);
         let mut comm: ncclComm_t = std::ptr::null_mut();
         let started = Instant::now();
         // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
-        // it points to stays alive as long as the communicator (kept in `Communicator::_name`).
+        // the config points to, which NCCL keeps, lives for the process (`config::nccl_name`).
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
         NcclCode::check_started(r)
             .map_err(|code| nccl_error(&nccl, &who, "ncclCommInitRankConfig", code, None))?;
@@ -92,7 +88,7 @@ impl Communicator {
                 .as_ref()
                 .map_or(String::new(), |n| format!("'{n}' "))
         );
-        Self::from_nonblocking(nccl, ctx.clone(), comm, base, name, &cfg)
+        Self::from_nonblocking(nccl, ctx.clone(), comm, base, &cfg)
     }
 
     /// One process driving several GPUs (`ncclCommInitAll`): a communicator per device of
@@ -138,7 +134,6 @@ impl Communicator {
                 i,
                 n,
                 name,
-                None,
                 &cfg,
             )?);
         }
@@ -156,7 +151,6 @@ impl Communicator {
         rank: usize,
         size: usize,
         who: String,
-        name: Option<CString>,
         cfg: &CommConfig,
     ) -> Result<Communicator> {
         let shared = Arc::new(Shared::new(nccl, comm, who.clone(), cfg.timeout, stream));
@@ -199,7 +193,6 @@ impl Communicator {
             ctx,
             sync_event: Mutex::new(sync_event),
             watchdog: Some(watchdog),
-            _name: name,
         })
     }
 

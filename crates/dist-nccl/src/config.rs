@@ -1,12 +1,20 @@
 //! How a communicator is made: [`CommConfig`], NCCL's `ncclConfig_t` built from it, and the
 //! stream its calls go on.
+//!
+//! NCCL keeps the pointers of a config's strings, not copies (`comm->config.commName =
+//! config->commName` in NCCL's `init.cc`; a profiler plugin is handed the name at init, and the
+//! communicator's thread may still be initialising after a deadline made dist give up on it).
+//! So every string a config points to lives for the rest of the process: [`config`] takes the
+//! name from the [`CommConfig`] and points at an interned copy (`&'static CStr`), one per
+//! distinct name, never freed; no caller hands NCCL a string of its own.
 
-use std::ffi::CString;
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::ffi::{CStr, CString};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use dist_nccl_sys::{Library as Nccl, ncclConfig_t, version_code};
+use dist_nccl_sys::{ncclConfig_t, version_code};
 
 /// Says once per process, at info level, when NCCL will connect collectives inside their first
 /// call (`NCCL_RUNTIME_CONNECT` not `0`): such a call waits inside NCCL for every peer, and a
@@ -88,19 +96,35 @@ impl Default for CommConfig {
     }
 }
 
-pub(crate) fn config(
-    nccl: &Nccl,
-    cfg: &CommConfig,
-    name: Option<&CString>,
-    blocking: bool,
-) -> ncclConfig_t {
+/// The name NCCL is given for `name` (NULs replaced by spaces): a copy that lives for the rest
+/// of the process, one per distinct name (interned), so that NCCL may keep the pointer.
+pub(crate) fn nccl_name(name: &str) -> &'static CStr {
+    static NAMES: Mutex<Option<HashSet<&'static CStr>>> = Mutex::new(None);
+    let owned = CString::new(name.replace('\0', " ")).expect("NULs replaced");
+    let mut names = NAMES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let names = names.get_or_insert_with(HashSet::new);
+    if let Some(kept) = names.get(owned.as_c_str()) {
+        return kept;
+    }
+    let kept: &'static CStr = Box::leak(owned.into_boxed_c_str());
+    names.insert(kept);
+    kept
+}
+
+/// NCCL's config for a communicator made with `cfg` from a library of `version`. Its only
+/// pointer (`commName`, null without [`CommConfig::name`]) points at [`nccl_name`]'s copy,
+/// which outlives every communicator; `netName` stays null.
+pub(crate) fn config(version: i32, cfg: &CommConfig, blocking: bool) -> ncclConfig_t {
     const UNDEF: i32 = i32::MIN;
+    let name = cfg.name.as_deref().map(nccl_name);
     ncclConfig_t {
         size: std::mem::size_of::<ncclConfig_t>(),
         magic: 0xcafe_beef,
         // The struct's version is the older of the header's and the library's, so that an
         // older NCCL reads only the fields it knows.
-        version: nccl.version().min(version_code(2, 28, 9)) as u32,
+        version: version.min(version_code(2, 28, 9)) as u32,
         blocking: i32::from(blocking),
         cgaClusterSize: UNDEF,
         minCTAs: cfg.min_ctas.unwrap_or(UNDEF),
@@ -108,12 +132,55 @@ pub(crate) fn config(
         netName: std::ptr::null(),
         splitShare: UNDEF,
         trafficClass: UNDEF,
-        commName: name.map_or(std::ptr::null(), |n| n.as_ptr()),
+        commName: name.map_or(std::ptr::null(), CStr::as_ptr),
         collnetEnable: UNDEF,
         CTAPolicy: UNDEF,
         shrinkShare: UNDEF,
         nvlsCTAs: UNDEF,
         nChannelsPerNetPeer: UNDEF,
         nvlinkCentricSched: UNDEF,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The name a config points to outlives the `CommConfig` it came from and everything the
+    /// caller built it with: NCCL keeps the pointer for the communicator's life (before, the
+    /// caller passed a `CString` of its own, and `split_raw` dropped its copy at return while
+    /// the child communicator kept pointing at it).
+    #[test]
+    fn the_name_outlives_everything_the_caller_made() {
+        let conf = {
+            let cfg = CommConfig {
+                name: Some(format!("child\0of {}", 7)),
+                ..CommConfig::default()
+            };
+            config(version_code(2, 28, 9), &cfg, false)
+        };
+        // Allocate and drop strings of the same size meanwhile, so that a freed copy would
+        // likely have been overwritten.
+        let noise: Vec<String> = (0..1000).map(|i| format!("xxxxxxxxxx{i:04}")).collect();
+        drop(noise);
+        assert!(!conf.commName.is_null());
+        // SAFETY: `commName` points at `nccl_name`'s interned copy, which is never freed.
+        let name = unsafe { CStr::from_ptr(conf.commName) };
+        assert_eq!(name.to_str().unwrap(), "child of 7");
+        // One copy per distinct name: the same pointer again, however often it is asked for.
+        let again = config(
+            version_code(2, 28, 9),
+            &CommConfig {
+                name: Some("child of 7".into()),
+                ..CommConfig::default()
+            },
+            true,
+        );
+        assert_eq!(again.commName, conf.commName);
+        assert_ne!(nccl_name("another").as_ptr(), conf.commName);
+        // No name, no pointer; the version is capped at the header's.
+        let plain = config(version_code(2, 30, 0), &CommConfig::default(), true);
+        assert!(plain.commName.is_null() && plain.netName.is_null());
+        assert_eq!(plain.version, version_code(2, 28, 9) as u32);
     }
 }

@@ -25,16 +25,49 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtrMut};
 use dist_nccl_sys::{Library as Nccl, cudaStream_t, nccl_fn, ncclComm_t, ncclDataType_t};
 
 use crate::error::{NcclCode, NcclError, Result};
 use crate::shared::{cuda, nccl_error};
-use crate::split::ready;
+use crate::split::{abort_handle, ready};
+
+/// A communicator handle that NCCL may still be working on, with what that work may write
+/// into (`keep`). Dropped without [`AbortFirst::release`], it aborts the handle in `drop`,
+/// which Rust runs before it drops the fields: `keep` is freed only once the abort has
+/// returned, when NCCL's threads for the handle are stopped and launch nothing more. (Kernels
+/// launched before are on the buffer's stream, ahead of its free.)
+pub(crate) struct AbortFirst<K, A: FnMut(ncclComm_t)> {
+    comm: ncclComm_t,
+    abort: A,
+    keep: K,
+}
+
+impl<K, A: FnMut(ncclComm_t)> AbortFirst<K, A> {
+    pub(crate) fn new(comm: ncclComm_t, keep: K, abort: A) -> Self {
+        AbortFirst { comm, abort, keep }
+    }
+
+    /// The handle, whose work is done: not aborted; `keep` is dropped now.
+    pub(crate) fn release(mut self) -> ncclComm_t {
+        std::mem::replace(&mut self.comm, std::ptr::null_mut())
+    }
+}
+
+impl<K, A: FnMut(ncclComm_t)> Drop for AbortFirst<K, A> {
+    fn drop(&mut self) {
+        if !self.comm.is_null() {
+            (self.abort)(self.comm);
+        }
+        // `keep` is dropped after this, by the fields' drop.
+    }
+}
 
 /// Sends one byte to and receives one from every other rank on `comm` (nonblocking, used by
-/// this thread alone), and waits for the transfers, all before `started + limit`. On an error
-/// the caller aborts `comm` (nothing here does).
+/// this thread alone, and owned from here), and waits for the transfers, all before
+/// `started + limit`. Returns `comm` once done. On an error `comm` is aborted here, before the
+/// device buffer the transfers use is freed (NCCL's thread may still connect the last peer and
+/// launch the kernels that write into it): the caller must not abort it again.
 pub(crate) fn connect_peers(
     nccl: &Nccl,
     comm: ncclComm_t,
@@ -43,20 +76,26 @@ pub(crate) fn connect_peers(
     (rank, size): (usize, usize),
     started: Instant,
     limit: Duration,
-) -> Result<()> {
+) -> Result<ncclComm_t> {
     const OP: &str = "connect to every peer";
+    // Every return below drops `owned` (aborting `comm`, then freeing the buffer) unless it
+    // was released.
+    let mut owned = AbortFirst::new(comm, None::<CudaSlice<u8>>, |c| abort_handle(nccl, c));
     if size < 2 {
-        return Ok(());
+        return Ok(owned.release());
     }
     let start = nccl_fn!(nccl, ncclGroupStart)?;
     let end = nccl_fn!(nccl, ncclGroupEnd)?;
     let send = nccl_fn!(nccl, ncclSend)?;
     let recv = nccl_fn!(nccl, ncclRecv)?;
     let stream = ctx.default_stream();
-    // Byte 0 is sent to every peer; byte 1 + p receives from peer p.
-    let mut buf = stream
-        .alloc_zeros::<u8>(size + 1)
-        .map_err(cuda(who, "allocate the connecting buffer"))?;
+    // Byte 0 is sent to every peer; byte 1 + p receives from peer p. The buffer is owned by
+    // `owned`, so it outlives the abort on every error path.
+    let buf = owned.keep.insert(
+        stream
+            .alloc_zeros::<u8>(size + 1)
+            .map_err(cuda(who, "allocate the connecting buffer"))?,
+    );
     let (ptr, guard) = buf.device_ptr_mut(&stream);
     let cu = stream.cu_stream() as cudaStream_t;
     let u8t = ncclDataType_t::ncclUint8;
@@ -68,9 +107,11 @@ pub(crate) fn connect_peers(
     let mut first_err = None;
     for peer in (0..size).filter(|p| *p != rank) {
         // SAFETY: `comm` is live and used by this thread alone; `ptr` is a device buffer of
-        // this context of size + 1 bytes, alive (and its guard held) until the transfers are
-        // seen complete below; the send reads byte 0, the receive from `peer` writes byte
-        // 1 + peer < size + 1; both on the default stream of this context; peer < size.
+        // this context of size + 1 bytes, owned by `owned`, which on every path either sees
+        // the transfers complete (below) or aborts `comm` before freeing it (`AbortFirst`),
+        // so no transfer NCCL launches writes into freed memory; the send reads byte 0, the
+        // receive from `peer` writes byte 1 + peer < size + 1; both on the default stream of
+        // this context; peer < size.
         let (s, r) = unsafe {
             let base = ptr as *mut u8;
             let s = send(base as *const c_void, 1, u8t, peer as i32, comm, cu);
@@ -118,5 +159,59 @@ pub(crate) fn connect_peers(
         std::thread::sleep(Duration::from_micros(100));
     }
     drop(guard);
-    Ok(())
+    Ok(owned.release())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Records its drop in the shared log.
+    struct Buffer<'a>(&'a RefCell<Vec<&'static str>>);
+
+    impl Drop for Buffer<'_> {
+        fn drop(&mut self) {
+            self.0.borrow_mut().push("free");
+        }
+    }
+
+    fn handle() -> ncclComm_t {
+        std::ptr::NonNull::<dist_nccl_sys::ncclComm>::dangling().as_ptr()
+    }
+
+    /// An error path (an early return, a `?`, a panic) drops the handle's owner: the abort
+    /// comes first, the buffer NCCL's work writes into is freed after it. Before, the buffer
+    /// was a local of `connect_peers`, freed on return, and the caller aborted afterwards.
+    #[test]
+    fn an_unreleased_handle_is_aborted_before_its_buffer_is_freed() {
+        let log = RefCell::new(Vec::new());
+        let owned = AbortFirst::new(handle(), Some(Buffer(&log)), |c| {
+            assert_eq!(c, handle());
+            log.borrow_mut().push("abort");
+        });
+        let failing = |o: AbortFirst<_, _>| -> std::result::Result<(), ()> {
+            let _o = o;
+            Err(())
+        };
+        assert!(failing(owned).is_err());
+        assert_eq!(*log.borrow(), ["abort", "free"]);
+        // A panic while the owner is alive unwinds the same way.
+        log.borrow_mut().clear();
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _o = AbortFirst::new(handle(), Buffer(&log), |_| log.borrow_mut().push("abort"));
+            panic!("inside");
+        }));
+        assert!(caught.is_err());
+        assert_eq!(*log.borrow(), ["abort", "free"]);
+    }
+
+    /// A released handle is the caller's: no abort, and the buffer (its work complete) is freed.
+    #[test]
+    fn a_released_handle_is_not_aborted() {
+        let log = RefCell::new(Vec::new());
+        let owned = AbortFirst::new(handle(), Buffer(&log), |_| log.borrow_mut().push("abort"));
+        assert_eq!(owned.release(), handle());
+        assert_eq!(*log.borrow(), ["free"]);
+    }
 }

@@ -17,7 +17,6 @@
 //! timeout has not passed, then calls `ncclCommAbort`); NCCL's thread working on the split is
 //! NCCL's own, not a caller inside a call. Run 5: that abort returned within 2 s.
 
-use std::ffi::CString;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::{Duration, Instant};
@@ -48,16 +47,8 @@ impl Communicator {
             return Err(self.invalid("split", format!("color {color} is over 2^31-1")));
         }
         let nb = self.split_raw(color as i32, key, &cfg)?;
-        let name = c_name(cfg.name.as_ref());
         let who = self.split_name(&cfg, &color.to_string());
-        Self::from_nonblocking(
-            self.shared.nccl.clone(),
-            self.ctx.clone(),
-            nb,
-            who,
-            name,
-            &cfg,
-        )
+        Self::from_nonblocking(self.shared.nccl.clone(), self.ctx.clone(), nb, who, &cfg)
     }
 
     /// Takes part in a split of this communicator without joining any of the communicators it
@@ -90,14 +81,13 @@ impl Communicator {
         if crate::group::in_group() {
             return Err(self.invalid(OP, "not inside a group".into()));
         }
-        let name = c_name(cfg.name.as_ref());
         let shown = if color == dist_nccl_sys::NCCL_SPLIT_NOCOLOR {
             "no color".to_string()
         } else {
             color.to_string()
         };
         let who = self.split_name(cfg, &shown);
-        let mut conf = config(&nccl, cfg, name.as_ref(), false);
+        let mut conf = config(nccl.version(), cfg, false);
         // The parent's lock is held until the child is ready or given up on: NCCL's thread
         // uses the parent for the split meanwhile, so no other call may run on it.
         let mut st = self.shared.lock_for_call(OP)?;
@@ -122,7 +112,6 @@ impl Communicator {
         ctx: Arc<CudaContext>,
         nb: ncclComm_t,
         who: String,
-        name: Option<CString>,
         cfg: &CommConfig,
     ) -> Result<Communicator> {
         let fail = |e: NcclError, comm: ncclComm_t| {
@@ -154,25 +143,24 @@ impl Communicator {
         let (rank, size) = (r as usize, n as usize);
         if cfg.nonblocking_calls {
             let none = std::ptr::null_mut();
-            return Self::finish(
-                nccl, ctx, stream, nb, None, none, rank, size, who, name, cfg,
-            );
+            return Self::finish(nccl, ctx, stream, nb, None, none, rank, size, who, cfg);
         }
         // With `connect_peers`, every pair of ranks connects now, on a nonblocking split of
         // `nb` whose children share its connections (`connect.rs`).
         let started = Instant::now();
         let sharing = if cfg.connect_peers && size > 1 {
-            let mut conf = config(&nccl, cfg, name.as_ref(), false);
+            let mut conf = config(nccl.version(), cfg, false);
             conf.splitShare = 1;
             let s = match split_handle(&nccl, nb, &who, 0, r, &mut conf, cfg.init_timeout) {
                 Ok(c) => c,
                 Err((e, _)) => return Err(fail(e, std::ptr::null_mut())),
             };
             let limit = cfg.init_timeout;
-            if let Err(e) = connect_peers(&nccl, s, &ctx, &who, (rank, size), started, limit) {
-                return Err(fail(e, s));
+            match connect_peers(&nccl, s, &ctx, &who, (rank, size), started, limit) {
+                Ok(s) => s,
+                // `connect_peers` aborted `s` before freeing the buffer its transfers use.
+                Err(e) => return Err(fail(e, std::ptr::null_mut())),
             }
-            s
         } else {
             std::ptr::null_mut()
         };
@@ -180,7 +168,7 @@ impl Communicator {
         // blocking child with the same ranks makes them as cheap as plain NCCL's. Every rank
         // has joined `nb` by now.
         let parent = if sharing.is_null() { nb } else { sharing };
-        let mut conf = config(&nccl, cfg, name.as_ref(), true);
+        let mut conf = config(nccl.version(), cfg, true);
         let comm = match split_handle(&nccl, parent, &who, 0, r, &mut conf, cfg.init_timeout) {
             Ok(c) => c,
             Err((e, _)) => return Err(fail(e, sharing)),
@@ -195,7 +183,6 @@ impl Communicator {
             rank,
             size,
             who,
-            name,
             cfg,
         )
     }
@@ -277,8 +264,8 @@ pub(crate) fn split_handle(
     let started = Instant::now();
     // SAFETY: `parent` is live and used by this thread alone (module doc); the slot is valid,
     // aligned memory for one handle that outlives any write NCCL makes to it (see above); the
-    // config (and the name it points to, owned by the caller) is valid for the call, and NCCL
-    // copies it.
+    // config is valid for the call and NCCL copies it, but keeps the name it points to, which
+    // lives for the process (`config::nccl_name`, the only way a config is built).
     let r = unsafe { f(parent, color, key, slot.as_ptr(), conf) };
     if let Err(code) = NcclCode::check_started(r) {
         return Err((nccl_error(nccl, who, OP, code, Some(parent)), false));
@@ -325,9 +312,4 @@ pub(crate) fn split_handle(
     drop(slot);
     wait_handle(nccl, child, who, OP, started, limit).map_err(|e| (e, false))?;
     Ok(child)
-}
-
-/// The communicator's name as NCCL is given it (NULs replaced).
-pub(crate) fn c_name(name: Option<&String>) -> Option<CString> {
-    name.map(|n| CString::new(n.replace('\0', " ")).expect("NULs replaced"))
 }

@@ -1,6 +1,7 @@
 //! Issue 11 on GPUs, through `HybridBackend`: mismatched NCCL calls (count, type, op, root)
 //! and a killed or stopped rank are errors on every rank within their bounds, naming the ranks
-//! and the calls; and the cost of the call check at 8 B, with the check on and off.
+//! and the calls. (The cost of the call check is measured by `dist-nccl-perf` with
+//! `DIST_PERF_HYBRID_CHECK=1`, not here.)
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
@@ -286,56 +287,6 @@ pub fn sigstop() -> Result<(), String> {
             .unwrap_or(10.0);
         Duration::from_secs_f64(peer) + Duration::from_secs(2)
     })
-}
-
-/// The call check's cost: 8 B all_reduces through the hybrid in rounds alternating the check
-/// on and off, and the communicator's own call (no record, no check) beside them; medians of
-/// per-call times (each round: `ITERS` calls, then one synchronize).
-pub fn check_cost() -> Result<(), String> {
-    const ITERS: usize = 20_000;
-    const ROUNDS: usize = 5;
-    let mut h = hybrid()?;
-    let me = h.rank();
-    let mut x = dev(&h, &[1.0f32; 2]);
-    let mut times: [Vec<f64>; 3] = Default::default();
-    let mut round = |h: &mut HybridBackend, which: usize| {
-        h.barrier().unwrap();
-        let t = Instant::now();
-        for _ in 0..ITERS {
-            match which {
-                2 => h
-                    .nccl()
-                    .unwrap()
-                    .all_reduce_in_place(&mut x, ReduceOp::Sum)
-                    .unwrap(),
-                _ => h.all_reduce(&mut x, ReduceOp::Sum).unwrap(),
-            }
-        }
-        h.synchronize_nccl().unwrap_or_else(|e| panic!("{e}"));
-        times[which].push(t.elapsed().as_secs_f64() * 1e6 / ITERS as f64);
-    };
-    for _ in 0..ROUNDS {
-        h.set_nccl_check(true);
-        round(&mut h, 0);
-        h.set_nccl_check(false);
-        round(&mut h, 1);
-        round(&mut h, 2);
-    }
-    h.set_nccl_check(true);
-    let med = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let [on, off, bare] = &mut times;
-    let (on, off, bare) = (med(on), med(off), med(bare));
-    println!(
-        "rank {me}: all_reduce 8 B, median of {ROUNDS} rounds of {ITERS}: check on {on:.2} us/call, \
-         check off {off:.2} us/call, Communicator directly {bare:.2} us/call; check on - off = \
-         {:+.2} us; calls not compared: {}",
-        on - off,
-        h.unchecked_calls()
-    );
-    Ok(())
 }
 
 /// A rank that stops calling NCCL (it waits on TCP instead) while the others make their
