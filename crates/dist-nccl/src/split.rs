@@ -2,7 +2,7 @@
 //! holds the communicator's lock, or no one else has the handle yet).
 //!
 //! Why a nonblocking handle: NCCL blocks inside `ncclCommSplit` issued on a blocking
-//! communicator until every rank joins (run 4 of `docs/results/2026-11-30-2xH200/`: a split
+//! communicator until every rank joins (run 4 of `docs/results/2026-11-30-2xH200-a84be05/`: a split
 //! with a nonblocking child, issued on the blocking parent, stayed inside NCCL for 60 s, until
 //! the absent peer's process exited). A communicator whose config has `blocking = 0` lets
 //! NCCL "never block in any NCCL call" (NCCL user guide, "Creating a communication with
