@@ -43,6 +43,8 @@ mod setup;
 mod shm_tests;
 mod slots;
 #[cfg(test)]
+mod socket_tests;
+#[cfg(test)]
 mod tests;
 mod writer;
 

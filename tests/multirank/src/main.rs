@@ -58,10 +58,12 @@ const CASES: &[Case] = &[
         p2p::threads();
         Ok(())
     }),
+    // Every size to 8: the dissemination barrier (3, 5, 6, 7) and recursive doubling (2, 4, 8).
     Case::new("p2p_barriers", || {
         p2p::barriers();
         Ok(())
-    }),
+    })
+    .sizes(&[2, 3, 4, 5, 6, 7, 8]),
     Case::new("p2p_timeout", || {
         p2p::timeout();
         Ok(())
@@ -72,6 +74,14 @@ const CASES: &[Case] = &[
     }),
     Case::new("p2p_strangers", || {
         p2p::strangers();
+        Ok(())
+    }),
+    Case::new("p2p_rank0_last", || {
+        p2p::rank0_last();
+        Ok(())
+    }),
+    Case::new("p2p_reverse_start", || {
+        p2p::reverse_start();
         Ok(())
     }),
     Case::new("p2p_secret", || {

@@ -1,14 +1,18 @@
-//! Point-to-point cases: contents, concurrency, barriers, deadlines, dead peers, strangers.
+//! Point-to-point cases: contents, concurrency, barriers, deadlines, dead peers, strangers, the
+//! ranks' start order.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use dist_core::{Backend, DistError, Tag};
+use dist_core::{Backend, Collectives, DistError, ReduceOp, Tag};
 use dist_tcp::TcpBackend;
 use dist_tcp::wire::{Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Refusal, Reply};
 
 use dist_multirank::{self as common, fill, first_difference, join, seed};
+
+use crate::admission::read_until_closed;
 
 /// Every ordered pair exchanges messages of 0 B, 1 B, 4 KiB, 16 MiB and 256 MiB; every byte is
 /// checked.
@@ -77,14 +81,47 @@ pub fn threads() {
     b.barrier().unwrap();
 }
 
-/// A thousand barriers in a row.
+/// A thousand barriers in a row, each holding every rank until the last has entered. Before
+/// each, a rank writes how many it has entered to a file of its own (in a directory of this
+/// job's); after it, every rank reads every count, which must show the barrier entered by all.
+/// In each of the first `n` barriers one rank enters 20 ms late, so that a barrier which lets a
+/// rank out early is caught, whichever rank it fails to wait for.
 pub fn barriers() {
+    const BARRIERS: u64 = 1000;
     let b = join();
+    let (me, n) = (b.rank(), b.world_size());
+    let dir = job_dir("barriers");
+    let count = |rank: usize| -> u64 {
+        match std::fs::read_to_string(dir.join(format!("rank-{rank}"))) {
+            Ok(text) => text.parse().unwrap(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => panic!("rank {rank}'s count: {e}"),
+        }
+    };
     let t = Instant::now();
-    for _ in 0..1000 {
+    for i in 1..=BARRIERS {
+        if i as usize == me + 1 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Written whole, then renamed over the last: a reader sees one count or the other.
+        let tmp = dir.join(format!("rank-{me}.tmp"));
+        std::fs::write(&tmp, i.to_string()).unwrap();
+        std::fs::rename(&tmp, dir.join(format!("rank-{me}"))).unwrap();
         b.barrier().unwrap_or_else(|e| panic!("{e}"));
+        for k in 0..n {
+            let entered = count(k);
+            assert!(
+                entered >= i,
+                "barrier {i} of {n} ranks: rank {me} left it before rank {k} entered \
+                 (rank {k} has entered {entered})"
+            );
+        }
     }
-    println!("1000 barriers in {:.1?}", t.elapsed());
+    println!("{BARRIERS} barriers, each checked, in {:.1?}", t.elapsed());
+    b.barrier().unwrap();
+    if me == 0 {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// A receive from a peer that never sends ends with a timeout naming it, on time.
@@ -163,6 +200,13 @@ pub fn peer_death() {
     }
 }
 
+/// Rank 0's handshake deadline in [`strangers`].
+const STRANGER_HANDSHAKE: Duration = Duration::from_secs(2);
+
+/// How soon after it connects a stranger must have been dropped: its handshake deadline and a
+/// margin, well under the strangers' 10 s read timeout.
+const STRANGER_DROPPED: Duration = Duration::from_secs(4);
+
 fn master_port() -> u16 {
     std::env::var("MASTER_PORT").unwrap().parse().unwrap()
 }
@@ -207,9 +251,9 @@ fn refusal_for(port: u16, bytes: &[u8]) -> Reply {
     s.read_exact(&mut r)
         .unwrap_or_else(|e| panic!("no refusal: {e}"));
     let reply = Reply::decode(&r).unwrap();
-    // And then the connection is closed.
-    let mut more = [0u8; 1];
-    assert_eq!(s.read(&mut more).unwrap_or(0), 0, "connection left open");
+    // And then the connection is closed (within rank 0's handshake deadline), nothing more sent.
+    let more = read_until_closed(&mut s, STRANGER_DROPPED, "a refused stranger").bytes;
+    assert!(more.is_empty(), "{} bytes after the refusal", more.len());
     reply
 }
 
@@ -218,7 +262,7 @@ pub fn strangers() {
     let mut cfg = common::config();
     let (me, n) = (cfg.rank(), cfg.world_size());
     if me == 0 {
-        cfg = cfg.handshake_timeout(Duration::from_secs(2));
+        cfg = cfg.handshake_timeout(STRANGER_HANDSHAKE);
     }
     if me == n - 1 {
         // Rank 0 cannot finish the rendezvous before this rank joins, so these all arrive during it.
@@ -226,15 +270,14 @@ pub fn strangers() {
         let silent = std::thread::spawn(move || {
             let mut s = connect(port);
             let t = Instant::now();
-            let mut b = [0u8; 1];
-            let r = s.read(&mut b);
-            assert!(matches!(r, Ok(0) | Err(_)), "silent client got data");
-            let waited = t.elapsed();
-            assert!(
-                waited < Duration::from_secs(4),
-                "silent client dropped after {waited:?}"
+            // Dropped (end of stream or reset, not a read timeout), by its handshake deadline.
+            let end = read_until_closed(&mut s, STRANGER_DROPPED, "a silent stranger");
+            assert!(end.bytes.is_empty(), "silent client got data");
+            println!(
+                "silent client dropped after {:.1?} (reset: {})",
+                t.elapsed(),
+                end.reset
             );
-            println!("silent client dropped after {waited:.1?}");
         });
         let n32 = n as u32;
         let mut garbage = [0u8; 64];
@@ -301,12 +344,20 @@ pub fn strangers() {
             assert!(r.reason.contains(text), "{what}: {}", r.reason);
             println!("{what}: refused: {}", r.reason);
         }
-        // A stranger that trickles a partial hello and stops is dropped too.
+        // A stranger that trickles a partial hello and stops is dropped too, by its handshake
+        // deadline, with nothing sent back.
+        let t = Instant::now();
         let mut partial = connect(port);
         partial.write_all(&hello(1, n32).encode()[..10]).unwrap();
         silent.join().unwrap();
-        let mut b = [0u8; 1];
-        assert!(matches!(partial.read(&mut b), Ok(0) | Err(_)));
+        let within = STRANGER_DROPPED.saturating_sub(t.elapsed());
+        let end = read_until_closed(&mut partial, within, "a stranger with a partial hello");
+        assert!(end.bytes.is_empty(), "partial hello answered");
+        println!(
+            "partial hello dropped after {:.1?} (reset: {})",
+            t.elapsed(),
+            end.reset
+        );
     }
     let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
     ring_check(&b);
@@ -319,6 +370,100 @@ fn ring_check(b: &TcpBackend) {
     b.recv(&mut got, (me + n - 1) % n).unwrap();
     assert_eq!(got, [((me + n - 1) % n) as u8; 3]);
     b.barrier().unwrap();
+}
+
+/// How long rank 0 waits, once every other rank has started joining, before it joins in
+/// [`rank0_last`]; and how long each rank waits after the one above it in [`reverse_start`].
+const LATE: Duration = Duration::from_millis(1500);
+const STEP: Duration = Duration::from_millis(300);
+
+/// A directory the ranks of this job share (they run on one host, children of one launcher).
+fn job_dir(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "dist-{what}-{}-{}",
+        master_port(),
+        std::os::unix::process::parent_id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Says that `rank` starts joining now.
+fn started(dir: &Path, rank: usize) {
+    std::fs::write(dir.join(format!("started-{rank}")), b"").unwrap();
+}
+
+/// Waits (at most 60 s) until `rank` has started joining.
+fn wait_started(dir: &Path, rank: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !dir.join(format!("started-{rank}")).exists() {
+        assert!(Instant::now() < deadline, "rank {rank} never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Rank 0 joins last: [`LATE`] after every other rank has started joining (dialing rank 0's
+/// port, which nothing listens on until then, so they retry with backoff). The group forms and
+/// works.
+pub fn rank0_last() {
+    let dir = job_dir("rank0-last");
+    let n = common::config().world_size();
+    staggered(&dir, |me| {
+        if me == 0 {
+            (1..n).for_each(|r| wait_started(&dir, r));
+            // The start order under test, not a wait for an event.
+            std::thread::sleep(LATE);
+        }
+        // The others wait for rank 0's late start.
+        if me == 0 { Duration::ZERO } else { LATE }
+    });
+}
+
+/// The ranks join in reverse order, the last first and rank 0 last, each [`STEP`] after the one
+/// above it has started joining. The group forms and works.
+pub fn reverse_start() {
+    let dir = job_dir("reverse-start");
+    let n = common::config().world_size();
+    staggered(&dir, |me| {
+        if me + 1 < n {
+            wait_started(&dir, me + 1);
+            // The start order under test, not a wait for an event.
+            std::thread::sleep(STEP);
+        }
+        // Rank 0 starts at least this long after this rank.
+        STEP * me as u32
+    });
+}
+
+/// Each rank runs `before` (which waits for its turn and returns how long it will wait for
+/// rank 0 at least) and joins; the join must have taken that long (the scenario happened),
+/// then an all_reduce and a ring of messages are checked.
+fn staggered(dir: &Path, before: impl FnOnce(usize) -> Duration) {
+    let cfg = common::config();
+    let (me, n) = (cfg.rank(), cfg.world_size());
+    let wait = before(me);
+    started(dir, me);
+    let t = Instant::now();
+    let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
+    let joined = t.elapsed();
+    println!("joined in {joined:.1?}, of which at least {wait:.1?} waiting for rank 0");
+    assert!(
+        joined >= wait,
+        "rank {me} joined in {joined:?}, before rank 0 started ({wait:?} after it)"
+    );
+    let mut x = vec![me as u64 + 1; 1000];
+    b.all_reduce(&mut x, ReduceOp::Sum)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let want = (n * (n + 1) / 2) as u64;
+    assert!(
+        x.iter().all(|v| *v == want),
+        "all_reduce: {} != {want}",
+        x[0]
+    );
+    ring_check(&b);
+    if me == 0 {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// With a shared secret configured, a rank with the wrong one is refused with an error saying

@@ -1,6 +1,6 @@
 //! Unit tests of `init`.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::time::Duration;
 
 use super::*;
@@ -54,10 +54,29 @@ fn raw(addr: SocketAddr) -> TcpStream {
     s
 }
 
-fn read_all(s: &mut TcpStream) -> Vec<u8> {
+/// Reads `s` until the listener closes it, by end of stream or reset (a socket closed with
+/// bytes unread resets), and returns what came first. Panics if it is still open after
+/// `within`: a read that times out is a connection left open, not one closed.
+fn read_until_closed(s: &mut TcpStream, within: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + within;
     let mut all = Vec::new();
-    let _ = s.read_to_end(&mut all);
-    all
+    let mut buf = [0u8; 1024];
+    loop {
+        // At least a moment: a connection closed already reads as such at once.
+        let left = deadline.saturating_duration_since(Instant::now());
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return all,
+            Ok(k) if Instant::now() < deadline => all.extend_from_slice(&buf[..k]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return all,
+            Err(e) if !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                panic!("reading until closed: {e}")
+            }
+            _ => panic!("still open after {within:?} ({} bytes read)", all.len()),
+        }
+    }
 }
 
 /// The listener sends its proof only after checking the connecting side's: a client that
@@ -72,7 +91,7 @@ fn the_listener_proves_only_after_the_client_has() {
     let mut s = raw(addr);
     s.write_all(&hello.encode()).unwrap();
     s.write_all(&[0x55; NONCE_LEN]).unwrap();
-    let got = read_all(&mut s);
+    let got = read_until_closed(&mut s, Duration::from_secs(3));
     assert_eq!(got.len(), 2 * REPLY_LEN, "challenge then verdict");
     let challenge = Reply::decode(&got[..REPLY_LEN]).unwrap();
     let verdict = Reply::decode(&got[REPLY_LEN..]).unwrap();
@@ -91,11 +110,11 @@ fn the_listener_proves_only_after_the_client_has() {
     let server_proof = wire::proof(KEY, Side::Server, &hello, 1, &challenge.nonce);
     assert!(!got.windows(NONCE_LEN).any(|w| w == server_proof));
 
-    // No proof at all: after the challenge the listener waits out the handshake deadline
+    // No proof at all: after the challenge the listener waits out the handshake deadline (1 s)
     // and closes, having sent nothing more.
     let mut s = raw(addr);
     s.write_all(&hello.encode()).unwrap();
-    let got = read_all(&mut s);
+    let got = read_until_closed(&mut s, Duration::from_secs(3));
     assert_eq!(got.len(), REPLY_LEN, "sent more than the challenge");
     assert_eq!(Reply::decode(&got).unwrap().proof, [0; NONCE_LEN]);
 
@@ -279,14 +298,16 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    let drained = t.elapsed();
     assert!(
         held <= acceptor::MAX_HANDSHAKES,
-        "{held} of {IDLE} idle connections held open after {:?}",
-        t.elapsed()
+        "{held} of {IDLE} idle connections held open after {drained:?}"
     );
     for s in &mut garbage {
-        // Refused as not a dist peer, or closed at once: never left hanging.
-        let got = read_all(s);
+        // Refused as not a dist peer, or closed unread: never left hanging past its handshake
+        // deadline (counted from its accept, which came before the backlog was drained).
+        let within = (drained + timeout + Duration::from_secs(1)).saturating_sub(t.elapsed());
+        let got = read_until_closed(s, within);
         if !got.is_empty() {
             let r = Reply::decode(&got).unwrap();
             assert_eq!(r.refusal, Some(Refusal::BadMagic), "{}", r.reason);
@@ -314,7 +335,7 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
 fn refused_garbage(addr: SocketAddr) {
     let mut s = raw(addr);
     let _ = s.write_all(&[0xAB; HELLO_LEN]);
-    let got = read_all(&mut s);
+    let got = read_until_closed(&mut s, Duration::from_secs(3));
     if !got.is_empty() {
         assert_eq!(
             Reply::decode(&got).unwrap().refusal,
