@@ -8,6 +8,7 @@ mod bindgen;
 mod bundle;
 mod multirank;
 mod plot;
+mod public_api;
 mod scale;
 #[cfg(test)]
 mod tidy;
@@ -79,6 +80,8 @@ enum Cmd {
     /// Start N ranks on this host (form, barrier, 8 B and 1 MiB all_reduce) and print each
     /// phase's wall time and the ranks' peak memory and threads.
     Scale(scale::Args),
+    /// Write (or --check) the list of every public item of each library crate, docs/api/.
+    PublicApi(public_api::Args),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
@@ -222,6 +225,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new(), None),
         Cmd::Test => test(),
         Cmd::Bindgen(a) => bindgen::run(&a),
+        Cmd::PublicApi(a) => public_api::run(&a),
         Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Plot(a) => plot::run(&a),
