@@ -52,6 +52,9 @@ pub struct Hosts {
     /// SIGINT, SIGTERM and SIGHUP caught while the hosts exist; the dispositions it replaced
     /// come back when it drops.
     caught: Option<crate::signals::Caught>,
+    /// How many signals this process had caught before the hosts were made: a run on them
+    /// stops for any that came after, even before the run began.
+    signals_before: usize,
     /// With a delay: the hub that links the hosts' TAP devices instead of the bridge.
     hub: Option<crate::delay::Hub>,
 }
@@ -156,6 +159,7 @@ impl Hosts {
             prefix: format!("{PREFIX}{}-{k}-", std::process::id()),
             count,
             made: Vec::new(),
+            signals_before: crate::signals::received(),
             caught: Some(crate::signals::catch()),
             hub: None,
         };
@@ -205,6 +209,11 @@ impl Hosts {
         ip(&["netns", "add", name])?;
         self.made.push(name.to_string());
         Ok(())
+    }
+
+    /// How many signals this process had caught before the hosts were made.
+    pub(crate) fn signals_before(&self) -> usize {
+        self.signals_before
     }
 
     /// The number of hosts.
@@ -294,6 +303,7 @@ mod tests {
             prefix: "dist-0-0-".into(),
             count,
             made: Vec::new(),
+            signals_before: 0,
             caught: None,
             hub: None,
         }

@@ -255,6 +255,9 @@ impl Report {
                 self.ranks[r].after
             ));
         }
+        if let Some(hint) = self.port_hint() {
+            out.push(hint);
+        }
         for (r, e) in self.ranks.iter().enumerate() {
             let how = if e.killed {
                 "killed by the launcher: still running after the grace period, the timeout or a \
@@ -266,6 +269,26 @@ impl Report {
             out.push(format!("rank {r}: {how} (after {:.2?})", e.after));
         }
         out
+    }
+}
+
+impl Report {
+    /// When a rank said that rank 0's port was in use: the port was free when the launcher
+    /// checked it, and another program bound it before rank 0 did.
+    fn port_hint(&self) -> Option<String> {
+        let addr_port = format!(":{} ", self.port);
+        let taken = self.lines.iter().any(|l| {
+            (l.contains("Address already in use") || l.contains("os error 98"))
+                && (l.contains(&addr_port) || l.contains(&format!(":{}:", self.port)))
+        });
+        taken.then(|| {
+            format!(
+                "port {} was free when the launcher checked it, but another program bound it \
+                 before rank 0 did: run again (a new port is picked), or name a free one with \
+                 --master-port",
+                self.port
+            )
+        })
     }
 }
 

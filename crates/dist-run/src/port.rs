@@ -100,11 +100,18 @@ mod tests {
     #[test]
     fn a_picked_port_is_outside_the_ephemeral_range_and_free() {
         let eph = ephemeral_range();
-        let p = free_port().unwrap();
-        if *eph.start() > LOWEST || *eph.end() < u16::MAX {
-            assert!(!eph.contains(&p), "{p} is inside {eph:?}");
+        let mut taken = Vec::new();
+        for _ in 0..5 {
+            let p = free_port().unwrap();
+            if *eph.start() > LOWEST || *eph.end() < u16::MAX {
+                assert!(!eph.contains(&p), "{p} is inside {eph:?}");
+            }
+            // Another program on this machine may take it in between, rarely.
+            if let Err(e) = check(p) {
+                taken.push(e.to_string());
+            }
         }
-        check(p).unwrap();
+        assert!(taken.len() <= 1, "picked ports taken at once: {taken:?}");
     }
 
     #[test]

@@ -46,7 +46,9 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
     };
     let forward = launch.signals == Signals::Forward;
     let _caught = forward.then(signals::catch);
-    let mut seen = signals::received();
+    // A signal that came after the simulated hosts were made stops the run, even one that came
+    // before it began.
+    let mut seen = hosts.map_or_else(signals::received, Hosts::signals_before);
     let mut pipes = Pipes::new();
     let mut ranks: Vec<Rank> = Vec::with_capacity(launch.world);
     let started = Instant::now();

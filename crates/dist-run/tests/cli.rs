@@ -284,3 +284,23 @@ fn simulated_hosts_place_ranks_in_blocks() {
         assert!(l.ends_with(&format!("-h{host}")), "{l:?}");
     }
 }
+
+#[test]
+fn a_port_taken_after_the_check_is_explained() {
+    // What dist's rank 0 prints when its bind fails.
+    let out = sh(
+        &["-n", "2", "--grace", "0.2"],
+        r#"if [ "$RANK" = 0 ]; then
+            echo "rank 0: bind 127.0.0.1:$MASTER_PORT: Address already in use (os error 98)" >&2
+            exit 1
+        fi
+        exec sleep 50"#,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("but another program bound it before rank 0 did"),
+        "{err}"
+    );
+    assert!(err.contains("rank 1: killed by the launcher"), "{err}");
+}
