@@ -36,6 +36,8 @@ const RANKS: &str = "4";
 struct Published {
     name: String,
     version: String,
+    /// The names of its normal dependencies.
+    deps: Vec<String>,
 }
 
 impl Published {
@@ -123,9 +125,17 @@ fn check_metadata() -> Result<Vec<Published>> {
                 "{name}: no [package.metadata.docs.rs] (the targets and features docs.rs builds)"
             ));
         }
+        let deps = p["dependencies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["kind"].is_null())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
         published.push(Published {
             name,
             version: p["version"].as_str().unwrap_or("").to_string(),
+            deps,
         });
     }
     if !problems.is_empty() {
@@ -207,9 +217,28 @@ fn readme_example(published: &[Published], target: &Path) -> Result<()> {
     let crates = dir.join("crates");
     std::fs::create_dir_all(dir.join("src"))?;
     std::fs::create_dir_all(&crates)?;
+    // The crates the example names, and those they depend on: the ones to patch.
+    let named = |p: &Published| source.contains(&p.name.replace('-', "_"));
+    let mut used: BTreeSet<&str> = published
+        .iter()
+        .filter(|p| named(p) || p.name == "dist-run")
+        .map(|p| p.name.as_str())
+        .collect();
+    loop {
+        let more: Vec<&str> = published
+            .iter()
+            .filter(|p| used.contains(p.name.as_str()))
+            .flat_map(|p| p.deps.iter().map(String::as_str))
+            .filter(|d| published.iter().any(|p| p.name == *d) && !used.contains(d))
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        used.extend(more);
+    }
     let mut deps = String::new();
     let mut patch = String::new();
-    for p in published {
+    for p in published.iter().filter(|p| used.contains(p.name.as_str())) {
         let file = target.join("package").join(format!("{}.crate", p.stem()));
         let status = Command::new("tar")
             .arg("xzf")
@@ -226,7 +255,7 @@ fn readme_example(published: &[Published], target: &Path) -> Result<()> {
             p.name,
             p.stem()
         ));
-        if source.contains(&p.name.replace('-', "_")) {
+        if named(p) {
             deps.push_str(&format!("{} = \"={}\"\n", p.name, p.version));
         }
     }

@@ -4,7 +4,8 @@
 //! free and outside the kernel's ephemeral range, every output line is prefixed with its rank,
 //! SIGINT, SIGTERM and SIGHUP are forwarded to the ranks, and when a rank fails the others get a
 //! grace period to report their own errors before they are killed; the [`Report`] then gives
-//! every rank's exit.
+//! every rank's exit. On Linux no rank outlives the launcher, even one killed by SIGKILL (the
+//! ranks get the parent-death signal).
 //!
 //! The `dist-run` binary is this library behind a command line (`dist-run -n 4 -- PROGRAM
 //! ARGS`); dist's own test harness uses it too. Ranks can also be spread over simulated hosts

@@ -57,6 +57,7 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
         if forward {
             cmd.process_group(0);
         }
+        die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(source) => {
@@ -205,6 +206,34 @@ fn command(
         cmd.env(k, v);
     }
     cmd
+}
+
+/// On Linux, the rank is killed if the launcher dies (even by SIGKILL, which it cannot catch),
+/// so that no rank outlives it; elsewhere, nothing.
+fn die_with_launcher(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        let launcher = std::process::id();
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls are allowed: it calls prctl and getppid, allocates nothing
+        // (the error is built from a code) and touches only the copied `launcher`. If the
+        // launcher died before prctl took effect, the child's parent is no longer the launcher
+        // and it does not start. The integration test
+        // `ranks_do_not_outlive_a_killed_launcher` kills a launcher with SIGKILL.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() as u32 != launcher {
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 /// Sends `sig` to a rank not yet waited for: to its process group when it has one of its own

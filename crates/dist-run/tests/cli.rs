@@ -304,3 +304,64 @@ fn a_port_taken_after_the_check_is_explained() {
     );
     assert!(err.contains("rank 1: killed by the launcher"), "{err}");
 }
+
+/// Whether process `pid` is gone (or a zombie no one has reaped yet, which runs nothing).
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // `PID (COMM) STATE ...`
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
+#[test]
+fn ranks_do_not_outlive_a_killed_launcher() {
+    if !cfg!(target_os = "linux") {
+        println!("skipped: the parent-death signal is Linux's");
+        return;
+    }
+    let mut child = Command::new(BIN)
+        .args([
+            "-n",
+            "2",
+            "--timeout",
+            "60",
+            "sh",
+            "-c",
+            "echo \"pid $$\"; exec sleep 50",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let mut pids = Vec::new();
+    while pids.len() < 2 {
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(l) => pids.push(l.rsplit(' ').next().unwrap().parse::<i32>().unwrap()),
+            Err(e) => {
+                let _ = child.kill();
+                panic!("the ranks did not start: {e}");
+            }
+        }
+    }
+    assert!(pids.iter().all(|&p| !gone(p)), "{pids:?} ended early");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !pids.iter().all(|&p| gone(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "ranks {pids:?} outlived their launcher by 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
