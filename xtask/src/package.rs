@@ -274,7 +274,8 @@ fn readme_example(published: &[Published], target: &Path) -> Result<()> {
     std::fs::write(dir.join("src/main.rs"), &source)?;
     // The workspace's versions of everything else, so the example builds what CI tests.
     std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock"))?;
-    let build_dir = dir.join("target");
+    // Beside the example, not in it, so that a second run reuses what the first built.
+    let build_dir = target.join("package-check-build");
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!(
         "$ cargo build (in {}) -p readme-example -p dist-run",
