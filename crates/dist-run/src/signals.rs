@@ -1,4 +1,4 @@
-//! The launcher's signals: SIGINT, SIGTERM and SIGHUP caught while a [`Caught`] guard lives (a
+//! The launcher's signals: SIGINT, SIGTERM and SIGHUP caught while a `Caught` guard lives (a
 //! run that forwards signals, or simulated hosts that must be deleted), counted, and sent on to
 //! the ranks by the run loop; the dispositions the guard replaced come back when it drops.
 
@@ -18,7 +18,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
     COUNT.fetch_add(1, Ordering::SeqCst);
 }
 
-/// How many of [`CAUGHT`] arrived in this process while a guard lived.
+/// How many of SIGINT, SIGTERM and SIGHUP arrived in this process while a guard lived.
 pub fn received() -> usize {
     COUNT.load(Ordering::SeqCst)
 }
