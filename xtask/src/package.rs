@@ -74,7 +74,7 @@ fn target_dir() -> PathBuf {
 }
 
 /// The published crates (every package under `crates/`), after checking that each has the
-/// metadata crates.io and docs.rs show and that every other package is unpublished.
+/// metadata crates.io and the docs site show and that every other package is unpublished.
 fn check_metadata() -> Result<Vec<Published>> {
     let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["metadata", "--no-deps", "--format-version", "1"])
