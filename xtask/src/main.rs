@@ -7,6 +7,7 @@
 mod bindgen;
 mod bundle;
 mod multirank;
+mod package;
 mod plot;
 mod public_api;
 mod scale;
@@ -40,6 +41,9 @@ enum Cmd {
     },
     /// Every test: formatting, clippy, unit tests and the multi-rank tests.
     Test,
+    /// `cargo publish --dry-run` of every published crate, then the README's example built
+    /// outside the workspace from the packages and run under the packaged dist-run.
+    Package,
     /// Point-to-point latency and throughput of two ranks beside a plain socket pair.
     BenchP2p {
         /// Pin rank r (all its threads) to the r-th CPU this process may run on, as `mpirun`
@@ -224,6 +228,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::TestMultirank(args) => multirank::run(&args),
         Cmd::Demo { ranks } => launch_release("dist-demo", ranks, Vec::new(), None),
         Cmd::Test => test(),
+        Cmd::Package => package::run(),
         Cmd::Bindgen(a) => bindgen::run(&a),
         Cmd::PublicApi(a) => public_api::run(&a),
         Cmd::Scale(a) => scale::run(&a),
@@ -369,6 +374,9 @@ fn test() -> Result<()> {
         &[("RUSTDOCFLAGS", "-D warnings")],
     )?;
     check_other_unix()?;
+    // Every published crate packages and builds from its package, and a program outside the
+    // workspace builds the README's example from the packages (needs crates.io's index).
+    package::run()?;
     // The loader against the real library: ignored by `cargo test` (reported as ignored, not
     // passed), run here when there is a library to run it against.
     if std::env::var_os("DIST_NCCL_LIBRARY").is_some() {

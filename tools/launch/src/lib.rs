@@ -1,20 +1,15 @@
-//! Launching N local ranks of a program: a free port, the torchrun environment, each output
-//! line prefixed with its rank (or kept for the failure report), every rank killed on the first
-//! failure or on the deadline. And the multi-rank test plan: the cases a test program lists
-//! (`PROGRAM --list`), each with the world sizes, environment and needs it declares, as one
-//! trial per case × world size. `cargo xtask` and the `multirank` test target both use it.
+//! The multi-rank test plan: the cases a test program lists (`PROGRAM --list`), each with the
+//! world sizes, environment and needs it declares, as one trial per case × world size; and the
+//! jobs that run them, started by dist-run's launcher (a free port, the torchrun environment,
+//! each output line prefixed with its rank or kept for the failure report, every rank's exit
+//! reported). `cargo xtask` and the `multirank` test target both use it.
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-mod delay;
-pub mod hosts;
-pub use hosts::Hosts;
+pub use dist_run::hosts;
+pub use dist_run::{Hosts, KEPT_LINES};
 
 /// One launch of `world` ranks of a program.
 #[derive(Debug, Clone)]
@@ -46,51 +41,22 @@ pub enum Outcome {
     /// Some rank said it cannot run here (exit status 77), none failed; the reason is the
     /// ranks' "skipped: …" lines.
     Skipped(String),
-    /// A rank failed, or the deadline passed: why, then the last lines of output.
+    /// A rank failed, or the deadline passed: why, every rank's exit, then the last lines of
+    /// output.
     Failed(String),
 }
 
 /// The exit status with which a test program says "skipped" (automake's convention).
 pub const SKIP_STATUS: i32 = 77;
 
-/// The output lines a launch keeps for its report.
-pub const KEPT_LINES: usize = 200;
+/// After a rank fails, how long the others may run to print their own errors before they are
+/// killed (dist's survivors notice a failed peer within milliseconds; a rank that hangs costs
+/// this much).
+pub const GRACE: Duration = Duration::from_secs(5);
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago (outside the ephemeral range where it can be).
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn forward(
-    pipe: impl Read + Send + 'static,
-    prefix: String,
-    to: Option<Stream>,
-    log: Arc<Mutex<Vec<String>>>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines() {
-            let Ok(line) = line else { break };
-            let text = format!("{prefix}{line}");
-            match to {
-                Some(Stream::Out) => println!("{text}"),
-                Some(Stream::Err) => eprintln!("{text}"),
-                None => {}
-            }
-            if let Ok(mut l) = log.lock() {
-                l.push(text);
-                let n = l.len();
-                if n > KEPT_LINES {
-                    l.drain(..n - KEPT_LINES);
-                }
-            }
-        }
-    })
-}
-
-#[derive(Clone, Copy)]
-enum Stream {
-    Out,
-    Err,
+    dist_run::free_port().map_err(std::io::Error::other)
 }
 
 /// Runs the job to completion, failure or deadline.
@@ -98,139 +64,70 @@ pub fn run(job: &Job) -> Result<Outcome, String> {
     run_on(job, None)
 }
 
+/// The launch that runs `job`: echoed or kept as it says, exit status 77 a skip, signals
+/// caught only by a [`Hosts`] guard (the ranks share the caller's process group, so a
+/// terminal's Ctrl-C reaches them directly), and the environment every process this project
+/// starts gets.
+fn launch(job: &Job) -> dist_run::Launch {
+    let mut l = dist_run::Launch::new(&job.program, job.world);
+    l.args = job.args.iter().map(Into::into).collect();
+    l.timeout = Some(job.timeout);
+    l.grace = GRACE;
+    l.label = job.label.clone();
+    l.plain_rank0 = job.plain_rank0;
+    l.echo = job.echo;
+    l.skip_status = Some(SKIP_STATUS);
+    l.signals = dist_run::Signals::Stop;
+    // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
+    // docs/benchmarks.md records.
+    l.env.push(("NCCL_NVLS_ENABLE".into(), "0".into()));
+    // NCCL connects collectives' rings and trees while a communicator forms, within its init
+    // deadline, not inside the first call that needs them (see dist-nccl's `connect.rs`),
+    // unless the caller's environment says otherwise.
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        l.env.push(("NCCL_RUNTIME_CONNECT".into(), "0".into()));
+    }
+    l.env
+        .extend(job.env.iter().map(|(k, v)| (k.into(), v.into())));
+    l
+}
+
 /// [`run`], on simulated `hosts` where given: each rank under `ip netns exec` in its host's
 /// namespace ([`Hosts::host_of`]), MASTER_ADDR host 0's address, LOCAL_RANK and
 /// LOCAL_WORLD_SIZE within its host, and `DIST_TEST_HOST`, `DIST_TEST_HOSTS` and
 /// `DIST_TEST_NETNS` saying where it runs.
 pub fn run_on(job: &Job, hosts: Option<&Hosts>) -> Result<Outcome, String> {
-    let port = free_port().map_err(|e| format!("bind an ephemeral port: {e}"))?;
-    let mut children: Vec<Option<Child>> = Vec::with_capacity(job.world);
-    let mut pipes = Vec::new();
-    let log = Arc::new(Mutex::new(Vec::new()));
-    for rank in 0..job.world {
-        let (mut cmd, local, master) = match hosts {
-            None => (Command::new(&job.program), 0..job.world, "127.0.0.1".into()),
-            Some(h) => {
-                let host = h.host_of(rank, job.world);
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", &h.netns(host)])
-                    .arg(&job.program)
-                    .env("DIST_TEST_HOST", host.to_string())
-                    .env("DIST_TEST_HOSTS", h.count().to_string())
-                    .env("DIST_TEST_NETNS", h.netns(host));
-                (cmd, h.ranks_of(host, job.world), h.addr(0))
-            }
-        };
-        cmd.args(&job.args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", job.world.to_string())
-            .env("LOCAL_RANK", (rank - local.start).to_string())
-            .env("LOCAL_WORLD_SIZE", local.len().to_string())
-            .env("MASTER_ADDR", master)
-            .env("MASTER_PORT", port.to_string())
-            // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
-            // docs/benchmarks.md records.
-            .env("NCCL_NVLS_ENABLE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // NCCL connects collectives' rings and trees while a communicator forms, within its
-        // init deadline, not inside the first call that needs them (see dist-nccl's
-        // `connect.rs`), unless the caller's environment says otherwise.
-        if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
-            cmd.env("NCCL_RUNTIME_CONNECT", "0");
-        }
-        for (k, v) in &job.env {
-            cmd.env(k, v);
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                kill_all(&mut children);
-                return Err(format!("start {}: {e}", job.program.display()));
-            }
-        };
-        let prefix = format!("[{}r{rank}] ", job.label);
-        let out_prefix = if job.plain_rank0 && rank == 0 {
-            String::new()
-        } else {
-            prefix.clone()
-        };
-        let echo = |s| job.echo.then_some(s);
-        pipes.push(forward(
-            child.stdout.take().expect("piped"),
-            out_prefix,
-            echo(Stream::Out),
-            log.clone(),
-        ));
-        pipes.push(forward(
-            child.stderr.take().expect("piped"),
-            prefix,
-            echo(Stream::Err),
-            log.clone(),
-        ));
-        children.push(Some(child));
-    }
-    let started = Instant::now();
-    let mut skipped = false;
-    let outcome = loop {
-        let mut running = Vec::new();
-        let mut failure = None;
-        for (rank, slot) in children.iter_mut().enumerate() {
-            let Some(child) = slot else { continue };
-            match child.try_wait() {
-                Ok(Some(status)) if status.success() => *slot = None,
-                Ok(Some(status)) if status.code() == Some(SKIP_STATUS) => {
-                    skipped = true;
-                    *slot = None;
-                }
-                Ok(Some(status)) => {
-                    failure = Some(format!("rank {rank} failed ({status})"));
-                    *slot = None;
-                    break;
-                }
-                Ok(None) => running.push(rank),
-                Err(e) => {
-                    failure = Some(format!("rank {rank}: cannot wait: {e}"));
-                    break;
-                }
-            }
-        }
-        if let Some(f) = failure {
-            break Outcome::Failed(f);
-        }
-        if running.is_empty() {
-            break if skipped {
-                Outcome::Skipped(String::new())
-            } else {
-                Outcome::Passed
-            };
-        }
-        if hosts::interrupted() {
-            break Outcome::Failed(format!("interrupted; ranks {running:?} still running"));
-        }
-        if started.elapsed() > job.timeout {
-            break Outcome::Failed(format!(
-                "timed out after {:?}; ranks {running:?} still running",
-                job.timeout
-            ));
-        }
-        // A supervisor's poll: children are checked every few milliseconds.
-        std::thread::sleep(Duration::from_millis(5));
+    let report = dist_run::run(&launch(job), hosts).map_err(|e| e.to_string())?;
+    Ok(outcome(job, report))
+}
+
+/// The test's view of a report: a failure names the first failed rank (`rank R failed
+/// (exit status: S)`), then every rank's exit, then (when not echoed) the last lines.
+fn outcome(job: &Job, report: dist_run::Report) -> Outcome {
+    let still = report.killed();
+    let why = if report.interrupted.is_some() {
+        format!("interrupted; ranks {still:?} still running")
+    } else if let Some(t) = report.timed_out {
+        format!("timed out after {t:?}; ranks {still:?} still running")
+    } else if let Some(r) = report.first_failure {
+        let status = report.ranks[r]
+            .status
+            .map_or_else(|| "could not be waited for".into(), |s| s.to_string());
+        format!("rank {r} failed ({status})")
+    } else if report.ranks.iter().any(|e| !e.success()) {
+        return Outcome::Skipped(skip_reasons(&report.lines));
+    } else {
+        return Outcome::Passed;
     };
-    kill_all(&mut children);
-    for p in pipes {
-        let _ = p.join();
+    let ranks = report.describe().join("\n");
+    if job.echo {
+        Outcome::Failed(format!("{why}\n{ranks}"))
+    } else {
+        Outcome::Failed(format!(
+            "{why}\n{ranks}\nthe last lines of output:\n{}",
+            report.lines.join("\n")
+        ))
     }
-    let lines = std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()));
-    Ok(match outcome {
-        Outcome::Skipped(_) => Outcome::Skipped(skip_reasons(&lines)),
-        Outcome::Failed(why) if !job.echo => Outcome::Failed(format!(
-            "{why}; the last lines of output:\n{}",
-            lines.join("\n")
-        )),
-        other => other,
-    })
 }
 
 /// The ranks' "skipped: …" lines, each reason once, with `; ` between.
@@ -248,15 +145,6 @@ fn skip_reasons(lines: &[String]) -> String {
         "skipped (exit status 77, no reason printed)".into()
     } else {
         reasons.join("; ")
-    }
-}
-
-fn kill_all(children: &mut [Option<Child>]) {
-    for c in children.iter_mut().flatten() {
-        let _ = c.kill();
-    }
-    for c in children.iter_mut().flatten() {
-        let _ = c.wait();
     }
 }
 

@@ -14,13 +14,14 @@
 //! whose frames a hub in this process passes on to the other hosts after the delay.
 //!
 //! Nothing is made in the root namespace: deleting the namespaces deletes the bridge and every
-//! veth with them (the TAP devices go with the hub's descriptors). [`Hosts`] deletes them when dropped (after a failed run too), on SIGINT,
-//! SIGTERM or SIGHUP (the launch loop notices [`interrupted`], kills the ranks, the guard deletes
-//! the namespaces and the process exits with 130), and [`Hosts::create`] first deletes those of
+//! veth with them (the TAP devices go with the hub's descriptors). [`Hosts`] deletes them when
+//! dropped (after a failed run too), on SIGINT, SIGTERM or SIGHUP (the run loop notices
+//! [`interrupted`] and stops the ranks, the guard deletes the namespaces and the process exits
+//! with 128 + the signal's number, 130 for SIGINT), and [`Hosts::create`] first deletes those of
 //! earlier runs whose process is gone (a run killed by SIGKILL). Needs root and iproute2 (`ip`).
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// The first three octets of every simulated host's address.
@@ -32,15 +33,13 @@ pub const MAX_HOSTS: usize = 250;
 /// The prefix of every namespace name this module makes.
 const PREFIX: &str = "dist-";
 
-/// Set by the signal handler that a live [`Hosts`] installs.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 /// Makes each [`Hosts`] of this process a name of its own.
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether SIGINT, SIGTERM or SIGHUP arrived while simulated hosts existed: the launch loop then
 /// stops its ranks, and dropping the [`Hosts`] deletes them and exits.
 pub fn interrupted() -> bool {
-    INTERRUPTED.load(Ordering::SeqCst)
+    crate::signals::received() > 0
 }
 
 /// H simulated hosts; dropping it deletes them.
@@ -50,8 +49,12 @@ pub struct Hosts {
     count: usize,
     /// The namespaces made so far (all of them once [`Hosts::create`] returns).
     made: Vec<String>,
-    /// The signal dispositions this guard replaced, restored when it is dropped.
-    saved: Vec<(libc::c_int, libc::sighandler_t)>,
+    /// SIGINT, SIGTERM and SIGHUP caught while the hosts exist; the dispositions it replaced
+    /// come back when it drops.
+    caught: Option<crate::signals::Caught>,
+    /// How many signals this process had caught before the hosts were made: a run on them
+    /// stops for any that came after, even before the run began.
+    signals_before: usize,
     /// With a delay: the hub that links the hosts' TAP devices instead of the bridge.
     hub: Option<crate::delay::Hub>,
 }
@@ -129,11 +132,6 @@ fn sweep_stale() {
     }
 }
 
-extern "C" fn on_signal(_: libc::c_int) {
-    // An atomic store is async-signal-safe.
-    INTERRUPTED.store(true, Ordering::SeqCst);
-}
-
 impl Hosts {
     /// Makes `count` simulated hosts (see the module docs). On failure, whatever was made is
     /// deleted before the error returns.
@@ -161,10 +159,10 @@ impl Hosts {
             prefix: format!("{PREFIX}{}-{k}-", std::process::id()),
             count,
             made: Vec::new(),
-            saved: Vec::new(),
+            signals_before: crate::signals::received(),
+            caught: Some(crate::signals::catch()),
             hub: None,
         };
-        hosts.catch_signals();
         if let Some(delay) = delay {
             let mut taps = Vec::new();
             for h in 0..count {
@@ -213,22 +211,9 @@ impl Hosts {
         Ok(())
     }
 
-    /// Catches SIGINT, SIGTERM and SIGHUP while the hosts exist (see [`interrupted`]).
-    fn catch_signals(&mut self) {
-        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe; the
-            // previous disposition is kept and restored by `Drop` (the multirank target's trial
-            // `hosts_interrupted_run_leaves_nothing` sends SIGINT to a launcher).
-            let old = unsafe {
-                libc::signal(
-                    sig,
-                    on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-                )
-            };
-            if old != libc::SIG_ERR {
-                self.saved.push((sig, old));
-            }
-        }
+    /// How many signals this process had caught before the hosts were made.
+    pub(crate) fn signals_before(&self) -> usize {
+        self.signals_before
     }
 
     /// The number of hosts.
@@ -299,14 +284,11 @@ impl Drop for Hosts {
         for e in self.delete() {
             eprintln!("warning: simulated hosts: {e}");
         }
-        for (sig, old) in self.saved.drain(..) {
-            // SAFETY: restores the disposition `catch_signals` replaced; no handler runs code
-            // that is not async-signal-safe.
-            unsafe { libc::signal(sig, old) };
-        }
+        drop(self.caught.take());
         if interrupted() {
             eprintln!("interrupted: simulated hosts {}* deleted", self.prefix);
-            std::process::exit(130);
+            let sig = crate::signals::last().unwrap_or(libc::SIGINT);
+            std::process::exit(128 + sig);
         }
     }
 }
@@ -321,7 +303,8 @@ mod tests {
             prefix: "dist-0-0-".into(),
             count,
             made: Vec::new(),
-            saved: Vec::new(),
+            signals_before: 0,
+            caught: None,
             hub: None,
         }
     }

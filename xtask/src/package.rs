@@ -1,0 +1,310 @@
+//! `cargo xtask package`: the published crates as crates.io would get them. It checks that every
+//! crate under `crates/` is published with its metadata (and nothing else is), runs `cargo
+//! publish --dry-run` for all of them at once (cargo packages them in dependency order and
+//! builds each from its package against the others' packages), checks what each `.crate`
+//! carries, then builds a program outside the workspace from the README's first Rust example
+//! against the unpacked packages (`[patch.crates-io]`) and runs it as 4 ranks under the
+//! packaged `dist-run`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::{cargo, root};
+
+/// Files every package must carry, besides its sources.
+const EVERY_PACKAGE: [&str; 4] = ["Cargo.toml", "README.md", "LICENSE-MIT", "LICENSE-APACHE"];
+
+/// Files particular packages must carry: what their builds and tests need.
+const CARRIED: [(&str, &str); 6] = [
+    ("dist-nccl-sys", "src/bindings.rs"),
+    ("dist-nccl-sys", "cuda-stub/cuda_runtime.h"),
+    ("dist-tcp", "tests/common/mod.rs"),
+    ("dist-hybrid", "examples/train.rs"),
+    ("dist-run", "tests/cli.rs"),
+    ("dist-run", "src/main.rs"),
+];
+
+/// How many ranks run the README's example.
+const RANKS: &str = "4";
+
+/// One published crate.
+#[derive(Debug)]
+struct Published {
+    name: String,
+    version: String,
+    /// The names of its normal dependencies.
+    deps: Vec<String>,
+}
+
+impl Published {
+    fn stem(&self) -> String {
+        format!("{}-{}", self.name, self.version)
+    }
+}
+
+/// Every step; see the module docs.
+pub fn run() -> Result<()> {
+    let published = check_metadata()?;
+    let mut args = vec!["publish", "--dry-run", "--allow-dirty"];
+    for p in &published {
+        args.extend(["-p", p.name.as_str()]);
+    }
+    cargo(&args)?;
+    // The .crate files themselves (the dry run verified them; this only writes them out).
+    args[0..3].copy_from_slice(&["package", "--no-verify", "--allow-dirty"]);
+    cargo(&args)?;
+    let target = target_dir();
+    for p in &published {
+        check_contents(
+            p,
+            &target.join("package").join(format!("{}.crate", p.stem())),
+        )?;
+    }
+    readme_example(&published, &target)
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// The published crates (every package under `crates/`), after checking that each has the
+/// metadata crates.io and the docs site show and that every other package is unpublished.
+fn check_metadata() -> Result<Vec<Published>> {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root())
+        .output()
+        .context("run cargo metadata")?;
+    if !out.status.success() {
+        bail!(
+            "cargo metadata failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let meta: Value = serde_json::from_slice(&out.stdout).context("read cargo metadata")?;
+    let crates_dir = root().join("crates");
+    let mut problems = Vec::new();
+    let mut published = Vec::new();
+    for p in meta["packages"].as_array().into_iter().flatten() {
+        let name = p["name"].as_str().unwrap_or("?").to_string();
+        let manifest = Path::new(p["manifest_path"].as_str().unwrap_or(""));
+        // `publish`: null means any registry, [] none.
+        let publishes = !matches!(&p["publish"], Value::Array(a) if a.is_empty());
+        if !manifest.starts_with(&crates_dir) {
+            if publishes {
+                problems.push(format!(
+                    "{name}: only crates under crates/ are published; say publish = false"
+                ));
+            }
+            continue;
+        }
+        if !publishes {
+            problems.push(format!(
+                "{name}: every crate under crates/ is published; say publish = true and give it \
+                 the metadata the others have"
+            ));
+        }
+        for field in ["description", "license", "repository", "readme"] {
+            if p[field].as_str().is_none_or(str::is_empty) {
+                problems.push(format!("{name}: no {field}"));
+            }
+        }
+        for field in ["keywords", "categories"] {
+            if p[field].as_array().is_none_or(Vec::is_empty) {
+                problems.push(format!("{name}: no {field}"));
+            }
+        }
+        if p["metadata"]["docs"]["rs"].is_null() {
+            problems.push(format!(
+                "{name}: no [package.metadata.docs.rs] (the targets and features docs.rs builds)"
+            ));
+        }
+        let deps = p["dependencies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["kind"].is_null())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
+        published.push(Published {
+            name,
+            version: p["version"].as_str().unwrap_or("").to_string(),
+            deps,
+        });
+    }
+    if !problems.is_empty() {
+        bail!("package metadata:\n  {}", problems.join("\n  "));
+    }
+    Ok(published)
+}
+
+/// The file names in a `.crate` (a gzipped tar of `NAME-VERSION/...`).
+fn contents(file: &Path) -> Result<BTreeSet<String>> {
+    let out = Command::new("tar")
+        .arg("tzf")
+        .arg(file)
+        .output()
+        .context("run tar")?;
+    if !out.status.success() {
+        bail!(
+            "tar tzf {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('/').map(|(_, rest)| rest.to_string()))
+        .collect())
+}
+
+/// The package carries its licenses, README and what its build and tests need.
+fn check_contents(p: &Published, file: &Path) -> Result<()> {
+    let have = contents(file)?;
+    let wanted = EVERY_PACKAGE.iter().copied().chain(
+        CARRIED
+            .iter()
+            .filter(|(n, _)| *n == p.name)
+            .map(|(_, f)| *f),
+    );
+    let missing: Vec<&str> = wanted.filter(|f| !have.contains(*f)).collect();
+    if !missing.is_empty() {
+        bail!("{} does not carry {missing:?}", file.display());
+    }
+    println!(
+        "{}: {} files, licenses and README among them",
+        p.stem(),
+        have.len()
+    );
+    Ok(())
+}
+
+/// The README's first Rust block that has a `main`.
+fn example_from_readme() -> Result<String> {
+    let readme = std::fs::read_to_string(root().join("README.md")).context("read README.md")?;
+    let mut block = None;
+    let mut lines = readme.lines();
+    while let Some(l) = lines.next() {
+        if l.trim_start().starts_with("```rust") {
+            let body: Vec<&str> = lines
+                .by_ref()
+                .take_while(|l| !l.starts_with("```"))
+                .collect();
+            let body = body.join("\n");
+            if body.contains("fn main") {
+                block = Some(body);
+                break;
+            }
+        }
+    }
+    block.context("README.md has no ```rust block with a fn main")
+}
+
+/// Builds the README's example outside the workspace, against the unpacked packages, and runs
+/// it as [`RANKS`] ranks under the packaged dist-run.
+fn readme_example(published: &[Published], target: &Path) -> Result<()> {
+    let source = example_from_readme()?;
+    let dir = target.join("package-check");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("remove {}", dir.display()))?;
+    }
+    let crates = dir.join("crates");
+    std::fs::create_dir_all(dir.join("src"))?;
+    std::fs::create_dir_all(&crates)?;
+    // The crates the example names, and those they depend on: the ones to patch.
+    let named = |p: &Published| source.contains(&p.name.replace('-', "_"));
+    let mut used: BTreeSet<&str> = published
+        .iter()
+        .filter(|p| named(p) || p.name == "dist-run")
+        .map(|p| p.name.as_str())
+        .collect();
+    loop {
+        let more: Vec<&str> = published
+            .iter()
+            .filter(|p| used.contains(p.name.as_str()))
+            .flat_map(|p| p.deps.iter().map(String::as_str))
+            .filter(|d| published.iter().any(|p| p.name == *d) && !used.contains(d))
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        used.extend(more);
+    }
+    let mut deps = String::new();
+    let mut patch = String::new();
+    for p in published.iter().filter(|p| used.contains(p.name.as_str())) {
+        let file = target.join("package").join(format!("{}.crate", p.stem()));
+        let status = Command::new("tar")
+            .arg("xzf")
+            .arg(&file)
+            .arg("-C")
+            .arg(&crates)
+            .status()
+            .context("run tar")?;
+        if !status.success() {
+            bail!("tar xzf {} failed ({status})", file.display());
+        }
+        patch.push_str(&format!(
+            "{} = {{ path = \"crates/{}\" }}\n",
+            p.name,
+            p.stem()
+        ));
+        if named(p) {
+            deps.push_str(&format!("{} = \"={}\"\n", p.name, p.version));
+        }
+    }
+    let run = published
+        .iter()
+        .find(|p| p.name == "dist-run")
+        .context("dist-run is not among the published crates")?;
+    // A workspace of its own: the example and the packaged dist-run (for its binary).
+    let manifest = format!(
+        "[package]\nname = \"readme-example\"\nversion = \"0.0.0\"\nedition = \"2024\"\n\
+         publish = false\n\n[dependencies]\n{deps}\n[patch.crates-io]\n{patch}\n\
+         [workspace]\nmembers = [\".\", \"crates/{}\"]\n",
+        run.stem()
+    );
+    std::fs::write(dir.join("Cargo.toml"), manifest)?;
+    std::fs::write(dir.join("src/main.rs"), &source)?;
+    // The workspace's versions of everything else, so the example builds what CI tests.
+    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock"))?;
+    // Beside the example, not in it, so that a second run reuses what the first built.
+    let build_dir = target.join("package-check-build");
+    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!(
+        "$ cargo build (in {}) -p readme-example -p dist-run",
+        dir.display()
+    );
+    let status = Command::new(&cargo_bin)
+        .args(["build", "-p", "readme-example", "-p", "dist-run"])
+        .env("CARGO_TARGET_DIR", &build_dir)
+        .current_dir(&dir)
+        .status()
+        .context("run cargo")?;
+    if !status.success() {
+        bail!(
+            "the README's example does not build against the packages ({status}); see {}",
+            dir.display()
+        );
+    }
+    let bin = build_dir.join("debug");
+    eprintln!("$ dist-run -n {RANKS} readme-example (both from the packages)");
+    let status = Command::new(bin.join("dist-run"))
+        .args(["-n", RANKS, "--timeout", "300", "--"])
+        .arg(bin.join("readme-example"))
+        .status()
+        .context("run the packaged dist-run")?;
+    if !status.success() {
+        bail!("the README's example, built from the packages, failed under dist-run ({status})");
+    }
+    println!(
+        "the README's example, built outside the workspace from the packages, ran as {RANKS} ranks"
+    );
+    Ok(())
+}
