@@ -19,6 +19,7 @@ pub const CRATES: &[&str] = &[
     "dist-nccl-sys",
     "dist-nccl",
     "dist-hybrid",
+    "dist-run",
 ];
 
 #[derive(clap::Args)]
