@@ -258,9 +258,12 @@ impl Shared {
         culprit: Option<usize>,
     ) {
         let mut meta = [0u8; 16];
-        if let Some(c) = culprit {
-            meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
-        }
+        // Rank + 1 (0: none). The link passes only ranks of the job; a number with no
+        // successor in 64 bits names none rather than wrapping.
+        let named = culprit
+            .and_then(|c| u64::try_from(c).ok())
+            .and_then(|c| c.checked_add(1));
+        meta[..8].copy_from_slice(&named.unwrap_or(0).to_le_bytes());
         // Call numbers start at 1: 0 says the notice names none.
         meta[8..].copy_from_slice(&call.unwrap_or(0).to_le_bytes());
         let me = self.rank;
