@@ -268,8 +268,13 @@ mod tests {
         assert!(b.abort_notices().is_empty(), "{:?}", b.abort_notices());
         assert_eq!(b.group().link().abort_notice(), None);
         // A rank of the group is accepted, and recorded.
-        b.group().abort(COLLECTIVE_TAG, "given up", Some(0)).unwrap();
-        assert_eq!(b.group().link().abort_notice(), Some((0, "given up".into())));
+        b.group()
+            .abort(COLLECTIVE_TAG, "given up", Some(0))
+            .unwrap();
+        assert_eq!(
+            b.group().link().abort_notice(),
+            Some((0, "given up".into()))
+        );
     }
 
     /// The link itself, called with such a culprit, aborts naming none, without a panic.

@@ -197,6 +197,7 @@ pub fn peer() -> Result<(), String> {
 /// when done with its checks.
 const FLOOD_AT_MOST: Duration = Duration::from_secs(120);
 const DONE_TAG: Tag = Tag::user(4);
+const DURING_TAG: Tag = Tag::user(5);
 /// The exchanges between honest ranks while it floods: one a [`ROUND_GAP`], over 3 s at least.
 const ROUNDS: usize = 30;
 const ROUND_GAP: Duration = Duration::from_millis(100);
@@ -377,8 +378,9 @@ pub fn asks() -> Result<(), String> {
 /// each honest rank's socket under its ring with doorbell bytes until every honest rank, done
 /// with its checks, says so: the honest ranks' I/O threads still serve every other connection
 /// (they exchange messages), a receive from the hostile rank ends by its deadline, peak RSS
-/// stays within [`FLOOD_RSS_BUDGET`], and once the flood stops a message through the ring
-/// arrives.
+/// stays within [`FLOOD_RSS_BUDGET`], a message the hostile rank sends through the ring while
+/// it floods arrives (an I/O thread stuck draining the flood never read it), and so does one
+/// after the flood.
 pub fn doorbells() -> Result<(), String> {
     let b = join();
     let (me, n) = (b.rank(), b.world_size());
@@ -409,6 +411,12 @@ pub fn doorbells() -> Result<(), String> {
                     }
                 });
             }
+            // A message through the ring while the flood lasts: the flooded rank's I/O
+            // thread must read it.
+            for r in 0..h {
+                b.send_tagged(b"during the flood", r, DURING_TAG)
+                    .unwrap_or_else(|e| panic!("to {r}: {e}"));
+            }
             for r in 0..h {
                 b.recv_tagged_timeout(&mut [0u8; 4], r, DONE_TAG, FLOOD_AT_MOST)
                     .unwrap_or_else(|e| panic!("rank {r} done: {e}"));
@@ -421,6 +429,16 @@ pub fn doorbells() -> Result<(), String> {
         }
     } else {
         flooded(&b, h, "doorbell flood");
+        // Still flooded (the flood ends when this rank says it is done).
+        let mut during = [0u8; 16];
+        let t = Instant::now();
+        b.recv_tagged_timeout(&mut during, h, DURING_TAG, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("the message during the flood: {e}"));
+        assert_eq!(&during, b"during the flood");
+        println!(
+            "doorbell flood: the message during the flood taken {:?} after its receive began",
+            t.elapsed()
+        );
         b.send_tagged(b"done", h, DONE_TAG)
             .unwrap_or_else(|e| panic!("done: {e}"));
         let mut after = [0u8; 15];

@@ -246,7 +246,10 @@ fn a_read_from_a_ring_drains_a_bounded_number_of_doorbells() {
     // Bytes are left in the socket.
     let mut one = [0u8; 1];
     let left = p0.stream().unwrap().peek(&mut one);
-    assert!(matches!(left, Ok(1)), "{left:?} after a drain of {sent} bytes");
+    assert!(
+        matches!(left, Ok(1)),
+        "{left:?} after a drain of {sent} bytes"
+    );
 }
 
 /// While rank 1's socket is flooded with doorbell bytes, the I/O thread still reads what the
@@ -271,7 +274,10 @@ fn a_doorbell_flood_leaves_the_ring_read() {
             matches!(e, DistError::Timeout { .. }),
             "expected a timeout, got {e}"
         );
-        assert!(late < Duration::from_secs(2), "ended {late:?} after its start");
+        assert!(
+            late < Duration::from_secs(2),
+            "ended {late:?} after its start"
+        );
         send(&p1, 6, b"through the flood").unwrap();
         let mut got = [0u8; 17];
         let deadline = Instant::now() + Duration::from_secs(10);
