@@ -433,8 +433,21 @@ impl<L: Link> Group<L> {
     /// reports its first failure (its own, or one it heard of and passes on, so that ranks that
     /// have not heard yet do before they see this one leave).
     /// The notice names no call: it ends every wait on every rank.
-    pub fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) {
+    ///
+    /// A `culprit` that is no rank of the group is refused with [`DistError::InvalidRank`]
+    /// before anything is recorded or sent.
+    pub fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) -> Result<()> {
+        let size = self.link.world_size();
+        if let Some(c) = culprit.filter(|&c| c >= size) {
+            return Err(DistError::InvalidRank {
+                rank: self.link.rank(),
+                op: format!("abort on tag {tag} naming rank {c} at fault"),
+                given: c,
+                world_size: size,
+            });
+        }
         self.abort_call(tag, None, reason, culprit);
+        Ok(())
     }
 
     /// [`Group::abort`] naming the call of this group that failed, where this rank has done its

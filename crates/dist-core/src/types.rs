@@ -204,8 +204,43 @@ impl std::fmt::Display for ReduceOp {
     }
 }
 
-/// An element type that dist can send and reduce.
-pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + 'static {
+mod sealed {
+    /// Only this crate implements [`super::Element`]: the collectives and typed receives divide
+    /// by `size_of::<T>()` and trust that it equals `T::DTYPE.size()`, which a zero-sized or
+    /// mislabelled type from outside would break.
+    pub trait Sealed {}
+}
+
+/// An element type that dist can send and reduce. Sealed: only the ten types of [`DType`]
+/// implement it, each of the size its `DTYPE` names (checked by a test below).
+///
+/// ```compile_fail,E0277
+/// // A user type (here zero-sized) cannot become an element type.
+/// #[derive(Clone, Copy, Debug, PartialEq)]
+/// struct Nothing;
+/// unsafe impl bytemuck::Zeroable for Nothing {}
+/// unsafe impl bytemuck::Pod for Nothing {}
+/// impl dist_core::Element for Nothing {
+///     const DTYPE: dist_core::DType = dist_core::DType::U8;
+///     fn reduce_into(
+///         _: dist_core::ReduceOp,
+///         _: &mut [Self],
+///         _: &[Self],
+///     ) -> Result<(), String> {
+///         Ok(())
+///     }
+///     fn scale(_: &mut [Self], _: Option<f64>, _: usize) {}
+///     fn from_f64(_: f64) -> Self {
+///         Nothing
+///     }
+///     fn to_f64(self) -> f64 {
+///         0.0
+///     }
+/// }
+/// ```
+pub trait Element:
+    sealed::Sealed + bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + 'static
+{
     /// The runtime tag of this type.
     const DTYPE: DType;
 
@@ -231,6 +266,7 @@ fn not_for_floats(op: ReduceOp, dtype: DType) -> String {
 
 macro_rules! float_element {
     ($t:ty, $d:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $d;
 
@@ -288,6 +324,7 @@ float_element!(f64, DType::F64);
 
 macro_rules! int_element {
     ($t:ty, $d:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $d;
 
@@ -345,6 +382,7 @@ int_element!(u64, DType::U64);
 
 macro_rules! half_element {
     ($t:ty, $d:expr) => {
+        impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $d;
 
@@ -395,6 +433,27 @@ half_element!(bf16, DType::BF16);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every element type has the size its `DTYPE` names, never zero (the collectives divide
+    /// by it).
+    #[test]
+    fn element_sizes_match_their_dtype() {
+        fn check<T: Element>() {
+            let size = std::mem::size_of::<T>();
+            assert!(size > 0, "{}", T::DTYPE);
+            assert_eq!(size, T::DTYPE.size(), "{}", T::DTYPE);
+        }
+        check::<f32>();
+        check::<f64>();
+        check::<f16>();
+        check::<bf16>();
+        check::<i8>();
+        check::<u8>();
+        check::<i32>();
+        check::<u32>();
+        check::<i64>();
+        check::<u64>();
+    }
 
     #[test]
     fn min_max_propagate_nan() {

@@ -119,7 +119,7 @@ struct Shared {
     /// The peer-fault hooks, and the faults seen so far.
     faults: std::sync::Mutex<liveness::Faults>,
     /// The liveness thread's inbox.
-    events: std::sync::Mutex<std::sync::mpsc::Sender<liveness::Event>>,
+    events: Arc<liveness::Inbox>,
     /// The last operations of this rank (collectives, barriers, point-to-point).
     flight: FlightRecorder,
     /// Where to write the flight record on a failure (`DIST_TRACE_DIR`).
@@ -326,16 +326,9 @@ impl TcpBackend {
                 if notice.culprit.is_some_and(|c| c >= s.world) {
                     notice.culprit = None;
                 }
-                s.post(PeerFault {
-                    rank: s.rank,
-                    peer: notice.from,
-                    cause: FaultCause::Aborted(notice.reason.clone()),
-                });
-                // A rank that only hears of a failure writes its record too (on the
-                // liveness thread: no file I/O on the I/O thread).
-                if s.trace_dir.is_some() {
-                    s.post_event(liveness::Event::WriteTrace);
-                }
+                // The hooks hear of it, and a rank that only hears of a failure writes its
+                // record too, once per notice (not per frame: see `liveness::Inbox`).
+                s.post_abort(&notice);
                 s.note_abort(notice);
             }
         });
@@ -540,9 +533,7 @@ impl Drop for Threads {
             }
         }
         if let Some(l) = self.liveness.take() {
-            let events = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = events.send(liveness::Event::Stop);
-            drop(events);
+            self.shared.post_event(liveness::Event::Stop);
             let _ = l.join();
         }
         for p in &self.shared.peers {

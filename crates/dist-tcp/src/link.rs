@@ -114,6 +114,21 @@ impl Link for TcpLink {
     /// (stopped, or its buffers full) holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         let shared = &self.0;
+        // A culprit that is no rank of the job names none ([`dist_core::Group::abort`] refuses
+        // one; a caller of the link itself gets the abort without it), decided before anything
+        // is recorded or sent.
+        let culprit = match culprit {
+            Some(c) if c >= shared.world => {
+                tracing::warn!(
+                    rank = shared.rank,
+                    culprit = c,
+                    world = shared.world,
+                    "abort naming no rank of the job at fault: sent naming none"
+                );
+                None
+            }
+            c => c,
+        };
         // Kept here too (the list is bounded), so that this rank's other waits in this call
         // end with it whatever notices came before.
         {
@@ -208,5 +223,68 @@ impl SplitLink for TcpLink {
 
     fn root_rank(&self, r: usize) -> usize {
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use dist_core::collectives::COLLECTIVE_TAG;
+    use dist_core::{DistError, Link, Transport};
+
+    use crate::TcpBackend;
+
+    fn alone() -> TcpBackend {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cfg = TcpBackend::builder(0, 1, format!("127.0.0.1:{port}"))
+            .init_timeout(Duration::from_secs(20));
+        TcpBackend::with_config(cfg).unwrap()
+    }
+
+    /// `Group::abort` naming a culprit past the group (`usize::MAX`, whose rank + 1 has no room
+    /// in the notice) is refused with `InvalidRank`, nothing recorded; it used to record the
+    /// abort, then panic on the overflow while writing the notice.
+    #[test]
+    fn an_abort_naming_no_rank_is_refused_before_anything_is_recorded() {
+        let b = alone();
+        let e = b
+            .group()
+            .abort(COLLECTIVE_TAG, "given up", Some(usize::MAX))
+            .unwrap_err();
+        match &e {
+            DistError::InvalidRank {
+                rank: 0,
+                given: usize::MAX,
+                world_size: 1,
+                ..
+            } => {}
+            other => panic!("expected InvalidRank, got {other}"),
+        }
+        assert!(b.abort_notices().is_empty(), "{:?}", b.abort_notices());
+        assert_eq!(b.group().link().abort_notice(), None);
+        // A rank of the group is accepted, and recorded.
+        b.group()
+            .abort(COLLECTIVE_TAG, "given up", Some(0))
+            .unwrap();
+        assert_eq!(
+            b.group().link().abort_notice(),
+            Some((0, "given up".into()))
+        );
+    }
+
+    /// The link itself, called with such a culprit, aborts naming none, without a panic.
+    #[test]
+    fn the_link_sends_an_abort_naming_no_rank_as_naming_none() {
+        let b = alone();
+        let link = b.group().link();
+        link.abort(COLLECTIVE_TAG, Some(3), "given up", Some(usize::MAX));
+        let n = b.abort_notices();
+        assert_eq!(n.len(), 1, "{n:?}");
+        assert_eq!((n[0].culprit, n[0].from), (None, 0));
     }
 }

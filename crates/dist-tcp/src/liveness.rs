@@ -1,8 +1,8 @@
 //! Liveness and peer faults: the thread that sends heartbeats and declares silent peers
 //! unresponsive, the [`PeerFault`] hook, and abort notices sent without blocking the caller.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, Weak};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use dist_core::Tag;
@@ -62,16 +62,140 @@ pub(crate) type FaultHook = Arc<dyn Fn(&PeerFault) + Send + Sync>;
 /// How many faults a backend remembers, to replay to hooks registered later.
 const FAULTS_KEPT: usize = 64;
 
-/// What the liveness thread is told.
+/// How many abort notices of one peer the hooks hear of (each a distinct tag and call; a
+/// notice repeated is heard of once): a peer that streams abort frames gets no more.
+pub(crate) const ABORT_FAULTS_PER_PEER: usize = 4;
+
+/// What the liveness thread is told ([`Shared::post_event`]).
 pub(crate) enum Event {
     /// Dispatch this fault to the hooks.
     Fault(PeerFault),
-    /// Write the flight record to the trace folder (an abort notice arrived).
-    WriteTrace,
     /// This peer asked for a heartbeat back: send it one now.
     Answer(usize),
     /// The backend is going away.
     Stop,
+}
+
+/// The liveness thread's inbox, fed by the I/O thread once per frame that asks something of it:
+/// coalesced, so that what a peer's frames make it hold is bounded by the world size, however
+/// many frames come. A heartbeat that asks for an answer sets a flag of its peer (one answer
+/// pending per peer); an abort notice queues a fault only if its peer has had fewer than
+/// [`ABORT_FAULTS_PER_PEER`] reported and none for the same tag and call, and sets the one
+/// pending trace write. So the thread holds at most one answer per peer, and
+/// `ABORT_FAULTS_PER_PEER + 1` faults per peer (each at most an abort notice's 64 KiB).
+pub(crate) struct Inbox {
+    pending: Mutex<Pending>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct Pending {
+    stop: bool,
+    /// A flight record to write.
+    trace: bool,
+    /// The peers whose heartbeat asked for one back, each once, in the order they asked.
+    answer: Vec<usize>,
+    /// By rank: in `answer`.
+    asked: Vec<bool>,
+    /// Faults to dispatch, in order.
+    faults: Vec<PeerFault>,
+    /// By peer: the abort notices (tag, call) reported to the hooks.
+    reported: HashMap<usize, Vec<(u64, Option<u64>)>>,
+    /// The peers with a fault (other than an abort notice's) queued.
+    fault_pending: HashSet<usize>,
+}
+
+/// What the liveness thread takes from its inbox at once.
+#[derive(Default)]
+struct Work {
+    answer: Vec<usize>,
+    faults: Vec<PeerFault>,
+    trace: bool,
+}
+
+impl Inbox {
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        // Plain flags and lists, consistent after any panic.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn post(&self, e: Event) {
+        let mut p = self.lock();
+        match e {
+            Event::Stop => p.stop = true,
+            Event::Answer(peer) => {
+                if p.asked.len() <= peer {
+                    p.asked.resize(peer + 1, false);
+                }
+                if std::mem::replace(&mut p.asked[peer], true) {
+                    // One answer pending already serves this ask too.
+                    return;
+                }
+                p.answer.push(peer);
+            }
+            Event::Fault(f) => {
+                // Closed and silent peers are reported once per connection: one pending fault
+                // per peer (beside its abort notices) bounds even a peer that finds a way to
+                // report more.
+                if !p.fault_pending.insert(f.peer) {
+                    return;
+                }
+                p.faults.push(f);
+            }
+        }
+        drop(p);
+        self.wake.notify_one();
+    }
+
+    /// Queues the fault of an abort notice from `peer` on `tag`, naming `call`, unless the hooks
+    /// heard of this notice already or of [`ABORT_FAULTS_PER_PEER`] of the peer's; with a trace
+    /// write if `trace`. Returns whether it was queued.
+    fn post_abort(&self, f: PeerFault, tag: u64, call: Option<u64>, trace: bool) -> bool {
+        let mut p = self.lock();
+        let seen = p.reported.entry(f.peer).or_default();
+        if seen.contains(&(tag, call)) || seen.len() >= ABORT_FAULTS_PER_PEER {
+            return false;
+        }
+        seen.push((tag, call));
+        p.faults.push(f);
+        p.trace |= trace;
+        drop(p);
+        self.wake.notify_one();
+        true
+    }
+
+    /// Waits until something is pending or `until` passes, and takes what is pending; `None`
+    /// once the thread is to stop.
+    fn take(&self, until: Instant) -> Option<Work> {
+        let mut p = self.lock();
+        loop {
+            if p.stop {
+                return None;
+            }
+            if p.trace || !p.answer.is_empty() || !p.faults.is_empty() {
+                break;
+            }
+            let wait = until.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                break;
+            }
+            p = self
+                .wake
+                .wait_timeout(p, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let Pending { answer, asked, .. } = &mut *p;
+        for &peer in answer.iter() {
+            asked[peer] = false;
+        }
+        p.fault_pending.clear();
+        Some(Work {
+            answer: std::mem::take(&mut p.answer),
+            faults: std::mem::take(&mut p.faults),
+            trace: std::mem::take(&mut p.trace),
+        })
+    }
 }
 
 /// The hooks and the faults seen so far.
@@ -91,36 +215,34 @@ pub(crate) fn heartbeat_interval(peer_timeout: Duration) -> Duration {
 /// The liveness thread's body: a heartbeat to every connected peer each interval (unless other
 /// bytes went to it since the last, [`Peer::heartbeat_if_quiet`]), silent peers
 /// declared unresponsive, and faults dispatched to the hooks as they come.
-pub(crate) fn run(shared: Weak<Shared>, events: Receiver<Event>, world: usize, interval: Duration) {
+pub(crate) fn run(shared: Weak<Shared>, inbox: Arc<Inbox>, world: usize, interval: Duration) {
     let start = Instant::now();
     let mut last = vec![start; world];
     let mut prev = start;
     let mut next = start + interval;
     loop {
-        let wait = next.saturating_duration_since(Instant::now());
-        match events.recv_timeout(wait) {
-            Ok(Event::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-            Ok(Event::Fault(f)) => {
-                if let Some(s) = shared.upgrade() {
-                    s.dispatch(f);
+        let Some(work) = inbox.take(next) else { return };
+        if !work.answer.is_empty() || !work.faults.is_empty() || work.trace {
+            let Some(s) = shared.upgrade() else { return };
+            if !work.answer.is_empty() {
+                let at = s.whereabouts();
+                for peer in work.answer {
+                    if let Some(p) = s.peers.get(peer) {
+                        p.heartbeat(at);
+                    }
                 }
-                continue;
             }
-            Ok(Event::WriteTrace) => {
-                if let Some(s) = shared.upgrade() {
-                    s.write_trace();
-                }
-                continue;
+            for f in work.faults {
+                s.dispatch(f);
             }
-            Ok(Event::Answer(peer)) => {
-                if let Some(s) = shared.upgrade()
-                    && let Some(p) = s.peers.get(peer)
-                {
-                    p.heartbeat(s.whereabouts());
-                }
-                continue;
+            if work.trace {
+                s.write_trace();
             }
-            Err(RecvTimeoutError::Timeout) => {}
+        }
+        // The round is due whatever came meanwhile: what a peer sends may keep the inbox
+        // busy, never this rank's own heartbeats from going out.
+        if Instant::now() < next {
+            continue;
         }
         let Some(s) = shared.upgrade() else { return };
         let now = Instant::now();
@@ -205,10 +327,33 @@ impl Shared {
         self.post_event(Event::Fault(f));
     }
 
-    /// Queues `e` for the liveness thread.
+    /// Queues `e` for the liveness thread (coalesced: see [`Inbox`]).
     pub(crate) fn post_event(&self, e: Event) {
-        let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = events.send(e);
+        self.events.post(e);
+    }
+
+    /// Reports an abort notice from a peer to the hooks (on the liveness thread), once per
+    /// notice and at most [`ABORT_FAULTS_PER_PEER`] a peer, with the flight record written
+    /// where `DIST_TRACE_DIR` asks (no file I/O on the I/O thread, the caller).
+    pub(crate) fn post_abort(&self, n: &AbortNotice) {
+        if self.closing() {
+            return;
+        }
+        let f = PeerFault {
+            rank: self.rank,
+            peer: n.from,
+            cause: FaultCause::Aborted(n.reason.clone()),
+        };
+        if !self
+            .events
+            .post_abort(f, n.tag.to_wire(), n.call, self.trace_dir.is_some())
+        {
+            tracing::debug!(
+                rank = self.rank,
+                peer = n.from,
+                "abort notice not reported again to the fault hooks"
+            );
+        }
     }
 
     /// Calls every hook with `f`, holding no lock.
@@ -258,9 +403,12 @@ impl Shared {
         culprit: Option<usize>,
     ) {
         let mut meta = [0u8; 16];
-        if let Some(c) = culprit {
-            meta[..8].copy_from_slice(&(c as u64 + 1).to_le_bytes());
-        }
+        // Rank + 1 (0: none). The link passes only ranks of the job; a number with no
+        // successor in 64 bits names none rather than wrapping.
+        let named = culprit
+            .and_then(|c| u64::try_from(c).ok())
+            .and_then(|c| c.checked_add(1));
+        meta[..8].copy_from_slice(&named.unwrap_or(0).to_le_bytes());
         // Call numbers start at 1: 0 says the notice names none.
         meta[8..].copy_from_slice(&call.unwrap_or(0).to_le_bytes());
         let me = self.rank;
@@ -312,8 +460,83 @@ pub(crate) const ABORT_WAIT: Duration = Duration::from_millis(500);
 /// it for the operation's whole timeout).
 const NOTICE_SEND: Duration = Duration::from_secs(1);
 
-/// The channel the liveness thread listens on.
-pub(crate) fn channel() -> (Mutex<Sender<Event>>, Receiver<Event>) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    (Mutex::new(tx), rx)
+/// The inbox the liveness thread listens on: one handle for the backend, one for the thread.
+pub(crate) fn channel() -> (Arc<Inbox>, Arc<Inbox>) {
+    let inbox = Arc::new(Inbox {
+        pending: Mutex::new(Pending::default()),
+        wake: Condvar::new(),
+    });
+    (inbox.clone(), inbox)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn aborted(peer: usize, k: u64) -> PeerFault {
+        PeerFault {
+            rank: 0,
+            peer,
+            cause: FaultCause::Aborted(format!("abort {k}")),
+        }
+    }
+
+    /// However many heartbeats of a peer ask for an answer before the thread takes its inbox,
+    /// one answer is pending per peer; asked again after, the peer is answered again.
+    #[test]
+    fn asks_coalesce_into_one_answer_per_peer() {
+        let (inbox, _) = channel();
+        for _ in 0..100_000 {
+            inbox.post(Event::Answer(3));
+            inbox.post(Event::Answer(1));
+        }
+        let w = inbox.take(Instant::now()).unwrap();
+        assert_eq!(w.answer, [3, 1]);
+        assert!(w.faults.is_empty() && !w.trace);
+        inbox.post(Event::Answer(1));
+        assert_eq!(inbox.take(Instant::now()).unwrap().answer, [1]);
+        assert!(inbox.take(Instant::now()).unwrap().answer.is_empty());
+    }
+
+    /// A peer streaming abort frames is reported once per notice (tag and call), at most
+    /// `ABORT_FAULTS_PER_PEER` times in all, with one trace write pending; another peer's
+    /// notices and a closed connection are still reported.
+    #[test]
+    fn abort_floods_are_reported_once_per_notice_and_bounded() {
+        let (inbox, _) = channel();
+        let tag = Tag::system(9).to_wire();
+        for _ in 0..1000 {
+            inbox.post_abort(aborted(2, 1), tag, Some(1), true);
+        }
+        for k in 2..10_000 {
+            inbox.post_abort(aborted(2, k), tag, Some(k), true);
+        }
+        assert!(inbox.post_abort(aborted(1, 1), tag, Some(1), false));
+        for _ in 0..1000 {
+            inbox.post(Event::Fault(PeerFault {
+                rank: 0,
+                peer: 4,
+                cause: FaultCause::Closed("gone".into()),
+            }));
+        }
+        let w = inbox.take(Instant::now()).unwrap();
+        let from = |p| w.faults.iter().filter(|f| f.peer == p).count();
+        assert_eq!(from(2), ABORT_FAULTS_PER_PEER, "{:?}", w.faults);
+        assert_eq!((from(1), from(4)), (1, 1), "{:?}", w.faults);
+        assert_eq!(w.faults[0], aborted(2, 1));
+        assert!(w.trace);
+        // Later notices of the same peer stay unreported; nothing more is pending.
+        assert!(!inbox.post_abort(aborted(2, 20_000), tag, Some(20_000), true));
+        let w = inbox.take(Instant::now()).unwrap();
+        assert!(w.faults.is_empty() && !w.trace);
+    }
+
+    /// The thread stops when told, with work pending or not.
+    #[test]
+    fn stop_ends_the_wait() {
+        let (inbox, theirs) = channel();
+        let t = std::thread::spawn(move || theirs.take(Instant::now() + Duration::from_secs(60)));
+        inbox.post(Event::Stop);
+        assert!(t.join().unwrap().is_none());
+    }
 }

@@ -208,7 +208,7 @@ impl Peer {
     }
 
     /// The socket handle, once connected.
-    fn stream(&self) -> Option<&TcpStream> {
+    pub(crate) fn stream(&self) -> Option<&TcpStream> {
         self.conn.get().map(|c| &c.stream)
     }
 

@@ -48,3 +48,9 @@ pub fn connected_peers(b: &crate::TcpBackend) -> usize {
         .filter(|p| !p.is_loopback() && p.is_connected())
         .count()
 }
+
+/// A second handle on `b`'s connection to `peer` (its socket, under the shared-memory ring
+/// too), for a test rank that plays a peer writing bytes the protocol does not expect.
+pub fn peer_socket(b: &crate::TcpBackend, peer: usize) -> Option<TcpStream> {
+    b.shared.peers.get(peer)?.stream()?.try_clone().ok()
+}

@@ -2,15 +2,18 @@
 //! every other rank with abort notices and unexpected messages, sends each a malformed frame (a
 //! length of 2^47 or 2^63, an unknown kind, a truncated header) and disappears. The honest ranks'
 //! errors must name it; none panics, aborts or grows past the unexpected-message budget; they
-//! still talk to each other afterwards.
+//! still talk to each other afterwards. Two more cases flood without ending in a protocol
+//! error: heartbeats that each ask for an answer ([`asks`]), and doorbell bytes under a
+//! shared-memory ring ([`doorbells`]).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use dist_core::{Backend, DistError, Tag};
-use dist_tcp::DEFAULT_UNEXPECTED_LIMIT;
+use dist_core::collectives::Collectives;
+use dist_core::{Backend, DistError, ReduceOp, Tag};
 use dist_tcp::wire::{FrameHeader, FrameKind};
+use dist_tcp::{DEFAULT_UNEXPECTED_LIMIT, FaultCause, PeerFault};
 
 use dist_multirank::{self as common, fill, first_difference, join, seed};
 
@@ -187,5 +190,262 @@ pub fn peer() -> Result<(), String> {
         });
         assert_eq!(first_difference(&inb, seed(from, me, 0)), None);
     }
+    Ok(())
+}
+
+/// The most the hostile rank floods in the cases below: each honest rank ends its flood
+/// when done with its checks.
+const FLOOD_AT_MOST: Duration = Duration::from_secs(120);
+const DONE_TAG: Tag = Tag::user(4);
+const DURING_TAG: Tag = Tag::user(5);
+/// The exchanges between honest ranks while it floods: one a [`ROUND_GAP`], over 3 s at least.
+const ROUNDS: usize = 30;
+const ROUND_GAP: Duration = Duration::from_millis(100);
+/// What a flooded rank's peak RSS may grow by while the flood lasts: its read buffer and the
+/// socket's, the liveness inbox (at most one answer and five faults per peer, each fault at
+/// most an abort notice's 64 KiB), the exchanges' 1 MiB buffers, and the allocator's slack.
+const FLOOD_RSS_BUDGET: u64 = 32 << 20;
+/// How long a receive from the flooding rank waits, and how late it may end.
+const SHORT_WAIT: Duration = Duration::from_millis(500);
+const LATE: Duration = Duration::from_secs(2);
+/// How many abort notices of one peer the fault hooks hear of (dist-tcp's
+/// `ABORT_FAULTS_PER_PEER`).
+const ABORT_FAULTS_PER_PEER: usize = 4;
+const HONEST_TAG: Tag = Tag::user(3);
+
+/// The honest ranks' side of a flood from rank `h`: every honest rank exchanges a message with
+/// its neighbours among them each round (each is served), and a receive from `h` ends by its
+/// deadline; the peak RSS grows by at most [`FLOOD_RSS_BUDGET`], and no honest rank is
+/// reported faulty by another. Returns the faults heard of `h`.
+fn flooded(b: &dist_tcp::TcpBackend, h: usize, what: &str) -> Vec<PeerFault> {
+    let me = b.rank();
+    let faults = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = faults.clone();
+    b.on_peer_fault(move |f| seen.lock().unwrap().push(f.clone()));
+    let start = peak_rss();
+    let t = Instant::now();
+    let mut out = vec![0u8; 1 << 20];
+    let mut inb = vec![0u8; 1 << 20];
+    let mut waits = Vec::new();
+    for round in 0..ROUNDS {
+        if h >= 2 {
+            let (to, from) = ((me + 1) % h, (me + h - 1) % h);
+            fill(&mut out, seed(me, to, round as u64));
+            std::thread::scope(|s| {
+                let sender = s.spawn(|| b.send_tagged(&out, to, HONEST_TAG));
+                b.recv_tagged_timeout(&mut inb, from, HONEST_TAG, Duration::from_secs(10))
+                    .unwrap_or_else(|e| panic!("{what}: round {round} from rank {from}: {e}"));
+                sender
+                    .join()
+                    .unwrap()
+                    .unwrap_or_else(|e| panic!("{what}: round {round} to rank {to}: {e}"));
+            });
+            assert_eq!(
+                first_difference(&inb, seed(from, me, round as u64)),
+                None,
+                "{what}: round {round} from rank {from}"
+            );
+        }
+        if round % 10 == 5 {
+            let w = Instant::now();
+            let r = b.recv_tagged_timeout(&mut [0u8; 4], h, ATTACK_TAG, SHORT_WAIT);
+            let took = w.elapsed();
+            assert!(
+                matches!(r, Err(DistError::Timeout { .. })),
+                "{what}: a receive from the flooding rank {h}: {r:?}"
+            );
+            assert!(
+                took <= SHORT_WAIT + LATE,
+                "{what}: a receive from the flooding rank {h} with a {SHORT_WAIT:?} timeout \
+                 ended after {took:?}"
+            );
+            waits.push(took);
+        }
+        std::thread::sleep(ROUND_GAP);
+    }
+    let grown = peak_rss().saturating_sub(start);
+    println!(
+        "{what}: {ROUNDS} rounds in {:?} while flooded; receives from the flooding rank ended \
+         after {waits:?}; peak RSS grew by {} KiB",
+        t.elapsed(),
+        grown >> 10
+    );
+    assert!(
+        grown <= FLOOD_RSS_BUDGET,
+        "{what}: peak RSS grew by {grown} bytes while flooded (budget {FLOOD_RSS_BUDGET})"
+    );
+    let faults = faults.lock().unwrap().clone();
+    for f in &faults {
+        assert!(
+            f.peer == h,
+            "{what}: honest rank {} reported faulty: {f}",
+            f.peer
+        );
+    }
+    faults
+}
+
+/// The frames of the ask flood: 40-byte heartbeats that each ask for one back, with an abort
+/// notice naming call `k` after every 1,600.
+fn ask_batch(k: u64) -> Vec<u8> {
+    let mut meta = [0u8; 16];
+    meta[8] = dist_tcp::wire::HEARTBEAT_ASK;
+    let beat = FrameHeader {
+        kind: FrameKind::Heartbeat,
+        tag: 0,
+        len: 0,
+        meta,
+    }
+    .encode();
+    let mut batch = Vec::with_capacity(1601 * beat.len() + 64);
+    for _ in 0..1600 {
+        batch.extend_from_slice(&beat);
+    }
+    let text = format!("hostile abort {k}");
+    let mut meta = [0u8; 16];
+    meta[8..].copy_from_slice(&(k + 1).to_le_bytes());
+    let abort = FrameHeader {
+        kind: FrameKind::Abort,
+        tag: Tag::system(9).to_wire(),
+        len: text.len() as u64,
+        meta,
+    }
+    .encode();
+    batch.extend_from_slice(&abort);
+    batch.extend_from_slice(text.as_bytes());
+    batch
+}
+
+/// A hostile rank (the last) streams heartbeats that each ask for an answer, and abort notices,
+/// never reading what the honest ranks write back, until each honest rank, done with its
+/// checks, closes the connection: each honest rank's peak RSS grows by at most
+/// [`FLOOD_RSS_BUDGET`] meanwhile (the liveness thread's inbox holds one answer per peer, not
+/// one per frame), the honest ranks still exchange messages, a receive from the hostile rank
+/// ends by its deadline, and the fault hooks hear of at most [`ABORT_FAULTS_PER_PEER`] of its
+/// notices.
+pub fn asks() -> Result<(), String> {
+    let cfg = common::config();
+    let (me, n) = (cfg.rank(), cfg.world_size());
+    let h = n - 1;
+    if me == h {
+        let streams = dist_tcp::testing::form_raw(&cfg).unwrap_or_else(|e| panic!("{e}"));
+        std::thread::scope(|s| {
+            for stream in streams.into_iter().flatten() {
+                s.spawn(move || {
+                    let mut stream = stream;
+                    stream
+                        .set_write_timeout(Some(Duration::from_secs(1)))
+                        .unwrap();
+                    let t = Instant::now();
+                    let mut k = 0;
+                    while t.elapsed() < FLOOD_AT_MOST {
+                        match stream.write_all(&ask_batch(k)) {
+                            Ok(()) => {}
+                            // The honest rank reads no faster: go on.
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            // It closed the connection: done.
+                            Err(_) => break,
+                        }
+                        k += 1;
+                    }
+                });
+            }
+        });
+        return Ok(());
+    }
+    let b = join();
+    let faults = flooded(&b, h, "ask flood");
+    let aborted = faults
+        .iter()
+        .filter(|f| matches!(f.cause, FaultCause::Aborted(_)))
+        .count();
+    println!("ask flood: the hooks heard of {aborted} abort notices of rank {h}");
+    assert!(
+        aborted <= ABORT_FAULTS_PER_PEER,
+        "the hooks heard of {aborted} abort notices of rank {h}"
+    );
+    // Ends the flood.
+    let sock = dist_tcp::testing::peer_socket(&b, h).expect("a connection to the hostile rank");
+    let _ = sock.shutdown(Shutdown::Both);
+    Ok(())
+}
+
+/// A hostile rank (the last), a real backend whose connections run over shared memory, floods
+/// each honest rank's socket under its ring with doorbell bytes until every honest rank, done
+/// with its checks, says so: the honest ranks' I/O threads still serve every other connection
+/// (they exchange messages), a receive from the hostile rank ends by its deadline, peak RSS
+/// stays within [`FLOOD_RSS_BUDGET`], a message the hostile rank sends through the ring while
+/// it floods arrives (an I/O thread stuck draining the flood never read it), and so does one
+/// after the flood.
+pub fn doorbells() -> Result<(), String> {
+    let b = join();
+    let (me, n) = (b.rank(), b.world_size());
+    let h = n - 1;
+    let over_shm = (0..n).all(|p| p == me || b.shared_memory_with(p) == (true, true));
+    // Every rank learns whether all of them talk over shared memory, and skips together if not.
+    let mut all = [u8::from(over_shm)];
+    b.all_reduce(&mut all, ReduceOp::Min)
+        .unwrap_or_else(|e| panic!("{e}"));
+    if all[0] == 0 {
+        return Err("skipped: the ranks do not talk over shared memory here".into());
+    }
+    if me == h {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for r in 0..h {
+                let mut sock = dist_tcp::testing::peer_socket(&b, r).expect("a connection");
+                let stop = &stop;
+                s.spawn(move || {
+                    sock.set_write_timeout(Some(Duration::from_secs(1)))
+                        .unwrap();
+                    let chunk = [0u8; 64 << 10];
+                    let t = Instant::now();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                        && t.elapsed() < FLOOD_AT_MOST
+                    {
+                        let _ = sock.write_all(&chunk);
+                    }
+                });
+            }
+            // A message through the ring while the flood lasts: the flooded rank's I/O
+            // thread must read it.
+            for r in 0..h {
+                b.send_tagged(b"during the flood", r, DURING_TAG)
+                    .unwrap_or_else(|e| panic!("to {r}: {e}"));
+            }
+            for r in 0..h {
+                b.recv_tagged_timeout(&mut [0u8; 4], r, DONE_TAG, FLOOD_AT_MOST)
+                    .unwrap_or_else(|e| panic!("rank {r} done: {e}"));
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        for r in 0..h {
+            b.send_tagged(b"after the flood", r, ATTACK_TAG)
+                .unwrap_or_else(|e| panic!("to {r}: {e}"));
+        }
+    } else {
+        flooded(&b, h, "doorbell flood");
+        // Still flooded (the flood ends when this rank says it is done).
+        let mut during = [0u8; 16];
+        let t = Instant::now();
+        b.recv_tagged_timeout(&mut during, h, DURING_TAG, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("the message during the flood: {e}"));
+        assert_eq!(&during, b"during the flood");
+        println!(
+            "doorbell flood: the message during the flood taken {:?} after its receive began",
+            t.elapsed()
+        );
+        b.send_tagged(b"done", h, DONE_TAG)
+            .unwrap_or_else(|e| panic!("done: {e}"));
+        let mut after = [0u8; 15];
+        b.recv_tagged_timeout(&mut after, h, ATTACK_TAG, Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("the message after the flood: {e}"));
+        assert_eq!(&after, b"after the flood");
+    }
+    b.barrier().unwrap_or_else(|e| panic!("{e}"));
     Ok(())
 }

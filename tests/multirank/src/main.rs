@@ -211,6 +211,8 @@ const CASES: &[Case] = &[
     Case::new("admission_flood", admission::flood),
     Case::new("flow_unexpected", flow::unexpected),
     Case::new("hostile_peer", hostile::peer),
+    Case::new("hostile_asks", hostile::asks).only_at(&[2, 3]),
+    Case::new("hostile_doorbells", hostile::doorbells).only_at(&[2, 3]),
 ];
 
 fn main() -> ExitCode {

@@ -458,7 +458,7 @@ fn run_call<L: Link, R>(
 pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError, number: Option<u64>) {
     match e {
         DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
-            g.abort(COLLECTIVE_TAG, &e.to_string(), Some(*peer))
+            g.abort_call(COLLECTIVE_TAG, None, &e.to_string(), Some(*peer))
         }
         DistError::Aborted { origin, reason, .. } => {
             let named = number
@@ -466,7 +466,7 @@ pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError, number: Option<u64
                 .and_then(|n| n.call);
             g.abort_call(COLLECTIVE_TAG, named, reason, Some(*origin))
         }
-        DistError::Timeout { .. } => g.abort(COLLECTIVE_TAG, &e.to_string(), None),
+        DistError::Timeout { .. } => g.abort_call(COLLECTIVE_TAG, None, &e.to_string(), None),
         _ => g.abort_call(COLLECTIVE_TAG, number, &e.to_string(), None),
     }
 }

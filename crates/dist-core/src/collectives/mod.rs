@@ -109,7 +109,7 @@ pub trait Transport: Backend {
     /// collectives. Only the group's first abort is sent. The notice names no call: it ends
     /// every wait at once, a call in flight on another thread of this rank included.
     fn broadcast_abort(&self, tag: Tag, reason: &str) {
-        self.group().abort(tag, reason, None);
+        self.group().abort_call(tag, None, reason, None);
     }
 
     /// Tells every rank that this rank refuses the collective it was about to start (a bad

@@ -8,6 +8,11 @@ use super::*;
 /// How many steps of the frame state machine one `progress` call takes at most.
 const PROGRESS_TURNS: u32 = 256;
 
+/// How many reads of doorbell bytes (64 at a time) one read from a ring makes at most: a
+/// same-host peer that floods its socket with them must not keep the I/O thread in one drain
+/// (holding this peer's read side) while the others wait. The drain goes on at the next turn.
+pub(super) const DOORBELL_READS: u32 = 16;
+
 /// Where the read side is in the byte stream.
 pub(super) enum Frame {
     /// Between frames.
@@ -102,6 +107,9 @@ pub(super) enum Source {
         sock: socket2::Socket,
         ring: crate::shm::RxRing,
         io_turn: bool,
+        /// The last drain of doorbell bytes stopped at [`DOORBELL_READS`] with more maybe
+        /// left: the read side has more to do although the read found nothing.
+        bells_left: bool,
     },
     #[cfg(test)]
     Script(Script),
@@ -138,7 +146,8 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
             sock,
             ring,
             io_turn,
-        } => return ring_recv(sock, ring, *io_turn, dst),
+            bells_left,
+        } => return ring_recv(sock, ring, *io_turn, bells_left, dst),
         #[cfg(test)]
         Source::Script(s) => {
             let n = dst.len().min(s.available - s.read);
@@ -164,12 +173,14 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
 /// Receives into `dst` from the peer's ring without blocking: `WouldBlock` while it is empty
 /// and the connection open, `Ok(0)` once it is empty and the peer has closed the connection
 /// (the peer's last bytes were in the ring before it closed: they are read first). On the I/O
-/// thread (`io_turn`), doorbell bytes on the socket are read and dropped on the way; other
+/// thread (`io_turn`), doorbell bytes on the socket are read and dropped on the way, at most
+/// [`DOORBELL_READS`] reads of them per call (`bells_left` says the drain stopped there); other
 /// threads leave the socket alone.
-fn ring_recv(
+pub(super) fn ring_recv(
     sock: &socket2::Socket,
     ring: &mut crate::shm::RxRing,
     io_turn: bool,
+    bells_left: &mut bool,
     dst: &mut [u8],
 ) -> std::io::Result<usize> {
     let n = ring.read(dst)?;
@@ -180,7 +191,14 @@ fn ring_recv(
         return Err(std::io::ErrorKind::WouldBlock.into());
     }
     let mut bells = [MaybeUninit::<u8>::uninit(); 64];
+    let mut reads = 0u32;
+    *bells_left = false;
     loop {
+        if reads == DOORBELL_READS {
+            *bells_left = true;
+            break;
+        }
+        reads += 1;
         match sock.recv_with_flags(&mut bells, MSG_DONTWAIT) {
             // The end of the stream: whatever the peer wrote before closing is in the ring.
             Ok(0) => return ring.read(dst),
@@ -255,7 +273,15 @@ impl Peer {
     /// buffers, into the queue, or to the abort hook.
     pub(super) fn progress(&self, rx: &mut Rx) -> Step {
         let was_held = matches!(rx.frame, Frame::Held { .. });
-        let step = self.progress_frames(rx);
+        let mut step = self.progress_frames(rx);
+        if let Source::Ring { bells_left, .. } = &mut rx.sock
+            && std::mem::take(bells_left)
+            && matches!(step, Step::Idle)
+        {
+            // The drain of doorbell bytes stopped at its bound: more turns are due (after the
+            // other ready peers'), not a wait for readiness the socket may not report again.
+            step = Step::Progress;
+        }
         // Only a hold that starts here is news: one that goes on was told of when it began.
         self.after_read(rx, !was_held && matches!(step, Step::Held(..)));
         // Any byte from the peer proves it alive; so does a frame held back for flow control

@@ -138,6 +138,7 @@ impl Peer {
                         sock: r,
                         ring: ring.for_rank(me),
                         io_turn: false,
+                        bells_left: false,
                     },
                     None => Source::Socket(r),
                 },

@@ -199,3 +199,93 @@ fn a_notice_to_a_full_ring_waits_on_the_ring() {
     // Written whole: the ring holds the notice's frame after the bytes read.
     assert!(with_ring(&p0, |r| r.available(&String::new)).unwrap() > 0);
 }
+
+/// Fills the socket under rank 1's ring to rank 0 with doorbell bytes until it takes no more
+/// (`stop` unset: once), or until `stop` is set; returns how many went.
+fn ring_bells(p1: &Peer, stop: Option<&AtomicBool>) -> usize {
+    let mut s = p1.stream().unwrap().try_clone().unwrap();
+    let chunk = [0u8; 64 << 10];
+    let mut sent = 0;
+    loop {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return sent;
+        }
+        match std::io::Write::write(&mut s, &chunk) {
+            Ok(n) => sent += n,
+            Err(e) if would_block(&e) => match stop {
+                None => return sent,
+                Some(_) => std::thread::yield_now(),
+            },
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// One read from an empty ring drains at most [`DOORBELL_READS`] x 64 doorbell bytes from the
+/// socket and says it stopped there; the rest waits for the next read (it used to read until
+/// the socket was empty, which a flooding peer could put off for ever).
+#[test]
+fn a_read_from_a_ring_drains_a_bounded_number_of_doorbells() {
+    let (p0, p1) = pair_unwatched();
+    let sent = ring_bells(&p1, None);
+    // More than one bounded drain takes (16 x 64 bytes).
+    assert!(sent > 64 << 10, "{sent} bytes");
+    let rx = p0.rx().unwrap();
+    let mut r = rx.lock().unwrap();
+    let Source::Ring { io_turn, .. } = &mut r.sock else {
+        panic!("not over shared memory");
+    };
+    *io_turn = true;
+    let mut buf = [0u8; 16];
+    let e = recv_now(&mut r.sock, &mut buf).unwrap_err();
+    assert!(would_block(&e), "{e}");
+    let Source::Ring { bells_left, .. } = &r.sock else {
+        unreachable!()
+    };
+    assert!(*bells_left, "the drain did not say it stopped at its bound");
+    // Bytes are left in the socket.
+    let mut one = [0u8; 1];
+    let left = p0.stream().unwrap().peek(&mut one);
+    assert!(
+        matches!(left, Ok(1)),
+        "{left:?} after a drain of {sent} bytes"
+    );
+}
+
+/// While rank 1's socket is flooded with doorbell bytes, the I/O thread still reads what the
+/// ring brings: a message from rank 1 arrives well within its deadline, and a turn of rank 0's
+/// read side lets go of it (a receive on another tag ends at its own, short, deadline).
+#[test]
+fn a_doorbell_flood_leaves_the_ring_read() {
+    let (p0, p1, _io) = pair();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let flood = s.spawn(|| ring_bells(&p1, Some(&stop)));
+        // The flood is under way (the I/O thread is in its drains) before the message goes.
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let mut none = [0u8; 4];
+        let short = Instant::now() + Duration::from_millis(300);
+        let e = p0
+            .recv(&mut none, 8, short, &|| "recv (nothing sent)".into())
+            .unwrap_err();
+        let late = t.elapsed();
+        assert!(
+            matches!(e, DistError::Timeout { .. }),
+            "expected a timeout, got {e}"
+        );
+        assert!(
+            late < Duration::from_secs(2),
+            "ended {late:?} after its start"
+        );
+        send(&p1, 6, b"through the flood").unwrap();
+        let mut got = [0u8; 17];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let r = p0.recv(&mut got, 6, deadline, &|| "recv".into());
+        stop.store(true, Ordering::Relaxed);
+        let sent = flood.join().unwrap();
+        r.unwrap_or_else(|e| panic!("{e} (flood of {sent} bytes)"));
+        assert_eq!(&got, b"through the flood");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    });
+}

@@ -257,7 +257,7 @@ fn a_dead_rank_is_named_promptly() {
 fn an_abort_ends_the_waits() {
     let results = errors_of(MemLink::mesh_on_hosts(&[0; 3], SLOT), |g| {
         if g.rank() == 0 {
-            g.abort(crate::collectives::COLLECTIVE_TAG, "given up", None);
+            g.abort(crate::collectives::COLLECTIVE_TAG, "given up", None)?;
             return Ok(());
         }
         g.all_reduce(&mut [1u32; 9], ReduceOp::Sum)

@@ -88,7 +88,7 @@ pub(super) fn same<E: Element>(
         got.len(),
         want.len()
     );
-    g.abort(COLLECTIVE_TAG, &reason, None);
+    g.abort(COLLECTIVE_TAG, &reason, None)?;
     Err(DistError::InvalidArgument {
         rank: g.rank(),
         op: what.into(),
