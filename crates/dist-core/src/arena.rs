@@ -304,16 +304,18 @@ mod tests {
         let src: Vec<u8> = (0..200u8).collect();
         let mut dst = vec![0u8; 150];
         let me = std::process::id();
-        // SAFETY (each call): the ranges are within `src`, which nothing writes, or unmapped
-        // (the null page, the top of the address space); `pid` is this process or none.
+        // SAFETY: within `src`, which nothing writes; this process.
         unsafe { read_process(me, src.as_ptr() as u64 + 50, &mut dst) }.unwrap();
         assert_eq!(dst[..], src[50..]);
         // An unmapped address (the null page) and an absent process are errors, dst untouched.
         let mut dst = vec![7u8; 16];
+        // SAFETY: the null page is never mapped: no read.
         assert!(unsafe { read_process(me, 8, &mut dst) }.is_err());
+        // SAFETY: no such process (above the kernel's pid limit): no read.
         let gone = unsafe { read_process(u32::MAX >> 2, src.as_ptr() as u64, &mut dst) };
         let gone = gone.unwrap_err();
         assert_eq!(gone.kind(), std::io::ErrorKind::NotFound, "{gone}");
+        // SAFETY: the top of the address space is never mapped for a process: no read.
         assert!(unsafe { read_process(me, u64::MAX - 4, &mut dst) }.is_err());
         assert_eq!(dst, vec![7u8; 16]);
     }

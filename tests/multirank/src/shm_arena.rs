@@ -145,7 +145,7 @@ fn check_direct(b: &TcpBackend) -> Option<String> {
         return None;
     }
     let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope");
-    if let Ok(v) = yama.as_ref().map(|v| v.trim()).filter(|v| *v != "0") {
+    if let Some(v) = yama.as_deref().ok().map(str::trim).filter(|v| *v != "0") {
         return Some(format!(
             "direct reads not checked: Yama ptrace_scope is {v}, not 0 (whether this process \
              may read its peers' memory then depends on its capabilities)"
