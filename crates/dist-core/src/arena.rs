@@ -72,7 +72,9 @@ pub trait HostArena: Send + Sync {
     /// Copies `data` into this rank's slot `slot` (0 or 1) at byte `offset`. Any thread may
     /// call it and [`HostArena::read`] at once: an implementation never lets two of this
     /// process's copies of overlapping bytes race, one of them a write (it takes them in turn,
-    /// or refuses the later with an error).
+    /// or refuses the later with an error). A peer of another process may read the slot
+    /// meanwhile (a write outside the protocol): it then reads wrong bytes, never undefined
+    /// behaviour in either process (dist-tcp copies the shared slots with volatile accesses).
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()>;
 
     /// Copies `dst.len()` bytes of rank `owner`'s slot `slot` at byte `offset` into `dst`
@@ -135,7 +137,8 @@ pub trait HostArena: Send + Sync {
     /// [`HostArena::direct_min`] is `Some`. `addr` comes from the peer and is untrusted: an
     /// address that is not mapped there is an error, and a peer whose process is gone one of
     /// kind [`NotFound`](std::io::ErrorKind::NotFound), never an access of this rank's memory
-    /// outside `dst`.
+    /// outside `dst`. dist-tcp reads only the process at the other end of the socket the
+    /// peer's arena came through, never this one.
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
         let _ = (owner, addr, dst);
         Err(std::io::Error::new(
@@ -166,8 +169,18 @@ const READ_PROCESS_MAX: usize = 1 << 30;
 /// short read. `addr` may be anything: the kernel reads only the other process's memory (or
 /// this one's, for `pid` its own) and writes only `dst`. A process that does not exist (it
 /// exited) is an error of kind [`NotFound`](std::io::ErrorKind::NotFound).
+///
+/// # Safety
+///
+/// Where `pid` is this process (or one that shares its memory), every mapped byte of
+/// `addr..addr + dst.len()` must be memory this caller may read as through a raw pointer, and
+/// no thread may write it while the call runs (the kernel's copy is a read by this process:
+/// beside such a write it is a data race, and it would let the caller see memory it has no
+/// right to). Unmapped bytes are an error, not a read. For another process there is no
+/// condition: the kernel reads only that process's memory and writes only `dst`; the caller
+/// decides whose memory it trusts.
 #[cfg(target_os = "linux")]
-pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+pub unsafe fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let pid = libc::pid_t::try_from(pid)
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "pid out of range"))?;
     let mut done = 0;
@@ -217,8 +230,12 @@ fn read_process_once(pid: libc::pid_t, addr: u64, dst: &mut [u8]) -> std::io::Re
 }
 
 /// Elsewhere there is no direct read: always an error.
+///
+/// # Safety
+///
+/// None needed here (it reads nothing); the contract is the Linux one's.
 #[cfg(not(target_os = "linux"))]
-pub fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+pub unsafe fn read_process(pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let _ = (pid, addr, dst);
     Err(std::io::Error::new(
         std::io::ErrorKind::Unsupported,
@@ -251,7 +268,10 @@ pub fn read_process_is_fast() -> bool {
             copy = copy.min(t.elapsed());
             std::hint::black_box(&mut dst);
             let t = std::time::Instant::now();
-            if read_process(std::process::id(), src.as_ptr() as u64, &mut dst).is_err() {
+            // SAFETY: this process's own `src`, borrowed shared for the call (no thread
+            // writes it), read whole. (Test: `direct_reads_pay_at_half_the_copy_rate`.)
+            let read = unsafe { read_process(std::process::id(), src.as_ptr() as u64, &mut dst) };
+            if read.is_err() {
                 return false;
             }
             cma = cma.min(t.elapsed());
@@ -283,14 +303,20 @@ mod tests {
     fn read_process_reads_and_refuses() {
         let src: Vec<u8> = (0..200u8).collect();
         let mut dst = vec![0u8; 150];
-        read_process(std::process::id(), src.as_ptr() as u64 + 50, &mut dst).unwrap();
+        let me = std::process::id();
+        // SAFETY: within `src`, which nothing writes; this process.
+        unsafe { read_process(me, src.as_ptr() as u64 + 50, &mut dst) }.unwrap();
         assert_eq!(dst[..], src[50..]);
         // An unmapped address (the null page) and an absent process are errors, dst untouched.
         let mut dst = vec![7u8; 16];
-        assert!(read_process(std::process::id(), 8, &mut dst).is_err());
-        let gone = read_process(u32::MAX >> 2, src.as_ptr() as u64, &mut dst).unwrap_err();
+        // SAFETY: the null page is never mapped: no read.
+        assert!(unsafe { read_process(me, 8, &mut dst) }.is_err());
+        // SAFETY: no such process (above the kernel's pid limit): no read.
+        let gone = unsafe { read_process(u32::MAX >> 2, src.as_ptr() as u64, &mut dst) };
+        let gone = gone.unwrap_err();
         assert_eq!(gone.kind(), std::io::ErrorKind::NotFound, "{gone}");
-        assert!(read_process(std::process::id(), u64::MAX - 4, &mut dst).is_err());
+        // SAFETY: the top of the address space is never mapped for a process: no read.
+        assert!(unsafe { read_process(me, u64::MAX - 4, &mut dst) }.is_err());
         assert_eq!(dst, vec![7u8; 16]);
     }
 

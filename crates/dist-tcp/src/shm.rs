@@ -9,6 +9,7 @@
 mod arena;
 mod arena_map;
 mod busy;
+mod copy;
 mod map;
 mod ring;
 mod setup;

@@ -315,8 +315,15 @@ impl HostArena for MemArena {
     }
 
     /// The ranks are threads of this process: a read of this process's own memory, through
-    /// the same system call as between processes (where it exists).
+    /// the same system call as between processes (where it exists); refused unless the test
+    /// turned direct reads on ([`crate::testing::MemLink::set_arena_direct`]).
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        if self.direct_min().is_none() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "direct reads are off on this test arena",
+            ));
+        }
         if self.local(owner).is_none() || owner == self.me {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -334,12 +341,26 @@ impl HostArena for MemArena {
             DirectFault::RefusedAfter(n) if before >= n => {
                 Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied))
             }
-            DirectFault::WildAddress => crate::arena::read_process(std::process::id(), 16, dst),
+            // SAFETY: address 16 lies in the null page, never mapped: an error, no read.
+            // (Test: `collectives::tests::direct`, the wild-address case.)
+            DirectFault::WildAddress => unsafe {
+                crate::arena::read_process(std::process::id(), 16, dst)
+            },
             DirectFault::Slow { after, by } if before >= after => {
                 std::thread::sleep(by);
-                crate::arena::read_process(std::process::id(), addr, dst)
+                // SAFETY: as below.
+                unsafe { crate::arena::read_process(std::process::id(), addr, dst) }
             }
-            _ => crate::arena::read_process(std::process::id(), addr, dst),
+            // SAFETY: `read_process` on this process asks that no thread write the range
+            // meanwhile. Upheld by the direct all_reduce (`collectives/direct.rs`), the only
+            // caller in the tests that turn direct reads on: `addr` is within the buffer peer
+            // thread `owner` announced, which it does not write until every peer's reads are
+            // done, except after it failed (then a read can meet its caller's write: the
+            // tests that make a rank fail do not write the buffer afterwards). This is a test
+            // double: safe code that turns direct reads on and passes other addresses is not
+            // kept from breaking it (see `crate::testing::MemLink::set_arena_direct`). (Tests:
+            // `collectives::tests::direct`.)
+            _ => unsafe { crate::arena::read_process(std::process::id(), addr, dst) },
         }
     }
 
@@ -428,7 +449,9 @@ impl super::MemLink {
     /// This rank's arena proposes that all_reduces from `min` bytes read its peers' buffers
     /// directly, or (`None`, the default) says it cannot
     /// ([`HostArena::direct_min`]). Set before the group's first
-    /// all_reduce, which agrees on it.
+    /// all_reduce, which agrees on it. With it on, [`HostArena::read_direct`] on this arena
+    /// reads this process's memory at the address it is given: a test must pass only
+    /// addresses of memory no thread writes meanwhile (the direct all_reduce does).
     pub fn set_arena_direct(&self, min: Option<usize>) {
         if let Some(a) = &self.arena {
             a.set_direct(min);

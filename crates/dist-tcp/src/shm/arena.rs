@@ -41,6 +41,9 @@ struct PeerPart {
     map: Option<Mapping>,
     /// It mapped this rank's segment too.
     mapped_mine: bool,
+    /// The process at the other end of the Unix socket its descriptors came through
+    /// (`SO_PEERCRED`): the only process this rank reads directly for it.
+    pid: Option<u32>,
 }
 
 /// The arena's parts, gathered while the connections form.
@@ -92,12 +95,16 @@ impl ArenaSetup {
         }
     }
 
-    /// Maps the segment `peer` passed (checked first); whether it could.
-    pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd) -> bool {
+    /// Maps the segment `peer` passed (checked first); whether it could. `pid` is the process
+    /// at the other end of the Unix socket the descriptor came through, as the kernel says
+    /// (`SO_PEERCRED`; `None` where it could not say): direct reads of the peer read that
+    /// process, and only if the header names it too ([`TcpArena::probe_peers`]).
+    pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd, pid: Option<u32>) -> bool {
         match Mapping::open(fd, ARENA_SLOT, peer) {
             Ok(m) => {
                 if let Some(p) = self.parts().get_mut(peer) {
                     p.map = Some(m);
+                    p.pid = pid;
                     return true;
                 }
                 false
@@ -144,6 +151,7 @@ impl ArenaSetup {
                 .iter()
                 .filter(|&&r| r != me)
                 .all(|&r| parts[r].map.is_some() && parts[r].mapped_mine);
+        let pids = parts.iter().map(|p| p.pid).collect();
         let maps = parts
             .iter_mut()
             .enumerate()
@@ -156,6 +164,7 @@ impl ArenaSetup {
             complete,
             own: self.own.map(|(_, m)| m),
             maps,
+            pids,
             peers,
             spin,
             claimed: AtomicBool::new(false),
@@ -176,6 +185,10 @@ pub(crate) struct TcpArena {
     own: Option<Mapping>,
     /// Each peer of this host's segment, by rank (`None` elsewhere).
     maps: Vec<Option<Mapping>>,
+    /// Each peer's process as the kernel named it (`SO_PEERCRED` of the socket its segment
+    /// came through), by rank: what [`HostArena::read_direct`] reads, never the pid a peer's
+    /// header says.
+    pids: Vec<Option<u32>>,
     peers: Vec<Arc<Peer>>,
     spin: Duration,
     /// A group has claimed the arena ([`HostArena::claim`]).
@@ -237,8 +250,43 @@ impl TcpArena {
 }
 
 impl TcpArena {
-    /// Whether this rank can read every local peer's memory: each peer's probe value, read
-    /// at the address its header gives in the process it names, is the value it says.
+    /// The process to read directly for peer `q`: the one at the other end of the socket its
+    /// segment came through (`SO_PEERCRED`), if its header names the same process and it is
+    /// not this one; else why not. A peer that published another process's id (this rank's
+    /// own, say, to have it read its own memory at addresses the peer chooses into results
+    /// the peer reads) is refused here: the kernel, not the peer, says which process it is.
+    /// A peer of this process (ranks as threads) is refused too: a direct read of this
+    /// process's memory at an address from a caller of the safe
+    /// [`HostArena::read_direct`] could race a write of another thread (the contract of
+    /// [`dist_core::arena::read_process`]); such ranks use the slots.
+    fn direct_pid(&self, q: usize) -> std::result::Result<u32, String> {
+        let m = self
+            .mapping(q)
+            .filter(|_| q != self.me)
+            .ok_or_else(|| format!("rank {q} is not a peer on this host"))?;
+        let Some(pid) = self.pids.get(q).copied().flatten() else {
+            return Err(format!(
+                "the kernel named no process for rank {q}'s socket (SO_PEERCRED)"
+            ));
+        };
+        let published = m.load_u32(OFF_PID);
+        if published != pid {
+            return Err(format!(
+                "rank {q}'s arena names process {published}, but the socket its descriptors \
+                 came through is process {pid}'s (SO_PEERCRED): no direct reads of it"
+            ));
+        }
+        if pid == std::process::id() {
+            return Err(format!(
+                "rank {q} is a rank of this process: no direct reads of this process's memory"
+            ));
+        }
+        Ok(pid)
+    }
+
+    /// Whether this rank can read every local peer's memory: each peer's process is the one
+    /// the kernel names ([`TcpArena::direct_pid`]), and its probe value, read at the address
+    /// its header gives, is the value it says.
     fn probe_peers(&self) -> bool {
         let _ = &self.probe;
         self.complete
@@ -246,13 +294,19 @@ impl TcpArena {
                 let Some(m) = self.mapping(q) else {
                     return false;
                 };
-                let (pid, at, want) = (
-                    m.load_u32(OFF_PID),
-                    m.load_u64(OFF_PROBE_ADDR),
-                    m.load_u64(OFF_PROBE_VALUE),
-                );
+                let pid = match self.direct_pid(q) {
+                    Ok(pid) => pid,
+                    Err(e) => {
+                        tracing::warn!(me = self.me, peer = q, "direct reads off: {e}");
+                        return false;
+                    }
+                };
+                let (at, want) = (m.load_u64(OFF_PROBE_ADDR), m.load_u64(OFF_PROBE_VALUE));
                 let mut got = [0u8; 8];
-                match dist_core::arena::read_process(pid, at, &mut got) {
+                // SAFETY: `pid` is not this process (`direct_pid`), so the kernel reads only
+                // the peer's memory and writes only `got`: `read_process`'s contract asks
+                // nothing more. (Test: `arena_tests::direct_reads_are_probed`.)
+                match unsafe { dist_core::arena::read_process(pid, at, &mut got) } {
                     Ok(()) if u64::from_le_bytes(got) == want && want != 0 => true,
                     Ok(()) => {
                         tracing::debug!(me = self.me, peer = q, "direct reads: probe mismatch");
@@ -332,16 +386,24 @@ impl HostArena for TcpArena {
         self.threads
     }
 
+    /// Reads the process the kernel named for `owner` ([`TcpArena::direct_pid`]), never one
+    /// the peer's header names alone; refused (kind `PermissionDenied`) for a peer whose header
+    /// names another process, or a rank of this process.
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
-        match self.mapping(owner) {
-            Some(m) if owner != self.me => {
-                dist_core::arena::read_process(m.load_u32(OFF_PID), addr, dst)
-            }
-            _ => Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("rank {owner} is not a peer on this host"),
-            )),
-        }
+        let pid = self.direct_pid(owner).map_err(|e| {
+            let kind = if self.mapping(owner).is_some() && owner != self.me {
+                std::io::ErrorKind::PermissionDenied
+            } else {
+                std::io::ErrorKind::InvalidInput
+            };
+            std::io::Error::new(kind, e)
+        })?;
+        // SAFETY: `pid` is not this process (`direct_pid`), so the kernel reads only the
+        // peer's memory, wherever `addr` points, and writes only `dst`: `read_process`'s
+        // contract asks nothing more. (Tests: `arena_tests::direct_reads_are_probed`,
+        // `direct_reads_follow_the_socket_not_the_header`; between processes, the multi-rank
+        // `shm_arena` test's `direct` variant.)
+        unsafe { dist_core::arena::read_process(pid, addr, dst) }
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {

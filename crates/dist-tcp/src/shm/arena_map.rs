@@ -264,9 +264,14 @@ impl Mapping {
         // `overlapping_accesses_from_two_threads_are_refused`,
         // `racing_copies_never_see_a_mix`; split pieces over several threads on real
         // segments: the multi-rank `shm_arena` test's `threads3` variant.)
+        //
+        // A peer in another process may read these bytes meanwhile (it breaks the protocol, or
+        // this process's safe `HostArena::write` ignores it): the copy's stores are volatile
+        // on a mapping outside every Rust allocation (`copy::write_shared`), and so are the
+        // peer's loads (`read` below), so that gives the peer wrong bytes, never a data race.
         unsafe {
             let at = self.map.ptr().add(HEADER + start);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
+            super::copy::write_shared(at, data);
         }
         Ok(())
     }
@@ -290,11 +295,14 @@ impl Mapping {
         // SAFETY: as in `write`, for reading: the range is within the mapping, and where this
         // process writes the segment no thread of it writes these bytes meanwhile (`busy`).
         // The owner in another process may write them meanwhile only if it breaks the
-        // protocol; the copy is then of whatever bytes are there (plain bytes, valid for every
-        // element type), never a reference into the mapping.
+        // protocol (or its own safe `HostArena::write` ignores it): the copy's loads are
+        // volatile on a mapping outside every Rust allocation (`copy::read_shared`), so that
+        // is no data race; the copy is then of whatever bytes are there (plain bytes, valid
+        // for every element type), never a reference into the mapping. (Tests as for
+        // `write`, and `copy::tests`.)
         unsafe {
             let at = self.map.ptr().add(HEADER + start);
-            std::ptr::copy_nonoverlapping(at, dst.as_mut_ptr(), dst.len());
+            super::copy::read_shared(at, dst);
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ fn pair() -> (TcpArena, TcpArena) {
     let (a, b) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
     for (x, y, peer) in [(&a, &b, 1), (&b, &a, 0)] {
         x.note_host(peer, host);
-        assert!(x.map_peer(peer, y.fd().unwrap()));
+        assert!(x.map_peer(peer, y.fd().unwrap(), Some(std::process::id())));
         y.note_mapped_mine(1 - peer);
     }
     let spin = Duration::from_micros(10);
@@ -349,7 +349,7 @@ fn incomplete_arenas_and_other_hosts() {
     let b = ArenaSetup::new(1, 3, host);
     a.note_host(1, host);
     a.note_host(2, Some([1u8; 32]));
-    assert!(a.map_peer(1, b.fd().unwrap()));
+    assert!(a.map_peer(1, b.fd().unwrap(), Some(std::process::id())));
     // Rank 1 never says it mapped rank 0's segment.
     let a = a.finish(
         Vec::<Arc<crate::peer::Peer>>::new(),
@@ -364,36 +364,84 @@ fn incomplete_arenas_and_other_hosts() {
     assert_eq!(off.hosts(), &[0, 1]);
 }
 
-/// Two arenas of one process probe each other's memory and read it directly; a rank that
-/// proposes no direct reads, or whose peer's probe value is not what its header says, says
-/// it cannot; reads of a rank that is not a peer are errors.
+/// Two arenas of one process (ranks as threads) do not read each other directly: a direct
+/// read of this process's memory at an address a caller chose could race another thread's
+/// write. Reads of a rank that is not a peer are errors too.
 #[test]
 fn direct_reads_are_probed() {
     let (a, b) = pair();
-    assert_eq!((a.direct_min(), b.direct_min()), (Some(0), Some(0)));
+    assert_eq!((a.direct_min(), b.direct_min()), (None, None));
     let data: Vec<u8> = (0..64).collect();
     let mut out = [0u8; 16];
-    b.read_direct(0, data.as_ptr() as u64 + 8, &mut out)
-        .unwrap();
-    assert_eq!(out[..], data[8..24]);
+    let e = b
+        .read_direct(0, data.as_ptr() as u64 + 8, &mut out)
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains("rank of this process"), "{e}");
+    assert_eq!(out, [0u8; 16]);
     assert!(b.read_direct(1, data.as_ptr() as u64, &mut out).is_err());
     assert!(b.read_direct(5, data.as_ptr() as u64, &mut out).is_err());
-    assert!(b.read_direct(0, 16, &mut out).is_err());
+}
 
-    let host = Some([9u8; 32]);
-    let (x, y) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
-    for (p, q, peer) in [(&x, &y, 1), (&y, &x, 0)] {
-        p.note_host(peer, host);
-        assert!(p.map_peer(peer, q.fd().unwrap()));
-        q.note_mapped_mine(1 - peer);
+/// A child process that lives while the test needs it (killed on drop).
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
-    // Rank 1's probe value changes after its header was written: rank 0 finds another value
-    // at the address and says it cannot read rank 1 directly.
-    let mut y = y;
-    *y.probe ^= 2;
-    let (x, y) = (
-        x.finish(Vec::new(), Duration::ZERO, Some(4096), 1),
-        y.finish(Vec::new(), Duration::ZERO, None, 1),
+}
+
+/// A peer whose arena header names another process than the one the kernel names for the
+/// socket its descriptors came through is not read directly: here the header names this
+/// process (a hostile peer's trick to have a rank read its own memory, at addresses the peer
+/// chooses, into results the peer reads), with a probe that would pass, while the socket's
+/// process is a child. Without the check the probe passes and the read returns this
+/// process's bytes. Where the kernel names no process, no direct reads either.
+#[test]
+fn direct_reads_follow_the_socket_not_the_header() {
+    let child = Child(
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep"),
     );
-    assert_eq!((x.direct_min(), y.direct_min()), (None, None));
+    let host = Some([9u8; 32]);
+    for socket_pid in [Some(child.0.id()), None] {
+        let (x, y) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
+        for (p, q, peer) in [(&x, &y, 1), (&y, &x, 0)] {
+            p.note_host(peer, host);
+            assert!(p.map_peer(peer, q.fd().unwrap(), socket_pid));
+            q.note_mapped_mine(1 - peer);
+        }
+        let (x, _y) = (
+            x.finish(Vec::new(), Duration::ZERO, Some(0), 1),
+            y.finish(Vec::new(), Duration::ZERO, Some(0), 1),
+        );
+        assert!(x.complete());
+        assert_eq!(x.direct_min(), None, "socket pid {socket_pid:?}");
+        let secret = [0x5au8; 16];
+        let mut out = [0u8; 16];
+        let e = x
+            .read_direct(1, secret.as_ptr() as u64, &mut out)
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        assert!(
+            e.to_string().contains("SO_PEERCRED"),
+            "socket pid {socket_pid:?}: {e}"
+        );
+        assert_eq!(out, [0u8; 16], "nothing of this process was read");
+    }
+}
+
+/// The kernel names the process at the other end of a Unix socket: this one, for a pair
+/// made here.
+#[test]
+fn socket_pid_is_the_kernels() {
+    let (u, _v) = std::os::unix::net::UnixStream::pair().unwrap();
+    assert_eq!(
+        super::super::setup::socket_pid(&u),
+        Some(std::process::id())
+    );
 }

@@ -76,10 +76,13 @@ unsafe fn copy_in(data: *mut u8, cap: u64, pos: u64, src: &[u8]) {
     let at = (pos & (cap - 1)) as usize;
     let first = src.len().min(cap as usize - at);
     // SAFETY: `at + first <= cap` and `src.len() - first <= cap`, within the ring (caller's
-    // contract); the ring is shared memory outside every Rust object, so it cannot overlap `src`.
+    // contract), a shared mapping outside every Rust allocation reached by no reference, as
+    // `write_shared` needs; its volatile stores cannot race in Rust's sense with a consumer
+    // that breaks the protocol and reads these bytes meanwhile (`copy.rs`). (Tests:
+    // `ring_tests`, `copy::tests`.)
     unsafe {
-        std::ptr::copy_nonoverlapping(src.as_ptr(), data.add(at), first);
-        std::ptr::copy_nonoverlapping(src.as_ptr().add(first), data, src.len() - first);
+        super::copy::write_shared(data.add(at), &src[..first]);
+        super::copy::write_shared(data, &src[first..]);
     }
 }
 
@@ -90,10 +93,13 @@ unsafe fn copy_in(data: *mut u8, cap: u64, pos: u64, src: &[u8]) {
 unsafe fn copy_out(data: *const u8, cap: u64, pos: u64, dst: &mut [u8]) {
     let at = (pos & (cap - 1)) as usize;
     let first = dst.len().min(cap as usize - at);
-    // SAFETY: as in `copy_in`.
+    let (a, b) = dst.split_at_mut(first);
+    // SAFETY: as in `copy_in`, for reading with `read_shared`: a producer that breaks the
+    // protocol and writes these bytes meanwhile makes them wrong, never a data race
+    // (`copy.rs`). (Tests: `ring_tests`, `copy::tests`.)
     unsafe {
-        std::ptr::copy_nonoverlapping(data.add(at), dst.as_mut_ptr(), first);
-        std::ptr::copy_nonoverlapping(data, dst.as_mut_ptr().add(first), dst.len() - first);
+        super::copy::read_shared(data.add(at), a);
+        super::copy::read_shared(data, b);
     }
 }
 

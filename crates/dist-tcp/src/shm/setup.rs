@@ -201,14 +201,14 @@ pub(crate) fn negotiate(
             arena_fd,
             deadline,
         ) {
-            Ok((seg, fd, their_arena)) => {
+            Ok((seg, fd, their_arena, pid)) => {
                 own = Some(seg);
                 match Segment::open(&fd, theirs.cap) {
                     Ok(seg) => shm.rx = Some(RxRing::new(seg, theirs.cap, peer)),
                     Err(e) => tracing::warn!(me, peer, "peer's shared-memory ring refused: {e}"),
                 }
                 if let (Some(a), Some(fd)) = (arena, their_arena) {
-                    arena_mapped = a.map_peer(peer, &fd);
+                    arena_mapped = a.map_peer(peer, &fd, pid);
                 }
             }
             Err(e) => tracing::warn!(me, peer, "no shared memory with this peer: {e}"),
@@ -262,7 +262,8 @@ fn abstract_addr(_nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
 }
 
 /// Step 2: passes this rank's new segment (and its arena's, `arena`) to the peer and receives
-/// the peer's descriptors: its ring's, and its arena's if it sent one.
+/// the peer's descriptors: its ring's, and its arena's if it sent one; and the process at the
+/// other end of the Unix socket they came through, as the kernel says ([`socket_pid`]).
 // The exchange's two ends, its descriptors and its deadline.
 #[allow(clippy::too_many_arguments)]
 fn exchange(
@@ -274,22 +275,41 @@ fn exchange(
     listener: Option<UnixListener>,
     arena: Option<&OwnedFd>,
     deadline: Instant,
-) -> Result<(Segment, OwnedFd, Option<OwnedFd>), String> {
+) -> Result<(Segment, OwnedFd, Option<OwnedFd>, Option<u32>), String> {
     let (fd, seg) = Segment::create(RING_CAP).map_err(|e| format!("memfd ring: {e}"))?;
-    let (got, their_arena) = if me < peer {
+    let got = if me < peer {
         let l = listener.ok_or("no listener")?;
         let mut u = accept_peer(&l, tcp, deadline)?;
         let fds_in = recv_fd(&mut u, &mut [0u8; 16], deadline, Some(&mine.token))?;
         send_fd(&u, &[1], &fd, arena, deadline)?;
-        fds_in
+        (fds_in, socket_pid(&u))
     } else {
         let u = UnixStream::connect_addr(&abstract_addr(&theirs.nonce).map_err(|e| e.to_string())?)
             .map_err(|e| format!("connect to the peer's socket: {e}"))?;
         send_fd(&u, &theirs.token, &fd, arena, deadline)?;
         let mut u = u;
-        recv_fd(&mut u, &mut [0u8; 1], deadline, Some(&[1]))?
+        (
+            recv_fd(&mut u, &mut [0u8; 1], deadline, Some(&[1]))?,
+            socket_pid(&u),
+        )
     };
-    Ok((seg, got, their_arena))
+    let ((got, their_arena), pid) = got;
+    Ok((seg, got, their_arena, pid))
+}
+
+/// The process at the other end of `u`, as the kernel recorded it when the connection was made
+/// (`SO_PEERCRED`: the connecting process on the accepting side, the listening one on the
+/// connecting side), in this process's pid namespace; `None` where it cannot say (then no
+/// direct reads of the peer: `arena.rs`).
+#[cfg(target_os = "linux")]
+pub(super) fn socket_pid(u: &UnixStream) -> Option<u32> {
+    let cred = rustix::net::sockopt::socket_peercred(u).ok()?;
+    u32::try_from(cred.pid.as_raw_nonzero().get()).ok()
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(super) fn socket_pid(_u: &UnixStream) -> Option<u32> {
+    None
 }
 
 /// Accepts the first connection on `l` (its token is checked next: a stranger that connects
