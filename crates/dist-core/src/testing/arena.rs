@@ -449,10 +449,23 @@ impl super::MemLink {
     /// This rank's arena proposes that all_reduces from `min` bytes read its peers' buffers
     /// directly, or (`None`, the default) says it cannot
     /// ([`HostArena::direct_min`]). Set before the group's first
-    /// all_reduce, which agrees on it. With it on, [`HostArena::read_direct`] on this arena
-    /// reads this process's memory at the address it is given: a test must pass only
-    /// addresses of memory no thread writes meanwhile (the direct all_reduce does).
-    pub fn set_arena_direct(&self, min: Option<usize>) {
+    /// all_reduce, which agrees on it.
+    ///
+    /// # Safety
+    ///
+    /// With it on, [`HostArena::read_direct`] on this arena reads *this process's* memory (the
+    /// ranks of a `MemLink` job are threads of one process) at whatever address it is given,
+    /// through `process_vm_readv`. The caller promises that every read made through this
+    /// arena is of memory that no thread writes during the read: the group's direct
+    /// all_reduce, which reads only its ranks' own input buffers while their owners wait, keeps
+    /// that; a test that calls `read_direct` itself must too. Safe code cannot turn it on:
+    ///
+    /// ```compile_fail,E0133
+    /// # use dist_core::testing::MemLink;
+    /// let link = MemLink::mesh(2).remove(0);
+    /// link.set_arena_direct(Some(0)); // error: call to unsafe function
+    /// ```
+    pub unsafe fn set_arena_direct(&self, min: Option<usize>) {
         if let Some(a) = &self.arena {
             a.set_direct(min);
         }
@@ -497,7 +510,7 @@ impl super::MemLink {
     }
 
     /// Makes this rank's direct reads of its peers' memory fail as `fault` says.
-    pub fn set_arena_direct_fault(&self, fault: DirectFault) {
+    pub unsafe fn set_arena_direct_fault(&self, fault: DirectFault) {
         if let Some(a) = &self.arena {
             a.set_direct_fault(fault);
         }

@@ -37,7 +37,9 @@ fn direct_on_one_host(
 ) -> Vec<usize> {
     let links = MemLink::mesh_on_hosts(&vec![3; n], slot);
     for l in &links {
-        l.set_arena_direct(Some(min));
+        // SAFETY: the group's direct reads read only the collectives' own buffers of this
+        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        unsafe { l.set_arena_direct(Some(min)) };
     }
     let tuning = Tuning {
         arena_max_kb: 64,
@@ -160,7 +162,9 @@ fn results_come_through_the_slots() {
         let count = n * 10_000 + 3;
         let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
         for l in &links {
-            l.set_arena_direct(Some(0));
+            // SAFETY: the group's direct reads read only the collectives' own buffers of this
+            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            unsafe { l.set_arena_direct(Some(0)) };
         }
         let results = run_links(links, |l| {
             let g = Group::form(l, Tuning::default(), TIMEOUT)?;
@@ -211,7 +215,9 @@ fn uneven_last_rounds_and_late_failures() {
         assert_eq!(segment(count, n, 0).len(), rounds * per_round);
         let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
         for l in &links {
-            l.set_arena_direct(Some(0));
+            // SAFETY: the group's direct reads read only the collectives' own buffers of this
+            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            unsafe { l.set_arena_direct(Some(0)) };
         }
         let results = run_links(links, |l| {
             let g = Group::form(l, Tuning::default(), TIMEOUT)?;
@@ -229,7 +235,9 @@ fn uneven_last_rounds_and_late_failures() {
     // Rank 1 of 3, one thread, reads once from each peer a round (a part of one chunk): its
     // third read, the first of the second round, is refused.
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
-        l.set_arena_direct(Some(0));
+        // SAFETY: the group's direct reads read only the collectives' own buffers of this
+        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        unsafe { l.set_arena_direct(Some(0)) };
         let g = Group::form(l, Tuning::default(), Duration::from_secs(3))?;
         g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
         if g.rank() == 1 {
@@ -256,7 +264,9 @@ fn uneven_last_rounds_and_late_failures() {
 fn slots_too_small_for_a_result_read_nothing_directly() {
     let count = (HOST_SPLIT_MIN / 8) + 5;
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], HEADER + 4), |l| {
-        l.set_arena_direct(Some(0));
+        // SAFETY: the group's direct reads read only the collectives' own buffers of this
+        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        unsafe { l.set_arena_direct(Some(0)) };
         let g = Group::form(l, Tuning::default(), TIMEOUT)?;
         let mut x = inputs::<u64>(ReduceOp::Sum, g.rank(), count);
         g.all_reduce(&mut x, ReduceOp::Sum)?;
@@ -282,7 +292,9 @@ fn split_direct_reads_give_the_same_bits() {
         for threads in [1, 4] {
             let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
             for l in &links {
-                l.set_arena_direct(Some(0));
+                // SAFETY: the group's direct reads read only the collectives' own buffers of this
+                // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+                unsafe { l.set_arena_direct(Some(0)) };
                 l.set_arena_threads(threads);
             }
             let results = run_links(links, |l| {
@@ -326,7 +338,9 @@ fn direct_reads_are_agreed_by_every_rank() {
     ] {
         let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
         for (l, m) in links.iter().zip(&mins) {
-            l.set_arena_direct(*m);
+            // SAFETY: the group's direct reads read only the collectives' own buffers of this
+            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            unsafe { l.set_arena_direct(*m) };
         }
         let results = run_links(links, |l| {
             let g = Group::form(l, Tuning::default(), TIMEOUT)?;
@@ -358,7 +372,9 @@ fn direct_errors(
 ) -> Vec<Result<()>> {
     let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
     for l in &links {
-        l.set_arena_direct(Some(0));
+        // SAFETY: the group's direct reads read only the collectives' own buffers of this
+        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        unsafe { l.set_arena_direct(Some(0)) };
         setup(l);
     }
     run_links(links, |l| {
@@ -489,7 +505,9 @@ fn a_rank_that_leaves_early_fails_its_late_reader() {
     // One round: the late read is the last of the call.
     let links = MemLink::mesh_on_hosts(&[0; 2], BIG_SLOT);
     for l in &links {
-        l.set_arena_direct(Some(0));
+        // SAFETY: the group's direct reads read only the collectives' own buffers of this
+        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        unsafe { l.set_arena_direct(Some(0)) };
     }
     // Rank 1's read of rank 0's buffer for its share's reduction waits 2.5 s.
     links[1].set_arena_direct_fault(DirectFault::Slow {
