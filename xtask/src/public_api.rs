@@ -138,6 +138,31 @@ fn tokens(t: &impl ToTokens) -> String {
     t.to_token_stream().to_string()
 }
 
+/// A variant's fields as `{ a: T, b: U }` or `(T, U)`, without their doc comments.
+fn fields(f: &syn::Fields) -> String {
+    match f {
+        syn::Fields::Named(n) => {
+            let each: Vec<String> = n
+                .named
+                .iter()
+                .map(|f| {
+                    format!(
+                        "{}: {}",
+                        f.ident.as_ref().map_or(String::new(), ToString::to_string),
+                        tokens(&f.ty)
+                    )
+                })
+                .collect();
+            format!(" {{ {} }}", each.join(", "))
+        }
+        syn::Fields::Unnamed(u) => {
+            let each: Vec<String> = u.unnamed.iter().map(|f| tokens(&f.ty)).collect();
+            format!("({})", each.join(", "))
+        }
+        syn::Fields::Unit => String::new(),
+    }
+}
+
 /// `fn PATH::name(args) -> ret`, with the signature's qualifiers (`unsafe`, `const`) first.
 fn fn_line(path: &str, sig: &syn::Signature) -> String {
     let text = tokens(sig);
@@ -281,7 +306,7 @@ impl Walk {
                 let name = format!("{module}::{}", e.ident);
                 let mut lines = vec![format!("enum {name}{}", tokens(&e.generics))];
                 for v in &e.variants {
-                    lines.push(format!("variant {name}::{}{}", v.ident, tokens(&v.fields)));
+                    lines.push(format!("variant {name}::{}{}", v.ident, fields(&v.fields)));
                 }
                 self.keyed(e.ident.to_string(), public, &e.vis, &e.attrs, lines);
             }

@@ -1,5 +1,5 @@
-//! A host arena: memory that the ranks of one host share, which a [`Link`](crate::Link) may
-//! offer ([`Link::arena`](crate::Link::arena)) so that the collectives of its group read their
+//! A host arena: memory that the ranks of one host share, which a [`Link`](crate::transport::Link) may
+//! offer ([`Link::arena`](crate::transport::Link::arena)) so that the collectives of its group read their
 //! peers' buffers in place instead of passing messages (see `collectives/host.rs`).
 //!
 //! Each rank of the host owns two slots of [`HostArena::slot_len`] bytes, which it alone
@@ -56,7 +56,7 @@ pub trait HostArena: Send + Sync {
     /// Claims this rank's arena for the group that asks (on its first all_reduce): true the
     /// first time, false ever after. The arena's words count one group's pieces, so a later
     /// group over the same link (formed after the first was dropped: two cannot live at once,
-    /// [`Link::claim_group`](crate::Link::claim_group)) must not use it: it runs its
+    /// [`Link::claim_group`](crate::transport::Link::claim_group)) must not use it: it runs its
     /// all_reduces over messages.
     fn claim(&self) -> bool;
 

@@ -244,7 +244,7 @@ impl<L: Link> Group<L> {
     fn agree(link: &L, local: Tuning, timeout: Duration) -> Result<Tuning> {
         let (me, n) = (link.rank(), link.world_size());
         let op = || "form the group".to_string();
-        let deadline = crate::deadline_after(Instant::now(), timeout, me, op)?;
+        let deadline = crate::transport::deadline_after(Instant::now(), timeout, me, op)?;
         let fail = |e: DistError| Self::tell_failure(link, e);
         link.enter_call(COLLECTIVE_TAG, 1);
         let (parent, children) = forming_tree(me, n);
@@ -375,7 +375,7 @@ impl<L: Link> Group<L> {
     }
 
     /// From which size (bytes) this group's all_reduces on the arena read their peers' buffers
-    /// directly ([`HostArena::direct_min`](crate::HostArena::direct_min): every rank could, and
+    /// directly ([`HostArena::direct_min`](crate::transport::HostArena::direct_min): every rank could, and
     /// the largest size any proposed); `None` where they do not, or before the ranks agree on
     /// the arena.
     pub fn arena_direct_min(&self) -> Option<usize> {

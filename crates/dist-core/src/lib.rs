@@ -1,9 +1,11 @@
 //! Core types of `dist`: the [`Backend`] trait every transport implements, the [`DistError`]
 //! they all return, message [`Tag`]s, the element types and reduce operations, and the
-//! collectives, written once: a [`Group`] runs them over any [`Link`] (a transport's byte
-//! mover), and [`Collectives`] offers them on every [`Transport`], blocking or as async
-//! [`work`] in a [`Scope`] (one thread at a time per group). [`testing`] has a link in
-//! memory, with faults to inject. This crate does no network I/O (the [`flight`] recorder
+//! collectives, written once: a [`Group`] runs them over any [`Link`](transport::Link) (a
+//! transport's byte mover), and [`Collectives`] offers them on every [`Transport`], blocking or
+//! as async [`work`] in a [`Scope`] (one thread at a time per group). [`testing`] has a link in
+//! memory, with faults to inject. What only a transport's author needs (the link, the memory
+//! ranks share on a host, deadline helpers) is in [`transport`], apart from what a program
+//! calls. This crate does no network I/O (the [`flight`] recorder
 //! writes its record to a file when asked).
 //!
 //! ```
@@ -21,7 +23,7 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod arena;
+mod arena;
 mod backend;
 pub mod collectives;
 mod deadline;
@@ -33,17 +35,16 @@ mod messages;
 mod objects;
 pub mod subgroup;
 pub mod testing;
+pub mod transport;
 mod types;
 mod within;
 pub mod work;
 
-pub use arena::{ArenaWord, HostArena};
 pub use backend::{Backend, Meta, Tag};
 pub use collectives::{Collectives, Transport};
-pub use deadline::{MAX_TIMEOUT, deadline_after, timeout_problem};
+pub use deadline::MAX_TIMEOUT;
 pub use error::{DistError, Result};
-pub use group::{Group, Tuning, run_beside_scoped};
-pub use link::{Link, Notice, PostedRecv, call_in_group, notice_ends};
+pub use group::{Group, Tuning};
 pub use messages::TypedMessages;
 pub use objects::{MAX_OBJECT_BYTES, ObjectCollectives};
 pub use subgroup::{SplitLink, SubGroup, SubLink, Subgroups};

@@ -41,7 +41,7 @@ pub trait TypedMessages: Backend {
                 T::DTYPE
             )
         };
-        let deadline = crate::deadline_after(Instant::now(), timeout, self.rank(), op)?;
+        let deadline = crate::transport::deadline_after(Instant::now(), timeout, self.rank(), op)?;
         let size = std::mem::size_of::<T>();
         let max_bytes = max_len.saturating_mul(size);
         let left = || deadline.saturating_duration_since(Instant::now());

@@ -165,7 +165,7 @@ impl TcpConfig {
                     match v.trim().parse::<f64>().ok().filter(|s| *s > 0.0).map(|s| {
                         // Refuses NaN, infinities and what a Duration cannot hold (1e20).
                         Duration::try_from_secs_f64(s).ok().filter(|d| {
-                            *d >= MIN_TIMEOUT && dist_core::timeout_problem(*d).is_none()
+                            *d >= MIN_TIMEOUT && dist_core::transport::timeout_problem(*d).is_none()
                         })
                     }) {
                         Some(Some(d)) => Ok(d),
@@ -519,7 +519,7 @@ impl TcpConfig {
                     reason: format!("{t:?} is shorter than the shortest allowed, 1 ms"),
                 });
             }
-            if let Some(reason) = dist_core::timeout_problem(t) {
+            if let Some(reason) = dist_core::transport::timeout_problem(t) {
                 return Err(DistError::Config {
                     what: what.into(),
                     reason,

@@ -77,7 +77,8 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
     cfg.validate()?;
     let started = Instant::now();
     let (me, world) = (cfg.rank, cfg.world_size);
-    let deadline = dist_core::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
+    let deadline =
+        dist_core::transport::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     let spec = |job_id: u64, addrs: Vec<SocketAddr>| MeshSpec {
         me,

@@ -50,7 +50,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{Backend, DistError, Group, Link, Result, Tag, Transport};
+use dist_core::transport::Link;
+use dist_core::{Backend, DistError, Group, Result, Tag, Transport};
 
 pub use config::{
     DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
@@ -132,7 +133,7 @@ struct Shared {
     beats: record::BeatWait,
     /// The memory shared with the ranks of this host, on a job formed at init.
     arena: Option<shm::TcpArena>,
-    /// A group runs over the link ([`dist_core::Link::claim_group`]).
+    /// A group runs over the link ([`dist_core::transport::Link::claim_group`]).
     group_claimed: AtomicBool,
 }
 
@@ -273,7 +274,12 @@ impl TcpBackend {
         for p in &peers {
             p.set_spin(spin);
         }
-        let direct = config::direct_for(&cfg, local, cores, dist_core::arena::read_process_is_fast);
+        let direct = config::direct_for(
+            &cfg,
+            local,
+            cores,
+            dist_core::transport::read_process_is_fast,
+        );
         let threads = config::arena_threads_for(&cfg, local, cores);
         tracing::debug!(
             rank = me,

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use dist_core::flight::FlightRecorder;
-use dist_core::{DistError, Link, Meta, Result, SplitLink, Tag};
+use dist_core::transport::Link;
+use dist_core::{DistError, Meta, Result, SplitLink, Tag};
 
 use crate::peer::{self, AbortNotice, Peer, TcpRecv};
 use crate::wire::FrameKind;
@@ -162,11 +163,11 @@ impl Link for TcpLink {
             .map(|n| (n.origin(), n.reason))
     }
 
-    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<dist_core::Notice> {
+    fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<dist_core::transport::Notice> {
         let n = self.0.aborts.ending(tag, Some(call))?;
-        Some(dist_core::Notice {
+        Some(dist_core::transport::Notice {
             origin: n.origin(),
-            call: dist_core::call_in_group(n.tag, n.call, tag),
+            call: dist_core::transport::call_in_group(n.tag, n.call, tag),
             reason: n.reason,
         })
     }
@@ -203,11 +204,11 @@ impl Link for TcpLink {
 
     /// The host arena of a job formed at init (also where shared memory is off: it then
     /// says it is incomplete, and the group runs its collectives over messages).
-    fn arena(&self) -> Option<&dyn dist_core::HostArena> {
+    fn arena(&self) -> Option<&dyn dist_core::transport::HostArena> {
         self.0
             .arena
             .as_ref()
-            .map(|a| a as &dyn dist_core::HostArena)
+            .map(|a| a as &dyn dist_core::transport::HostArena)
     }
 }
 
@@ -231,7 +232,8 @@ mod tests {
     use std::time::Duration;
 
     use dist_core::collectives::COLLECTIVE_TAG;
-    use dist_core::{DistError, Link, Transport};
+    use dist_core::transport::Link;
+    use dist_core::{DistError, Transport};
 
     use crate::TcpBackend;
 

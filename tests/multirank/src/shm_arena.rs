@@ -5,7 +5,8 @@
 //! rank rather than a hang.
 
 use dist_core::collectives::{Collectives, HOST_DIRECT_MIN, HOST_SPLIT_MIN, Transport};
-use dist_core::{Backend, DistError, Link, ReduceOp};
+use dist_core::transport::Link;
+use dist_core::{Backend, DistError, ReduceOp};
 use dist_multirank::{Case, DIRECT, Variant, config};
 use dist_tcp::TcpBackend;
 

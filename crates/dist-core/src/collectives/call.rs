@@ -409,7 +409,8 @@ fn run_call<L: Link, R>(
     f: impl FnOnce(&Call<'_, L>) -> Result<R>,
 ) -> Result<R> {
     let link = g.link();
-    let deadline = crate::deadline_after(Instant::now(), timeout, link.rank(), || desc.describe())?;
+    let deadline =
+        crate::transport::deadline_after(Instant::now(), timeout, link.rank(), || desc.describe())?;
     let call = Call {
         g,
         me: link.rank(),

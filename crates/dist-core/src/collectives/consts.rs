@@ -77,7 +77,7 @@ pub const HOST_ARENA_ALL_MIN_RANKS: usize = 8;
 pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 1 << 20;
 /// The smallest all_reduce whose ranks of one host read each other's buffers directly
 /// (`collectives/direct.rs`) where they can, unless a link proposes another size
-/// ([`HostArena::direct_min`](crate::HostArena::direct_min)).
+/// ([`HostArena::direct_min`](crate::transport::HostArena::direct_min)).
 pub const HOST_DIRECT_MIN: usize = 256 << 10;
 /// The chunk of the pipelined broadcast.
 pub const CHAIN_CHUNK: usize = 1 << 20;
@@ -87,7 +87,7 @@ pub const CHAIN_CHUNK: usize = 1 << 20;
 /// (up to [`Tuning::MAX_ARENA_KB`](crate::Tuning::MAX_ARENA_KB)) for a job all on this host
 /// with [`HOST_ARENA_ALL_MIN_RANKS`] ranks or more, each with a core, or with two cores or more
 /// each, which split their part of a piece over them
-/// ([`HostArena::threads`](crate::HostArena::threads); 16 cores, 4 ranks, `docs/benchmarks.md`,
+/// ([`HostArena::threads`](crate::transport::HostArena::threads); 16 cores, 4 ranks, `docs/benchmarks.md`,
 /// "Session 14": split over 4 threads, 4 MiB 770 us against the rings' 1,223 in "Session 13")
 /// (only such jobs were measured: across hosts the arena's part comes before and after the
 /// leaders' ring, not beside it); [`HOST_ARENA_MAX`] otherwise;

@@ -1,5 +1,5 @@
 //! all_reduce among the ranks of one host that read each other's buffers directly
-//! ([`HostArena::read_direct`](crate::HostArena::read_direct): `process_vm_readv` on Linux)
+//! ([`HostArena::read_direct`](crate::transport::HostArena::read_direct): `process_vm_readv` on Linux)
 //! for the reduction instead of copying them into the arena first, and pass the results
 //! through the arena's slots: one copy out of each peer's buffer for the reduction, the
 //! reduced share written into the slot, and one copy out of the slots for the others'
@@ -42,7 +42,7 @@
 //! the same result, and the same as the arena's.
 //!
 //! A rank may split steps 2 and 3 over several threads
-//! ([`HostArena::threads`](crate::HostArena::threads): this one and the group's
+//! ([`HostArena::threads`](crate::transport::HostArena::threads): this one and the group's
 //! helper pool), each taking a range of at least [`PART_MIN`] bytes of the share it reduces
 //! and of each peer's share it copies. A step ends only once every range is done, failed ones
 //! included, so no helper touches the buffer after the call returns; the result is the same
@@ -66,7 +66,7 @@ const DIRECT_CHUNK: usize = 128 << 10;
 
 /// The fewest bytes of a share (or of a peer's share copied) that one thread takes when a
 /// rank splits its part of the call over several
-/// ([`HostArena::threads`](crate::HostArena::threads)): a smaller one costs
+/// ([`HostArena::threads`](crate::transport::HostArena::threads)): a smaller one costs
 /// more in waking a thread than it saves.
 pub(super) const PART_MIN: usize = 256 << 10;
 

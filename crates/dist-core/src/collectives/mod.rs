@@ -347,9 +347,10 @@ impl<L: Link> Backend for Group<L> {
     }
 
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
-        let deadline = crate::deadline_after(Instant::now(), self.timeout(), self.rank(), || {
-            format!("send to {dst} (tag {tag}, {} bytes)", data.len())
-        })?;
+        let deadline =
+            crate::transport::deadline_after(Instant::now(), self.timeout(), self.rank(), || {
+                format!("send to {dst} (tag {tag}, {} bytes)", data.len())
+            })?;
         self.link().send(data, dst, tag, [0; 16], deadline, None)
     }
 
@@ -361,9 +362,10 @@ impl<L: Link> Backend for Group<L> {
         timeout: Duration,
     ) -> Result<()> {
         let len = buf.len();
-        let deadline = crate::deadline_after(Instant::now(), timeout, self.rank(), || {
-            format!("recv from {src} (tag {tag}, {len} bytes)")
-        })?;
+        let deadline =
+            crate::transport::deadline_after(Instant::now(), timeout, self.rank(), || {
+                format!("recv from {src} (tag {tag}, {len} bytes)")
+            })?;
         // SAFETY: the handle is waited on in this statement; it is never leaked.
         unsafe { self.link().post(buf, src, tag, deadline)? }
             .wait()

@@ -1,5 +1,5 @@
 //! A rank's share of an all_reduce on the host arena split over several threads: this one and
-//! the group's helper pool ([`HostArena::threads`](crate::HostArena::threads) in all), each
+//! the group's helper pool ([`HostArena::threads`](crate::transport::HostArena::threads) in all), each
 //! taking a range of the bytes. Every element is still reduced by one rank, in rank order,
 //! whatever the count, so the result is the same bits.
 
@@ -14,7 +14,7 @@ use super::scratch::segment;
 
 impl<L: Link> Host<'_, '_, L> {
     /// Runs `f(at, part)` over `data` cut into parts of at least `min` bytes (`usize::MAX`:
-    /// one part), one a thread ([`HostArena::threads`](crate::HostArena::threads) at most:
+    /// one part), one a thread ([`HostArena::threads`](crate::transport::HostArena::threads) at most:
     /// this one and the group's helpers), `at` the element at which the part starts. Every
     /// part runs whatever another's result, and this returns only once every part has ended
     /// (so no helper touches `data` after it); the error returned is the first part's that

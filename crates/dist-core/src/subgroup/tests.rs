@@ -17,7 +17,10 @@ fn ok<R: std::fmt::Debug>(out: Vec<crate::Result<R>>) -> Vec<R> {
 }
 
 /// Every member's parent rank, in group rank order, by an all_gather over the group.
-fn parents<L: crate::Link>(sub: &Group<L>, parent_rank: usize) -> crate::Result<Vec<u64>> {
+fn parents<L: crate::transport::Link>(
+    sub: &Group<L>,
+    parent_rank: usize,
+) -> crate::Result<Vec<u64>> {
     let mut all = vec![0u64; sub.world_size()];
     sub.all_gather(&[parent_rank as u64], &mut all)?;
     Ok(all)
@@ -413,7 +416,7 @@ fn a_passed_on_abort_keeps_its_call_in_a_sub_group() {
                 return sub.broadcast(&mut [0u32; 2], 9).map(|()| data);
             }
             if me == 0 {
-                wait_for(&|| crate::Link::abort_notice(sub.link()).is_some());
+                wait_for(&|| crate::transport::Link::abort_notice(sub.link()).is_some());
             } else {
                 // Rank 2 starts call 1 only once rank 0 has failed call 2 and passed it on.
                 wait_for(&|| passed_on.load(Ordering::Acquire));

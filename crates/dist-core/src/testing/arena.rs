@@ -510,7 +510,7 @@ impl super::MemLink {
     }
 
     /// Makes this rank's direct reads of its peers' memory fail as `fault` says.
-    pub unsafe fn set_arena_direct_fault(&self, fault: DirectFault) {
+    pub fn set_arena_direct_fault(&self, fault: DirectFault) {
         if let Some(a) = &self.arena {
             a.set_direct_fault(fault);
         }

@@ -367,7 +367,7 @@ impl<'s, 'scope, L: Link> Scope<'s, 'scope, L> {
         let (g, t) = (self.group, self.timeout);
         self.submit(Lane::Sends, move || {
             let op = || format!("isend to {dst} (tag {tag}, {} bytes)", data.len());
-            let deadline = crate::deadline_after(Instant::now(), t, g.rank(), op)?;
+            let deadline = crate::transport::deadline_after(Instant::now(), t, g.rank(), op)?;
             g.link().send(data, dst, tag, [0; 16], deadline, None)
         })
     }

@@ -43,7 +43,7 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 
 /// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
 /// does not): as `cfg` says, else where `fast` says `process_vm_readv` copies at least half
-/// as fast as a copy within the process ([`dist_core::arena::read_process_is_fast`], asked
+/// as fast as a copy within the process ([`dist_core::transport::read_process_is_fast`], asked
 /// only where it matters) and the host's `local` ranks do not crowd the `cores` this rank may
 /// run on (`available_parallelism`: its affinity mask and cgroup, not the host's count;
 /// [`crowded`]: there the probe's few milliseconds a rank add up, and nothing was measured):

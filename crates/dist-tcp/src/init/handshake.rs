@@ -152,10 +152,11 @@ pub(super) fn serve_handshake(
 ) -> std::result::Result<(), String> {
     // The deadline counts from the accept, so that a connection that waited in the queue for
     // a free worker gets no more time than one served at once.
-    let deadline = dist_core::deadline_after(accepted_at, r.handshake_timeout, r.me, || {
-        "handshake".into()
-    })
-    .map_err(|e| e.to_string())?;
+    let deadline =
+        dist_core::transport::deadline_after(accepted_at, r.handshake_timeout, r.me, || {
+            "handshake".into()
+        })
+        .map_err(|e| e.to_string())?;
     let mut buf = [0u8; HELLO_LEN];
     read_exact_by(&mut stream, &mut buf, deadline).map_err(|e| format!("no hello: {e}"))?;
     let refuse = |stream: &mut TcpStream, why: Refusal, reason: String| {

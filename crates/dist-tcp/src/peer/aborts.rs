@@ -14,7 +14,7 @@ pub struct AbortNotice {
     /// The tag of the operation it aborted.
     pub tag: Tag,
     /// The number of the collective call of `tag`'s group that failed, where the notice names
-    /// one ([`dist_core::Link::abort`]): ranks still in an earlier call finish it.
+    /// one ([`dist_core::transport::Link::abort`]): ranks still in an earlier call finish it.
     pub call: Option<u64>,
     /// Its error.
     pub reason: String,
@@ -27,9 +27,9 @@ impl AbortNotice {
     }
 
     /// Whether it ends a wait on `tag` while `tag`'s group is in call `current` (where known):
-    /// see [`dist_core::notice_ends`].
+    /// see [`dist_core::transport::notice_ends`].
     pub fn ends(&self, tag: Tag, current: Option<u64>) -> bool {
-        dist_core::notice_ends(self.tag, self.call, tag, current)
+        dist_core::transport::notice_ends(self.tag, self.call, tag, current)
     }
 }
 

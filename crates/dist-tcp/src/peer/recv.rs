@@ -36,7 +36,7 @@ enum PostState {
     Finished,
 }
 
-/// A receive posted on a [`TcpLink`](crate::TcpLink): wait on it ([`dist_core::PostedRecv`]),
+/// A receive posted on a [`TcpLink`](crate::TcpLink): wait on it ([`dist_core::transport::PostedRecv`]),
 /// or drop it, which withdraws it.
 pub struct TcpRecv<'a> {
     peer: &'a Peer,
@@ -107,7 +107,7 @@ impl<'a> TcpRecv<'a> {
     }
 }
 
-impl dist_core::PostedRecv for TcpRecv<'_> {
+impl dist_core::transport::PostedRecv for TcpRecv<'_> {
     fn wait(self) -> Result<Meta> {
         TcpRecv::wait(self)
     }

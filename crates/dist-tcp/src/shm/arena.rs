@@ -1,4 +1,4 @@
-//! The host arena of a [`TcpBackend`](crate::TcpBackend) ([`dist_core::HostArena`]): one
+//! The host arena of a [`TcpBackend`](crate::TcpBackend) ([`dist_core::transport::HostArena`]): one
 //! segment per rank (`arena_map.rs`), made before the connections, whose descriptor travels
 //! with the ring's in each same-host pair's exchange (`setup.rs`); each rank maps its own
 //! read-write and its host's peers' read-only. [`ArenaSetup`] gathers, while the connections
@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use dist_core::{ArenaWord, DistError, HostArena, Meta, Result};
+use dist_core::transport::{ArenaWord, HostArena};
+use dist_core::{DistError, Meta, Result};
 
 use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
@@ -145,7 +146,7 @@ impl ArenaSetup {
                 None => r,
             })
             .collect();
-        let local: Vec<usize> = dist_core::arena::host_ranks(&hosts, me);
+        let local: Vec<usize> = dist_core::transport::host_ranks(&hosts, me);
         let complete = self.own.is_some()
             && local
                 .iter()
@@ -258,7 +259,7 @@ impl TcpArena {
     /// A peer of this process (ranks as threads) is refused too: a direct read of this
     /// process's memory at an address from a caller of the safe
     /// [`HostArena::read_direct`] could race a write of another thread (the contract of
-    /// [`dist_core::arena::read_process`]); such ranks use the slots.
+    /// [`dist_core::transport::read_process`]); such ranks use the slots.
     fn direct_pid(&self, q: usize) -> std::result::Result<u32, String> {
         let m = self
             .mapping(q)
@@ -306,7 +307,7 @@ impl TcpArena {
                 // SAFETY: `pid` is not this process (`direct_pid`), so the kernel reads only
                 // the peer's memory and writes only `got`: `read_process`'s contract asks
                 // nothing more. (Test: `arena_tests::direct_reads_are_probed`.)
-                match unsafe { dist_core::arena::read_process(pid, at, &mut got) } {
+                match unsafe { dist_core::transport::read_process(pid, at, &mut got) } {
                     Ok(()) if u64::from_le_bytes(got) == want && want != 0 => true,
                     Ok(()) => {
                         tracing::debug!(me = self.me, peer = q, "direct reads: probe mismatch");
@@ -403,7 +404,7 @@ impl HostArena for TcpArena {
         // contract asks nothing more. (Tests: `arena_tests::direct_reads_are_probed`,
         // `direct_reads_follow_the_socket_not_the_header`; between processes, the multi-rank
         // `shm_arena` test's `direct` variant.)
-        unsafe { dist_core::arena::read_process(pid, addr, dst) }
+        unsafe { dist_core::transport::read_process(pid, addr, dst) }
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {

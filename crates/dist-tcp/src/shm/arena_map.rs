@@ -31,7 +31,7 @@ const OFF_SLOT: usize = 16;
 pub(crate) const OFF_PID: usize = 24;
 pub(crate) const OFF_PROBE_ADDR: usize = 32;
 pub(crate) const OFF_PROBE_VALUE: usize = 40;
-/// The words, by [`dist_core::ArenaWord`] as index.
+/// The words, by [`dist_core::transport::ArenaWord`] as index.
 pub(crate) const OFF_WORDS: [usize; 2] = [64, 128];
 pub(crate) const OFF_ASLEEP: usize = 192;
 /// The descriptor beside slot 0 (slot 1's follows), then the current call's.

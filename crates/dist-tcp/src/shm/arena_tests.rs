@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dist_core::{ArenaWord, HostArena};
+use dist_core::transport::{ArenaWord, HostArena};
 
 use super::super::arena_map::{HEADER, MAGIC, Mapping, Refused};
 use super::*;

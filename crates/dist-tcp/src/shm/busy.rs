@@ -1,6 +1,6 @@
 //! Which bytes of an arena segment's slots this process's threads are copying at the moment
 //! ([`Busy`]), so that no two of them copy overlapping bytes at once where one writes: that
-//! would be a data race, and [`dist_core::HostArena`]'s `write` and `read` are safe methods any
+//! would be a data race, and [`dist_core::transport::HostArena`]'s `write` and `read` are safe methods any
 //! thread may call. The collectives never do (each step's ranges are disjoint); a caller that
 //! does gets its later copy refused instead.
 //!

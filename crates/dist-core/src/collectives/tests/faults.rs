@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use super::super::SECOND_RING_TAG;
 use crate::testing::{Delivery, MemLink, run_links};
-use crate::{
-    Backend, Collectives, DistError, Group, Link, ReduceOp, Result, Transport, Tuning, Within,
-};
+use crate::transport::Link;
+use crate::{Backend, Collectives, DistError, Group, ReduceOp, Result, Transport, Tuning, Within};
 
 /// Runs `f` on every rank of a group of `n` over `links` (faults set on them beforehand), and
 /// returns each rank's error (a rank that got none fails the test).

@@ -24,7 +24,7 @@ fn the_tuning_goes_down_the_tree() {
             Delivery::Now
         });
         let results = run_links(links, |l| {
-            use crate::Link;
+            use crate::transport::Link;
             let own = Tuning {
                 ring_piece_kb: 64 + 4 * l.rank() as u32,
                 ..Tuning::default()
@@ -89,7 +89,7 @@ fn an_abort_before_the_tuning_fails_the_first_collective() {
             }
         });
         let results = run_links(links, |l| {
-            use crate::Link;
+            use crate::transport::Link;
             if abort && l.rank() == 2 {
                 l.abort(crate::Tag::system(2), None, "rank 2 gave up", None);
             }
