@@ -21,7 +21,7 @@
 //!     Ok(u64::from_le_bytes(buf))
 //! }
 //! ```
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod arena;
 mod backend;

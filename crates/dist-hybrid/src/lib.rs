@@ -27,7 +27,7 @@
 //! work. [`HybridBackend::split`] and [`HybridBackend::new_group`] make [`HybridGroup`]s: a TCP
 //! sub-group beside an NCCL sub-communicator, with all of these calls.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod buffer;
 mod check;

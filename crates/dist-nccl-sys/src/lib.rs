@@ -29,7 +29,7 @@
 //!   loads, exports `ncclGetVersion`, and that call succeeds; each function's version is
 //!   checked against [`INTRODUCED`] before it is handed out.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 /// The generated bindings. Raw and unsafe; [`Library`] is the way in.
 #[allow(

@@ -48,7 +48,7 @@
 //! timeout, at that cost. The split of an [`Communicator::init_all`] communicator (blocking,
 //! with no nonblocking one kept) is not bounded either.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod args;
 mod calls;

@@ -24,6 +24,8 @@
 //! # Ok::<(), dist_run::Error>(())
 //! ```
 
+#![deny(missing_docs)]
+
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitStatus;

@@ -12,10 +12,6 @@ use crate::wire::MIN_SECRET_LEN;
 /// forever" to the OS, and nothing useful completes in less than a millisecond.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
-/// `DIST_ARENA_THREADS`'s name before it split the arena's copies too: refused, so that a job
-/// that sets it is told rather than silently split over the default.
-const RENAMED_THREADS: &str = "DIST_DIRECT_THREADS";
-
 mod host_defaults;
 pub(crate) use host_defaults::*;
 
@@ -247,12 +243,6 @@ impl TcpConfig {
         }
         cfg.direct_min_kb = number("DIST_DIRECT_MIN_KB", 0..=Tuning::MAX_ARENA_KB)?;
         cfg.arena_threads = number("DIST_ARENA_THREADS", 1..=ARENA_THREADS_LIMIT)?;
-        if get(RENAMED_THREADS).is_some() {
-            return Err(DistError::Config {
-                what: RENAMED_THREADS.into(),
-                reason: "renamed DIST_ARENA_THREADS (it now splits the arena's copies too)".into(),
-            });
-        }
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;

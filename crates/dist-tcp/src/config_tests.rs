@@ -152,10 +152,6 @@ fn arena_threads_by_default_and_by_variable() {
         let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
         assert!(e.contains("DIST_ARENA_THREADS"), "{bad}: {e}");
     }
-    let mut v = OK.to_vec();
-    v.push(("DIST_DIRECT_THREADS", "2"));
-    let e = TcpConfig::from_lookup(env(&v)).unwrap_err().to_string();
-    assert!(e.contains("renamed DIST_ARENA_THREADS"), "{e}");
 }
 
 #[test]

@@ -27,7 +27,7 @@
 //! the receiver posts the receive for it (so two ranks that each send such a message to the
 //! other before receiving wait for each other until the send timeout; post the receive first,
 //! or use `send_recv`).
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod config;
 mod init;
