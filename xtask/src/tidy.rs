@@ -5,6 +5,8 @@
 //! that the code does not define, a variable without its one row in `docs/config.md`; in
 //! `tidy_figures.rs`, a figure a doc quotes from a raw result file that the file does not hold.
 
+#[path = "tidy_counters.rs"]
+mod counters;
 #[path = "tidy_figures.rs"]
 mod figures;
 #[path = "tidy_names.rs"]

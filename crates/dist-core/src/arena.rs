@@ -252,8 +252,8 @@ const RATE_PROBE: usize = 2 << 20;
 /// ([`direct_reads_pay`] of the two, each the best of five over 2 MiB of this process's own
 /// memory, its pages touched first), measured once per process (a few milliseconds, most of
 /// it the first touch of 4 MiB) and `false` where the read fails. The ratio varies by machine
-/// (`docs/benchmarks.md`, "Session 13", over 2 MiB): 0.2–0.3 on that session's 2-core
-/// machine, where direct reads lost to the shared-memory rings, and about 0.7 on the 16-core
+/// (`docs/results/README.md`, "2026-12-02, early (75cc19f)", over 2 MiB): 0.2–0.3 on that run's
+/// 2-core machine, where direct reads lost to the shared-memory rings, and about 0.7 on the 16-core
 /// H200 host, where they won.
 pub fn read_process_is_fast() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -289,8 +289,8 @@ pub fn read_process_is_fast() -> bool {
 /// copy about twice the buffer in and as much out; where ranks outnumber cores, the cores'
 /// copying is the whole cost. (With cores to spare a rank splits its reads over several,
 /// which the rule leaves out: it keeps direct reads off where they are slow.) The threshold
-/// was set when the reduced shares too were direct reads (`docs/benchmarks.md`, "Session 12"
-/// and "Session 13") and has not been measured again since.
+/// was set when the reduced shares too were direct reads (`docs/results/README.md`, "2026-12-01,
+/// evening (0436ad0)" and "2026-12-02, early (75cc19f)") and has not been measured again since.
 pub fn direct_reads_pay(read: Duration, copy: Duration) -> bool {
     read <= copy.saturating_mul(2)
 }

@@ -215,8 +215,8 @@ fn matching_calls_report_nothing_and_stop_cleanly() {
     }
 }
 
-/// Fails without the check: nothing compares the ranks' calls (issue 11: a count mismatch
-/// on NCCL ran silently for 45 s).
+/// Fails without the check: nothing compares the ranks' calls (before the check, a count
+/// mismatch on NCCL ran silently for 45 s).
 #[test]
 fn a_count_mismatch_reaches_every_rank_naming_both() {
     let tcps = job(4);
@@ -248,7 +248,7 @@ fn a_count_mismatch_reaches_every_rank_naming_both() {
 }
 
 /// Fails without the check's receive watching the previous rank: nothing aborts NCCL when a
-/// rank's TCP connection closes (issue 11: the survivor waited for the full NCCL timeout).
+/// rank's TCP connection closes (before, the survivor waited for the full NCCL timeout).
 #[test]
 fn a_dead_rank_is_named_on_every_survivor() {
     let mut tcps = job(3);

@@ -189,8 +189,8 @@ impl Watch {
         // thread, while a caller sees the decision at once and may look for the file. Written
         // inside the once-cell's initialiser, so that a second thread failing meanwhile (the
         // check's sender and receiver can both find a mismatch) waits for the file before it
-        // aborts (2 x H200, run s2-f: the second thread's abort came first, and the caller
-        // found no record).
+        // aborts (2 x H200, run 8b6352c of docs/results/2026-11-30-2xH200-efd5e41/: the second
+        // thread's abort came first, and the caller found no record).
         let kept = self
             .failed
             .get_or_init(|| {

@@ -335,7 +335,8 @@ impl Shared {
         let t0 = Instant::now();
         // The communicator whose resources `comm` shares (its connections) first, then `comm`,
         // then the one kept for splits: each is aborted once, under the lock, and never used
-        // again. (On 2 x H200 both orders ended within 1.1 s: run s2-d.)
+        // again. (On 2 x H200 both orders ended within 1.1 s:
+        // docs/results/2026-11-30-2xH200-efd5e41/diagnostic-transcript.txt.)
         crate::split::abort_handle(
             &self.nccl,
             std::mem::replace(&mut st.sharing, std::ptr::null_mut()),

@@ -99,9 +99,10 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
         // context frees host memory, the driver blocks every call on the context until the
         // device is idle; if this communicator has a kernel that only its own abort can end
         // (a receive from a peer that never sends), a CUDA call made under this lock would
-        // keep that abort out for ever (seen on 2 x H200, run s3-b: the watchdog in
-        // `cuEventRecord` under the lock, the other communicator's abort in `cuMemFreeHost`,
-        // this one's abort deferred behind the lock).
+        // keep that abort out for ever (seen on 2 x H200, run 0aa176d-diag-b of
+        // docs/results/2026-11-30-2xH200-8c8398a/: the watchdog in `cuEventRecord` under the lock,
+        // the other communicator's abort in `cuMemFreeHost`, this one's abort deferred behind the
+        // lock).
         let streams: Vec<(Arc<CudaStream>, u64)> = st
             .streams
             .iter()

@@ -402,10 +402,10 @@ impl TcpConfig {
     /// 16 MiB, a rank with two cores or more splitting its part over them
     /// ([`TcpConfig::arena_threads`]): measured faster there than the arena's copies and the
     /// shared-memory rings, and slower where the read is slower or below those sizes
-    /// (`docs/benchmarks.md`, "Session 12" to "Session 16"). Used only if every
-    /// rank of the group proposes it and can (probed: a strict ptrace policy such as Yama's
-    /// `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and then the arena's copies
-    /// run as before).
+    /// (`docs/results/README.md`, "2026-12-01, evening (0436ad0)" to "2026-12-02, afternoon
+    /// (4249335)"). Used only if every rank of the group proposes it and can (probed: a strict
+    /// ptrace policy such as Yama's `ptrace_scope` 1 or more, or a seccomp filter, refuses it, and
+    /// then the arena's copies run as before).
     pub fn direct(mut self, on: bool) -> Self {
         self.direct = Some(on);
         self

@@ -364,8 +364,8 @@ impl Status {
 }
 
 /// The frame kind reserved for `PeerDied`, rank 0 relaying a rank's death to the ranks that
-/// were never connected to it (issue 13, the peer layer's side). A version-6 build that does not
-/// know it yet treats it as an unknown kind, as every other unassigned number.
+/// were never connected to it (lazy connections, the peer layer's side). A version-6 build that
+/// does not know it yet treats it as an unknown kind, as every other unassigned number.
 pub const FRAME_KIND_PEER_DIED: u32 = 4;
 
 /// What a frame carries.

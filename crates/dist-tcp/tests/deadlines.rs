@@ -1,5 +1,5 @@
 //! Caller-supplied timeouts too large for an `Instant` are errors naming the input, never a
-//! panic (issue 10, point 14). Fails before the fix: `Instant::now() + Duration::MAX` panicked
+//! panic. Fails before the fix: `Instant::now() + Duration::MAX` panicked
 //! with "overflow when adding duration to instant".
 
 use std::net::TcpListener;

@@ -1,4 +1,4 @@
-//! Failures found in seconds and named (issue 11): one of 4 ranks killed (SIGKILL) or stopped
+//! Failures found in seconds and named: one of 4 ranks killed (SIGKILL) or stopped
 //! (SIGSTOP) in the middle of a loop of collectives, and a barrier against an all_reduce.
 //!
 //! The rank that dies cannot be a process the launcher started (a rank killed by a signal is a

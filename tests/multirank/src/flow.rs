@@ -1,5 +1,5 @@
 //! Flow control: a rank that posts no receive for a while is not made to hold everything its
-//! peer sends (issue 10, point 10). The heavy part runs between ranks 0 and 1 only; the other
+//! peer sends. The heavy part runs between ranks 0 and 1 only; the other
 //! ranks just take part in the barrier at the end.
 
 use std::time::{Duration, Instant};

@@ -1,4 +1,4 @@
-//! A hostile peer (issue 10, point 16): the last rank completes the real handshake, then floods
+//! A hostile peer: the last rank completes the real handshake, then floods
 //! every other rank with abort notices and unexpected messages, sends each a malformed frame (a
 //! length of 2^47 or 2^63, an unknown kind, a truncated header) and disappears. The honest ranks'
 //! errors must name it; none panics, aborts or grows past the unexpected-message budget; they

@@ -1,4 +1,4 @@
-//! Groups of a `HybridBackend` without a GPU (issue 14 point 1, host side): 4 ranks split into
+//! Groups of a `HybridBackend` without a GPU (sub-groups, host side): 4 ranks split into
 //! 2 × 2 (rows by `split`, columns by `new_group`), collectives on host buffers on both axes
 //! and async host work through the group's scope, every result checked; the groups are
 //! TCP-only, for the backend's reason, and split again.

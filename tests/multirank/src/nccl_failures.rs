@@ -1,6 +1,6 @@
-//! Issue 11 on GPUs, through `HybridBackend`: mismatched NCCL calls (count, type, op, root)
-//! and a killed or stopped rank are errors on every rank within their bounds, naming the ranks
-//! and the calls. (The cost of the call check is measured by `dist-nccl-perf` with
+//! Failures found and named on GPUs, through `HybridBackend`: mismatched NCCL calls (count, type,
+//! op, root) and a killed or stopped rank are errors on every rank within their bounds, naming the
+//! ranks and the calls. (The cost of the call check is measured by `dist-nccl-perf` with
 //! `DIST_PERF_HYBRID_CHECK=1`, not here.)
 
 use std::os::unix::process::ExitStatusExt;
@@ -64,7 +64,7 @@ pub(crate) fn dev<T: dist_nccl::NcclType>(h: &HybridBackend, x: &[T]) -> CudaSli
 }
 
 /// Synchronizes, then makes matching calls, until the first error; `None` if none comes
-/// within `give_up` (the silent wrong results issue 11 found).
+/// within `give_up` (the silent wrong results found before the call check).
 fn first_error(
     h: &HybridBackend,
     x: &mut CudaSlice<f32>,

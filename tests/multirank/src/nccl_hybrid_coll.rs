@@ -1,4 +1,4 @@
-//! Issue 14 point 4 on GPUs, through `HybridBackend`: every collective on device buffers
+//! On GPUs, through `HybridBackend`: every collective on device buffers
 //! (the uneven ones and point-to-point included) against host references, with the call check
 //! on; ranks whose uneven counts differ get an error on every rank; and the asynchronous
 //! device collectives' handles (`GpuWork`): a bucketed gradient all-reduce overlapped with host

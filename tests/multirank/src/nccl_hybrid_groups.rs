@@ -1,4 +1,4 @@
-//! Groups of a `HybridBackend` on GPUs (issue 14 point 1): 2 ranks split as 1 × 2 (one group
+//! Groups of a `HybridBackend` on GPUs: 2 ranks split as 1 × 2 (one group
 //! of both) and 2 × 1 (a group each), and a `new_group` that leaves rank 0 out (its NCCL side
 //! takes part in the split with no color); device collectives, blocking and async, on each
 //! group, every result checked against host arithmetic.

@@ -1,4 +1,4 @@
-//! Shared memory between ranks of one host (issue 15): every collective and point-to-point
+//! Shared memory between ranks of one host: every collective and point-to-point
 //! size over the rings (and over TCP with `DIST_SHM=0`), a job of several hosts in which only
 //! the ranks of one host share memory (hosts simulated by `DIST_HOST_ID`, or network
 //! namespaces), and a rank killed with SIGKILL in the middle of a loop of collectives.

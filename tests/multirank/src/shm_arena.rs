@@ -1,4 +1,4 @@
-//! all_reduce on the host arena (issue 15, point 3): results checked at every world size from
+//! all_reduce on the host arena: results checked at every world size from
 //! 2 to 8 at counts around the split threshold and the slot's pieces, with the group on the
 //! arena exactly when shared memory is on; a job of several hosts (simulated by
 //! `DIST_HOST_ID`) on the hierarchical all_reduce; and after a mismatch, an error on every

@@ -31,8 +31,9 @@ pub const TWO_RINGS_MAX_RANKS: usize = 16;
 /// of two (it always does where it is): ⌊log₂ n⌋ + 2 rounds there, one more than the
 /// dissemination barrier's ⌈log₂ n⌉, but over the partners the small all_reduce and the halving use, so that in a lazily
 /// connected job (dist-tcp connects lazily from 65 ranks) the barrier dials no peer of its
-/// own. At 1,024 ranks on 2 cores (`cargo xtask scale`, `docs/benchmarks.md`, "Session 9"),
-/// the barrier phase took 3.2–5.3 s over connections of its own and 1.0–2.0 s over these.
+/// own. At 1,024 ranks on 2 cores (`cargo xtask scale`, `docs/results/README.md`, "2026-12-01
+/// (99ff264)"), the barrier phase took 3.2–5.3 s over connections of its own and 1.0–2.0 s over
+/// these.
 pub const BARRIER_DOUBLING_MIN: usize = 64;
 /// broadcast messages up to this size use the binomial tree; larger ones the pipelined chain.
 pub const BROADCAST_CHAIN_MIN: usize = 256 << 10;
@@ -57,23 +58,24 @@ pub const HOST_SPLIT_MIN: usize = 32 << 10;
 /// a host's ranks have a core each, but not two, and are fewer than
 /// [`HOST_ARENA_ALL_MIN_RANKS`]: larger all_reduces run the message algorithms (over the
 /// shared-memory rings between ranks of one host). 4 ranks on 32 cores, the arena on one
-/// thread a rank (`docs/benchmarks.md`, "Session 7"): 1 MiB 275 us on the arena against 443
-/// on the rings; 4 MiB 1,129 against 1,097; 16 MiB 4,312 against 3,446.
+/// thread a rank (`docs/results/README.md`, "2026-11-30, night (8a5a853, 4cca66a)"): 1 MiB 275 us
+/// on the arena against 443 on the rings; 4 MiB 1,129 against 1,097; 16 MiB 4,312 against 3,446.
 pub const HOST_ARENA_MAX: usize = 1 << 20;
 /// From this many ranks on one host, each with a core, every all_reduce runs on the arena: 8
-/// and 16 ranks on 32 cores ("Session 7"), arena against the message algorithms: 8 ranks
-/// 4 MiB 1,433 against 2,029 us, 16 MiB 6,092 against 5,636, 64 MiB 27,260 against 30,484;
-/// 16 ranks 4 MiB 2,253 against 3,094, 16 MiB 9,991 against 10,185, 64 MiB 43,071 against
-/// 48,847.
+/// and 16 ranks on 32 cores ("2026-11-30, night (8a5a853, 4cca66a)"), arena against the message
+/// algorithms: 8 ranks 4 MiB 1,433 against 2,029 us, 16 MiB 6,092 against 5,636, 64 MiB 27,260
+/// against 30,484; 16 ranks 4 MiB 2,253 against 3,094, 16 MiB 9,991 against 10,185, 64 MiB 43,071
+/// against 48,847.
 pub const HOST_ARENA_ALL_MIN_RANKS: usize = 8;
 /// The arena's limit where a host has more ranks than cores (a link's own choice, such as
 /// dist-tcp's): there a piece split into shares waits twice for every rank, each wait a
 /// thread switch. On 2 cores, medians of three alternating rounds, the arena against the
-/// shared-memory rings (`docs/benchmarks.md`, "Session 13", two kept runs): 4 ranks 512 KiB
-/// 110–141 us against 173–181, 1 MiB 211–318 against 313–337, 2 MiB 522–686 against 558–704;
-/// 8 ranks 1 MiB 801 against 1,306, 2 MiB 1,927 against 2,982 (a quick pass not kept had the
-/// arena behind at 1 and 2 MiB: 412 against 382, 941 against 769). Session 7's code measured
-/// 256 KiB 323 against 236 and 1 MiB 1,478 against 498, and the limit was 128 KiB.
+/// shared-memory rings (`docs/results/README.md`, "2026-12-02, early (75cc19f)", two kept runs): 4
+/// ranks 512 KiB 110–141 us against 173–181, 1 MiB 211–318 against 313–337, 2 MiB 522–686 against
+/// 558–704; 8 ranks 1 MiB 801 against 1,306, 2 MiB 1,927 against 2,982 (a quick pass not kept had
+/// the arena behind at 1 and 2 MiB: 412 against 382, 941 against 769). The code of 2026-11-30,
+/// night (8a5a853, 4cca66a) measured 256 KiB 323 against 236 and 1 MiB 1,478 against 498, and the
+/// limit was 128 KiB.
 pub const HOST_ARENA_MAX_OVERSUBSCRIBED: usize = 1 << 20;
 /// The smallest all_reduce whose ranks of one host read each other's buffers directly
 /// (`collectives/direct.rs`) where they can, unless a link proposes another size
@@ -87,10 +89,10 @@ pub const CHAIN_CHUNK: usize = 1 << 20;
 /// (up to [`Tuning::MAX_ARENA_KB`](crate::Tuning::MAX_ARENA_KB)) for a job all on this host
 /// with [`HOST_ARENA_ALL_MIN_RANKS`] ranks or more, each with a core, or with two cores or more
 /// each, which split their part of a piece over them
-/// ([`HostArena::threads`](crate::transport::HostArena::threads); 16 cores, 4 ranks, `docs/benchmarks.md`,
-/// "Session 14": split over 4 threads, 4 MiB 770 us against the rings' 1,223 in "Session 13")
-/// (only such jobs were measured: across hosts the arena's part comes before and after the
-/// leaders' ring, not beside it); [`HOST_ARENA_MAX`] otherwise;
+/// ([`HostArena::threads`](crate::transport::HostArena::threads); 16 cores, 4 ranks, `docs/results/README.md`,
+/// "2026-12-02, morning (00e12fa)": split over 4 threads, 4 MiB 770 us against the rings' 1,223 in
+/// "2026-12-02, early (75cc19f)") (only such jobs were measured: across hosts the arena's part
+/// comes before and after the leaders' ring, not beside it); [`HOST_ARENA_MAX`] otherwise;
 /// [`HOST_ARENA_MAX_OVERSUBSCRIBED`] where the ranks outnumber the cores.
 pub fn host_arena_limit(local: usize, world: usize, cores: usize) -> usize {
     if local > cores {

@@ -6,8 +6,8 @@
 //! results, against the arena's three passes. (The results once went from buffer to buffer by
 //! direct reads too, every rank's share read by every peer at once. On a 16-core host at 4 and
 //! 8 ranks that was 1.25–1.3× slower at 16 MiB, but 2–8 % faster at 64 MiB, where a share
-//! takes several rounds here, each a wait for every rank; `docs/benchmarks.md`,
-//! "Session 16".)
+//! takes several rounds here, each a wait for every rank; `docs/results/README.md`,
+//! "2026-12-02, afternoon (4249335)".)
 //!
 //! One call takes the arena's pieces k, k + 1, …, k + R (R rounds, then one to close; their
 //! words as in `collectives/host.rs`):

@@ -51,16 +51,16 @@ const CHUNK: usize = 16 << 10;
 
 /// The fewest bytes one thread takes when a rank splits its part of a piece over several
 /// ([`HostArena::threads`]): the piece is in the cache, so less than a direct read's part.
-/// On the 16-core host ("Session 14" in `docs/benchmarks.md`), 128 KiB parts were slower at
-/// every size from 512 KiB to 16 MiB (4 ranks 1 MiB 243 us against 218; 8 ranks 546 against
-/// 300).
+/// On the 16-core host ("2026-12-02, morning (00e12fa)" in `docs/results/README.md`), 128 KiB parts
+/// were slower at every size from 512 KiB to 16 MiB (4 ranks 1 MiB 243 us against 218; 8 ranks 546
+/// against 300).
 pub(super) const ARENA_PART_MIN: usize = 64 << 10;
 
 /// The smallest piece a rank splits over its threads: below it the helpers' wake-ups cost
 /// more than they save. 16 cores, all_reduce us, split over each rank's threads against one
-/// thread ("Session 14"): 4 ranks 256 KiB 105 against 79, 512 KiB 140 against 167, 1 MiB 205
-/// against 319; 8 ranks 256 KiB 110 against 93, 512 KiB 197 against 203, 1 MiB 322 against
-/// 389.
+/// thread ("2026-12-02, morning (00e12fa)"): 4 ranks 256 KiB 105 against 79, 512 KiB 140 against
+/// 167, 1 MiB 205 against 319; 8 ranks 256 KiB 110 against 93, 512 KiB 197 against 203, 1 MiB 322
+/// against 389.
 pub(super) const ARENA_THREADS_MIN: usize = 512 << 10;
 
 /// Whether this call's group runs its all_reduces on the arena: agreed once, on the group's

@@ -38,7 +38,8 @@ pub(crate) fn crowded(local: usize, cores: usize) -> bool {
 /// the ring, and their scratch (two pieces), are a quarter of the default's. There the cores
 /// are never free to overlap one piece's transfer with the next one's reduction, and each
 /// rank's scratch pages cost their clearing: at 1,024 ranks on 2 cores, 512 KiB of scratch a
-/// rank was about a tenth of the pages the job touched (`docs/benchmarks.md`, "Session 11").
+/// rank was about a tenth of the pages the job touched (`docs/results/README.md`, "2026-12-01
+/// (d39cb9d)").
 pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 
 /// From which size this rank proposes direct reads of its host's peers' buffers (`None`: it
@@ -52,10 +53,11 @@ pub(crate) const CROWDED_PIECE_KB: u32 = 64;
 /// [`CORE_A_RANK_DIRECT_MIN`] (with two or more it splits its part over them:
 /// [`arena_threads_for`]). With `DIST_DIRECT=1` and no size, from
 /// [`HOST_DIRECT_MIN`]. A size set in `cfg` wins. All_reduce µs, medians of three
-/// alternating rounds (`docs/benchmarks.md`): 4 ranks on 2 cores where the read copied at 0.7
-/// of the copy's rate ("Session 12"), direct against the rings 1 MiB 427 against 552, 16 MiB
-/// 7,260 against 9,758; where at 0.25 to 0.4 ("Session 13"), 1 MiB 494 against 408, 16 MiB
-/// 14,854 against 9,826. For a core a rank or more see [`CORE_A_RANK_DIRECT_MIN`].
+/// alternating rounds (`docs/results/README.md`): 4 ranks on 2 cores where the read copied at 0.7
+/// of the copy's rate ("2026-12-01, evening (0436ad0)"), direct against the rings 1 MiB 427 against
+/// 552, 16 MiB 7,260 against 9,758; where at 0.25 to 0.4 ("2026-12-02, early (75cc19f)"), 1 MiB 494
+/// against 408, 16 MiB 14,854 against 9,826. For a core a rank or more see
+/// [`CORE_A_RANK_DIRECT_MIN`].
 pub(crate) fn direct_for(
     cfg: &TcpConfig,
     local: usize,
@@ -81,21 +83,21 @@ pub(crate) fn direct_for(
 /// that one): just above the arena's default limit there
 /// ([`HOST_ARENA_MAX_OVERSUBSCRIBED`], 1 MiB), since below it the arena's copies are faster and
 /// above it direct reads beat the rings. 4 ranks on 2 cores where the read copies at 0.7 of a
-/// copy's rate (`docs/benchmarks.md`, "Session 14"), direct against the arena's copies 512 KiB
-/// 217 against 180 µs, 1 MiB 514 against 429; against the rings 2 MiB 985 against 1,177, 32
-/// MiB 17,976 against 26,844.
+/// copy's rate (`docs/results/README.md`, "2026-12-02, morning (00e12fa)"), direct against the
+/// arena's copies 512 KiB 217 against 180 µs, 1 MiB 514 against 429; against the rings 2 MiB 985
+/// against 1,177, 32 MiB 17,976 against 26,844.
 pub(crate) const SHARED_CORES_DIRECT_MIN: usize = HOST_ARENA_MAX_OVERSUBSCRIBED + 1;
 
 /// The smallest all_reduce that reads peers' buffers directly by default where each of the
 /// host's ranks has a core or more: 16 MiB. 16 cores, all_reduce µs, direct reads split
 /// over each rank's cores against the arena's slots (4 MiB) split likewise
-/// (`docs/benchmarks.md`, "Session 14"): 4 ranks 4 MiB 978 against 606, 8 MiB 1,452 against
-/// 1,243, 16 MiB 1,683 against 2,534; 8 ranks 4 MiB 1,405 against 1,191, 8 MiB 2,509 against
-/// 2,374, 16 MiB 4,760 against 4,680; 64 MiB (1 MiB slots) 4 ranks 7,487 against 12,193, 8
-/// ranks 18,755 against 26,901. With a core a rank, 16 ranks, once the results went through
-/// the slots ("Session 16"): direct reads against the arena's slots 4 MiB 1,731 against
-/// 2,311, 16 MiB 8,362 against 12,706, 64 MiB 39,979 against 48,571, but 1 MiB 634 against
-/// 559 (and "Session 13", before, 4 MiB 2,092 against 1,793).
+/// (`docs/results/README.md`, "2026-12-02, morning (00e12fa)"): 4 ranks 4 MiB 978 against 606, 8
+/// MiB 1,452 against 1,243, 16 MiB 1,683 against 2,534; 8 ranks 4 MiB 1,405 against 1,191, 8 MiB
+/// 2,509 against 2,374, 16 MiB 4,760 against 4,680; 64 MiB (1 MiB slots) 4 ranks 7,487 against
+/// 12,193, 8 ranks 18,755 against 26,901. With a core a rank, 16 ranks, once the results went
+/// through the slots ("2026-12-02, afternoon (4249335)"): direct reads against the arena's slots 4
+/// MiB 1,731 against 2,311, 16 MiB 8,362 against 12,706, 64 MiB 39,979 against 48,571, but 1 MiB
+/// 634 against 559 (and "2026-12-02, early (75cc19f)", before, 4 MiB 2,092 against 1,793).
 pub(crate) const CORE_A_RANK_DIRECT_MIN: usize = 16 << 20;
 
 /// The most threads a rank may be told to split its part of an all_reduce on the arena over.

@@ -1,4 +1,4 @@
-//! A peer created before its connection (groundwork for lazy connections, issue 13): the
+//! A peer created before its connection (groundwork for lazy connections): the
 //! connection is attached once, by whoever makes it (an acceptor, or the first use of the peer
 //! through the backend's connect hook); receives posted before then wait in the table and are
 //! served once it is attached.

@@ -59,9 +59,9 @@ fn turns(ps: &[Arc<Peer>]) -> u64 {
         .sum()
 }
 
-/// Issue 13: 32 quiet connections on one I/O thread cost nothing once quiet: no turn at all
-/// over a second (the reader thread per peer looked every 250 ms each, IDLE_POLL; before that
-/// every 20 ms). A frame arriving then is still read at once.
+/// Many ranks on one host: 32 quiet connections on one I/O thread cost nothing once quiet: no turn
+/// at all over a second (the reader thread per peer looked every 250 ms each, IDLE_POLL; before
+/// that every 20 ms). A frame arriving then is still read at once.
 #[test]
 fn quiet_connections_cost_no_turns() {
     let (io, ps, mut raws) = peers(32, 1 << 20);

@@ -1,4 +1,4 @@
-//! Property tests (issue 10, point 17) of the frame decoder and of the receive state machine,
+//! Property tests of the frame decoder and of the receive state machine,
 //! driven from bytes with no socket: frames cut at random points, posts, arrivals and takes
 //! interleaved at random.
 

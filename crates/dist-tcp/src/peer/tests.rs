@@ -92,9 +92,10 @@ pub(super) fn limits(max_message: u64, unexpected: usize) -> Limits {
     }
 }
 
-/// Issue 10 point 8. Fails before the fix: the guard was disarmed before the wait, so the
-/// receive stayed posted after the panic and the reader wrote the message into `buf`,
-/// whose borrow had ended (here a live `Vec`, so the write is visible, not a crash).
+/// A posted receive is withdrawn on every exit path, unwinding included. Fails before the fix: the
+/// guard was disarmed before the wait, so the receive stayed posted after the panic and the reader
+/// wrote the message into `buf`, whose borrow had ended (here a live `Vec`, so the write is
+/// visible, not a crash).
 #[test]
 fn a_receive_whose_wait_unwinds_is_withdrawn() {
     let mut pair = Pair::new(limits(1 << 30, 1 << 20));
@@ -175,7 +176,7 @@ fn gone_cause(e: DistError) -> String {
     }
 }
 
-/// Issue 10 point 9. Fails before the fix: a 2^47-byte frame was queued with
+/// Frame lengths from the wire are capped. Fails before the fix: a 2^47-byte frame was queued with
 /// `vec![0; 2^47]`, which aborts the process (allocation failure), and 2^63 the same.
 #[test]
 fn frames_over_the_cap_are_protocol_errors_naming_the_peer() {
@@ -205,7 +206,7 @@ fn unknown_kinds_and_truncated_frames_close_the_connection() {
     assert!(cause.contains("closed mid-message"), "{cause}");
 }
 
-/// Issue 10 point 10, in one process. Fails before the fix: every unexpected message was
+/// Flow control, in one process. Fails before the fix: every unexpected message was
 /// queued (`queued_bytes` had no bound; here it reached 16 MiB), and a message larger than
 /// the bound was queued whole.
 #[test]
@@ -500,7 +501,7 @@ fn a_send_while_receiving_under_a_flood_ends_by_its_deadline() {
     flood.join().unwrap();
 }
 
-/// Issue 13 (many ranks on one host): a quiet connection's read side waits for the socket
+/// Many ranks on one host: a quiet connection's read side waits for the socket
 /// instead of waking every IDLE_DRAIN. Fails before the change: over 2 s of quiet the reader
 /// thread looked at its state about 100 times (every 20 ms); with the reader thread's IDLE_POLL
 /// about 13; on the I/O thread about 6 (every IDLE_DRAIN until IDLE_QUIET, then none: a quiet

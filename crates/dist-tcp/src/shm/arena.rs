@@ -27,10 +27,10 @@ use crate::peer::Peer;
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce (the memory is
 /// the kernel's only once touched: a job whose all_reduces on the arena are smaller touches
 /// no more). On the 16-core host, the arena at every size split over each rank's threads,
-/// all_reduce µs with 4 MiB slots against 1 MiB (`docs/benchmarks.md`, "Session 14"): 4 ranks
-/// 2 MiB 325 against 412, 4 MiB 606 against 778, 16 MiB 2,534 against 3,248; 8 ranks 2 MiB
-/// 546 against 658, 16 MiB 4,680 against 4,986; 16 ranks on one thread each, within 8 % from
-/// 256 KiB to 64 MiB (2–8 % faster up to 16 MiB, 2 % slower at 64 MiB).
+/// all_reduce µs with 4 MiB slots against 1 MiB (`docs/results/README.md`, "2026-12-02, morning
+/// (00e12fa)"): 4 ranks 2 MiB 325 against 412, 4 MiB 606 against 778, 16 MiB 2,534 against 3,248; 8
+/// ranks 2 MiB 546 against 658, 16 MiB 4,680 against 4,986; 16 ranks on one thread each, within 8 %
+/// from 256 KiB to 64 MiB (2–8 % faster up to 16 MiB, 2 % slower at 64 MiB).
 pub(crate) const ARENA_SLOT: u64 = 4 << 20;
 
 /// What the setup of the connections learns of one peer, for the arena.
