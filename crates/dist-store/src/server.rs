@@ -58,6 +58,10 @@ pub struct ServerStats {
     pub accepted: AtomicUsize,
     /// Connections the server closed because of what they sent (or did not take).
     pub refused: AtomicUsize,
+    /// Bytes of answers waiting to be sent, all clients together.
+    pub unsent: AtomicUsize,
+    /// Bytes of requests received and not yet run, all clients together.
+    pub unrun: AtomicUsize,
 }
 
 /// A TCPStore server on its own thread. Dropping it (or [`StoreServer::stop`]) closes every
@@ -335,6 +339,8 @@ impl EventLoop {
                 None => break,
             }
         }
+        self.stats.unsent.store(self.total_out, Ordering::Relaxed);
+        self.stats.unrun.store(self.total_in, Ordering::Relaxed);
     }
 
     /// Reads (if `readable`), runs complete requests, sends, and registers the interest left.
