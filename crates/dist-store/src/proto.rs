@@ -153,6 +153,8 @@ struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
     limits: &'a WireLimits,
+    /// When the request is incomplete: the bytes it is known to need at least.
+    need: usize,
 }
 
 /// `Ok(None)` inside the parser: the request is not complete yet.
@@ -174,6 +176,7 @@ impl<'a> Cursor<'a> {
             });
         }
         if end > self.buf.len() {
+            self.need = end;
             return Ok(None);
         }
         let s = &self.buf[self.pos..end];
@@ -261,11 +264,28 @@ macro_rules! need {
 /// `buf` holds only part of it (call again with more), or the reason to close the connection.
 /// Every length is checked against `limits` as soon as it is read, before anything is reserved.
 pub fn parse_request<'a>(buf: &'a [u8], limits: &'a WireLimits) -> Step<(Request<'a>, usize)> {
+    Ok(parse_or_need(buf, limits)?.ok())
+}
+
+/// As [`parse_request`], but an incomplete request comes back as `Err(n)`: the request is known
+/// to need at least `n` bytes (a receiver may reserve them at once), `n > buf.len()`.
+pub fn parse_or_need<'a>(
+    buf: &'a [u8],
+    limits: &'a WireLimits,
+) -> Result<Result<(Request<'a>, usize), usize>, ParseError> {
     let mut c = Cursor {
         buf,
         pos: 0,
         limits,
+        need: 0,
     };
+    match parse_with(&mut c)? {
+        Some(req) => Ok(Ok((req, c.pos))),
+        None => Ok(Err(c.need)),
+    }
+}
+
+fn parse_with<'a>(c: &mut Cursor<'a>) -> Step<Request<'a>> {
     let q = need!(c.take(1))[0];
     let req = match q {
         query::VALIDATE => Request::Validate(need!(c.u32())),
@@ -316,7 +336,7 @@ pub fn parse_request<'a>(buf: &'a [u8], limits: &'a WireLimits) -> Step<(Request
         }
         other => return Err(ParseError::UnknownQuery(other)),
     };
-    Ok(Some((req, c.pos)))
+    Ok(Some(req))
 }
 
 /// Appends a `u64` length and the bytes (the wire's string).
@@ -458,6 +478,16 @@ mod tests {
         roundtrip(Request::QueueLen(b"/q"));
         roundtrip(Request::ListKeys);
         roundtrip(Request::Barrier(b"/b", 3));
+    }
+
+    #[test]
+    fn an_incomplete_request_says_what_it_needs() {
+        let limits = WireLimits::default();
+        let mut buf = Vec::new();
+        encode_request(&mut buf, &Request::Set(b"/k", &[5u8; 1000]));
+        // Once the value's length is in, the whole request's length is known.
+        assert_eq!(parse_or_need(&buf[..20], &limits), Ok(Err(buf.len())));
+        assert_eq!(parse_or_need(&buf[..5], &limits), Ok(Err(9)));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use polling::{Event, Events, Poller};
+use polling::{Event, Events, PollMode, Poller};
 
 use crate::error::{Result, StoreError};
 use crate::proto::{self, ParseError, Request, VALIDATION_MAGIC, WireLimits};
@@ -78,6 +78,9 @@ pub struct StoreServer {
 const LISTENER: usize = 0;
 /// Bytes read from one client per readiness event before the loop turns to others.
 const READ_BUDGET: usize = 1 << 20;
+/// Requests up to this long get their whole buffer when their length is known (a libuv-sized
+/// value, 8 MiB, and its key); longer ones grow as they arrive.
+const RESERVE_AT_ONCE: usize = 9 << 20;
 
 impl StoreServer {
     /// Listens on `addr` (port 0: any free port) with the default bounds.
@@ -121,6 +124,7 @@ impl StoreServer {
             stop: stop.clone(),
             stats: stats.clone(),
             addr,
+            scratch: vec![0u8; 64 * 1024].into_boxed_slice(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("dist-store {addr}"))
@@ -186,6 +190,9 @@ struct Conn {
     /// Bytes in `out` not yet sent.
     out_len: usize,
     validated: bool,
+    /// The interest registered now (readable, writable); level-triggered, so it changes only
+    /// when the client pauses or has answers waiting.
+    armed: (bool, bool),
 }
 
 struct EventLoop {
@@ -200,6 +207,8 @@ struct EventLoop {
     stop: Arc<AtomicBool>,
     stats: Arc<ServerStats>,
     addr: SocketAddr,
+    /// Where every read lands first.
+    scratch: Box<[u8]>,
 }
 
 /// Why a client is closed.
@@ -285,7 +294,11 @@ impl EventLoop {
                     self.next_id += 1;
                     // SAFETY: as for the listener: the stream stays in `conns` until `drop_conn`
                     // deletes it from the poller before dropping it.
-                    if unsafe { self.poller.add(&stream, Event::readable(id)) }.is_err() {
+                    let added = unsafe {
+                        self.poller
+                            .add_with_mode(&stream, Event::readable(id), PollMode::Level)
+                    };
+                    if added.is_err() {
                         continue;
                     }
                     self.conns.insert(
@@ -298,6 +311,7 @@ impl EventLoop {
                             out_off: 0,
                             out_len: 0,
                             validated: false,
+                            armed: (true, false),
                         },
                     );
                     self.stats.clients.fetch_add(1, Ordering::Relaxed);
@@ -361,10 +375,16 @@ impl EventLoop {
                 break;
             }
         }
-        let conn = self.conns.get(&id).ok_or(Close::Eof)?;
-        let paused = conn.out_len >= self.opts.client_out_pause;
-        let ev = Event::new(id, !paused, conn.out_len > 0);
-        self.poller.modify(&conn.stream, ev).map_err(Close::Io)
+        let conn = self.conns.get_mut(&id).ok_or(Close::Eof)?;
+        let want = (conn.out_len < self.opts.client_out_pause, conn.out_len > 0);
+        if want != conn.armed {
+            conn.armed = want;
+            let ev = Event::new(id, want.0, want.1);
+            self.poller
+                .modify_with_mode(&conn.stream, ev, PollMode::Level)
+                .map_err(Close::Io)?;
+        }
+        Ok(())
     }
 
     fn read(&mut self, id: ClientId) -> Result<(), Close> {
@@ -373,30 +393,26 @@ impl EventLoop {
         let conn = self.conns.get_mut(&id).ok_or(Close::Eof)?;
         let mut read = 0;
         while read < READ_BUDGET && conn.out_len < pause && conn.inbuf.len() <= max_req {
-            let before = conn.inbuf.len();
-            let chunk = 64 * 1024;
-            if self.total_in + chunk > self.opts.max_total_in {
-                return Err(Close::InBudget);
-            }
-            conn.inbuf.resize(before + chunk, 0);
-            match conn.stream.read(&mut conn.inbuf[before..]) {
-                Ok(0) => {
-                    conn.inbuf.truncate(before);
-                    return Err(Close::Eof);
-                }
+            // Into the loop's one scratch buffer, then only what came into the client's: no
+            // per-client 64 KiB buffer to allocate and clear for a request of a few bytes.
+            match conn.stream.read(&mut self.scratch) {
+                Ok(0) => return Err(Close::Eof),
                 Ok(n) => {
-                    conn.inbuf.truncate(before + n);
+                    if self.total_in + n > self.opts.max_total_in {
+                        return Err(Close::InBudget);
+                    }
+                    conn.inbuf.extend_from_slice(&self.scratch[..n]);
                     self.total_in += n;
                     read += n;
-                }
-                Err(e) => {
-                    conn.inbuf.truncate(before);
-                    match e.kind() {
-                        io::ErrorKind::WouldBlock => break,
-                        io::ErrorKind::Interrupted => continue,
-                        _ => return Err(Close::Io(e)),
+                    if n < self.scratch.len() {
+                        break;
                     }
                 }
+                Err(e) => match e.kind() {
+                    io::ErrorKind::WouldBlock => break,
+                    io::ErrorKind::Interrupted => continue,
+                    _ => return Err(Close::Io(e)),
+                },
             }
         }
         Ok(())
@@ -410,14 +426,18 @@ impl EventLoop {
         let mut used = 0;
         let mut outbox: Outbox = Vec::new();
         let mut result = Ok(false);
+        let mut need = 0;
         loop {
             if conn.out_len >= pause {
                 result = Ok(true);
                 break;
             }
-            let (req, n) = match proto::parse_request(&conn.inbuf[used..], &self.opts.wire) {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
+            let (req, n) = match proto::parse_or_need(&conn.inbuf[used..], &self.opts.wire) {
+                Ok(Ok(p)) => p,
+                Ok(Err(n)) => {
+                    need = n;
+                    break;
+                }
                 Err(e) => {
                     result = Err(Close::Parse(e));
                     break;
@@ -455,8 +475,13 @@ impl EventLoop {
         }
         conn.inbuf.drain(..used);
         self.total_in -= used;
-        if conn.inbuf.capacity() > 64 * 1024 && conn.inbuf.len() < 16 * 1024 {
-            conn.inbuf.shrink_to(16 * 1024);
+        if conn.inbuf.is_empty() && conn.inbuf.capacity() > 64 * 1024 {
+            // An idle client keeps no large buffer.
+            conn.inbuf = Vec::new();
+        } else if need > conn.inbuf.len() && need <= RESERVE_AT_ONCE {
+            // The request's length is known: one allocation rather than a doubling chain of
+            // copies as it arrives.
+            conn.inbuf.reserve_exact(need - conn.inbuf.len());
         }
         self.conns.insert(id, conn);
         result
