@@ -150,9 +150,14 @@ fn storm(addr: SocketAddr, n: usize, deadline_s: f64) {
         .collect();
     let expect: HashSet<i64> = (base + 1..=base + n as i64).collect();
     drop(poller);
+    // Answers that came back are exact or not whatever the server does next; the final read
+    // may fail if the server is still busy with the storm's leftovers.
     let after = TcpStore::connect(addr, Duration::from_secs(30))
         .and_then(|c| c.add("storm_counter", 0))
-        .expect("read the counter");
+        .unwrap_or_else(|e| {
+            eprintln!("final read of the counter failed: {e}");
+            -1
+        });
     let pct = |p: f64| {
         lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1)))
             .copied()
@@ -168,7 +173,7 @@ fn storm(addr: SocketAddr, n: usize, deadline_s: f64) {
         pct(0.5).as_secs_f64(),
         pct(0.99).as_secs_f64(),
         lat.last().copied().unwrap_or_default().as_secs_f64(),
-        after == base + n as i64 && values == expect,
+        after == base + n as i64 && values == expect && lat.len() == n,
         base,
         after,
         base + 1,

@@ -266,3 +266,132 @@ fn pytorchs_client_sends_what_dists_parser_reads() {
     }
     assert_eq!(bytes[0], query::VALIDATE);
 }
+
+/// What a raw request gets from a server: its answer bytes (up to `want`), or `None` if the
+/// server closed the connection instead.
+fn raw_exchange(
+    addr: SocketAddr,
+    validate: bool,
+    reqs: &[Request<'_>],
+    want: usize,
+) -> Option<Vec<u8>> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    // PyTorch's libuv server looks up each new client's name (reverse DNS) on its loop
+    // thread, which can stall it for seconds: a generous deadline.
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = Vec::new();
+    if validate {
+        proto::encode_request(&mut buf, &Request::Validate(proto::VALIDATION_MAGIC));
+    }
+    for r in reqs {
+        proto::encode_request(&mut buf, r);
+    }
+    if s.write_all(&buf).is_err() {
+        return None;
+    }
+    let mut got = vec![0u8; want];
+    let mut at = 0;
+    while at < want {
+        match s.read(&mut got[at..]) {
+            Ok(0) => return None,
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+            Err(e) => panic!("{addr}: {reqs:?}: {e}"),
+        }
+    }
+    Some(got)
+}
+
+/// The servers' differences, checked with raw requests (docs/store.md lists them): a GET of a
+/// missing key, a client that skips VALIDATE, libuv's key and value caps, a query type 2.11
+/// does not know.
+#[test]
+fn pytorchs_servers_quirks_and_dists_choices() {
+    let py = torch_or_skip!();
+    let libuv = TorchServer::start(&py, "libuv");
+    let legacy = TorchServer::start(&py, "legacy");
+    let dist = StoreServer::bind("127.0.0.1:0").unwrap();
+    let servers = [
+        ("libuv", libuv.addr),
+        ("legacy", legacy.addr),
+        ("dist", dist.local_addr()),
+    ];
+    let ping = Request::Ping(9);
+    for (name, addr) in servers {
+        // GET of a missing key: libuv and dist answer an empty value, legacy closes.
+        let got = raw_exchange(addr, true, &[Request::Get(b"/missing"), ping.clone()], 12);
+        match name {
+            "legacy" => assert_eq!(got, None, "{name}"),
+            _ => assert_eq!(
+                got.as_deref(),
+                Some(&[0u8, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0][..]),
+                "{name}"
+            ),
+        }
+        // No VALIDATE first: legacy and dist close the client. libuv neither answers nor closes:
+        // it returns from the "miscellaneous client" check leaving the byte unread and the
+        // client no longer marked, so the query runs (unvalidated) once more bytes arrive.
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut buf = Vec::new();
+        proto::encode_request(&mut buf, &Request::Ping(9));
+        let first = s.write_all(&buf);
+        // Let the first PING arrive alone (the condition under test), then send a second.
+        std::thread::sleep(Duration::from_millis(500));
+        buf.clear();
+        proto::encode_request(&mut buf, &Request::Ping(10));
+        let second = s.write_all(&buf);
+        let mut got = [0u8; 8];
+        let read = first.and(second).and_then(|()| s.read_exact(&mut got));
+        match name {
+            "libuv" => {
+                read.unwrap();
+                assert_eq!(got, [9, 0, 0, 0, 10, 0, 0, 0], "{name}");
+            }
+            _ => assert!(read.is_err(), "{name}: {got:?}"),
+        }
+        // A key of 8 KiB + 1: past libuv's cap (closed); legacy takes it; dist keeps libuv's cap.
+        let long = vec![b'k'; 8 * 1024 + 1];
+        let got = raw_exchange(addr, true, &[Request::Set(&long, b"v"), ping.clone()], 4);
+        match name {
+            "legacy" => assert!(got.is_some(), "{name}"),
+            _ => assert_eq!(got, None, "{name}"),
+        }
+        // A value of 8 MiB + 1: past libuv's cap.
+        let big = vec![1u8; 8 * 1024 * 1024 + 1];
+        let got = raw_exchange(addr, true, &[Request::Set(b"/big", &big), ping.clone()], 4);
+        match name {
+            "legacy" => assert!(got.is_some(), "{name}"),
+            _ => assert_eq!(got, None, "{name}"),
+        }
+        // BARRIER (query 18) is unknown to PyTorch 2.11's servers: they close the client.
+        let got = raw_exchange(addr, true, &[Request::Barrier(b"/b", 1)], 1);
+        match name {
+            "dist" => assert_eq!(got.as_deref(), Some(&[proto::STOP_WAITING][..]), "{name}"),
+            _ => assert_eq!(got, None, "{name}"),
+        }
+        // GETNUMKEYS counts values, not queues (legacy has no queues).
+        if name != "legacy" {
+            let got = raw_exchange(
+                addr,
+                true,
+                &[
+                    Request::QueuePush(b"/numkeys_q", b"x"),
+                    Request::NumKeys,
+                    Request::QueueLen(b"/numkeys_q"),
+                ],
+                16,
+            )
+            .unwrap();
+            let before = i64::from_le_bytes(got[..8].try_into().unwrap());
+            let c = connect(addr);
+            c.set("numkeys_v", b"1").unwrap();
+            assert_eq!(c.num_keys().unwrap(), before + 1, "{name}");
+            assert_eq!(
+                i64::from_le_bytes(got[8..].try_into().unwrap()),
+                1,
+                "{name}"
+            );
+        }
+    }
+}
