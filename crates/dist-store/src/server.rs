@@ -108,7 +108,8 @@ impl StoreServer {
         // SAFETY: the listener lives in the loop below until the loop deletes it from the poller
         // (its last act); should the loop unwind, the poller goes with it or outlives a closed
         // socket, which epoll drops from its set on close, so no event names a reused fd
-        // (`polling`'s contract). Shown by `server_stops_and_clients_see_it` in tests/server.rs.
+        // (`polling`'s contract). Shown by `server_stops_and_clients_see_it` in
+        // crates/dist-store/tests/server.rs.
         unsafe { poller.add(&listener, Event::readable(LISTENER)) }.map_err(serve_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ServerStats::default());
