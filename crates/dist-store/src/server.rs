@@ -13,7 +13,7 @@ use polling::{Event, Events, PollMode, Poller};
 
 use crate::error::{Result, StoreError};
 use crate::proto::{self, ParseError, Request, VALIDATION_MAGIC, WireLimits};
-use crate::state::{ClientId, Outbox, Refusal, State, StoreLimits};
+use crate::state::{Answer, ClientId, Outbox, Refusal, State, StoreLimits};
 
 /// The server's bounds. The defaults hold 16 Ki clients in at most a few GiB whatever they send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,7 +185,7 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     inbuf: Vec<u8>,
-    out: VecDeque<Vec<u8>>,
+    out: VecDeque<Answer>,
     /// Bytes of `out.front()` already sent.
     out_off: usize,
     /// Bytes in `out` not yet sent.
@@ -456,7 +456,7 @@ impl EventLoop {
                 break;
             }
             let r = self.state.apply(id, req, &mut outbox);
-            for (c, bytes) in outbox.drain(..) {
+            for (c, answer) in outbox.drain(..) {
                 let target = if c == id {
                     Some(&mut conn)
                 } else {
@@ -464,9 +464,9 @@ impl EventLoop {
                     self.conns.get_mut(&c)
                 };
                 if let Some(t) = target {
-                    t.out_len += bytes.len();
-                    self.total_out += bytes.len();
-                    t.out.push_back(bytes);
+                    t.out_len += answer.len();
+                    self.total_out += answer.len();
+                    t.out.push_back(answer);
                 }
             }
             if let Err(refusal) = r {
@@ -492,7 +492,18 @@ impl EventLoop {
     fn flush(&mut self, id: ClientId) -> Result<(), Close> {
         let conn = self.conns.get_mut(&id).ok_or(Close::Eof)?;
         while let Some(front) = conn.out.front() {
-            match conn.stream.write(&front[conn.out_off..]) {
+            let off = conn.out_off;
+            let header;
+            let wrote = match front {
+                Answer::Bytes(b) => conn.stream.write(&b[off..]),
+                Answer::Value(v) if off < 8 => {
+                    header = (v.len() as u64).to_le_bytes();
+                    let parts = [io::IoSlice::new(&header[off..]), io::IoSlice::new(v)];
+                    conn.stream.write_vectored(&parts)
+                }
+                Answer::Value(v) => conn.stream.write(&v[off - 8..]),
+            };
+            match wrote {
                 Ok(n) => {
                     conn.out_off += n;
                     conn.out_len -= n;

@@ -2,6 +2,7 @@
 //! asking client and to the waiters it wakes). The event loop in `server.rs` feeds it.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::proto::{self, Request};
 
@@ -47,12 +48,36 @@ pub(crate) enum Refusal {
     Revalidate,
 }
 
-/// Answers to send: (client, bytes), in order.
-pub(crate) type Outbox = Vec<(ClientId, Vec<u8>)>;
+/// One answer to send: bytes, or a stored value sent as its `u64` length and its bytes without
+/// copying it (a GET of 1 MiB shares the stored value rather than building a 1 MiB answer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Answer {
+    Bytes(Vec<u8>),
+    Value(Arc<[u8]>),
+}
+
+impl Answer {
+    /// Bytes on the wire.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Answer::Bytes(b) => b.len(),
+            Answer::Value(v) => 8 + v.len(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for Answer {
+    fn from(b: Vec<u8>) -> Self {
+        Answer::Bytes(b)
+    }
+}
+
+/// Answers to send: (client, answer), in order.
+pub(crate) type Outbox = Vec<(ClientId, Answer)>;
 
 #[derive(Debug, Default)]
 pub(crate) struct State {
-    kv: HashMap<Vec<u8>, Vec<u8>>,
+    kv: HashMap<Vec<u8>, Arc<[u8]>>,
     queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
     /// Key -> clients waiting on it (a client appears once per time it listed the key).
     waiting: HashMap<Vec<u8>, Vec<ClientId>>,
@@ -98,15 +123,20 @@ impl State {
     }
 
     /// Stores `value` without waking anyone.
-    fn store(&mut self, key: &[u8], value: Vec<u8>) -> Result<(), Refusal> {
+    fn store(&mut self, key: &[u8], value: &[u8]) -> Result<(), Refusal> {
         let old = self.kv.get(key).map(|v| key.len() + v.len());
         self.charge(old.unwrap_or(0), key.len() + value.len(), old.is_none())?;
-        self.kv.insert(key.to_vec(), value);
+        match self.kv.get_mut(key) {
+            Some(v) => *v = Arc::from(value),
+            None => {
+                self.kv.insert(key.to_vec(), Arc::from(value));
+            }
+        }
         Ok(())
     }
 
     /// Stores `value` and wakes the clients waiting on `key`.
-    fn put(&mut self, key: &[u8], value: Vec<u8>, out: &mut Outbox) -> Result<(), Refusal> {
+    fn put(&mut self, key: &[u8], value: &[u8], out: &mut Outbox) -> Result<(), Refusal> {
         self.store(key, value)?;
         self.wake_all(key, out);
         Ok(())
@@ -126,7 +156,7 @@ impl State {
             *n -= 1;
             if *n == 0 {
                 self.awaited.remove(&c);
-                out.push((c, vec![proto::STOP_WAITING]));
+                out.push((c, vec![proto::STOP_WAITING].into()));
             }
         }
     }
@@ -195,28 +225,31 @@ impl State {
     ) -> Result<(), Refusal> {
         match req {
             Request::Validate(_) => return Err(Refusal::Revalidate),
-            Request::Ping(n) => out.push((c, n.to_le_bytes().to_vec())),
-            Request::Set(k, v) => self.put(k, v.to_vec(), out)?,
+            Request::Ping(n) => out.push((c, n.to_le_bytes().to_vec().into())),
+            Request::Set(k, v) => self.put(k, v, out)?,
             Request::CompareSet(k, expected, desired) => {
                 let answer = match self.kv.get(k) {
                     None if expected.is_empty() => {
-                        self.put(k, desired.to_vec(), out)?;
-                        desired.to_vec()
+                        self.put(k, desired, out)?;
+                        bytes_of(desired).into()
                     }
                     // PyTorch's answer for a missing key and a non-empty expectation: the
                     // expectation itself (nothing is stored).
-                    None => expected.to_vec(),
-                    Some(cur) if cur.as_slice() == expected => {
-                        self.put(k, desired.to_vec(), out)?;
-                        desired.to_vec()
+                    None => bytes_of(expected).into(),
+                    Some(cur) if &cur[..] == expected => {
+                        self.put(k, desired, out)?;
+                        bytes_of(desired).into()
                     }
-                    Some(cur) => cur.clone(),
+                    Some(cur) => Answer::Value(cur.clone()),
                 };
-                out.push((c, bytes_of(&answer)));
+                out.push((c, answer));
             }
             Request::Get(k) => {
-                let v = self.kv.get(k).map(Vec::as_slice).unwrap_or(&[]);
-                out.push((c, bytes_of(v)));
+                let answer = match self.kv.get(k) {
+                    Some(v) => Answer::Value(v.clone()),
+                    None => bytes_of(&[]).into(),
+                };
+                out.push((c, answer));
             }
             Request::Add(k, delta) => {
                 let cur = match self.kv.get(k) {
@@ -224,31 +257,29 @@ impl State {
                     None => 0,
                 };
                 let new = cur.checked_add(delta).ok_or(Refusal::NotANumber)?;
-                self.put(k, new.to_string().into_bytes(), out)?;
-                out.push((c, encode_i64(new)));
+                self.put(k, new.to_string().as_bytes(), out)?;
+                out.push((c, encode_i64(new).into()));
             }
             Request::Check(keys) => {
                 let ready = keys.iter().all(|k| self.present(k));
-                out.push((
-                    c,
-                    vec![if ready {
-                        proto::CHECK_READY
-                    } else {
-                        proto::CHECK_NOT_READY
-                    }],
-                ));
+                let answer = if ready {
+                    proto::CHECK_READY
+                } else {
+                    proto::CHECK_NOT_READY
+                };
+                out.push((c, vec![answer].into()));
             }
             Request::Wait(keys) => {
                 if keys.iter().all(|k| self.present(k)) {
                     if self.awaited.contains_key(&c) {
                         return Err(Refusal::AlreadyWaiting);
                     }
-                    out.push((c, vec![proto::STOP_WAITING]));
+                    out.push((c, vec![proto::STOP_WAITING].into()));
                 } else {
                     self.register(c, &keys)?;
                 }
             }
-            Request::NumKeys => out.push((c, encode_i64(self.kv.len() as i64))),
+            Request::NumKeys => out.push((c, encode_i64(self.kv.len() as i64).into())),
             Request::DeleteKey(k) => {
                 let n = match self.kv.remove(k) {
                     Some(v) => {
@@ -258,42 +289,39 @@ impl State {
                     }
                     None => 0,
                 };
-                out.push((c, encode_i64(n)));
+                out.push((c, encode_i64(n).into()));
             }
             Request::Append(k, v) => {
-                let old = self.kv.get(k).map_or(0, Vec::len);
+                let old = self.kv.get(k).map_or(0, |v| v.len());
                 if old + v.len() > self.limits.max_reply_len {
                     return Err(Refusal::Full("value length"));
                 }
-                let mut cur = self.kv.get(k).cloned().unwrap_or_default();
+                let mut cur = self.kv.get(k).map(|v| v.to_vec()).unwrap_or_default();
                 cur.extend_from_slice(v);
-                self.put(k, cur, out)?;
+                self.put(k, &cur, out)?;
             }
             Request::MultiGet(keys) => {
                 let total: usize = keys
                     .iter()
-                    .map(|k| 8 + self.kv.get(*k).map_or(0, Vec::len))
+                    .map(|k| 8 + self.kv.get(*k).map_or(0, |v| v.len()))
                     .sum();
                 if total > self.limits.max_reply_len {
                     return Err(Refusal::Full("reply length"));
                 }
                 let mut answer = Vec::with_capacity(total);
                 for k in keys {
-                    proto::put_bytes(
-                        &mut answer,
-                        self.kv.get(k).map(Vec::as_slice).unwrap_or(&[]),
-                    );
+                    proto::put_bytes(&mut answer, self.kv.get(k).map(|v| &v[..]).unwrap_or(&[]));
                 }
-                out.push((c, answer));
+                out.push((c, answer.into()));
             }
             Request::MultiSet(pairs) => {
                 for (k, v) in pairs {
-                    self.put(k, v.to_vec(), out)?;
+                    self.put(k, v, out)?;
                 }
             }
             Request::CancelWait => {
                 self.forget(c);
-                out.push((c, vec![proto::WAIT_CANCELED]));
+                out.push((c, vec![proto::WAIT_CANCELED].into()));
             }
             Request::QueuePush(k, v) => {
                 let fresh = !self.queues.contains_key(k);
@@ -320,18 +348,18 @@ impl State {
                     }
                     _ => answer.extend_from_slice(&0i64.to_le_bytes()),
                 }
-                out.push((c, answer));
+                out.push((c, answer.into()));
             }
             Request::QueueLen(k) => {
                 let n = self.queues.get(k).map_or(0, VecDeque::len);
-                out.push((c, encode_i64(n as i64)));
+                out.push((c, encode_i64(n as i64).into()));
             }
             Request::ListKeys => {
                 let mut answer = (self.kv.len() as i64).to_le_bytes().to_vec();
                 for k in self.kv.keys() {
                     proto::put_bytes(&mut answer, k);
                 }
-                out.push((c, answer));
+                out.push((c, answer.into()));
             }
             Request::Barrier(k, world_size) => {
                 if self.awaited.contains_key(&c) {
@@ -343,10 +371,10 @@ impl State {
                 }
                 .checked_add(1)
                 .ok_or(Refusal::NotANumber)?;
-                self.store(k, count.to_string().into_bytes())?;
+                self.store(k, count.to_string().as_bytes())?;
                 if count >= world_size {
                     self.wake_all(k, out);
-                    out.push((c, vec![proto::STOP_WAITING]));
+                    out.push((c, vec![proto::STOP_WAITING].into()));
                 } else {
                     if self.waiting_keys >= self.limits.max_waiting_keys {
                         return Err(Refusal::Full("waiting keys"));
@@ -371,10 +399,16 @@ impl State {
 mod tests {
     use super::*;
 
-    fn run(s: &mut State, c: ClientId, req: Request<'_>) -> Outbox {
+    /// The answers as the bytes they put on the wire.
+    fn run(s: &mut State, c: ClientId, req: Request<'_>) -> Vec<(ClientId, Vec<u8>)> {
         let mut out = Vec::new();
         s.apply(c, req, &mut out).unwrap();
-        out
+        out.into_iter()
+            .map(|(c, a)| match a {
+                Answer::Bytes(b) => (c, b),
+                Answer::Value(v) => (c, bytes_of(&v)),
+            })
+            .collect()
     }
 
     #[test]

@@ -199,7 +199,13 @@ fn thousands_of_idle_connections_cost_no_thread() {
         s.read_exact(&mut b).unwrap();
         assert_eq!(u32::from_le_bytes(b), 1);
     }
-    assert_eq!(threads(), before, "no thread per connection");
+    // Other tests run beside this one and start threads of their own: a thread per connection
+    // would add 2,000, the others add a few dozen at most.
+    let (before, after) = (before.unwrap(), threads().unwrap());
+    assert!(
+        after < before + 200,
+        "threads went from {before} to {after} for 2,000 connections"
+    );
     let c = connect(addr);
     assert_eq!(c.add("after", 1).unwrap(), 1);
     assert_eq!(
