@@ -22,6 +22,7 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -r
 trap cleanup EXIT
 
 start() { # start NAME CMD...: runs CMD with stdin held open, waits for the port it prints
+  # (into $tmp/NAME.port). Not in a $(...) subshell: the pids must reach the cleanup.
   local name=$1; shift
   mkfifo "$tmp/$name.in"
   "$@" < "$tmp/$name.in" > "$tmp/$name.port" 2>"$tmp/$name.err" &
@@ -29,18 +30,17 @@ start() { # start NAME CMD...: runs CMD with stdin held open, waits for the port
   sleep 100000 > "$tmp/$name.in" &
   pids+=($!)
   for _ in $(seq 120); do [ -s "$tmp/$name.port" ] && break; sleep 1; done
-  cat "$tmp/$name.port"
 }
 
 echo "# $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD) host $(hostname) cpus $(nproc) load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# torch $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
-DP=$(start dist "$B" serve)
+start dist "$B" serve; DP=$(cat "$tmp/dist.port")
 echo "# storms: $N clients"
 echo "dist:  $("$B" storm 127.0.0.1:"$DP" "$N" 600)"
-TP=$(start libuv "$PY" crates/dist-store/tests/py/torch_server.py libuv)
+start libuv "$PY" crates/dist-store/tests/py/torch_server.py libuv; TP=$(cat "$tmp/libuv.port")
 echo "libuv: $("$B" storm 127.0.0.1:"$TP" "$N" "$DEADLINE" 2>/dev/null)"
 # The storm leaves PyTorch's server busy with its leftovers: a fresh one for the round trips.
-TP=$(start libuv2 "$PY" crates/dist-store/tests/py/torch_server.py libuv)
+start libuv2 "$PY" crates/dist-store/tests/py/torch_server.py libuv; TP=$(cat "$tmp/libuv2.port")
 echo "# round trips (set + get pairs a second), alternating, $ROUNDS rounds of 4 s"
 for r in $(seq "$ROUNDS"); do
   for size in 16 1048576; do
