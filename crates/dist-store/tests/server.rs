@@ -294,3 +294,36 @@ fn limits_in_total_close_the_client_that_passes_them() {
     assert!(matches!(e, StoreError::Broken { .. }), "{e:?}");
     assert_eq!(connect(server.local_addr()).num_keys().unwrap(), 10);
 }
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Any bytes from one client, validated or not: the server answers or closes that
+        /// client, and goes on serving another; it never stops or panics.
+        #[test]
+        fn any_bytes_from_a_client_leave_the_server_serving(
+            validated in any::<bool>(),
+            bytes in proptest::collection::vec(any::<u8>(), 0..512),
+        ) {
+            let server = StoreServer::bind("127.0.0.1:0").unwrap();
+            let addr = server.local_addr();
+            let mut bad = raw(addr);
+            if validated {
+                send(&mut bad, &[Request::Validate(VALIDATION_MAGIC)]);
+            }
+            let _ = bad.write_all(&bytes);
+            let _ = bad.shutdown(std::net::Shutdown::Write);
+            // Whatever came back, the connection ends (the server closes it on EOF).
+            bad.set_read_timeout(Some(T)).unwrap();
+            let mut sink = Vec::new();
+            let _ = bad.read_to_end(&mut sink);
+            let good = connect(addr);
+            good.set("k", b"v").unwrap();
+            prop_assert_eq!(good.get("k", T).unwrap(), b"v".to_vec());
+        }
+    }
+}
