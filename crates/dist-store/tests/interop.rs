@@ -373,10 +373,13 @@ fn pytorchs_servers_quirks_and_dists_choices(py: &str) {
     }
 }
 
+/// One interop case, given the python to run PyTorch with.
+type Case = fn(&str);
+
 fn main() -> std::process::ExitCode {
     let args = Arguments::from_args();
     let py = torch_python();
-    let cases: [(&str, fn(&str)); 7] = [
+    let cases: [(&str, Case); 7] = [
         (
             "dists_client_against_pytorchs_libuv_server",
             dists_client_against_pytorchs_libuv_server,
