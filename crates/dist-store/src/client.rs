@@ -3,13 +3,14 @@
 //! conventions: user keys go out under `/`, `get` waits before it reads, a timed-out wait is
 //! cancelled on the server.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::Store;
 use crate::error::{Result, StoreError};
+use crate::io::{Fail, Io, remaining};
 use crate::proto::{self, Request, VALIDATION_MAGIC};
 
 /// The prefix PyTorch's client puts before every user key.
@@ -48,120 +49,6 @@ struct Conn {
     stream: TcpStream,
     /// An earlier failure left bytes of unknown meaning on the connection.
     broken: bool,
-}
-
-/// Why an exchange failed, before it is given the operation's context.
-enum Fail {
-    Io(io::Error),
-    Timeout(&'static str),
-    Protocol(String),
-}
-
-impl From<io::Error> for Fail {
-    fn from(e: io::Error) -> Self {
-        if matches!(
-            e.kind(),
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-        ) {
-            Fail::Timeout("the server's reply")
-        } else {
-            Fail::Io(e)
-        }
-    }
-}
-
-/// A socket with a deadline on every read and write.
-struct Io<'a> {
-    s: &'a mut TcpStream,
-    deadline: Instant,
-    max_reply_len: u64,
-}
-
-fn remaining(deadline: Instant) -> io::Result<Duration> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        Err(io::ErrorKind::TimedOut.into())
-    } else {
-        Ok(left)
-    }
-}
-
-impl Io<'_> {
-    fn send(&mut self, req: &Request<'_>) -> io::Result<()> {
-        let mut buf = Vec::new();
-        proto::encode_request(&mut buf, req);
-        self.write_all(&buf)
-    }
-
-    fn write_all(&mut self, mut b: &[u8]) -> io::Result<()> {
-        while !b.is_empty() {
-            self.s.set_write_timeout(Some(remaining(self.deadline)?))?;
-            match self.s.write(b) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => b = &b[n..],
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    fn read_exact(&mut self, mut b: &mut [u8]) -> io::Result<()> {
-        while !b.is_empty() {
-            self.s.set_read_timeout(Some(remaining(self.deadline)?))?;
-            match self.s.read(b) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the server closed the connection",
-                    ));
-                }
-                Ok(n) => b = &mut b[n..],
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    fn u8(&mut self) -> io::Result<u8> {
-        let mut b = [0u8; 1];
-        self.read_exact(&mut b)?;
-        Ok(b[0])
-    }
-
-    fn i64(&mut self) -> io::Result<i64> {
-        let mut b = [0u8; 8];
-        self.read_exact(&mut b)?;
-        Ok(i64::from_le_bytes(b))
-    }
-
-    fn u32(&mut self) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.read_exact(&mut b)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn bytes(&mut self) -> Result<Vec<u8>, Fail> {
-        let len = self.i64()? as u64;
-        if len > self.max_reply_len {
-            return Err(Fail::Protocol(format!(
-                "a value of {len} bytes, more than the {} this client accepts",
-                self.max_reply_len
-            )));
-        }
-        // Grow with what arrives rather than trusting the length with an allocation.
-        let mut v = Vec::with_capacity((len as usize).min(1 << 20));
-        let mut chunk = [0u8; 64 * 1024];
-        let mut left = len as usize;
-        while left > 0 {
-            let n = left.min(chunk.len());
-            self.read_exact(&mut chunk[..n])?;
-            v.extend_from_slice(&chunk[..n]);
-            left -= n;
-        }
-        Ok(v)
-    }
 }
 
 fn prefixed(key: &str) -> Vec<u8> {

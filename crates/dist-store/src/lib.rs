@@ -28,6 +28,7 @@
 
 mod client;
 mod error;
+mod io;
 mod prefix;
 pub mod proto;
 mod server;
