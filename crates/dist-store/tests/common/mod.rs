@@ -126,6 +126,9 @@ pub fn exercise(addr: SocketAddr, ns: &str, caps: Caps) {
     if caps.queues {
         s.queue_push(&k("q"), b"i1").unwrap();
         s.queue_push(&k("q"), b"i2").unwrap();
+        // QUEUE_PUSH has no answer: an answered call on the same connection shows both were
+        // run before the other connection looks.
+        assert_eq!(s.queue_len(&k("q")).unwrap(), 2);
         assert_eq!(other.queue_len(&k("q")).unwrap(), 2);
         assert_eq!(other.queue_pop(&k("q"), T).unwrap(), b"i1");
         assert_eq!(other.try_queue_pop(&k("q")).unwrap().unwrap(), b"i2");
