@@ -13,6 +13,7 @@ mod public_api;
 mod scale;
 #[cfg(test)]
 mod tidy;
+mod torch_venv;
 mod trace;
 
 use std::path::{Path, PathBuf};
@@ -88,6 +89,9 @@ enum Cmd {
     PublicApi(public_api::Args),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
+    /// Prepare (or reuse) a venv with torch outside the repository, for dist-store's interop
+    /// tests, and print its python (`DIST_TORCH_PYTHON=$(cargo xtask torch-venv)`).
+    TorchVenv(torch_venv::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
     /// on a host with no Rust toolchain: `FOLDER/run test-multirank --backend nccl`.
     Bundle {
@@ -234,6 +238,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Scale(a) => scale::run(&a),
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Plot(a) => plot::run(&a),
+        Cmd::TorchVenv(a) => torch_venv::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p { pin, latency_only } => {
             let mut args = Vec::new();

@@ -20,6 +20,7 @@ pub const CRATES: &[&str] = &[
     "dist-nccl",
     "dist-hybrid",
     "dist-run",
+    "dist-store",
 ];
 
 #[derive(clap::Args)]
