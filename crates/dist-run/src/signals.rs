@@ -43,27 +43,39 @@ pub fn name(sig: libc::c_int) -> String {
 }
 
 /// While it lives, [`CAUGHT`] are counted instead of ending the process.
-#[derive(Debug)]
 pub(crate) struct Caught {
-    saved: Vec<(libc::c_int, libc::sighandler_t)>,
+    /// Each signal with the whole disposition it had (handler, flags such as `SA_SIGINFO` and
+    /// `SA_ONSTACK`, and mask), put back as it was when the guard drops.
+    saved: Vec<(libc::c_int, libc::sigaction)>,
+}
+
+impl std::fmt::Debug for Caught {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let signals: Vec<_> = self.saved.iter().map(|(s, _)| *s).collect();
+        f.debug_struct("Caught").field("signals", &signals).finish()
+    }
 }
 
 /// Starts catching [`CAUGHT`].
 pub(crate) fn catch() -> Caught {
     let mut saved = Vec::new();
     for sig in CAUGHT {
-        // SAFETY: `on_signal` only stores to atomics, which is async-signal-safe; the previous
-        // disposition is kept and restored when the guard drops (the integration test
+        // SAFETY: `on_signal` takes one argument and is installed without `SA_SIGINFO`, and it
+        // only stores to atomics, which is async-signal-safe. `new` and `old` are initialised
+        // `sigaction`s (all-zero is a valid one: no handler flags, an empty mask) that outlive
+        // the call. The whole previous disposition is kept in `old` and restored when the guard
+        // drops (the unit test `a_siginfo_handler_keeps_its_flags`; the integration test
         // `sigint_and_sigterm_reach_every_rank` and the multirank target's trial
         // `hosts_interrupted_run_leaves_nothing` send signals to a launcher).
-        let old = unsafe {
-            libc::signal(
-                sig,
-                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-            )
-        };
-        if old != libc::SIG_ERR {
-            saved.push((sig, old));
+        unsafe {
+            let mut new: libc::sigaction = std::mem::zeroed();
+            new.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            new.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut new.sa_mask);
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, &new, &mut old) == 0 {
+                saved.push((sig, old));
+            }
         }
     }
     Caught { saved }
@@ -73,8 +85,72 @@ impl Drop for Caught {
     fn drop(&mut self) {
         // Guards nest (simulated hosts, then a run): the inner one restores the outer's handler.
         for (sig, old) in self.saved.drain(..).rev() {
-            // SAFETY: restores the disposition `catch` replaced, which was a valid one.
-            unsafe { libc::signal(sig, old) };
+            // SAFETY: restores, flags and mask included, the disposition the kernel gave back
+            // in `catch`, which was a valid one (the unit test
+            // `a_siginfo_handler_keeps_its_flags` checks a `SA_SIGINFO | SA_ONSTACK` handler
+            // comes back with its flags).
+            unsafe { libc::sigaction(sig, &old, std::ptr::null_mut()) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    extern "C" fn three_args(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+    /// The disposition of `sig` now.
+    fn current(sig: libc::c_int) -> libc::sigaction {
+        // SAFETY: reads the disposition only, into an initialised struct that outlives the call.
+        unsafe {
+            let mut cur: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(sig, std::ptr::null(), &mut cur), 0);
+            cur
+        }
+    }
+
+    /// A three-argument handler installed with `SA_SIGINFO` (as signal-hook's safe API does)
+    /// comes back with its flags and mask after a guard, so the kernel still calls it with a
+    /// `siginfo_t`. (SIGHUP: no other test in this binary takes a guard.)
+    #[test]
+    fn a_siginfo_handler_keeps_its_flags() {
+        let sig = libc::SIGHUP;
+        // SAFETY: test setup; the handler does nothing, SIGHUP is not raised, and the default
+        // disposition is put back at the end.
+        let before = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = three_args as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaddset(&mut sa.sa_mask, libc::SIGUSR2);
+            assert_eq!(libc::sigaction(sig, &sa, std::ptr::null_mut()), 0);
+            current(sig)
+        };
+        let guard = catch();
+        assert_eq!(
+            current(sig).sa_sigaction,
+            on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            "the guard catches the signal"
+        );
+        drop(guard);
+        let after = current(sig);
+        // SAFETY: puts the default disposition back; nothing raises SIGHUP meanwhile.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+        assert_eq!(
+            after.sa_sigaction, three_args as *const () as usize,
+            "the handler is restored"
+        );
+        let flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+        assert_eq!(
+            after.sa_flags & flags,
+            flags,
+            "SA_SIGINFO or SA_ONSTACK lost: flags {:#x}",
+            after.sa_flags
+        );
+        assert_eq!(after.sa_flags, before.sa_flags, "the flags are restored");
+        // SAFETY: reads a mask the kernel filled in.
+        let usr2 = unsafe { libc::sigismember(&after.sa_mask, libc::SIGUSR2) };
+        assert_eq!(usr2, 1, "the handler's mask is restored");
     }
 }
