@@ -103,7 +103,8 @@ pub fn namespaces() -> Result<Vec<String>, String> {
 /// Why simulated hosts cannot be made here, if they cannot: not root, no `ip`, or the kernel or
 /// a container refusing a namespace (tried once: a namespace made and deleted).
 pub fn unavailable() -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
+    // SAFETY: geteuid has no preconditions, touches no memory of ours and cannot fail (the
+    // integration test `simulated_hosts_place_ranks_in_blocks` calls it first).
     if unsafe { libc::geteuid() } != 0 {
         return Some("simulated hosts need root (network namespaces)".into());
     }

@@ -27,6 +27,12 @@ struct Rank {
 /// in its host's namespace ([`Hosts::host_of`]), `MASTER_ADDR` host 0's address, `LOCAL_RANK`
 /// and `LOCAL_WORLD_SIZE` within its host, and `DIST_TEST_HOST`, `DIST_TEST_HOSTS` and
 /// `DIST_TEST_NETNS` saying where it runs.
+///
+/// The ranks are started from the calling thread, which stays in `run` until every rank has
+/// been waited for. That matters on Linux: a rank is killed when the *thread* that started it
+/// ends (`PR_SET_PDEATHSIG` follows the thread, not the process), so starting ranks from a
+/// helper thread that ends before them would kill them. Calling `run` from a short-lived thread
+/// is fine: the thread lives as long as the run.
 pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
     if launch.world == 0 {
         return Err(Error::NoRanks);
@@ -209,7 +215,9 @@ fn command(
 }
 
 /// On Linux, the rank is killed if the launcher dies (even by SIGKILL, which it cannot catch),
-/// so that no rank outlives it; elsewhere, nothing.
+/// so that no rank outlives it; elsewhere, nothing. The kernel ties this to the thread that
+/// spawns the rank, so [`run`] spawns every rank from its own thread, which outlives them (the
+/// test `ranks_started_from_a_thread_that_ends_live_until_the_run_ends`).
 fn die_with_launcher(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
@@ -248,6 +256,48 @@ fn signal(rank: &mut Rank, sig: libc::c_int, group: bool) {
     let target = if group { -pid } else { pid };
     // SAFETY: kill has no memory-safety preconditions. The rank has not been waited for, so its
     // pid (and, with `group`, the process group it leads, made by `process_group(0)`) still
-    // names our child, not a process that reused the number.
+    // names our child, not a process that reused the number. The integration tests
+    // `a_survivor_that_hangs_is_killed_after_the_grace_period` (SIGKILL) and
+    // `sigint_and_sigterm_reach_every_rank` (forwarded to each rank's group) send them.
     unsafe { libc::kill(target, sig) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run` called from a thread that ends when the run returns: every rank lives its whole
+    /// life (the death signal is tied to the thread that spawned it, which must outlive it).
+    #[test]
+    fn ranks_started_from_a_thread_that_ends_live_until_the_run_ends() {
+        let mut launch = Launch::new("sh", 2);
+        launch.args = ["-c", "sleep 0.5; echo alive"]
+            .into_iter()
+            .map(Into::into)
+            .collect();
+        // No signal guard: the signal tests of this binary own the dispositions.
+        launch.signals = Signals::Stop;
+        launch.echo = false;
+        launch.timeout = Some(Duration::from_secs(60));
+        let report = std::thread::spawn(move || run(&launch, None))
+            .join()
+            .expect("the launching thread does not panic")
+            .expect("the run starts");
+        assert_eq!(report.ranks.len(), 2);
+        for (r, exit) in report.ranks.iter().enumerate() {
+            let status = exit.status.expect("the rank was waited for");
+            assert!(
+                status.success(),
+                "rank {r} ended with {status:?} after {:?}",
+                exit.after
+            );
+            assert!(!exit.killed, "rank {r} was killed by the launcher");
+            assert!(
+                exit.after >= Duration::from_millis(500),
+                "rank {r} ran its sleep"
+            );
+        }
+        let alive = report.lines.iter().filter(|l| l.ends_with("alive")).count();
+        assert_eq!(alive, 2, "every rank reached its end: {:?}", report.lines);
+    }
 }
