@@ -17,6 +17,10 @@ use crate::shared::{Abort, Shared, cuda, nccl_error};
 use crate::split;
 use crate::watchdog::{WATCH_EVERY, watch};
 
+/// Why an init is refused while this thread has a group open.
+const IN_GROUP_REASON: &str =
+    "not inside a group: this thread has a group open, which would record the init into it";
+
 /// A member of an NCCL communicator, bound to one GPU, with its stream and watchdog.
 ///
 /// `Communicator` is `Sync`: threads may share one, and every NCCL call on it runs under its
@@ -44,7 +48,7 @@ impl std::fmt::Debug for Communicator {
 impl Communicator {
     /// Joins communicator `id` as `rank` of `size`, on the GPU of `ctx`. Every rank must call
     /// this with the same id; it returns when all have joined, or fails at the init deadline
-    /// (aborting the half-made communicator).
+    /// (aborting the half-made communicator). Refused while this thread has a group open.
     pub fn init_rank(
         nccl: Arc<Nccl>,
         ctx: &Arc<CudaContext>,
@@ -60,6 +64,16 @@ impl Communicator {
                 .as_ref()
                 .map_or(String::new(), |n| format!("'{n}' "))
         );
+        // Inside an open group NCCL would record the init as one of the group's jobs, and the
+        // connecting sends and receives (`connect_peers`) would outlive their buffer until the
+        // outer group ends: refused before NCCL or CUDA is called, as splits are.
+        if crate::group::in_group() {
+            return Err(NcclError::InvalidArgument {
+                comm: who,
+                op: "init".into(),
+                reason: IN_GROUP_REASON.into(),
+            });
+        }
         if size == 0 || size > i32::MAX as usize || rank >= size {
             return Err(NcclError::InvalidArgument {
                 comm: who,
@@ -94,14 +108,23 @@ impl Communicator {
     /// One process driving several GPUs (`ncclCommInitAll`): a communicator per device of
     /// `devices`, rank i on `devices[i]`. Drive them from one thread inside a
     /// [`Communicator::group`], or from a thread each. All ranks are in this process, so the
-    /// init (blocking) has no remote peer to wait for.
+    /// init (blocking) has no remote peer to wait for. Refused while this thread has a group
+    /// open.
     pub fn init_all(
         nccl: Arc<Nccl>,
         devices: &[usize],
         cfg: CommConfig,
     ) -> Result<Vec<Communicator>> {
-        let f = nccl_fn!(&nccl, ncclCommInitAll)?;
         let who = format!("nccl init_all on devices {devices:?}");
+        // As in `init_rank`: an init inside an open group would be recorded into it.
+        if crate::group::in_group() {
+            return Err(NcclError::InvalidArgument {
+                comm: who,
+                op: "init_all".into(),
+                reason: IN_GROUP_REASON.into(),
+            });
+        }
+        let f = nccl_fn!(&nccl, ncclCommInitAll)?;
         if devices.is_empty() || devices.len() > i32::MAX as usize {
             return Err(NcclError::InvalidArgument {
                 comm: who,

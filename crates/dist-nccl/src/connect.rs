@@ -78,6 +78,10 @@ pub(crate) fn connect_peers(
     limit: Duration,
 ) -> Result<ncclComm_t> {
     const OP: &str = "connect to every peer";
+    // The group opened below must be the outermost: nested in another, its `ncclGroupEnd`
+    // would launch nothing, and the buffer could be freed while the transfers stay recorded.
+    // `init_rank` and `split` refuse to run inside a group, so no caller gets here in one.
+    debug_assert!(!crate::group::in_group(), "connect_peers inside a group");
     // Every return below drops `owned` (aborting `comm`, then freeing the buffer) unless it
     // was released.
     let mut owned = AbortFirst::new(comm, None::<CudaSlice<u8>>, |c| abort_handle(nccl, c));
@@ -100,7 +104,10 @@ pub(crate) fn connect_peers(
     let cu = stream.cu_stream() as cudaStream_t;
     let u8t = ncclDataType_t::ncclUint8;
     // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state;
-    // the group is ended below on every path (no early return between the two).
+    // the group is ended below on every path (no early return between the two). No outer group
+    // is open (the callers refuse one, asserted above), so this group's end launches its
+    // transfers. Run by the multirank trial `nccl_connect_absent` and by every GPU trial's
+    // init (`connect_peers` is on in `nccl_tests.rs`'s rig).
     let opened = unsafe { start() };
     NcclCode::check(opened)
         .map_err(|code| nccl_error(nccl, who, "ncclGroupStart", code, Some(comm)))?;
@@ -111,7 +118,8 @@ pub(crate) fn connect_peers(
         // the transfers complete (below) or aborts `comm` before freeing it (`AbortFirst`),
         // so no transfer NCCL launches writes into freed memory; the send reads byte 0, the
         // receive from `peer` writes byte 1 + peer < size + 1; both on the default stream of
-        // this context; peer < size.
+        // this context; peer < size (the multirank trials `nccl_connect_absent`, whose
+        // bound rests on these connections, and `nccl_collectives`, whose init connects).
         let (s, r) = unsafe {
             let base = ptr as *mut u8;
             let s = send(base as *const c_void, 1, u8t, peer as i32, comm, cu);
@@ -122,7 +130,9 @@ pub(crate) fn connect_peers(
             first_err.get_or_insert(code);
         }
     }
-    // SAFETY: this thread opened the group above; `comm` is live and used by it alone.
+    // SAFETY: this thread opened the group above, the outermost one (no caller runs inside a
+    // group), so this end launches the transfers; `comm` is live and used by it alone (the
+    // multirank trial `nccl_connect_absent`).
     let ended = unsafe { end() };
     if let Some(code) = first_err {
         return Err(nccl_error(nccl, who, OP, code, Some(comm)));

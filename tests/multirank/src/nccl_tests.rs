@@ -189,6 +189,34 @@ fn misuse() -> Result<(), String> {
         r.comm.group(|_g| r.comm.group(|_| Ok(()))),
         "a group is already open on this thread",
     );
+    // An init inside an open group would be recorded into it (and the connecting transfers
+    // could outlive their buffer): refused before NCCL is called. The id is never used.
+    let unused = UniqueId::from_bytes(&[0u8; 128]).unwrap();
+    expect(
+        r.comm.group(|_g| {
+            Communicator::init_rank(
+                r.comm.nccl().clone(),
+                r.comm.context(),
+                0,
+                1,
+                &unused,
+                CommConfig::default(),
+            )
+            .map(drop)
+        }),
+        "not inside a group",
+    );
+    expect(
+        r.comm.group(|_g| {
+            Communicator::init_all(
+                r.comm.nccl().clone(),
+                &[r.comm.device()],
+                CommConfig::default(),
+            )
+            .map(drop)
+        }),
+        "not inside a group",
+    );
     assert_eq!(
         bits(&down(&r.comm, &out)),
         bits(&before),
