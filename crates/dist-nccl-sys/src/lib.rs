@@ -19,7 +19,8 @@
 //! are NCCL's, with the signatures of [`bindings`]. Nothing in a file shows either, so a path
 //! is trusted, never checked:
 //! - [`Library::load_from`] is `unsafe`: its caller promises that the path names an NCCL
-//!   library (see its `# Safety`).
+//!   library, or a library safe to load here that exports no `ncclGetVersion`, which is
+//!   refused (see its `# Safety`).
 //! - [`Library::load`] is safe because what it loads is chosen by the process's environment:
 //!   `$DIST_NCCL_LIBRARY`, or the dynamic loader's search (`LD_LIBRARY_PATH`, the loader's
 //!   cache). Setting `DIST_NCCL_LIBRARY` is the operator's promise that it names an NCCL
@@ -257,13 +258,18 @@ impl Library {
     ///
     /// # Safety
     ///
-    /// `path` must name an NCCL shared library (or one the dynamic loader resolves to one):
-    /// loading it runs its initialisers in this process, and its exported `ncclGetVersion` is
-    /// called, and every other function later handed out by [`Library::get`] may be, with the
-    /// signatures of NCCL 2.28's `nccl.h` ([`bindings`]). Any other library (one whose
-    /// initialisers are not meant to run here, or that exports an NCCL name with another
-    /// meaning) makes those calls undefined behaviour. A missing file, or a library without
-    /// `ncclGetVersion`, is an error, not undefined behaviour.
+    /// `path` must name either
+    /// - an NCCL shared library (or one the dynamic loader resolves to one): loading it runs its
+    ///   initialisers in this process, and its exported `ncclGetVersion` is called, and every
+    ///   other function later handed out by [`Library::get`] may be, with the signatures of
+    ///   NCCL 2.28's `nccl.h` ([`bindings`]); or
+    /// - a library whose initialisers may run in this process (for instance one loaded in it
+    ///   already, such as `libc.so.6`) and that exports no `ncclGetVersion`: it is refused with
+    ///   [`LoadError::Unusable`], and none of its functions is called.
+    ///
+    /// Any other library (one whose initialisers are not meant to run here, or that exports an
+    /// NCCL name with another meaning) makes those calls undefined behaviour. A missing file is
+    /// an error, not undefined behaviour.
     ///
     /// A safe call does not compile:
     ///
@@ -277,15 +283,19 @@ impl Library {
 
     /// # Safety
     ///
-    /// Every candidate must be an NCCL library ([`Library::load_from`]'s contract).
+    /// Every candidate must keep [`Library::load_from`]'s contract: an NCCL library, or one
+    /// whose initialisers may run here and that exports no `ncclGetVersion`.
     unsafe fn load_first(candidates: &[String]) -> Result<Library, LoadError> {
         let mut tried = Vec::new();
         for path in candidates {
             // SAFETY: loading a shared library runs its initialisers; the candidate is an NCCL
-            // library (this function's contract), whose initialisers are meant to run in a
-            // process that dlopens it (PyTorch and others load it this way too).
+            // library, whose initialisers are meant to run in a process that dlopens it
+            // (PyTorch and others load it this way too), or one whose initialisers may run here
+            // (this function's contract; the tests `a_library_that_is_not_nccl_is_unusable` and,
+            // with a real NCCL, `real_library_reports_version_errors_and_ids`).
             match unsafe { NcclLib::new(path) } {
-                // SAFETY: `raw` was loaded from a candidate, an NCCL library (this contract).
+                // SAFETY: `raw` was loaded from a candidate, which keeps `check`'s contract
+                // (this one's).
                 Ok(raw) => return unsafe { Self::check(raw, path.clone()) },
                 Err(e) => tried.push((path.clone(), e.to_string())),
             }
@@ -295,8 +305,9 @@ impl Library {
 
     /// # Safety
     ///
-    /// `raw` is an NCCL library ([`Library::load_from`]'s contract): its `ncclGetVersion` is
-    /// called.
+    /// `raw` is an NCCL library, whose `ncclGetVersion` is called, or a library that exports no
+    /// `ncclGetVersion`, which is refused without calling anything ([`Library::load_from`]'s
+    /// contract).
     unsafe fn check(raw: NcclLib, path: String) -> Result<Library, LoadError> {
         let get_version = raw
             .ncclGetVersion
@@ -306,8 +317,9 @@ impl Library {
                 why: format!("no ncclGetVersion: {e}"),
             })?;
         let mut version = 0;
-        // SAFETY: the library is NCCL (the contract of `load_first`'s callers), whose
-        // `ncclGetVersion` writes one int through the pointer, which is valid.
+        // SAFETY: the library exports `ncclGetVersion`, so by this function's contract it is
+        // NCCL, whose `ncclGetVersion` writes one int through the pointer, which is valid (the
+        // test `real_library_reports_version_errors_and_ids`).
         let r = unsafe { get_version(&mut version) };
         if r != ncclResult_t::ncclSuccess {
             return Err(LoadError::Unusable {
@@ -467,9 +479,9 @@ mod tests {
 
     #[test]
     fn a_library_that_is_not_nccl_is_unusable() {
-        // SAFETY: outside `load_from`'s contract, but known harmless here: libc is already
-        // loaded into this process (std links it), so loading it again runs no initialiser,
-        // and it exports no ncclGetVersion, so no function of it is called.
+        // SAFETY: `load_from`'s second case: libc is already loaded into this process (std
+        // links it), so loading it again runs no initialiser, and it exports no
+        // ncclGetVersion, so it is refused and no function of it is called.
         let e = unsafe { Library::load_from("libc.so.6") }.unwrap_err();
         assert!(matches!(e, LoadError::Unusable { .. }), "{e}");
         assert!(e.to_string().contains("no ncclGetVersion"), "{e}");
