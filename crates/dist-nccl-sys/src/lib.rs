@@ -508,6 +508,14 @@ mod tests {
             text.to_string_lossy().contains("invalid argument"),
             "{text:?}"
         );
+        let last = nccl_fn!(&lib, ncclGetLastError).unwrap();
+        // SAFETY: ncclGetLastError takes a communicator or null and returns a C string NCCL
+        // owns (possibly empty), valid until the next NCCL call on this thread; it is read
+        // before any other.
+        let p = unsafe { last(std::ptr::null_mut()) };
+        assert!(!p.is_null(), "ncclGetLastError returned null");
+        // SAFETY: non-null and NUL-terminated, as above.
+        let _ = unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy();
         let get_id = nccl_fn!(&lib, ncclGetUniqueId).unwrap();
         let mut id = ncclUniqueId::default();
         // SAFETY: the pointer is valid for one ncclUniqueId.

@@ -90,6 +90,8 @@ impl Communicator {
         let started = Instant::now();
         // SAFETY: every pointer is valid for the call (NCCL reads the config during it); the name
         // the config points to, which NCCL keeps, lives for the process (`config::nccl_name`).
+        // No group is open on this thread (refused above). Every multirank GPU trial forms its
+        // communicator here (`rig` in `nccl_tests.rs`, e.g. `nccl_collectives`).
         let r = unsafe { init(&mut comm, size as i32, id.raw(), rank as i32, &mut conf) };
         NcclCode::check_started(r)
             .map_err(|code| nccl_error(&nccl, &who, "ncclCommInitRankConfig", code, None))?;
@@ -138,7 +140,8 @@ impl Communicator {
             .collect::<Result<Vec<_>>>()?;
         let list: Vec<i32> = devices.iter().map(|d| *d as i32).collect();
         let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
-        // SAFETY: `comms` has room for one handle per device in `list`.
+        // SAFETY: `comms` has room for one handle per device in `list`; no group is open on this
+        // thread (refused above). The multirank trial `nccl_init_all_fp8` runs it.
         let r = unsafe { f(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) };
         NcclCode::check(r)
             .map_err(|code| nccl_error(&nccl, &who, "ncclCommInitAll", code, None))?;
@@ -293,7 +296,8 @@ impl Communicator {
         };
         let mut state = ncclResult_t::ncclSuccess;
         // SAFETY: the communicator is live (`lock_for_call` checked `aborted`) and we hold its
-        // lock, so no other thread is inside NCCL on it; valid pointer.
+        // lock, so no other thread is inside NCCL on it; valid pointer (the multirank trial
+        // `nccl_misuse` asks for it).
         let r = unsafe { get(st.comm, &mut state) };
         let code = NcclCode::check_started(r)
             .and(NcclCode::check_started(state))
@@ -555,7 +559,8 @@ impl Drop for Communicator {
         let finalized = match nccl_fn!(&nccl, ncclCommFinalize) {
             Ok(f) => {
                 // SAFETY: live communicator (`aborted` is None) under its lock; no group can be
-                // open over it (a group borrows the communicator, which is being dropped).
+                // open over it (a group borrows the communicator, which is being dropped). Every
+                // GPU trial drops its communicator; `nccl_drop_bounded` bounds it.
                 let r = unsafe { f(st.comm) };
                 self.shared
                     .settle(&mut st, "finalize", r)
@@ -574,7 +579,8 @@ impl Drop for Communicator {
         }
         if let Ok(f) = nccl_fn!(&nccl, ncclCommDestroy) {
             // SAFETY: finalized, live communicator under its lock, never used again (`aborted`
-            // is set right after, under the same lock).
+            // is set right after, under the same lock). Every GPU trial's drop, e.g.
+            // `nccl_drop_bounded`.
             let _ = unsafe { f(st.comm) };
             st.aborted = Some(Abort::Error("destroyed".into()));
         }

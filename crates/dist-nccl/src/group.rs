@@ -182,7 +182,8 @@ pub fn group<'buf, R>(
     }
     let nccl = &first.shared.nccl;
     let start = match nccl_fn!(nccl, ncclGroupStart) {
-        // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state.
+        // SAFETY: ncclGroupStart takes no arguments and only touches this thread's group state
+        // (the multirank trials `nccl_group_paths` and `nccl_uneven_grouped`).
         Ok(f) => NcclCode::check(unsafe { f() })
             .map_err(|code| nccl_error(nccl, &first.shared.who, "ncclGroupStart", code, None)),
         Err(e) => Err(e.into()),
@@ -274,7 +275,9 @@ impl<'buf> Group<'buf> {
             // SAFETY: this thread opened the group (ncclGroupStart in `group`, and a Group never
             // leaves its thread); every communicator recorded in it is live: each was live when
             // the group took it, and an abort is deferred while the group owns it (`owner`);
-            // we hold every one's lock, so no other thread is inside NCCL on them.
+            // we hold every one's lock, so no other thread is inside NCCL on them. The
+            // multirank trial `nccl_group_paths` ends groups after an error and a panic;
+            // `nccl_uneven_grouped` and `nccl_collectives` end groups of sends and receives.
             Ok(f) => unsafe { f() },
             Err(e) => {
                 for (c, st) in self.comms.iter().zip(states.iter_mut()) {

@@ -27,7 +27,9 @@ impl UniqueId {
         const OP: &str = "ncclGetUniqueId";
         let f = dist_nccl_sys::nccl_fn!(nccl, ncclGetUniqueId)?;
         let mut raw = ncclUniqueId::default();
-        // SAFETY: the pointer is valid for one ncclUniqueId, which NCCL fills.
+        // SAFETY: the pointer is valid for one ncclUniqueId, which NCCL fills (rank 0 of every
+        // multirank GPU trial, e.g. `nccl_collectives`; dist-nccl-sys's
+        // `real_library_reports_version_errors_and_ids` makes the same call without a GPU).
         let r = unsafe { f(&mut raw) };
         NcclCode::check(r).map_err(|code| nccl_error(nccl, OP, OP, code, None))?;
         Ok(UniqueId(bytemuck::cast(raw.internal)))

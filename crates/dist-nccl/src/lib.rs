@@ -80,7 +80,9 @@ pub use work::Work;
 /// Tests and benchmarks use it to skip themselves on machines without a GPU.
 pub fn cuda_device_count() -> usize {
     // cudarc panics when it cannot find the driver library: look for it first.
-    // SAFETY: loading the CUDA driver library runs only its own initialisers.
+    // SAFETY: loading the CUDA driver library runs only its own initialisers (dist-hybrid's
+    // test `a_unique_id_means_nccl_is_required` and every multirank GPU trial call this, with
+    // or without a GPU).
     let present = ["libcuda.so.1", "libcuda.so"]
         .iter()
         .any(|n| unsafe { libloading::Library::new(n) }.is_ok());

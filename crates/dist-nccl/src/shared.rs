@@ -296,6 +296,8 @@ impl Shared {
             let mut state = ncclResult_t::ncclInProgress;
             // SAFETY: the communicator is live (callers checked `aborted` under this lock, and
             // only `abort_locked`, under the lock, ends it); the pointer is valid for one result.
+            // Run by every drop's finalize (the multirank trials `nccl_drop_bounded`, which
+            // bounds it, and every other GPU trial at its end).
             let r = unsafe { get(st.comm, &mut state) };
             let fail = |code| Err(nccl_error(&self.nccl, &self.who, op, code, Some(st.comm)));
             if let Err(code) = NcclCode::check(r) {
@@ -345,7 +347,9 @@ impl Shared {
             // SAFETY: the communicator is live (`aborted` is None); we hold its lock, so no other
             // thread is inside an NCCL call on it, and no group is open over it (`owner` is
             // None). After this the handle is never used again: `aborted` is set below, under
-            // the same lock, and every use checks it first.
+            // the same lock, and every use checks it first. The multirank trials
+            // `nccl_split_absent` (an explicit abort), `nccl_connect_absent` and
+            // `nccl_two_stalled` (aborts at the timeout, then calls refused and the drop) run it.
             let _ = unsafe { f(st.comm) };
         }
         tracing::debug!(comm = %self.who, took = ?t0.elapsed(), "abort: sharing and comm aborted");
@@ -361,7 +365,9 @@ impl Shared {
 /// `ncclGetErrorString` of `code` (its meaning where the library lacks the function).
 pub(crate) fn error_text(nccl: &Nccl, code: NcclCode) -> String {
     match dist_nccl_sys::nccl_fn!(nccl, ncclGetErrorString) {
-        // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any code.
+        // SAFETY: ncclGetErrorString returns a static, NUL-terminated string for any code
+        // (dist-nccl-sys's `real_library_reports_version_errors_and_ids` calls it on the real
+        // library, no GPU needed; here it runs for any NCCL error code a trial meets).
         Ok(f) => unsafe { CStr::from_ptr(f(code.result())) }
             .to_string_lossy()
             .into_owned(),
@@ -375,12 +381,14 @@ fn last_error(nccl: &Nccl, comm: Option<ncclComm_t>) -> String {
             // SAFETY: ncclGetLastError takes a communicator or null and returns a C string
             // owned by NCCL (possibly empty), valid until the next NCCL call on this thread;
             // callers pass a communicator only while holding its lock, and it is copied below
-            // before any other call.
+            // before any other call (dist-nccl-sys's `real_library_reports_version_errors_and_ids`
+            // calls it with null on the real library; with a communicator it runs for any NCCL
+            // error code a multirank trial meets).
             let p = unsafe { f(comm.unwrap_or(std::ptr::null_mut())) };
             if p.is_null() {
                 String::new()
             } else {
-                // SAFETY: non-null, NUL-terminated, see above.
+                // SAFETY: non-null, NUL-terminated, see above (same tests).
                 unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
             }
         }

@@ -129,7 +129,8 @@ impl Communicator {
         };
         let (mut n, mut r) = (0i32, 0i32);
         // SAFETY: `nb` is a ready communicator used by this thread alone; the pointers are
-        // valid for one int each.
+        // valid for one int each. Every init and split comes here (the multirank trials
+        // `nccl_collectives` and `nccl_split`).
         let (a, b) = unsafe { (count(nb, &mut n), user_rank(nb, &mut r)) };
         if let Err(code) = NcclCode::check(a).and(NcclCode::check(b)) {
             let e = nccl_error(&nccl, &who, "query the communicator", code, Some(nb));
@@ -192,7 +193,9 @@ impl Communicator {
 pub(crate) fn ready(nccl: &Nccl, comm: ncclComm_t, who: &str, op: &str) -> Result<bool> {
     let get = nccl_fn!(nccl, ncclCommGetAsyncError)?;
     let mut state = ncclResult_t::ncclInProgress;
-    // SAFETY: `comm` is a live handle the caller uses alone (module doc); valid pointer.
+    // SAFETY: `comm` is a live handle the caller uses alone (module doc); valid pointer. Polled
+    // by every init and split (the multirank trials `nccl_split` and `nccl_split_absent`, which
+    // polls until the deadline).
     let r = unsafe { get(comm, &mut state) };
     match NcclCode::check(r).map(|()| NcclCode::check(state)) {
         Ok(Ok(())) => Ok(true),
@@ -208,7 +211,8 @@ pub(crate) fn abort_handle(nccl: &Nccl, comm: ncclComm_t) {
     }
     if let Ok(f) = nccl_fn!(nccl, ncclCommAbort) {
         // SAFETY: live handle, used by this thread alone (no thread inside a call on it), and
-        // never used again (the caller's contract).
+        // never used again (the caller's contract). Every GPU trial's drop aborts the handles it
+        // kept through it, and `nccl_split_absent` a split given up at its deadline.
         let _ = unsafe { f(comm) };
     }
 }
@@ -265,7 +269,9 @@ pub(crate) fn split_handle(
     // SAFETY: `parent` is live and used by this thread alone (module doc); the slot is valid,
     // aligned memory for one handle that outlives any write NCCL makes to it (see above); the
     // config is valid for the call and NCCL copies it, but keeps the name it points to, which
-    // lives for the process (`config::nccl_name`, the only way a config is built).
+    // lives for the process (`config::nccl_name`, the only way a config is built). The
+    // multirank trials `nccl_split`, `nccl_split_absent` and `hybrid_groups_gpu` (no color
+    // too) split.
     let r = unsafe { f(parent, color, key, slot.as_ptr(), conf) };
     if let Err(code) = NcclCode::check_started(r) {
         return Err((nccl_error(nccl, who, OP, code, Some(parent)), false));

@@ -81,6 +81,8 @@ pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
             let mut state = ncclResult_t::ncclSuccess;
             // SAFETY: the communicator is live (`aborted` is None) and we hold its lock, so no
             // other thread is inside NCCL on it and no group is open over it; valid pointer.
+            // Every GPU trial runs a watchdog; in `nccl_connect_absent` it finds the stalled
+            // communicator.
             let r = unsafe { get(st.comm, &mut state) };
             if let Err(code) = NcclCode::check_started(r).and(NcclCode::check_started(state)) {
                 let e = nccl_error(

@@ -226,6 +226,9 @@ fn misuse() -> Result<(), String> {
     let mut y = up(s, &[2u8; 3]);
     r.comm.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap();
     assert_eq!(down(&r.comm, &y), vec![2 * n as u8; 3]);
+    if let Some(e) = r.comm.async_error() {
+        panic!("refused calls left an asynchronous error: {e}");
+    }
     r.tcp.barrier().unwrap();
     Ok(())
 }

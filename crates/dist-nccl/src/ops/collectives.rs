@@ -34,6 +34,7 @@ impl<'a> Ops<'a> {
         let f = nccl_fn!(&self.comm.shared.nccl, ncclAllReduce)?;
         let n = send.len();
         // SAFETY: both buffers are of this context and hold `n` elements of T (checked).
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), Some(recv), |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, red.op, c, st)
         })
@@ -54,6 +55,7 @@ impl<'a> Ops<'a> {
         let n = buf.len();
         // SAFETY: one buffer of `n` elements of T on this context, used in place (send and
         // receive the same pointer) as NCCL allows.
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, None, Some(buf), |_, p, c, st| unsafe {
             f(p, p, n, T::NCCL, red.op, c, st)
         })
@@ -73,6 +75,7 @@ impl<'a> Ops<'a> {
         let f = nccl_fn!(&self.comm.shared.nccl, ncclBroadcast)?;
         let n = buf.len();
         // SAFETY: one buffer of `n` elements of T on this context, in place; `root` < size.
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, None, Some(buf), |_, p, c, st| unsafe {
             f(p, p, n, T::NCCL, root, c, st)
         })
@@ -101,6 +104,7 @@ impl<'a> Ops<'a> {
         // SAFETY: `send` holds `n` elements of T on this context; `recv`, where given, holds
         // `n` too; it is given on the root (checked), and elsewhere NCCL does not touch the
         // receive buffer (null there).
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), recv, |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, red.op, root_i, c, st)
         })
@@ -122,6 +126,7 @@ impl<'a> Ops<'a> {
         let n = send.len();
         // SAFETY: `send` holds n and `recv` size × n elements of T on this context, as NCCL
         // reads and writes.
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), Some(recv), |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, c, st)
         })
@@ -144,6 +149,7 @@ impl<'a> Ops<'a> {
         let f = nccl_fn!(&self.comm.shared.nccl, ncclReduceScatter)?;
         let n = recv.len();
         // SAFETY: `send` holds size × n and `recv` n elements of T on this context.
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), Some(recv), |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, red.op, c, st)
         })
@@ -173,6 +179,7 @@ impl<'a> Ops<'a> {
         let f = nccl_fn!(&self.comm.shared.nccl, ncclAlltoAll)?;
         let k = send.len() / size;
         // SAFETY: both buffers hold size × k elements of T on this context.
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), Some(recv), |s, r, c, st| unsafe {
             f(s, r, k, T::NCCL, c, st)
         })
@@ -200,6 +207,7 @@ impl<'a> Ops<'a> {
         // SAFETY: `send` holds n elements of T on this context; `recv`, where given, size × n;
         // it is given on the root (checked), and elsewhere NCCL does not touch the receive
         // buffer (null there).
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), recv, |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, root_i, c, st)
         })
@@ -227,6 +235,7 @@ impl<'a> Ops<'a> {
         // SAFETY: `recv` holds n elements of T on this context; `send`, where given, size × n;
         // it is given on the root (checked), and elsewhere NCCL does not read the send buffer
         // (null there).
+        // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, send, Some(recv), |s, r, c, st| unsafe {
             f(s, r, n, T::NCCL, root_i, c, st)
         })

@@ -23,7 +23,8 @@ impl<'a> Ops<'a> {
         let peer = self.check_rank(OP, "peer", peer)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclSend)?;
         let n = buf.len();
-        // SAFETY: `buf` holds n elements of T on this context; `peer` < size.
+        // SAFETY: `buf` holds n elements of T on this context; `peer` < size (the multirank
+        // trials `nccl_collectives` and `hybrid_device_collectives`).
         self.launch(OP, Some(buf), None, |p, _, c, st| unsafe {
             f(p, n, T::NCCL, peer, c, st)
         })
@@ -42,7 +43,8 @@ impl<'a> Ops<'a> {
         let peer = self.check_rank(OP, "peer", peer)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclRecv)?;
         let n = buf.len();
-        // SAFETY: `buf` holds n elements of T on this context; `peer` < size.
+        // SAFETY: `buf` holds n elements of T on this context; `peer` < size (the multirank
+        // trials `nccl_collectives` and `hybrid_device_collectives`).
         self.launch(OP, None, Some(buf), |_, p, c, st| unsafe {
             f(p, n, T::NCCL, peer, c, st)
         })

@@ -25,7 +25,8 @@ impl Drop for RedOp<'_> {
         {
             let op = self.op;
             // SAFETY: the op was created on this communicator, which `call` uses only while
-            // live and under its lock; the call that used the op has returned.
+            // live and under its lock; the call that used the op has returned. The multirank
+            // trial `nccl_collectives` reduces with `PreMulSum` for every type.
             let r = shared.call("destroy a PreMulSum op", |c| unsafe { f(op, c) });
             if let Err(e) = r {
                 tracing::debug!(comm = %shared.who, error = %e, "ncclRedOpDestroy");
@@ -69,7 +70,8 @@ impl<'a> Ops<'a> {
         shared.call(op_name, |c| {
             // SAFETY: NCCL reads one element of T::NCCL from the scalar during the call
             // (host-immediate); `scalar_for` checked that this is `size_of::<T>()` <= 8 bytes,
-            // all inside `scalar`. `out` is valid for one op; `c` is live under the lock.
+            // all inside `scalar`. `out` is valid for one op; `c` is live under the lock (the
+            // multirank trial `nccl_collectives`, `PreMulSum` for every type).
             unsafe {
                 f(
                     &mut out,

@@ -316,7 +316,9 @@ impl<'a> Ops<'a> {
             // (`*_moves`); a block of a buffer not given has no elements (checked above), and
             // no element is moved for it. The pointer arithmetic is on device addresses, never
             // dereferenced here. Every ncclGroupStart is matched by the ncclGroupEnd below,
-            // whatever a call in between returns, on this thread.
+            // whatever a call in between returns, on this thread. The multirank trials
+            // `nccl_uneven_grouped` (alone and inside a group) and `hybrid_device_collectives`
+            // (every uneven collective) run it.
             unsafe {
                 let started = start();
                 if !ok(started) {
