@@ -174,8 +174,8 @@ pub(crate) struct Peer {
     pub(crate) beats: AtomicU64,
     /// Hears, from the I/O thread (or a receiver reading), each heartbeat (and whether it asked for one back).
     on_beat: OnceLock<BeatSink>,
-    /// The peer said it is closing its backend normally.
-    leaving: AtomicBool,
+    /// When the peer first said it is closing its backend normally.
+    leaving: OnceLock<Instant>,
 }
 
 /// A hook the owning backend passes to each peer to hear that its connection ended.
