@@ -495,7 +495,9 @@ impl Peer {
                     rx.frame = Frame::Header;
                     match self.on_abort.get() {
                         Some(sink) => sink(notice),
-                        None => self.aborts.raise(notice),
+                        None => {
+                            self.aborts.raise(notice);
+                        }
                     }
                 }
             }
