@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use dist_core::{Backend, DistError};
+use dist_core::{Backend, DistError, Tag};
 use dist_tcp::wire::{FrameHeader, FrameKind, HEARTBEAT_CLOSING};
 use dist_tcp::{FaultCause, PeerFault, TcpBackend, TcpConfig};
 
@@ -33,10 +33,18 @@ fn cfg(rank: usize, world: usize, port: u16, peer_timeout: Duration) -> TcpConfi
 
 /// Rank 0 real, rank 1 a raw connection (the real handshake, then bytes of our choosing).
 fn real_and_raw(peer_timeout: Duration) -> (TcpBackend, TcpStream) {
+    real_and_raw_with(peer_timeout, |c| c)
+}
+
+/// [`real_and_raw`], with rank 0's configuration changed by `tune`.
+fn real_and_raw_with(
+    peer_timeout: Duration,
+    tune: impl FnOnce(TcpConfig) -> TcpConfig,
+) -> (TcpBackend, TcpStream) {
     let port = free_port();
     let raw =
         thread::spawn(move || dist_tcp::testing::form_raw(&cfg(1, 2, port, peer_timeout)).unwrap());
-    let b = TcpBackend::with_config(cfg(0, 2, port, peer_timeout)).unwrap();
+    let b = TcpBackend::with_config(tune(cfg(0, 2, port, peer_timeout))).unwrap();
     let mut s = raw.join().unwrap();
     (b, s[0].take().unwrap())
 }
@@ -126,6 +134,80 @@ fn a_close_after_closing_is_no_fault() {
     );
     // Past the peer timeout and the linger: neither a close nor a silence is reported.
     thread::sleep(LINGER + PEER_TIMEOUT * 2);
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "faults reported: {:?}",
+        seen.lock().unwrap()
+    );
+    drop(raw);
+}
+
+/// A peer timeout longer than the recheck of a held frame (500 ms), as the default one is.
+const HOLD_PEER_TIMEOUT: Duration = Duration::from_millis(1200);
+
+/// A peer that sends one data header longer than the unexpected budget (on a tag nobody
+/// receives) and then nothing: the frame is held for flow control, and the peer, none of whose
+/// bytes arrive behind it, is declared unresponsive; a receive from it on another tag fails so.
+/// Fails without the fix: every recheck of the hold counted as hearing from the peer, and the
+/// receive ran to the op deadline.
+#[test]
+fn a_peer_silent_behind_a_held_header_is_declared_unresponsive() {
+    let (b, mut raw) = real_and_raw(HOLD_PEER_TIMEOUT);
+    let len = 2 * dist_tcp::DEFAULT_UNEXPECTED_LIMIT as u64;
+    raw.write_all(&frame(
+        FrameKind::Data,
+        Tag::user(7).to_wire(),
+        len,
+        [0; 16],
+    ))
+    .unwrap();
+    let t = Instant::now();
+    let e = b.recv_tagged(&mut [0u8; 4], 1, Tag::user(1)).unwrap_err();
+    let waited = t.elapsed();
+    assert!(
+        matches!(e, DistError::PeerUnresponsive { peer: 1, .. }),
+        "expected PeerUnresponsive within ~{:?}, got after {waited:.2?}: {e}",
+        HOLD_PEER_TIMEOUT * 3
+    );
+    drop(raw);
+}
+
+/// A live peer blocked by this rank's flow control (a message larger than the unexpected budget,
+/// held while nobody receives it, its sender stuck with the socket full) is not declared
+/// unresponsive, however long the hold lasts; once received, the message arrives whole.
+#[test]
+fn a_peer_blocked_behind_a_held_frame_is_not_declared_unresponsive() {
+    const LEN: usize = 16 << 20;
+    let (b, raw) = real_and_raw_with(HOLD_PEER_TIMEOUT, |c| c.unexpected_limit(1 << 20));
+    let seen = faults(&b);
+    let payload: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    let expected = payload.clone();
+    let sender = thread::spawn(move || {
+        let mut raw = raw;
+        raw.write_all(&frame(
+            FrameKind::Data,
+            Tag::user(7).to_wire(),
+            LEN as u64,
+            [0; 16],
+        ))
+        .unwrap();
+        // Blocks once the socket is full, until rank 0 receives on tag 7.
+        raw.write_all(&payload).unwrap();
+        raw
+    });
+    // Held for over twice the peer timeout while nothing of the peer can arrive.
+    let wait = HOLD_PEER_TIMEOUT * 3;
+    let e = b
+        .recv_tagged_timeout(&mut [0u8; 4], 1, Tag::user(1), wait)
+        .unwrap_err();
+    assert!(
+        matches!(e, DistError::Timeout { .. }),
+        "expected a timeout, got {e}"
+    );
+    let mut got = vec![0u8; LEN];
+    b.recv_tagged(&mut got, 1, Tag::user(7)).unwrap();
+    assert!(got == expected, "the held message arrived changed");
+    let raw = sender.join().unwrap();
     assert!(
         seen.lock().unwrap().is_empty(),
         "faults reported: {:?}",

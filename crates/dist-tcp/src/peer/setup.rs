@@ -148,6 +148,7 @@ impl Peer {
                 frame: Frame::Header,
                 dead: false,
                 stopped_early: false,
+                held_unread: 0,
             }),
             stream,
         };
