@@ -434,11 +434,14 @@ impl Transport for TcpBackend {
 }
 
 impl Shared {
+    /// Keeps `n` and, if it was kept (new, and within its sender's bound), wakes every waiter
+    /// to recheck: a repeated or dropped notice costs no work per peer.
     fn note_abort(&self, n: AbortNotice) {
         tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
-        self.aborts.raise(n);
-        for p in &self.peers {
-            p.wake();
+        if self.aborts.raise(n) {
+            for p in &self.peers {
+                p.wake();
+            }
         }
     }
 }

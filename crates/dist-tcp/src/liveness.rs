@@ -288,7 +288,7 @@ impl Shared {
             if silent <= self.peer_timeout
                 || self.closing()
                 || p.declared_silent()
-                || p.leaving()
+                || p.leaving_within(self.closing_excuse(), now)
                 || !p.is_open()
             {
                 continue;
@@ -388,6 +388,13 @@ impl Shared {
 
     pub(crate) fn closing(&self) -> bool {
         self.closing.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// How long a peer's silence is excused after it said it is closing: the linger (how long
+    /// a closing rank waits for its peers, the job's ranks sharing one configuration), and at
+    /// least one peer timeout.
+    fn closing_excuse(&self) -> Duration {
+        self.linger.max(self.peer_timeout)
     }
 
     /// Sends an abort notice to every other connected rank, all from one thread (non-blocking

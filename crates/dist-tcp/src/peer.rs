@@ -62,8 +62,10 @@ use writer::*;
 
 /// The longest abort notice a peer may send (its error text); a longer one is a protocol error.
 pub(crate) const ABORT_MAX: usize = 64 << 10;
-/// How many abort notices a backend keeps (the first ones; later ones are counted only).
-const ABORTS_KEPT: usize = 64;
+/// How many abort notices a backend keeps from each sender (the first ones): a peer flooding
+/// abort frames pushes out no other rank's notices, and holds at most this many of
+/// [`ABORT_MAX`] bytes here.
+const ABORTS_KEPT_PER_PEER: usize = 16;
 /// What a queued message costs the unexpected-message budget beyond its payload. A message on a
 /// fresh tag costs about this much memory besides its bytes: the `Queued` entry (40 B) in a
 /// `VecDeque` that allocates room for 4 on its first push (160 B), the map's bucket (tag + deque,
@@ -174,8 +176,8 @@ pub(crate) struct Peer {
     pub(crate) beats: AtomicU64,
     /// Hears, from the I/O thread (or a receiver reading), each heartbeat (and whether it asked for one back).
     on_beat: OnceLock<BeatSink>,
-    /// The peer said it is closing its backend normally.
-    leaving: AtomicBool,
+    /// When the peer first said it is closing its backend normally.
+    leaving: OnceLock<Instant>,
 }
 
 /// A hook the owning backend passes to each peer to hear that its connection ended.

@@ -52,15 +52,22 @@ pub(crate) struct Aborts {
 }
 
 impl Aborts {
-    /// Records `n`. Only the first [`ABORTS_KEPT`] are kept: a peer flooding abort frames
-    /// cannot grow this list.
-    pub(crate) fn raise(&self, n: AbortNotice) {
+    /// Records `n`, unless a notice of its sender for the same tag and call is kept already,
+    /// or [`ABORTS_KEPT_PER_PEER`] of its sender's are: a peer flooding abort frames can
+    /// neither grow this list past that nor push out the notices of other ranks. Returns
+    /// whether `n` was kept: a notice not kept changes no wait's outcome (waits look only at
+    /// the kept ones), so only a kept one needs the waiters woken.
+    pub(crate) fn raise(&self, n: AbortNotice) -> bool {
         let mut v = self.notices.lock().unwrap_or_else(|p| p.into_inner());
-        if v.len() < ABORTS_KEPT {
+        let mut senders = v.iter().filter(|k| k.from == n.from);
+        let kept = senders.clone().count() < ABORTS_KEPT_PER_PEER
+            && !senders.any(|k| k.tag == n.tag && k.call == n.call);
+        if kept {
             v.push(n);
         }
         drop(v);
         self.raised.store(true, Ordering::Release);
+        kept
     }
 
     pub(crate) fn raised(&self) -> bool {
@@ -154,14 +161,13 @@ mod tests {
         }
     }
 
-    /// The first notice is the one every wait reports, naming its culprit (else its sender);
-    /// a flood keeps only the first [`ABORTS_KEPT`].
+    /// The first notice is the one every wait reports, naming its culprit (else its sender).
     #[test]
-    fn the_first_notice_decides_and_a_flood_is_bounded() {
+    fn the_first_notice_decides() {
         let a = Aborts::default();
         assert!(!a.raised());
-        a.raise(notice(3, Some(1), "peer 1 gone"));
-        a.raise(notice(2, None, "mine"));
+        assert!(a.raise(notice(3, Some(1), "peer 1 gone")));
+        assert!(a.raise(notice(2, None, "mine")));
         assert!(a.raised());
         match a.error(0, "all_reduce(f32 x 4, sum)".into(), Tag::system(2)) {
             DistError::Aborted {
@@ -175,10 +181,33 @@ mod tests {
             ),
             other => panic!("{other}"),
         }
-        for i in 0..3 * ABORTS_KEPT {
-            a.raise(notice(i, None, "flood"));
-        }
-        assert_eq!(a.notices().len(), ABORTS_KEPT);
         assert_eq!(notice(4, None, "x").origin(), 4);
+    }
+
+    /// A flood of abort frames from one peer keeps at most [`ABORTS_KEPT_PER_PEER`] of its
+    /// notices, a repeated notice (same sender, tag and call) is not kept again, and `raise`
+    /// says which were kept (only those wake the waiters); the notices of other ranks, before
+    /// and after the flood, are kept. Fails with the list bounded per backend: the flood
+    /// pushes out rank 5's later notice, and a repeat or a dropped notice reports as kept.
+    #[test]
+    fn a_flood_is_bounded_per_peer_and_repeats_are_not_kept() {
+        let a = Aborts::default();
+        assert!(a.raise(notice(1, None, "first")));
+        assert!(!a.raise(notice(1, None, "again")), "a repeat is not kept");
+        let on_call = |from, call| AbortNotice {
+            call: Some(call),
+            ..notice(from, None, "flood")
+        };
+        let kept = (1..=4 * ABORTS_KEPT_PER_PEER as u64)
+            .filter(|&c| a.raise(on_call(2, c)))
+            .count();
+        assert_eq!(kept, ABORTS_KEPT_PER_PEER, "kept of the flood");
+        assert!(!a.raise(on_call(2, 1)), "a repeat is not kept");
+        assert!(
+            a.raise(on_call(5, 1)),
+            "another rank's notice after the flood"
+        );
+        let from = |r| a.notices().iter().filter(|n| n.from == r).count();
+        assert_eq!((from(1), from(2), from(5)), (1, ABORTS_KEPT_PER_PEER, 1));
     }
 }

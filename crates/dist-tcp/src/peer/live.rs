@@ -168,9 +168,20 @@ impl Peer {
         }
     }
 
-    /// Whether the peer said it is closing normally.
+    /// Whether the peer said it is closing normally (the connection ending after that is no
+    /// fault).
     pub(crate) fn leaving(&self) -> bool {
-        self.leaving.load(Ordering::Acquire)
+        self.leaving.get().is_some()
+    }
+
+    /// Whether the peer said it is closing normally less than `excuse` before `now`: its
+    /// silence is excused only that long. A peer that says so and then stays connected and
+    /// silent (stopped, or hostile) is judged as any other once the excuse runs out; saying it
+    /// again does not extend it.
+    pub(crate) fn leaving_within(&self, excuse: Duration, now: Instant) -> bool {
+        self.leaving
+            .get()
+            .is_some_and(|t| now.saturating_duration_since(*t) < excuse)
     }
 
     /// Whether the peer was declared unresponsive.
@@ -206,7 +217,7 @@ impl Peer {
             u64::from_le_bytes(low) | (u64::from(meta[14]) << 48) | (u64::from(meta[15]) << 56);
         self.beside.store(beside, Ordering::Relaxed);
         if meta[8] & HEARTBEAT_CLOSING != 0 {
-            self.leaving.store(true, Ordering::Release);
+            let _ = self.leaving.set(Instant::now());
         }
         // Counted after the positions are stored: a rank that sees the count move reads them.
         self.beats.fetch_add(1, Ordering::SeqCst);

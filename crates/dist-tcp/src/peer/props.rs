@@ -57,6 +57,7 @@ fn scripted(bytes: Vec<u8>, limits: Limits) -> Peer {
             frame: Frame::Header,
             dead: false,
             stopped_early: false,
+            held_unread: 0,
         }),
         stream: TcpStream::from(sock()),
     };

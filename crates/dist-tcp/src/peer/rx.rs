@@ -66,6 +66,9 @@ pub(super) struct Rx {
     pub(super) dead: bool,
     /// The last read stopped at its bound of frames (see [`Rx::buffered`]).
     pub(super) stopped_early: bool,
+    /// While a frame is held: the peer's bytes waiting unread behind it at the last check
+    /// (see [`Peer::held_fed`]).
+    pub(super) held_unread: usize,
 }
 
 // SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
@@ -284,12 +287,49 @@ impl Peer {
         }
         // Only a hold that starts here is news: one that goes on was told of when it began.
         self.after_read(rx, !was_held && matches!(step, Step::Held(..)));
-        // Any byte from the peer proves it alive; so does a frame held back for flow control
-        // (its socket is not read meanwhile, so its heartbeats wait behind that frame).
-        if matches!(step, Step::Progress | Step::Held(..)) {
+        // Any byte from the peer proves it alive. A frame held back (its socket is not read
+        // meanwhile, so its heartbeats wait behind that frame) does only while the peer's
+        // bytes keep arriving behind it, or fill what this side takes in unread: a peer that
+        // sent a header and nothing more is judged silent as any other.
+        let heard = match step {
+            Step::Progress => true,
+            Step::Held(..) => self.held_fed(rx, !was_held),
+            _ => false,
+        };
+        if heard {
             self.heard.store(true, Ordering::Relaxed);
         }
         step
+    }
+
+    /// Whether a held frame proves the peer alive at this check: the hold starts here (its
+    /// header's bytes just came), more of the peer's bytes wait unread behind it than at the
+    /// last check, or they reach a quarter of what the socket (or the ring) takes in, so
+    /// that the peer may be blocked by this side's flow control rather than silent (a full
+    /// socket holds close to its receive buffer's size in unread bytes). A count that cannot
+    /// be read proves it alive, as every hold did before.
+    fn held_fed(&self, rx: &mut Rx, new: bool) -> bool {
+        use std::os::fd::AsRawFd;
+        let (unread, full) = match &rx.sock {
+            Source::Socket(s) => {
+                let unread = crate::sys::unread(s.as_raw_fd());
+                let room = s.recv_buffer_size();
+                match (unread, room) {
+                    (Ok(n), Ok(room)) => (n, room / 4),
+                    _ => return true,
+                }
+            }
+            // A ring's producer blocks once the ring is full, and it is larger than this.
+            Source::Ring { ring, .. } => match ring.available(&|| "checking a held frame".into()) {
+                Ok(n) => (usize::try_from(n).unwrap_or(usize::MAX), RX_BUF),
+                Err(_) => return true,
+            },
+            #[cfg(test)]
+            Source::Script(s) => (s.available - s.read, usize::MAX),
+        };
+        let grew = unread > rx.held_unread;
+        rx.held_unread = unread;
+        new || grew || unread >= full.max(1)
     }
 
     fn progress_frames(&self, rx: &mut Rx) -> Step {
@@ -495,7 +535,9 @@ impl Peer {
                     rx.frame = Frame::Header;
                     match self.on_abort.get() {
                         Some(sink) => sink(notice),
-                        None => self.aborts.raise(notice),
+                        None => {
+                            self.aborts.raise(notice);
+                        }
                     }
                 }
             }

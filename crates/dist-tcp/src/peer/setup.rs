@@ -40,7 +40,7 @@ impl Peer {
             beside: AtomicU64::new(u64::MAX),
             beats: AtomicU64::new(0),
             on_beat: OnceLock::new(),
-            leaving: AtomicBool::new(false),
+            leaving: OnceLock::new(),
             state: Mutex::new(State::new()),
             cond: Condvar::new(),
             aborts,
@@ -148,6 +148,7 @@ impl Peer {
                 frame: Frame::Header,
                 dead: false,
                 stopped_early: false,
+                held_unread: 0,
             }),
             stream,
         };

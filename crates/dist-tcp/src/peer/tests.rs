@@ -541,6 +541,7 @@ fn the_read_buffer_grows_only_for_a_busy_connection() {
         frame: Frame::Header,
         dead: false,
         stopped_early: false,
+        held_unread: 0,
     };
     // A trickle (100 bytes at a time, consumed at once) never grows it.
     let mut got = Vec::new();
