@@ -276,8 +276,13 @@ fn flooded(b: &dist_tcp::TcpBackend, h: usize, what: &str) -> Vec<PeerFault> {
     );
     let faults = faults.lock().unwrap().clone();
     for f in &faults {
+        // An honest rank that was still forming its group when the hostile rank's first abort
+        // notice arrived passes that notice on (the group's formation ends on any abort it
+        // hears of), so another honest rank may hear of the hostile's text through it: that
+        // names the honest rank as the sender, and is not a fault of its own.
+        let relayed = matches!(&f.cause, FaultCause::Aborted(t) if t.contains("hostile abort"));
         assert!(
-            f.peer == h,
+            f.peer == h || relayed,
             "{what}: honest rank {} reported faulty: {f}",
             f.peer
         );
@@ -361,7 +366,7 @@ pub fn asks() -> Result<(), String> {
     let faults = flooded(&b, h, "ask flood");
     let aborted = faults
         .iter()
-        .filter(|f| matches!(f.cause, FaultCause::Aborted(_)))
+        .filter(|f| f.peer == h && matches!(f.cause, FaultCause::Aborted(_)))
         .count();
     println!("ask flood: the hooks heard of {aborted} abort notices of rank {h}");
     assert!(
