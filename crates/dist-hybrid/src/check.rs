@@ -125,8 +125,10 @@ pub(crate) enum Frame {
     Descs(Vec<Desc>),
     /// Abort: `origin` found `reason`; forwarded round the ring up to the rank before it.
     Poison { origin: u64, reason: String },
-    /// The sender is shutting down normally: its connection closing is no failure.
-    Bye,
+    /// The sender is shutting down normally: its connection closing is no failure. `last`
+    /// is the last sequence number it was handed (sent or dropped): a call of this rank after
+    /// it has no counterpart to come.
+    Bye { last: u64 },
 }
 
 impl Frame {
@@ -158,7 +160,10 @@ impl Frame {
                 b[2..4].copy_from_slice(&(n as u16).to_le_bytes());
                 b[TEXT_AT..TEXT_AT + n].copy_from_slice(&reason.as_bytes()[..n]);
             }
-            Frame::Bye => b[0] = KIND_BYE,
+            Frame::Bye { last } => {
+                b[0] = KIND_BYE;
+                b[8..16].copy_from_slice(&last.to_le_bytes());
+            }
         }
         b
     }
@@ -183,7 +188,8 @@ impl Frame {
                 let n = usize::from(b[1]);
                 if n == 0 || n > PER_FRAME {
                     return Err(format!(
-                        "a check frame of {n} descriptors (1 to {PER_FRAME})"
+                        "a check frame of kind {KIND_DESC} (calls) with {n} descriptors (1 to \
+                         {PER_FRAME})"
                     ));
                 }
                 Ok(Frame::Descs(
@@ -209,7 +215,7 @@ impl Frame {
                     reason: String::from_utf8_lossy(&b[TEXT_AT..TEXT_AT + n]).into_owned(),
                 })
             }
-            KIND_BYE => Ok(Frame::Bye),
+            KIND_BYE => Ok(Frame::Bye { last: u64_at(8) }),
             k => Err(format!("a check frame of unknown kind {k}")),
         }
     }
@@ -230,6 +236,8 @@ pub(crate) struct Matcher {
     theirs: VecDeque<Desc>,
     /// Descriptors never compared (dropped on a full channel or record, on either side).
     pub(crate) unchecked: u64,
+    /// The previous rank's last sequence number, once it said Bye.
+    left_last: Option<u64>,
 }
 
 impl Matcher {
@@ -241,6 +249,17 @@ impl Matcher {
     pub(crate) fn theirs(&mut self, d: Desc) -> Option<Mismatch> {
         Self::pair(d, &mut self.theirs, &mut self.mine, &mut self.unchecked)
             .map(|(theirs, mine)| Mismatch { mine, theirs })
+    }
+
+    /// The previous rank ended its check (Bye) after its call `last`.
+    pub(crate) fn left_ended(&mut self, last: u64) {
+        self.left_last = Some(last);
+    }
+
+    /// Whether this rank's call `d` comes after the previous rank ended its check: its
+    /// counterpart will never come.
+    pub(crate) fn after_left_ended(&self, d: &Desc) -> Option<u64> {
+        self.left_last.filter(|&last| d.seq > last)
     }
 
     /// The other side's descriptors waiting for this rank's (tests watch them arrive).
@@ -298,6 +317,8 @@ pub(crate) struct Checker {
     /// Set to stop without telling the next rank (a test's simulated death).
     silent: Arc<AtomicBool>,
     pub(crate) dropped: Arc<AtomicU64>,
+    /// The last sequence number handed to `note` (sent or dropped), which the Bye carries.
+    last: Arc<AtomicU64>,
     pub(crate) matcher: Arc<Mutex<Matcher>>,
     /// Each thread and its "done" signal (in a mutex only to make the checker `Sync`).
     threads: Mutex<Vec<(JoinHandle<()>, Receiver<()>)>>,
@@ -331,6 +352,7 @@ impl Checker {
             stop: Arc::new(AtomicBool::new(false)),
             silent: Arc::new(AtomicBool::new(false)),
             dropped: Arc::new(AtomicU64::new(0)),
+            last: Arc::new(AtomicU64::new(0)),
             matcher: Arc::new(Mutex::new(Matcher::default())),
             threads: Mutex::new(Vec::new()),
             tcp: tcp.clone(),
@@ -348,6 +370,7 @@ impl Checker {
             fail,
             peer_gone,
             matcher: c.matcher.clone(),
+            last: c.last.clone(),
             stop: c.stop.clone(),
             silent: c.silent.clone(),
         });
@@ -391,6 +414,7 @@ impl Checker {
     /// Hands `d` to the sender thread without waiting; a full channel drops it (counted).
     pub(crate) fn note(&self, d: Desc) {
         if let Some(tx) = &self.tx {
+            self.last.fetch_max(d.seq, Ordering::Relaxed);
             match tx.try_send(d) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
@@ -460,11 +484,25 @@ struct Ctx {
     fail: Sink,
     peer_gone: PeerSink,
     matcher: Arc<Mutex<Matcher>>,
+    last: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     silent: Arc<AtomicBool>,
 }
 
 impl Ctx {
+    /// The previous rank broke the check's protocol (`what` says how): a failure of that
+    /// peer, poisoned like a mismatch, so the check does not just stop.
+    fn protocol_failure(&self, what: &str) {
+        let left = self.left;
+        self.poison(
+            self.me,
+            format!(
+                "NCCL call check: rank {left} broke the check's protocol with rank {}: {what}",
+                self.me
+            ),
+        );
+    }
+
     fn send(&self, f: &Frame) -> Result<(), DistError> {
         self.tcp.send_tagged(&f.encode(), self.right, CHECK_TAG)
     }
@@ -516,13 +554,22 @@ impl Ctx {
         while let Some(batch) = Self::next_batch(&rx, &mut last) {
             let found = {
                 let mut m = self.matcher.lock().unwrap_or_else(|p| p.into_inner());
-                batch.iter().find_map(|d| m.mine(*d))
+                batch.iter().find_map(|d| {
+                    if let Some(last) = m.after_left_ended(d) {
+                        return Some(format!(
+                            "NCCL call check: rank {} ended its check after its call #{last} \
+                             (Bye), but rank {} called {d}",
+                            self.left, self.me
+                        ));
+                    }
+                    m.mine(*d).map(|x| mismatch_text(self.me, self.left, &x))
+                })
             };
             // The calls go on to the next rank first, so that it finds the mismatch itself
             // at once, whatever this rank's abort (in `poison`) then takes.
             let sent = self.send(&Frame::Descs(batch));
-            if let Some(m) = found {
-                self.poison(self.me, mismatch_text(self.me, self.left, &m));
+            if let Some(why) = found {
+                self.poison(self.me, why);
             }
             match sent {
                 Ok(()) => {}
@@ -537,7 +584,9 @@ impl Ctx {
             }
         }
         if !self.silent.load(Ordering::Acquire) {
-            let _ = self.send(&Frame::Bye);
+            let _ = self.send(&Frame::Bye {
+                last: self.last.load(Ordering::Relaxed),
+            });
         }
     }
 
@@ -564,17 +613,25 @@ impl Ctx {
                         self.poison(origin, reason);
                         return;
                     }
-                    Ok(Frame::Bye) => return,
+                    // Its connection may close now: stop receiving. A call of this rank past
+                    // its last is found by the sender thread.
+                    Ok(Frame::Bye { last }) => {
+                        self.matcher
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .left_ended(last);
+                        return;
+                    }
                     Err(why) => {
-                        tracing::warn!(
-                            rank = self.me,
-                            peer = self.left,
-                            "NCCL call check: {why}; check off"
-                        );
+                        self.protocol_failure(&why);
                         return;
                     }
                 },
                 Err(DistError::Timeout { .. }) => {}
+                Err(e @ DistError::SizeMismatch { .. }) => {
+                    self.protocol_failure(&format!("a check message of the wrong size ({e})"));
+                    return;
+                }
                 Err(e @ DistError::PeerGone { .. }) => {
                     let reason = (self.peer_gone)(self.left, e.to_string());
                     if self.right != self.left {

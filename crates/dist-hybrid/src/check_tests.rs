@@ -37,7 +37,7 @@ fn frames_round_trip_and_bad_bytes_are_errors() {
             origin: 2,
             reason: "rank 1 called #3 ...".into(),
         },
-        Frame::Bye,
+        Frame::Bye { last: 7 },
     ] {
         assert_eq!(Frame::decode(&f.encode()), Ok(f));
     }
@@ -274,6 +274,81 @@ fn a_dead_rank_is_named_on_every_survivor() {
     }
     assert!(seen.contains(&0) && seen.contains(&2), "{seen:?}");
     assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+/// Rank 1's checker with rank 0 as a raw TCP peer that sends `bytes` on the check's tag, then
+/// (with `then`) hands rank 1 a call: what rank 1's sink is told within 2 s.
+fn rank_1_told_after(bytes: &[u8], then: Option<Desc>) -> Option<String> {
+    let tcps = job(2);
+    let (cs, rx) = checkers(&tcps[1..]);
+    tcps[0].send_tagged(bytes, 1, CHECK_TAG).unwrap();
+    if let Some(d) = then {
+        // Rank 1 has read the frame before its call comes.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cs[0].matcher.lock().unwrap().left_last.is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "rank 0's frame never reached rank 1"
+            );
+            std::thread::yield_now();
+        }
+        cs[0].note(d);
+    }
+    let got = rx.recv_timeout(Duration::from_secs(2)).ok();
+    drop(cs);
+    got.map(|(r, why)| {
+        assert_eq!(r, 1);
+        why
+    })
+}
+
+/// Fails without treating a malformed frame as the peer's failure: the receiving thread
+/// stopped with a warning, and the check was off for the rest of the job.
+#[test]
+fn a_malformed_frame_poisons_the_check_naming_the_peer() {
+    let mut unknown = [0u8; FRAME];
+    unknown[0] = 9;
+    let mut none = Frame::Descs(vec![ar(1, 8)]).encode();
+    none[1] = 0;
+    let mut seven = none;
+    seven[1] = PER_FRAME as u8 + 1;
+    let cases: [(&[u8], &str); 4] = [
+        (&unknown, "unknown kind 9"),
+        (&none, "with 0 descriptors"),
+        (&seven, "with 7 descriptors"),
+        (&[1u8; 100], "wrong size"),
+    ];
+    for (bytes, says) in cases {
+        let why =
+            rank_1_told_after(bytes, None).unwrap_or_else(|| panic!("nothing reported for {says}"));
+        assert!(
+            why.contains("rank 0 broke the check's protocol with rank 1"),
+            "{why}"
+        );
+        assert!(why.contains(says), "{why}");
+    }
+    let why = rank_1_told_after(&[1u8; 100], None).unwrap();
+    assert!(
+        why.contains("100") && why.contains(&FRAME.to_string()),
+        "{why}"
+    );
+}
+
+/// Fails without the Bye's last call: a Bye in the middle of the job ended the check
+/// silently, and this rank's later calls went unchecked.
+#[test]
+fn a_call_after_the_previous_ranks_bye_poisons_the_check() {
+    let why = rank_1_told_after(&Frame::Bye { last: 0 }.encode(), Some(ar(1, 8)))
+        .expect("a call after the Bye was not reported");
+    assert!(
+        why.contains("rank 0 ended its check after its call #0 (Bye), but rank 1 called #1"),
+        "{why}"
+    );
+    // A Bye after the call it matches is a normal end.
+    assert_eq!(
+        rank_1_told_after(&Frame::Bye { last: 1 }.encode(), Some(ar(1, 8))),
+        None
+    );
 }
 
 /// What `note` costs the calling thread while the threads run, paced like 8 B GPU calls (one

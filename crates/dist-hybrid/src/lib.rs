@@ -35,6 +35,7 @@ mod device;
 mod gpu_work;
 mod groups;
 mod host;
+mod setup;
 mod watch;
 
 use std::sync::Arc;
@@ -100,6 +101,16 @@ pub enum HybridError {
         asked: Vec<usize>,
         /// The ranks without a GPU.
         without: Vec<usize>,
+    },
+    /// Setting up NCCL failed on some rank (loading the library, opening its device, or rank
+    /// 0 making the unique id); the ranks agree on that before NCCL init, so every rank gets
+    /// this error, naming each rank that failed and why.
+    #[error("rank {rank}: NCCL setup failed: {}", setup::describe(failed))]
+    NcclSetup {
+        /// The rank reporting.
+        rank: usize,
+        /// Each rank that failed, with its reason.
+        failed: Vec<(usize, String)>,
     },
 }
 
@@ -304,23 +315,53 @@ impl HybridBackend {
                 check_calls: false,
             });
         };
-        let nccl = Arc::new(Nccl::load().map_err(NcclError::from)?);
-        let id = match id {
-            Some(id) => id,
-            None => {
-                let mut bytes = [0u8; 128];
-                if me == 0 {
-                    bytes = *UniqueId::new(&nccl)?.as_bytes();
-                }
-                tcp.broadcast(&mut bytes, 0)?;
-                UniqueId::from_bytes(&bytes)?
+        // This rank's setup (the library, the device, rank 0's unique id where none was given),
+        // agreed by every rank before NCCL init: a rank that failed is named, with its reason,
+        // on every rank (not left to a closed connection or an init timeout naming no rank).
+        let local = (|| -> std::result::Result<_, String> {
+            let nccl = Nccl::load()
+                .map(Arc::new)
+                .map_err(|e| format!("cannot load NCCL: {}", NcclError::from(e)))?;
+            let ctx =
+                CudaContext::new(device).map_err(|e| format!("cannot open cuda:{device}: {e}"))?;
+            let made = match id {
+                None if me == 0 => Some(
+                    *UniqueId::new(&nccl)
+                        .map_err(|e| format!("cannot make the NCCL unique id: {e}"))?
+                        .as_bytes(),
+                ),
+                _ => None,
+            };
+            Ok((nccl, ctx, made))
+        })();
+        let outcome = local
+            .as_ref()
+            .map(|(_, _, made)| *made)
+            .map_err(String::clone);
+        let rank0_id = setup::agree(&tcp, outcome)?;
+        let (nccl, ctx) = match local {
+            Ok((nccl, ctx, _)) => (nccl, ctx),
+            // `agree` has failed every rank where one failed.
+            Err(why) => {
+                return Err(HybridError::NcclSetup {
+                    rank: me,
+                    failed: vec![(me, why)],
+                });
             }
         };
-        let ctx = CudaContext::new(device).map_err(|source| NcclError::Cuda {
-            comm: format!("rank {me}"),
-            op: format!("open cuda:{device}"),
-            source,
-        })?;
+        let id = match (id, rank0_id) {
+            (Some(id), _) => id,
+            (None, Some(bytes)) => UniqueId::from_bytes(&bytes)?,
+            (None, None) => {
+                return Err(HybridError::NcclSetup {
+                    rank: me,
+                    failed: vec![(
+                        0,
+                        "made no NCCL unique id (it was given one, this rank was not)".into(),
+                    )],
+                });
+            }
+        };
         let comm = Communicator::init_rank(nccl, &ctx, me, n, &id, cfg)?;
         let tcp = Arc::new(tcp);
         let trace = tcp.trace_dir().map(|d| (d.to_path_buf(), n));

@@ -2,6 +2,8 @@
 //! link rank `members[r]`), every tag carries the group's id in bits 32–62, and errors name
 //! group ranks.
 
+use std::collections::BTreeSet;
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use crate::backend::{Meta, Tag};
@@ -18,6 +20,43 @@ pub const MAX_GROUP_ID: u64 = (1 << 31) - 1;
 
 /// How many operations a sub-group's own flight recorder keeps.
 const SUB_FLIGHT_CAPACITY: usize = 256;
+
+/// The sub-groups alive in this process: each as its root link (the address of the root's
+/// flight recorder, which every clone of one root shares and which lives as long as any clone
+/// does, so as long as the group) and its id.
+static LIVE: Mutex<BTreeSet<(usize, u32)>> = Mutex::new(BTreeSet::new());
+
+/// A group id marked live over one root link until this is dropped (with its [`SubLink`]).
+#[derive(Debug)]
+pub(crate) struct LiveId(Option<(usize, u32)>);
+
+impl LiveId {
+    /// Marks `id` live over `root`; `None` if a group over `root` has it already. A root link
+    /// without a flight recorder cannot be told apart from other roots: nothing is marked for
+    /// it, and its groups' ids get only the check that their leader can have minted them.
+    pub(crate) fn reserve<R: Link>(root: &R, id: u32) -> Option<LiveId> {
+        let Some(f) = root.flight() else {
+            return Some(LiveId(None));
+        };
+        let key = (std::ptr::from_ref(f) as usize, id);
+        // Not `then_some`: a `LiveId` made and dropped here would take the lock again.
+        let fresh = LIVE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key);
+        fresh.then(|| LiveId(Some(key)))
+    }
+}
+
+impl Drop for LiveId {
+    fn drop(&mut self) {
+        if let Some(key) = self.0 {
+            LIVE.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&key);
+        }
+    }
+}
 
 /// A link whose groups can be split into sub-groups ([`Subgroups`](crate::Subgroups)): a
 /// transport's own link (the root), or a [`SubLink`] of one. Every sub-group, however deeply
@@ -79,6 +118,8 @@ pub struct SubLink<R: Link> {
     flight: FlightRecorder,
     /// A group runs over this link ([`Link::claim_group`]).
     group_claimed: std::sync::atomic::AtomicBool,
+    /// Its id, marked live over the root while the link lives.
+    _live: LiveId,
 }
 
 impl<R: Link> std::fmt::Debug for SubLink<R> {
@@ -94,8 +135,25 @@ impl<R: Link> std::fmt::Debug for SubLink<R> {
 impl<R: Link> SubLink<R> {
     /// The group of the root ranks `members` (group rank `r` is `members[r]`), as rank `me`,
     /// with id `id`. Checked: the members are distinct ranks of the root, `me` is one of them,
-    /// the id is in `1..=MAX_GROUP_ID`.
+    /// the id is in `1..=MAX_GROUP_ID` and no live group over the root has it.
+    #[cfg(test)]
     pub(crate) fn new(root: R, id: u32, members: Vec<usize>, me: usize) -> Result<SubLink<R>> {
+        let live = LiveId::reserve(&root, id).ok_or_else(|| DistError::InvalidArgument {
+            rank: root.rank(),
+            op: "form a sub-group".into(),
+            reason: format!("group id {id:#x} is in use by a live group over this link"),
+        })?;
+        SubLink::reserved(root, id, live, members, me)
+    }
+
+    /// [`SubLink::new`] with its id already marked live (`live`).
+    pub(crate) fn reserved(
+        root: R,
+        id: u32,
+        live: LiveId,
+        members: Vec<usize>,
+        me: usize,
+    ) -> Result<SubLink<R>> {
         let bad = |reason: String| DistError::InvalidArgument {
             rank: root.rank(),
             op: "form a sub-group".into(),
@@ -125,6 +183,7 @@ impl<R: Link> SubLink<R> {
             me,
             flight: FlightRecorder::new(SUB_FLIGHT_CAPACITY),
             group_claimed: std::sync::atomic::AtomicBool::new(false),
+            _live: live,
         })
     }
 

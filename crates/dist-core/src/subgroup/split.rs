@@ -1,7 +1,8 @@
 //! [`Subgroups`]: `split` and `new_group`, collective over a parent group. Every rank of the
 //! parent sends one record (what it called, its color and key, an id it proposes, a digest of
 //! its rank list) in one all_gather; from the records every rank works out its group, or the
-//! same error as every other rank.
+//! same error as every other rank. A second all_gather of one byte says on which ranks the
+//! proposed id is already live, so every member refuses it alike.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -10,7 +11,7 @@ use crate::error::{DistError, Result};
 use crate::group::Group;
 use crate::link::Link;
 
-use super::link::{MAX_GROUP_ID, SplitLink, SubLink};
+use super::link::{LiveId, MAX_GROUP_ID, SplitLink, SubLink};
 
 /// A sub-group of a transport whose link is `R`: a [`Group`] over a [`SubLink`] of `R`.
 pub type SubGroup<R> = Group<SubLink<R>>;
@@ -84,6 +85,11 @@ fn mint(rank: usize, world: usize) -> Option<u32> {
         .checked_mul(world as u64)?
         .checked_add(rank as u64 + 1)?;
     (id <= MAX_GROUP_ID).then_some(id as u32)
+}
+
+/// Whether `id` is one root rank `rank` of `world` ranks can mint (`count * world + rank + 1`).
+fn mintable(id: u32, rank: usize, world: usize) -> bool {
+    id != 0 && world != 0 && (u64::from(id) - 1) % world as u64 == rank as u64
 }
 
 /// FNV-1a over the list's length and ranks (as u64, little-endian): the same on every rank.
@@ -176,8 +182,8 @@ pub trait Subgroups: Transport<Link: SplitLink> {
 
 impl<T: Transport<Link: SplitLink> + ?Sized> Subgroups for T {}
 
-/// The split itself: one all_gather of records over `g`, then every rank's group, or the error
-/// every rank gives.
+/// The split itself: one all_gather of records over `g`, one of whether each rank's group id is
+/// live there already, then every rank's group, or the error every rank gives.
 fn divide<L: SplitLink>(
     g: &Group<L>,
     call: [u8; 4],
@@ -242,26 +248,65 @@ fn divide<L: SplitLink>(
             )));
         }
     }
-    let Some(color) = mine.color() else {
+    // This rank's group: its members (parent ranks, by key), the id its leader proposed, and
+    // why that id cannot be taken, which every member works out alike from the records.
+    let plan = mine.color().map(|color| {
+        let mut members: Vec<usize> = (0..n)
+            .filter(|&r| records[r].color() == Some(color))
+            .collect();
+        members.sort_by_key(|&r| (records[r].key, r));
+        let (leader, id) = (members[0], records[members[0]].id);
+        let (w, lr) = (root.world_size(), link.root_rank(leader));
+        let problem = if records[leader].flags & NO_ID != 0 {
+            Some(format!(
+                "rank {leader} (the new group's rank 0) has run out of group ids"
+            ))
+        } else if !mintable(id, lr, w) {
+            Some(format!(
+                "rank {leader} (the new group's rank 0) proposed group id {id:#x}, which is not \
+                 one it can have made (its ids are k*{w}+{})",
+                lr + 1
+            ))
+        } else {
+            None
+        };
+        (members, id, problem)
+    });
+    // Whether another group over the root has the id here is known only here: every rank of
+    // the parent says, so every member refuses the id alike.
+    let live = match &plan {
+        Some((_, id, None)) => Some(LiveId::reserve(root, *id)),
+        _ => None,
+    };
+    let clash = u8::from(matches!(live, Some(None)));
+    let mut clashes = vec![0u8; n];
+    g.all_gather(&[clash], &mut clashes)
+        .map_err(|e| e.with_op(name))?;
+    let Some((members, id, problem)) = plan else {
         return Ok(None);
     };
-    let mut members: Vec<usize> = (0..n)
-        .filter(|&r| records[r].color() == Some(color))
-        .collect();
-    members.sort_by_key(|&r| (records[r].key, r));
-    let leader = records[members[0]];
-    if leader.flags & NO_ID != 0 {
-        return Err(invalid(format!(
-            "rank {} (the new group's rank 0) has run out of group ids",
-            members[0]
-        )));
+    if let Some(p) = problem {
+        return Err(invalid(p));
     }
+    let live_at: Vec<usize> = members
+        .iter()
+        .copied()
+        .filter(|&r| clashes[r] != 0)
+        .collect();
+    let Some(Some(live)) = live.filter(|_| live_at.is_empty()) else {
+        return Err(invalid(format!(
+            "rank {} (the new group's rank 0) proposed group id {id:#x}, which a live group \
+             already has on {}",
+            members[0],
+            crate::flight::rank_list(&live_at)
+        )));
+    };
     let sub_me = members
         .iter()
         .position(|&r| r == me)
         .expect("this rank has its own color");
     let roots: Vec<usize> = members.iter().map(|&r| link.root_rank(r)).collect();
-    let sub = SubLink::new(root.clone(), leader.id, roots, sub_me)?;
+    let sub = SubLink::reserved(root.clone(), id, live, roots, sub_me)?;
     Group::form(sub, g.tuning(), g.timeout())
         .map(Some)
         .map_err(|e| e.with_op(name))
@@ -295,6 +340,99 @@ mod tests {
         assert_eq!(a % 8, 1);
         assert_eq!(c % 8, 4);
         assert!(a > 0);
+    }
+
+    #[test]
+    fn only_a_mintable_id_passes() {
+        assert!(mintable(1, 0, 4));
+        assert!(mintable(8, 3, 4));
+        assert!(mintable(12, 3, 4));
+        assert!(!mintable(9, 3, 4));
+        assert!(!mintable(0, 3, 4));
+    }
+
+    /// Rank 3 of 4 leads a first group; in a split it then takes the leadership with
+    /// `i64::MIN` and proposes a forged id: first one it cannot have minted, then the first
+    /// group's id. Every other rank refuses both, naming the leader and the id (and, for the
+    /// live one, where it is live), and the parent stays usable.
+    #[test]
+    fn a_leader_cannot_propose_a_foreign_or_live_id() {
+        use crate::testing::run_group;
+        use crate::{Backend, Collectives, ReduceOp, Tuning};
+        use std::time::Duration;
+        let out = run_group(
+            4,
+            |_| Tuning::default(),
+            Duration::from_secs(20),
+            |g| {
+                let first = g.new_group(&[3, 0, 1, 2])?.expect("every rank is listed");
+                let live = first.link().id();
+                let mut errors = Vec::new();
+                for forged in [live + 1, live] {
+                    if g.rank() == 3 {
+                        let r = Record {
+                            call: SPLIT,
+                            flags: COLORED,
+                            color: 0,
+                            id: forged,
+                            key: i64::MIN,
+                            digest: 0,
+                        };
+                        let mut all = vec![0u8; RECORD * 4];
+                        g.all_gather(&r.encode(), &mut all)?;
+                        let mut clashes = [0u8; 4];
+                        g.all_gather(&[0u8], &mut clashes)?;
+                    } else {
+                        let e = g.split(Some(0), 0).expect_err("a forged id is refused");
+                        errors.push((forged, e.to_string()));
+                    }
+                }
+                let mut x = [1u64];
+                g.all_reduce(&mut x, ReduceOp::Sum)?;
+                assert_eq!(x[0], 4);
+                first.all_reduce(&mut x, ReduceOp::Sum)?;
+                Ok((live, errors))
+            },
+        );
+        for (r, o) in out.into_iter().enumerate() {
+            let (live, errors) = o.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            if r == 3 {
+                continue;
+            }
+            assert_eq!(errors.len(), 2, "rank {r}");
+            let (foreign, e) = &errors[0];
+            assert_eq!(*foreign, live + 1);
+            assert!(
+                e.contains("rank 3 (the new group's rank 0)"),
+                "rank {r}: {e}"
+            );
+            assert!(e.contains(&format!("{foreign:#x}")), "rank {r}: {e}");
+            assert!(e.contains("not one it can have made"), "rank {r}: {e}");
+            let (_, e) = &errors[1];
+            assert!(
+                e.contains("rank 3 (the new group's rank 0)"),
+                "rank {r}: {e}"
+            );
+            assert!(e.contains(&format!("group id {live:#x}")), "rank {r}: {e}");
+            assert!(
+                e.contains("a live group already has on ranks 0–2"),
+                "rank {r}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_live_id_is_refused_until_its_group_is_dropped() {
+        let link = crate::testing::MemLink::mesh(2).remove(0);
+        let other = crate::testing::MemLink::mesh(2).remove(0);
+        let a = LiveId::reserve(&link, 9).expect("not live yet");
+        assert!(LiveId::reserve(&link.clone(), 9).is_none());
+        assert!(
+            LiveId::reserve(&other, 9).is_some(),
+            "another root's ids are its own"
+        );
+        drop(a);
+        assert!(LiveId::reserve(&link, 9).is_some());
     }
 
     #[test]
