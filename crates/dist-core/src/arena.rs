@@ -201,8 +201,22 @@ fn read_process_once(pid: libc::pid_t, addr: u64, dst: &mut [u8]) -> std::io::Re
         iov_base: dst.as_mut_ptr().cast(),
         iov_len: dst.len(),
     };
+    // An address past this target's pointer width (a 64-bit one on a 32-bit target) is
+    // refused, not truncated into another address than the one checked.
+    let base = usize::try_from(addr)
+        .ok()
+        .filter(|b| b.checked_add(dst.len()).is_some())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "address {addr:#x} + {} bytes does not fit this target's addresses",
+                    dst.len()
+                ),
+            )
+        })?;
     let remote = libc::iovec {
-        iov_base: addr as usize as *mut libc::c_void,
+        iov_base: base as *mut libc::c_void,
         iov_len: dst.len(),
     };
     // SAFETY: the one local iovec covers exactly `dst`, a `&mut [u8]` borrowed for this call,
@@ -316,8 +330,25 @@ mod tests {
         let gone = gone.unwrap_err();
         assert_eq!(gone.kind(), std::io::ErrorKind::NotFound, "{gone}");
         // SAFETY: the top of the address space is never mapped for a process: no read.
-        assert!(unsafe { read_process(me, u64::MAX - 4, &mut dst) }.is_err());
+        assert!(unsafe { read_process(me, u64::MAX - 40, &mut dst) }.is_err());
+        // A range past the end of this target's addresses is refused before any read.
+        // SAFETY: refused before the kernel is asked: no read.
+        let past = unsafe { read_process(me, u64::MAX - 4, &mut dst) }.unwrap_err();
+        assert_eq!(past.kind(), std::io::ErrorKind::InvalidInput, "{past}");
         assert_eq!(dst, vec![7u8; 16]);
+    }
+
+    /// On a 32-bit target, a 64-bit address is refused, not truncated to its low half.
+    #[cfg(target_pointer_width = "32")]
+    #[test]
+    fn a_64_bit_address_is_refused_on_32_bit_targets() {
+        let src = [5u8; 16];
+        let mut dst = [0u8; 16];
+        let addr = (1u64 << 32) | src.as_ptr() as u64;
+        // SAFETY: refused before the kernel is asked: no read.
+        let e = unsafe { read_process(std::process::id(), addr, &mut dst) }.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        assert_eq!(dst, [0u8; 16]);
     }
 
     /// The rate rule: direct reads pay where a read takes at most twice a copy; the probe

@@ -351,14 +351,18 @@ impl HostArena for MemArena {
                 // SAFETY: as below.
                 unsafe { crate::arena::read_process(std::process::id(), addr, dst) }
             }
-            // SAFETY: `read_process` on this process asks that no thread write the range
-            // meanwhile. Upheld by the direct all_reduce (`collectives/direct.rs`), the only
-            // caller in the tests that turn direct reads on: `addr` is within the buffer peer
-            // thread `owner` announced, which it does not write until every peer's reads are
-            // done, except after it failed (then a read can meet its caller's write: the
-            // tests that make a rank fail do not write the buffer afterwards). This is a test
-            // double: safe code that turns direct reads on and passes other addresses is not
-            // kept from breaking it (see `crate::testing::MemLink::set_arena_direct`). (Tests:
+            // SAFETY: `read_process` on this process asks that the range be memory the
+            // caller may read and that no thread write it meanwhile. That is the contract of
+            // `MemLink::set_arena_direct`, whose caller turned direct reads on: every buffer
+            // a rank passes to a direct all_reduce stays allocated and unwritten until every
+            // rank's call of that all_reduce has returned. The direct all_reduce
+            // (`collectives/direct.rs`), the only caller in the tests that turn direct reads
+            // on, reads only within the buffer peer thread `owner` announced for the call, and
+            // a peer may still be reading it after its owner's call failed and returned: so
+            // the tests that make a rank fail change its buffer only after a barrier that
+            // every rank reaches once its call has returned. This is a test double: safe code
+            // that turns direct reads on is not kept from breaking it; the `unsafe` of
+            // `set_arena_direct` is where its caller takes it on. (Tests:
             // `collectives::tests::direct`.)
             _ => unsafe { crate::arena::read_process(std::process::id(), addr, dst) },
         }
@@ -456,9 +460,14 @@ impl super::MemLink {
     /// With it on, [`HostArena::read_direct`] on this arena reads *this process's* memory (the
     /// ranks of a `MemLink` job are threads of one process) at whatever address it is given,
     /// through `process_vm_readv`. The caller promises that every read made through this
-    /// arena is of memory that no thread writes during the read: the group's direct
-    /// all_reduce, which reads only its ranks' own input buffers while their owners wait, keeps
-    /// that; a test that calls `read_direct` itself must too. Safe code cannot turn it on:
+    /// arena is of memory that stays allocated and that no thread writes during the read.
+    /// For the group's direct all_reduce, which reads its ranks' buffers, that means: every
+    /// buffer each rank passes to it stays allocated and unwritten until *every* rank's call
+    /// of that all_reduce has returned, not only its own. A rank whose call failed (a
+    /// deadline, an abort) returns while a peer may still be reading its buffer, so its
+    /// caller must not reuse, change or free the buffer before the others are done (a barrier
+    /// after the call, say). A test that calls `read_direct` itself must keep the same rule
+    /// for the memory it reads. Safe code cannot turn it on:
     ///
     /// ```compile_fail,E0133
     /// # use dist_core::testing::MemLink;

@@ -22,6 +22,7 @@ use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
     OFF_PROBE_VALUE, OFF_WORDS, Refused,
 };
+use super::pidfd::{PeerProcess, of_this_process};
 use crate::peer::Peer;
 
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce (the memory is
@@ -43,8 +44,8 @@ struct PeerPart {
     /// It mapped this rank's segment too.
     mapped_mine: bool,
     /// The process at the other end of the Unix socket its descriptors came through
-    /// (`SO_PEERCRED`): the only process this rank reads directly for it.
-    pid: Option<u32>,
+    /// (`SO_PEERCRED`), held by a pidfd: the only process this rank reads directly for it.
+    process: Option<PeerProcess>,
 }
 
 /// The arena's parts, gathered while the connections form.
@@ -99,13 +100,17 @@ impl ArenaSetup {
     /// Maps the segment `peer` passed (checked first); whether it could. `pid` is the process
     /// at the other end of the Unix socket the descriptor came through, as the kernel says
     /// (`SO_PEERCRED`; `None` where it could not say): direct reads of the peer read that
-    /// process, and only if the header names it too ([`TcpArena::probe_peers`]).
+    /// process, and only if the header names it too ([`TcpArena::probe_peers`]). A pidfd of
+    /// it is opened here, right after the exchange: while it is held the pid cannot name
+    /// another process; where none can be opened (a kernel without `pidfd_open`, the process
+    /// gone), no direct reads of the peer.
     pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd, pid: Option<u32>) -> bool {
+        let process = pid.and_then(PeerProcess::open);
         match Mapping::open(fd, ARENA_SLOT, peer) {
             Ok(m) => {
                 if let Some(p) = self.parts().get_mut(peer) {
                     p.map = Some(m);
-                    p.pid = pid;
+                    p.process = process;
                     return true;
                 }
                 false
@@ -152,7 +157,7 @@ impl ArenaSetup {
                 .iter()
                 .filter(|&&r| r != me)
                 .all(|&r| parts[r].map.is_some() && parts[r].mapped_mine);
-        let pids = parts.iter().map(|p| p.pid).collect();
+        let procs = parts.iter_mut().map(|p| p.process.take()).collect();
         let maps = parts
             .iter_mut()
             .enumerate()
@@ -165,7 +170,7 @@ impl ArenaSetup {
             complete,
             own: self.own.map(|(_, m)| m),
             maps,
-            pids,
+            procs,
             peers,
             spin,
             claimed: AtomicBool::new(false),
@@ -188,8 +193,8 @@ pub(crate) struct TcpArena {
     maps: Vec<Option<Mapping>>,
     /// Each peer's process as the kernel named it (`SO_PEERCRED` of the socket its segment
     /// came through), by rank: what [`HostArena::read_direct`] reads, never the pid a peer's
-    /// header says.
-    pids: Vec<Option<u32>>,
+    /// header says; held by a pidfd.
+    procs: Vec<Option<PeerProcess>>,
     peers: Vec<Arc<Peer>>,
     spin: Duration,
     /// A group has claimed the arena ([`HostArena::claim`]).
@@ -265,9 +270,15 @@ impl TcpArena {
             .mapping(q)
             .filter(|_| q != self.me)
             .ok_or_else(|| format!("rank {q} is not a peer on this host"))?;
-        let Some(pid) = self.pids.get(q).copied().flatten() else {
+        let Some(pid) = self
+            .procs
+            .get(q)
+            .and_then(Option::as_ref)
+            .map(PeerProcess::pid)
+        else {
             return Err(format!(
-                "the kernel named no process for rank {q}'s socket (SO_PEERCRED)"
+                "the kernel named no process for rank {q}'s socket (SO_PEERCRED), or it has \
+                 no pidfd"
             ));
         };
         let published = m.load_u32(OFF_PID);
@@ -277,12 +288,52 @@ impl TcpArena {
                  came through is process {pid}'s (SO_PEERCRED): no direct reads of it"
             ));
         }
-        if pid == std::process::id() {
+        if of_this_process(pid) {
             return Err(format!(
-                "rank {q} is a rank of this process: no direct reads of this process's memory"
+                "rank {q} is a rank of this process (process {pid}, or a thread of it): no \
+                 direct reads of this process's memory"
             ));
         }
         Ok(pid)
+    }
+
+    /// Reads `dst.len()` bytes at `addr` of rank `q`'s process (`pid`, from
+    /// [`TcpArena::direct_pid`]), between two checks that it has not exited: refused (kind
+    /// `NotFound`, naming the peer) if it has, before or after, since its pid may then name
+    /// another process, a thread of this one included. `dst` is zeroed on that refusal.
+    fn read_live(&self, q: usize, pid: u32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        let gone = || {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!(
+                    "rank {}: peer {q}'s process {pid} has exited: no direct reads of it",
+                    self.me
+                ),
+            )
+        };
+        let process = self
+            .procs
+            .get(q)
+            .and_then(Option::as_ref)
+            .ok_or_else(gone)?;
+        if process.pid() != pid || process.exited() {
+            return Err(gone());
+        }
+        // SAFETY: `pid` is not this process nor a thread of it (`direct_pid`, and checked
+        // again just now), and its process had not exited when checked just now, while this
+        // arena holds its pidfd: so the pid was not handed out again and the kernel reads only
+        // the peer's memory, wherever `addr` points, and writes only `dst`: `read_process`'s
+        // contract asks nothing more. If it exits during the read, the check after refuses
+        // the bytes. (Tests: `arena_tests::direct_reads_are_probed`,
+        // `direct_reads_follow_the_socket_not_the_header`,
+        // `a_reused_pid_that_names_a_thread_here`, `an_exited_peer_is_not_read`; between
+        // processes, the multi-rank `shm_arena` test's `direct` variant.)
+        let r = unsafe { dist_core::transport::read_process(pid, addr, dst) };
+        if process.exited() {
+            dst.fill(0);
+            return Err(gone());
+        }
+        r
     }
 
     /// Whether this rank can read every local peer's memory: each peer's process is the one
@@ -304,10 +355,7 @@ impl TcpArena {
                 };
                 let (at, want) = (m.load_u64(OFF_PROBE_ADDR), m.load_u64(OFF_PROBE_VALUE));
                 let mut got = [0u8; 8];
-                // SAFETY: `pid` is not this process (`direct_pid`), so the kernel reads only
-                // the peer's memory and writes only `got`: `read_process`'s contract asks
-                // nothing more. (Test: `arena_tests::direct_reads_are_probed`.)
-                match unsafe { dist_core::transport::read_process(pid, at, &mut got) } {
+                match self.read_live(q, pid, at, &mut got) {
                     Ok(()) if u64::from_le_bytes(got) == want && want != 0 => true,
                     Ok(()) => {
                         tracing::debug!(me = self.me, peer = q, "direct reads: probe mismatch");
@@ -389,7 +437,8 @@ impl HostArena for TcpArena {
 
     /// Reads the process the kernel named for `owner` ([`TcpArena::direct_pid`]), never one
     /// the peer's header names alone; refused (kind `PermissionDenied`) for a peer whose header
-    /// names another process, or a rank of this process.
+    /// names another process, or a rank or thread of this process; kind `NotFound` for a peer
+    /// whose process has exited.
     fn read_direct(&self, owner: usize, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
         let pid = self.direct_pid(owner).map_err(|e| {
             let kind = if self.mapping(owner).is_some() && owner != self.me {
@@ -399,12 +448,7 @@ impl HostArena for TcpArena {
             };
             std::io::Error::new(kind, e)
         })?;
-        // SAFETY: `pid` is not this process (`direct_pid`), so the kernel reads only the
-        // peer's memory, wherever `addr` points, and writes only `dst`: `read_process`'s
-        // contract asks nothing more. (Tests: `arena_tests::direct_reads_are_probed`,
-        // `direct_reads_follow_the_socket_not_the_header`; between processes, the multi-rank
-        // `shm_arena` test's `direct` variant.)
-        unsafe { dist_core::transport::read_process(pid, addr, dst) }
+        self.read_live(owner, pid, addr, dst)
     }
 
     fn set_meta(&self, slot: usize, meta: Meta) {

@@ -13,7 +13,7 @@
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 
@@ -172,20 +172,19 @@ impl Mapping {
     }
 
     /// Loads the header's 64-bit word at `off` (a multiple of 8 below [`HEADER`]): a relaxed
-    /// load (the only atomic access Rust allows on a read-only mapping such as a peer's), then
-    /// an acquire fence, so that what the owner wrote before its release store is visible.
+    /// atomic load on the owner's writable mapping, a volatile one on a peer's read-only
+    /// mapping ([`SharedMap::load_u64`]), then an acquire fence, so that what the owner wrote
+    /// before its release store is visible.
     pub(crate) fn load_u64(&self, off: usize) -> u64 {
-        let v = self.word64(off).load(Ordering::Relaxed);
-        fence(Ordering::Acquire);
-        v
+        assert!(off + 8 <= HEADER, "header offset {off}");
+        self.map.load_u64(off)
     }
 
     /// Loads the header's 32-bit word at `off` (a multiple of 4 below [`HEADER`]), as
     /// [`Mapping::load_u64`].
     pub(crate) fn load_u32(&self, off: usize) -> u32 {
-        let v = self.word32(off).load(Ordering::Relaxed);
-        fence(Ordering::Acquire);
-        v
+        assert!(off + 4 <= HEADER, "header offset {off}");
+        self.map.load_u32(off)
     }
 
     /// Stores `v` in the header's 64-bit word at `off` with `order`, on the owner's writable
@@ -220,7 +219,8 @@ impl Mapping {
     /// Sleeps while the header's 32-bit word at `off` holds `seen`, at most `limit` (the
     /// futex only reads the word: any mapping).
     pub(crate) fn wait(&self, off: usize, seen: u32, limit: std::time::Duration) -> io::Result<()> {
-        super::ring::wait_on(self.word32(off), seen, limit)
+        assert!(off + 4 <= HEADER, "header offset {off}");
+        super::ring::wait_on(self.map.u32_ptr(off), seen, limit)
     }
 
     /// Wakes every process sleeping on the header's 32-bit word at `off`.

@@ -445,3 +445,78 @@ fn socket_pid_is_the_kernels() {
         Some(std::process::id())
     );
 }
+
+/// Two arenas of ranks 0 and 1 mapped to each other, rank 1's header and socket naming
+/// process `pid`.
+fn pair_naming(pid: u32) -> (TcpArena, TcpArena) {
+    use std::sync::atomic::Ordering;
+    let host = Some([7u8; 32]);
+    let (x, y) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
+    let own = &y.own.as_ref().unwrap().1;
+    assert!(own.store_u32(super::OFF_PID, pid, Ordering::SeqCst));
+    x.note_host(1, host);
+    y.note_host(0, host);
+    assert!(x.map_peer(1, y.fd().unwrap(), Some(pid)));
+    assert!(y.map_peer(0, x.fd().unwrap(), Some(std::process::id())));
+    x.note_mapped_mine(1);
+    y.note_mapped_mine(0);
+    (
+        x.finish(Vec::new(), Duration::ZERO, Some(0), 1),
+        y.finish(Vec::new(), Duration::ZERO, Some(0), 1),
+    )
+}
+
+/// A dead peer's pid handed out again as the id of a thread of this process (stood in for
+/// by a live thread's id, which the peer's header and socket name): `read_direct` must not
+/// read this process's memory through it. Without the pidfd and thread checks it returns
+/// this process's bytes.
+#[test]
+fn a_reused_pid_that_names_a_thread_here() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+            .unwrap();
+        let _ = stop_rx.recv();
+    });
+    let tid = u32::try_from(rx.recv().unwrap()).unwrap();
+    let (x, _y) = pair_naming(tid);
+    let secret = [0x5au8; 16];
+    let mut out = [0u8; 16];
+    let r = x.read_direct(1, secret.as_ptr() as u64, &mut out);
+    let _ = stop_tx.send(());
+    t.join().unwrap();
+    assert!(
+        r.is_err() && out == [0u8; 16],
+        "read_direct read this process's memory through thread id {tid}: {r:?}, {out:?}"
+    );
+    assert_eq!(x.direct_min(), None);
+}
+
+/// A peer whose process has exited is not read directly: refused with `NotFound`, naming
+/// the peer, since its pid may name another process by then.
+#[test]
+fn an_exited_peer_is_not_read() {
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("spawn sleep");
+    let (x, _y) = pair_naming(child.id());
+    let mut out = [0u8; 8];
+    let before = x.read_direct(1, 4096, &mut out);
+    assert!(
+        before
+            .as_ref()
+            .map_or_else(|e| !e.to_string().contains("has exited"), |_| true),
+        "a live peer is not refused as exited: {before:?}"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let e = x.read_direct(1, 4096, &mut out).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+    assert!(
+        e.to_string().contains("peer 1") && e.to_string().contains("has exited"),
+        "{e}"
+    );
+    assert_eq!(out, [0u8; 8]);
+}

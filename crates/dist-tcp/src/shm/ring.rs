@@ -196,43 +196,50 @@ impl TxRing {
         if self.room(&|| "waiting for room in it".into())? > 0 {
             return Ok(());
         }
-        wait_on(seq_word, seq, limit)
+        wait_on(seq_word.as_ptr().cast_const(), seq, limit)
     }
 }
 
 /// Sleeps while `word` holds `seen`, at most `limit` (a wake-up, a timeout or an interruption
 /// all return `Ok`: the caller looks again).
+/// `word` is an aligned u32 of a shared mapping that stays mapped for the call, read-only
+/// (a peer's arena) or not: the futex takes its address, not a Rust reference, since an atomic
+/// reference needs memory valid for writes.
 #[cfg(target_os = "linux")]
-pub(super) fn wait_on(
-    word: &std::sync::atomic::AtomicU32,
-    seen: u32,
-    limit: Duration,
-) -> io::Result<()> {
-    let ts = rustix::time::Timespec {
-        tv_sec: limit.as_secs().min(i64::MAX as u64) as i64,
-        tv_nsec: i64::from(limit.subsec_nanos()),
+pub(super) fn wait_on(word: *const u32, seen: u32, limit: Duration) -> io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(limit.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: limit.subsec_nanos().into(),
     };
-    match futex::wait(word, futex::Flags::empty(), seen, Some(&ts)) {
-        Ok(()) => Ok(()),
-        Err(e)
-            if e == rustix::io::Errno::AGAIN
-                || e == rustix::io::Errno::TIMEDOUT
-                || e == rustix::io::Errno::INTR =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(e.into()),
+    // SAFETY: FUTEX_WAIT only reads the aligned u32 at `word` (a live word of a shared
+    // mapping, the callers' contract above: `SharedMap::u32_ptr`, `AtomicU32::as_ptr`) and
+    // the timespec `ts`, which lives for the call; it writes no memory. (Tests:
+    // `arena_tests::a_second_sleeper_of_one_rank_is_still_woken`, `ring_tests`.)
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word,
+            libc::FUTEX_WAIT,
+            seen,
+            &raw const ts,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EAGAIN | libc::ETIMEDOUT | libc::EINTR) => Ok(()),
+        _ => Err(e),
     }
 }
 
 /// Elsewhere there is no futex (and no shared memory: see `setup::abstract_addr`): a short
 /// sleep, after which the caller looks again.
 #[cfg(not(target_os = "linux"))]
-pub(super) fn wait_on(
-    _word: &std::sync::atomic::AtomicU32,
-    _seen: u32,
-    limit: Duration,
-) -> io::Result<()> {
+pub(super) fn wait_on(_word: *const u32, _seen: u32, limit: Duration) -> io::Result<()> {
     std::thread::sleep(limit.min(Duration::from_millis(1)));
     Ok(())
 }

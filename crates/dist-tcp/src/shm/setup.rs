@@ -284,8 +284,7 @@ fn exchange(
         send_fd(&u, &[1], &fd, arena, deadline)?;
         (fds_in, socket_pid(&u))
     } else {
-        let u = UnixStream::connect_addr(&abstract_addr(&theirs.nonce).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("connect to the peer's socket: {e}"))?;
+        let u = connect_peer(me, peer, &theirs.nonce, deadline)?;
         send_fd(&u, &theirs.token, &fd, arena, deadline)?;
         let mut u = u;
         (
@@ -297,14 +296,100 @@ fn exchange(
     Ok((seg, got, their_arena, pid))
 }
 
+/// Connects to the lower rank's abstract socket named by `nonce`, by `deadline`. A blocking
+/// Unix connect to a listener whose queue is full waits for the socket's send timeout
+/// (infinite by default), so the timeout is set to the time left before connecting; the
+/// kernel then gives up with `EAGAIN`.
+#[cfg(target_os = "linux")]
+fn connect_peer(
+    me: usize,
+    peer: usize,
+    nonce: &[u8; 16],
+    deadline: Instant,
+) -> Result<UnixStream, String> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let start = Instant::now();
+    let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    let addr = SocketAddrUnix::new_abstract_name(format!("dist-shm-{hex}").as_bytes())
+        .map_err(|e| format!("rank {me}: the name of peer {peer}'s socket: {e}"))?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| format!("rank {me}: a socket for peer {peer}: {e}"))?;
+    let u = UnixStream::from(fd);
+    let timed_out = || {
+        format!(
+            "rank {me}: connect to peer {peer}'s socket did not complete in {:?} (its deadline)",
+            start.elapsed()
+        )
+    };
+    let wait = left(deadline).map_err(|_| timed_out())?;
+    u.set_write_timeout(Some(wait))
+        .map_err(|e| format!("rank {me}: send timeout for peer {peer}'s socket: {e}"))?;
+    match rustix::net::connect(&u, &addr) {
+        Ok(()) => Ok(u),
+        Err(rustix::io::Errno::AGAIN) => Err(timed_out()),
+        Err(e) => Err(format!(
+            "rank {me}: connect to peer {peer}'s socket: {e} (after {:?})",
+            start.elapsed()
+        )),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn connect_peer(
+    _me: usize,
+    _peer: usize,
+    nonce: &[u8; 16],
+    _deadline: Instant,
+) -> Result<UnixStream, String> {
+    Err(abstract_addr(nonce).err().map_or_else(
+        || "shared memory between ranks needs Linux".to_string(),
+        |e| e.to_string(),
+    ))
+}
+
 /// The process at the other end of `u`, as the kernel recorded it when the connection was made
 /// (`SO_PEERCRED`: the connecting process on the accepting side, the listening one on the
 /// connecting side), in this process's pid namespace; `None` where it cannot say (then no
-/// direct reads of the peer: `arena.rs`).
+/// direct reads of the peer: `arena.rs`), and where the peer's process has no pid in this
+/// namespace (the kernel then reports pid 0: ranks in separate containers sharing a network
+/// namespace).
 #[cfg(target_os = "linux")]
 pub(super) fn socket_pid(u: &UnixStream) -> Option<u32> {
-    let cred = rustix::net::sockopt::socket_peercred(u).ok()?;
-    u32::try_from(cred.pid.as_raw_nonzero().get()).ok()
+    peercred_pid(u.as_raw_fd())
+}
+
+/// `SO_PEERCRED`'s pid for the socket `fd`, read into a plain `libc::ucred`: rustix's wrapper
+/// holds the pid in a non-zero type, and the kernel's 0 (no pid in this namespace) makes that
+/// undefined behaviour. 0 or a failure gives `None`.
+#[cfg(target_os = "linux")]
+fn peercred_pid(fd: std::os::fd::RawFd) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a live, writable `libc::ucred` (every bit pattern valid) and `len` its
+    // size, so the kernel writes at most `len` bytes into it; `fd` is borrowed from the
+    // caller's socket for the call. Shown by `socket_pid_is_this_process_over_a_pair`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || len as usize != std::mem::size_of::<libc::ucred>() {
+        return None;
+    }
+    u32::try_from(cred.pid).ok().filter(|&p| p != 0)
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -537,5 +622,76 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("not a shared-memory offer"), "{e}");
+    }
+
+    /// A listener on the abstract name of `nonce` with backlog 0 and one connection pending,
+    /// never accepted: its queue is full, so a blocking connect to it waits. The filler
+    /// connection is returned to keep it so.
+    fn full_listener(nonce: &[u8; 16]) -> (OwnedFd, UnixStream) {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
+        let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let addr = SocketAddrUnix::new_abstract_name(format!("dist-shm-{hex}").as_bytes()).unwrap();
+        let l = rustix::net::socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+        rustix::net::bind(&l, &addr).unwrap();
+        rustix::net::listen(&l, 0).unwrap();
+        let filler = UnixStream::connect_addr(&abstract_addr(nonce).unwrap()).unwrap();
+        (l, filler)
+    }
+
+    /// A connect to a peer whose listener's queue is full fails by its deadline, with an
+    /// error naming the rank, the peer and the time waited.
+    #[test]
+    fn a_connect_to_a_full_listener_ends_at_its_deadline() {
+        let nonce = [0x4b; 16];
+        let (_l, _filler) = full_listener(&nonce);
+        let start = Instant::now();
+        let e = connect_peer(3, 1, &nonce, start + Duration::from_millis(300)).unwrap_err();
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(300), "{took:?}: {e}");
+        assert!(took < Duration::from_secs(5), "{took:?}: {e}");
+        assert!(
+            e.contains("rank 3") && e.contains("peer 1") && e.contains("did not complete in"),
+            "{e}"
+        );
+    }
+
+    /// A lower-rank peer that offers shared memory but whose listener's queue is full: the
+    /// higher rank's negotiate still returns by its deadline.
+    #[test]
+    fn a_full_listener_cannot_hold_negotiate() {
+        let (a, mut b) = pair();
+        let nonce = [0x5a; 16];
+        let (_l, _filler) = full_listener(&nonce);
+        let offer = Offer {
+            wants: true,
+            cap: RING_CAP,
+            host: host_identity(None).unwrap(),
+            nonce,
+            token: [1; 16],
+            rank: 1,
+        };
+        b.write_all(&offer.encode()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let r = negotiate(&a, 3, 1, host_identity(None), None, deadline);
+            let _ = tx.send(r.map(|_| ()));
+        });
+        let got = rx.recv_timeout(Duration::from_secs(6));
+        assert!(
+            got.is_ok(),
+            "negotiate still blocked 5 s after its deadline (connect to a full listener)"
+        );
+    }
+
+    /// `SO_PEERCRED` over a connected pair names this process; a descriptor that is not a
+    /// socket gives `None`, not an error or a pid.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn socket_pid_is_this_process_over_a_pair() {
+        let (u, _v) = UnixStream::pair().unwrap();
+        assert_eq!(socket_pid(&u), Some(std::process::id()));
+        let f = std::fs::File::open("/proc/self/stat").unwrap();
+        assert_eq!(peercred_pid(f.as_raw_fd()), None);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 use rustix::fs::SealFlags;
 use rustix::mm::{MapFlags, ProtFlags};
@@ -46,7 +46,8 @@ pub(crate) struct SharedMap {
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value, touched only through atomics
-// (`u64_at`, `u32_at`) and raw byte copies through `ptr` by its owners (a ring's one producer
+// (`u64_at`, `u32_at`, writable mappings only), volatile word loads (`load_u64`, `load_u32` on
+// read-only ones), futex waits by address and raw byte copies through `ptr` by its owners (a ring's one producer
 // or consumer, an arena's checked copies), never through references to its bytes, so moving or
 // sharing the value between threads races on nothing Rust relies on.
 unsafe impl Send for SharedMap {}
@@ -77,28 +78,79 @@ impl SharedMap {
         Ok(SharedMap { ptr, len, writable })
     }
 
-    /// The 64-bit word at `off`: a multiple of 8, within the mapping.
-    pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
+    /// The address of the `size`-byte word at `off`, checked: a multiple of `size`, within
+    /// the mapping.
+    fn word(&self, off: usize, size: usize) -> *mut u8 {
         assert!(
-            off.is_multiple_of(8) && off.checked_add(8).is_some_and(|e| e <= self.len),
+            off.is_multiple_of(size) && off.checked_add(size).is_some_and(|e| e <= self.len),
             "word offset {off} of a mapping of {} bytes",
             self.len
         );
-        // SAFETY: the mapping is page aligned and `off` (checked above) is an aligned u64
-        // within it, live for the borrow of `self`. The other process may change it at any
-        // time, which atomics allow; nothing reads it non-atomically.
-        unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        // SAFETY: `off + size <= len` (checked above), so the result is within the mapping.
+        unsafe { self.ptr.as_ptr().add(off) }
     }
 
-    /// The 32-bit word at `off`: a multiple of 4, within the mapping.
+    /// The 64-bit word at `off` (a multiple of 8, within the mapping) of a writable mapping;
+    /// a read-only one (a peer's arena) is read with [`SharedMap::load_u64`] instead, since
+    /// `from_ptr` needs memory valid for writes. Asking it of a read-only mapping is a bug of
+    /// this crate's and panics.
+    pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
+        assert!(self.writable, "an atomic over a read-only mapping");
+        let p = self.word(off, 8);
+        // SAFETY: the mapping is page aligned and `p` (checked by `word`) an aligned u64
+        // within it, mapped readable and writable (checked above) and live for the borrow of
+        // `self`. The other process may change it at any time, which atomics allow; nothing
+        // in this process reads it non-atomically. (Tests: `ring_tests`, `arena_tests`.)
+        unsafe { AtomicU64::from_ptr(p.cast()) }
+    }
+
+    /// The 32-bit word at `off` (a multiple of 4, within the mapping) of a writable mapping,
+    /// as [`SharedMap::u64_at`].
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(
-            off.is_multiple_of(4) && off.checked_add(4).is_some_and(|e| e <= self.len),
-            "word offset {off} of a mapping of {} bytes",
-            self.len
-        );
+        assert!(self.writable, "an atomic over a read-only mapping");
+        let p = self.word(off, 4);
         // SAFETY: as in `u64_at`, for an aligned u32.
-        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(off).cast()) }
+        unsafe { AtomicU32::from_ptr(p.cast()) }
+    }
+
+    /// Loads the 64-bit word at `off` (a multiple of 8, within the mapping), then an acquire
+    /// fence (what the owner wrote before its release store is then visible): a relaxed
+    /// atomic load on a writable mapping, a volatile load on a read-only one.
+    pub(crate) fn load_u64(&self, off: usize) -> u64 {
+        let v = if self.writable {
+            self.u64_at(off).load(Ordering::Relaxed)
+        } else {
+            let p = self.word(off, 8);
+            // SAFETY: `p` is an aligned u64 within the mapping (`word`), readable and live for
+            // the borrow of `self`. A read-only mapping is a peer's segment: memory outside
+            // every Rust allocation, written only by another process (or, for ranks as threads
+            // of one process, through that rank's own writable mapping, never this one), so a
+            // volatile load sees some value a write left, never undefined behaviour; any u64
+            // is valid. (Tests: `arena_tests::segments_round_trip`, `shared_map::tests`.)
+            unsafe { std::ptr::read_volatile(p.cast::<u64>()) }
+        };
+        fence(Ordering::Acquire);
+        v
+    }
+
+    /// Loads the 32-bit word at `off` (a multiple of 4, within the mapping), as
+    /// [`SharedMap::load_u64`].
+    pub(crate) fn load_u32(&self, off: usize) -> u32 {
+        let v = if self.writable {
+            self.u32_at(off).load(Ordering::Relaxed)
+        } else {
+            let p = self.word(off, 4);
+            // SAFETY: as in `load_u64`, for an aligned u32.
+            unsafe { std::ptr::read_volatile(p.cast::<u32>()) }
+        };
+        fence(Ordering::Acquire);
+        v
+    }
+
+    /// The address of the 32-bit word at `off` (a multiple of 4, within the mapping), for a
+    /// futex wait, which only reads it (any mapping).
+    pub(crate) fn u32_ptr(&self, off: usize) -> *const u32 {
+        self.word(off, 4).cast_const().cast()
     }
 
     /// The mapping's first byte; [`SharedMap::len`] bytes follow.
@@ -123,5 +175,44 @@ impl Drop for SharedMap {
         // atomics borrow `self` and the raw pointers handed out are used only while their
         // owner holds this value, so nothing refers to the mapping after this.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn maps() -> (SharedMap, SharedMap) {
+        let fd = rustix::fs::memfd_create("test", rustix::fs::MemfdFlags::empty()).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        // SAFETY: the file is 4096 bytes and nothing resizes it while the maps live.
+        unsafe {
+            (
+                SharedMap::new(&fd, 4096, true).unwrap(),
+                SharedMap::new(&fd, 4096, false).unwrap(),
+            )
+        }
+    }
+
+    /// A read-only mapping's words are read without an atomic over it, and a futex wait on
+    /// one returns (its value differs, then a timeout).
+    #[test]
+    fn read_only_words_are_loaded_and_waited_on() {
+        let (w, r) = maps();
+        w.u64_at(8).store(0x1122_3344_5566_7788, Ordering::Release);
+        w.u32_at(4).store(7, Ordering::Release);
+        assert_eq!(r.load_u64(8), 0x1122_3344_5566_7788);
+        assert_eq!((r.load_u32(4), w.load_u32(4)), (7, 7));
+        let p = r.u32_ptr(4);
+        super::super::ring::wait_on(p, 6, std::time::Duration::from_millis(1)).unwrap();
+        super::super::ring::wait_on(p, 7, std::time::Duration::from_millis(1)).unwrap();
+    }
+
+    /// An atomic over a read-only mapping (which `from_ptr` does not allow) is refused.
+    #[test]
+    #[should_panic(expected = "an atomic over a read-only mapping")]
+    fn no_atomic_over_a_read_only_mapping() {
+        let (_w, r) = maps();
+        let _ = r.u32_at(4);
     }
 }

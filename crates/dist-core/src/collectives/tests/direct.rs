@@ -495,18 +495,22 @@ fn mismatched_direct_calls_are_reported() {
 }
 
 /// A rank that fails after its peers' last read of its buffer was due (here its deadline
-/// passes while a descheduled peer has yet to read its share), and whose caller then changes
-/// the buffer, and whose abort notice is slow to come: the peer that read it late fails too,
-/// rather than return the changed bytes.
+/// passes while a descheduled peer has yet to read its share), and whose abort notice is slow
+/// to come: the peer that read it late fails too, rather than return a result read from a
+/// buffer whose owner left (which its caller could have changed by then, in another
+/// process). Here the caller changes its buffer only after a barrier that both ranks reach
+/// once their calls returned (`set_arena_direct`'s contract: the ranks are threads of one
+/// process), so the late read sees the unchanged bytes: rank 1 must fail all the same.
 /// Without the closing piece (every peer's `Input` after the last round, which rank 0 never
-/// publishes) rank 1 returned `Ok` with its share reduced from rank 0's scribbled bytes.
+/// publishes) rank 1 returns `Ok`.
 #[test]
 fn a_rank_that_leaves_early_fails_its_late_reader() {
     // One round: the late read is the last of the call.
     let links = MemLink::mesh_on_hosts(&[0; 2], BIG_SLOT);
     for l in &links {
-        // SAFETY: the group's direct reads read only the collectives' own buffers of this
-        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        // SAFETY: the group's direct reads read only the buffers this test's ranks pass to
+        // all_reduce, which each rank changes only after the barrier below, once both calls
+        // have returned (set_arena_direct's contract).
         unsafe { l.set_arena_direct(Some(0)) };
     }
     // Rank 1's read of rank 0's buffer for its share's reduction waits 2.5 s.
@@ -529,16 +533,14 @@ fn a_rank_that_leaves_early_fails_its_late_reader() {
         g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
         let mut x = inputs::<u32>(ReduceOp::Sum, g.rank(), count);
         let r = g.all_reduce(&mut x, ReduceOp::Sum);
-        if r.is_err() {
-            // The caller reuses its buffer at once.
-            x.fill(u32::MAX);
-        }
         let ok = match &r {
             Ok(()) => Some(x == reduced::<u32>(ReduceOp::Sum, 2, count)),
             Err(_) => None,
         };
-        // The buffer lives until both are done, so a late read finds the scribbled bytes.
+        // The buffer stays allocated and unchanged until both calls have returned; only then
+        // does the caller reuse it.
         both_done.wait();
+        x.fill(u32::MAX);
         Ok((r.map_err(|e| e.to_string()), ok))
     });
     let (r0, _) = results[0].as_ref().unwrap();
