@@ -471,6 +471,7 @@ fn pair_naming(pid: u32) -> (TcpArena, TcpArena) {
 /// read this process's memory through it. Without the pidfd and thread checks it returns
 /// this process's bytes.
 #[test]
+#[cfg(target_os = "linux")]
 fn a_reused_pid_that_names_a_thread_here() {
     let (tx, rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();

@@ -627,6 +627,7 @@ mod tests {
     /// A listener on the abstract name of `nonce` with backlog 0 and one connection pending,
     /// never accepted: its queue is full, so a blocking connect to it waits. The filler
     /// connection is returned to keep it so.
+    #[cfg(target_os = "linux")]
     fn full_listener(nonce: &[u8; 16]) -> (OwnedFd, UnixStream) {
         use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
         let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
@@ -641,6 +642,7 @@ mod tests {
     /// A connect to a peer whose listener's queue is full fails by its deadline, with an
     /// error naming the rank, the peer and the time waited.
     #[test]
+    #[cfg(target_os = "linux")]
     fn a_connect_to_a_full_listener_ends_at_its_deadline() {
         let nonce = [0x4b; 16];
         let (_l, _filler) = full_listener(&nonce);
@@ -658,6 +660,7 @@ mod tests {
     /// A lower-rank peer that offers shared memory but whose listener's queue is full: the
     /// higher rank's negotiate still returns by its deadline.
     #[test]
+    #[cfg(target_os = "linux")]
     fn a_full_listener_cannot_hold_negotiate() {
         let (a, mut b) = pair();
         let nonce = [0x5a; 16];
