@@ -359,11 +359,11 @@ impl HostArena for MemArena {
             // (`collectives/direct.rs`), the only caller in the tests that turn direct reads
             // on, reads only within the buffer peer thread `owner` announced for the call, and
             // a peer may still be reading it after its owner's call failed and returned: so
-            // the tests that make a rank fail change its buffer only after a barrier that
-            // every rank reaches once its call has returned. This is a test double: safe code
-            // that turns direct reads on is not kept from breaking it; the `unsafe` of
-            // `set_arena_direct` is where its caller takes it on. (Tests:
-            // `collectives::tests::direct`.)
+            // the tests that make a rank fail pass buffers that are never freed (`kept`) and
+            // change one only after a barrier that every rank reaches once its call has
+            // returned. This is a test double: safe code cannot turn direct reads on; the
+            // `unsafe` of `set_arena_direct` is where its caller takes the contract on.
+            // (Tests: `collectives::tests::direct`.)
             _ => unsafe { crate::arena::read_process(std::process::id(), addr, dst) },
         }
     }

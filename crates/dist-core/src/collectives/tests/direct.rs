@@ -37,8 +37,10 @@ fn direct_on_one_host(
 ) -> Vec<usize> {
     let links = MemLink::mesh_on_hosts(&vec![3; n], slot);
     for l in &links {
-        // SAFETY: the group's direct reads read only the collectives' own buffers of this
-        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces, each
+        // allocated and unwritten until every rank's call has returned (set_arena_direct's
+        // contract): a call that succeeds returns only once every read of its buffer is done, and
+        // where a rank fails its buffer is `kept`.
         unsafe { l.set_arena_direct(Some(min)) };
     }
     let tuning = Tuning {
@@ -162,8 +164,10 @@ fn results_come_through_the_slots() {
         let count = n * 10_000 + 3;
         let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
         for l in &links {
-            // SAFETY: the group's direct reads read only the collectives' own buffers of this
-            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces,
+            // each allocated and unwritten until every rank's call has returned (set_arena_direct's
+            // contract): a call that succeeds returns only once every read of its buffer is done,
+            // and where a rank fails its buffer is `kept`.
             unsafe { l.set_arena_direct(Some(0)) };
         }
         let results = run_links(links, |l| {
@@ -215,8 +219,10 @@ fn uneven_last_rounds_and_late_failures() {
         assert_eq!(segment(count, n, 0).len(), rounds * per_round);
         let links = MemLink::mesh_on_hosts(&vec![0; n], SLOT);
         for l in &links {
-            // SAFETY: the group's direct reads read only the collectives' own buffers of this
-            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces,
+            // each allocated and unwritten until every rank's call has returned (set_arena_direct's
+            // contract): a call that succeeds returns only once every read of its buffer is done,
+            // and where a rank fails its buffer is `kept`.
             unsafe { l.set_arena_direct(Some(0)) };
         }
         let results = run_links(links, |l| {
@@ -235,8 +241,10 @@ fn uneven_last_rounds_and_late_failures() {
     // Rank 1 of 3, one thread, reads once from each peer a round (a part of one chunk): its
     // third read, the first of the second round, is refused.
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], SLOT), |l| {
-        // SAFETY: the group's direct reads read only the collectives' own buffers of this
-        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces, each
+        // allocated and unwritten until every rank's call has returned (set_arena_direct's
+        // contract): a call that succeeds returns only once every read of its buffer is done, and
+        // where a rank fails its buffer is `kept`.
         unsafe { l.set_arena_direct(Some(0)) };
         let g = Group::form(l, Tuning::default(), Duration::from_secs(3))?;
         g.all_reduce(&mut [1u8], ReduceOp::Sum)?;
@@ -244,7 +252,7 @@ fn uneven_last_rounds_and_late_failures() {
             g.link()
                 .set_arena_direct_fault(DirectFault::RefusedAfter(2));
         }
-        g.all_reduce(&mut vec![1u32; 3 * 2 * per_round], ReduceOp::Sum)
+        g.all_reduce(kept(1u32, 3 * 2 * per_round), ReduceOp::Sum)
     });
     match results[1].as_ref().unwrap_err() {
         DistError::Io {
@@ -264,8 +272,10 @@ fn uneven_last_rounds_and_late_failures() {
 fn slots_too_small_for_a_result_read_nothing_directly() {
     let count = (HOST_SPLIT_MIN / 8) + 5;
     let results = run_links(MemLink::mesh_on_hosts(&[0; 3], HEADER + 4), |l| {
-        // SAFETY: the group's direct reads read only the collectives' own buffers of this
-        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces, each
+        // allocated and unwritten until every rank's call has returned (set_arena_direct's
+        // contract): a call that succeeds returns only once every read of its buffer is done, and
+        // where a rank fails its buffer is `kept`.
         unsafe { l.set_arena_direct(Some(0)) };
         let g = Group::form(l, Tuning::default(), TIMEOUT)?;
         let mut x = inputs::<u64>(ReduceOp::Sum, g.rank(), count);
@@ -292,8 +302,9 @@ fn split_direct_reads_give_the_same_bits() {
         for threads in [1, 4] {
             let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
             for l in &links {
-                // SAFETY: the group's direct reads read only the collectives' own buffers of this
-                // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+                // SAFETY: the direct reads read only the buffers the ranks pass to their
+                // all_reduces, each allocated and unwritten until every rank's call has returned
+                // (set_arena_direct's contract).
                 unsafe { l.set_arena_direct(Some(0)) };
                 l.set_arena_threads(threads);
             }
@@ -338,8 +349,10 @@ fn direct_reads_are_agreed_by_every_rank() {
     ] {
         let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
         for (l, m) in links.iter().zip(&mins) {
-            // SAFETY: the group's direct reads read only the collectives' own buffers of this
-            // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+            // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces,
+            // each allocated and unwritten until every rank's call has returned (set_arena_direct's
+            // contract): a call that succeeds returns only once every read of its buffer is done,
+            // and where a rank fails its buffer is `kept`.
             unsafe { l.set_arena_direct(*m) };
         }
         let results = run_links(links, |l| {
@@ -363,6 +376,15 @@ fn direct_reads_are_agreed_by_every_rank() {
     }
 }
 
+/// A buffer of `n` copies of `v` that stays allocated for the rest of the test process: a
+/// failing rank's call returns while its peers may still read its buffer directly, and the
+/// test arena's contract (`MemLink::set_arena_direct`) wants every buffer a peer may read to
+/// stay allocated and unwritten until every rank's call has returned. Leaked on purpose: a
+/// few hundred KiB over the failure tests.
+fn kept<T: Clone + 'static>(v: T, n: usize) -> &'static mut [T] {
+    Box::leak(vec![v; n].into_boxed_slice())
+}
+
 /// The errors of a direct all_reduce of `count` u32 on `n` ranks whose arenas read directly,
 /// `setup` run on every link first, `f` after the first all_reduce (which agrees).
 fn direct_errors(
@@ -372,8 +394,10 @@ fn direct_errors(
 ) -> Vec<Result<()>> {
     let links = MemLink::mesh_on_hosts(&vec![0; n], BIG_SLOT);
     for l in &links {
-        // SAFETY: the group's direct reads read only the collectives' own buffers of this
-        // job's ranks, which no thread writes while they are read (set_arena_direct's contract).
+        // SAFETY: the direct reads read only the buffers the ranks pass to their all_reduces, each
+        // allocated and unwritten until every rank's call has returned (set_arena_direct's
+        // contract): a call that succeeds returns only once every read of its buffer is done, and
+        // where a rank fails its buffer is `kept`.
         unsafe { l.set_arena_direct(Some(0)) };
         setup(l);
     }
@@ -409,7 +433,7 @@ fn failed_direct_reads_are_named() {
                 }
             },
             |g| {
-                let r = g.all_reduce(&mut vec![1u32; count], ReduceOp::Sum);
+                let r = g.all_reduce(kept(1u32, count), ReduceOp::Sum);
                 let used = g.link().direct_read_threads();
                 if g.rank() == 1 && threads > 1 {
                     assert!(used >= 2, "{fault:?}: rank 1 read on {used} thread");
@@ -446,7 +470,7 @@ fn a_dead_or_absent_rank_is_named() {
                 g.link().kill();
                 return Ok(());
             }
-            g.all_reduce(&mut vec![1i32; 30_000], ReduceOp::Sum)
+            g.all_reduce(kept(1i32, 30_000), ReduceOp::Sum)
         },
     );
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
@@ -461,7 +485,7 @@ fn a_dead_or_absent_rank_is_named() {
             if g.rank() == 2 {
                 return Ok(());
             }
-            g.all_reduce(&mut vec![1.0f32; 30_000], ReduceOp::Sum)
+            g.all_reduce(kept(1.0f32, 30_000), ReduceOp::Sum)
         },
     );
     assert!(
@@ -480,7 +504,7 @@ fn mismatched_direct_calls_are_reported() {
         |_| {},
         |g| {
             let count = if g.rank() == 1 { 40_000 } else { 40_001 };
-            g.all_reduce(&mut vec![1u8; count], ReduceOp::Sum)
+            g.all_reduce(kept(1u8, count), ReduceOp::Sum)
         },
     );
     for (r, res) in results.iter().enumerate() {
@@ -564,7 +588,7 @@ fn a_hostile_buffer_address_is_a_corrupt_arena() {
                 l.set_arena_direct_fault(DirectFault::HostileHeader);
             }
         },
-        |g| g.all_reduce(&mut vec![1u32; 40_000], ReduceOp::Sum),
+        |g| g.all_reduce(kept(1u32, 40_000), ReduceOp::Sum),
     );
     for r in [0, 1] {
         let e = results[r].as_ref().unwrap_err();
