@@ -95,22 +95,38 @@ impl SharedMap {
     /// `from_ptr` needs memory valid for writes. Asking it of a read-only mapping is a bug of
     /// this crate's and panics.
     pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(self.writable, "an atomic over a read-only mapping");
+        self.atomic_u64(off)
+            .expect("an atomic over a read-only mapping")
+    }
+
+    /// The atomic of [`SharedMap::u64_at`], or `None` on a read-only mapping.
+    fn atomic_u64(&self, off: usize) -> Option<&AtomicU64> {
+        if !self.writable {
+            return None;
+        }
         let p = self.word(off, 8);
         // SAFETY: the mapping is page aligned and `p` (checked by `word`) an aligned u64
         // within it, mapped readable and writable (checked above) and live for the borrow of
         // `self`. The other process may change it at any time, which atomics allow; nothing
         // in this process reads it non-atomically. (Tests: `ring_tests`, `arena_tests`.)
-        unsafe { AtomicU64::from_ptr(p.cast()) }
+        Some(unsafe { AtomicU64::from_ptr(p.cast()) })
     }
 
     /// The 32-bit word at `off` (a multiple of 4, within the mapping) of a writable mapping,
     /// as [`SharedMap::u64_at`].
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(self.writable, "an atomic over a read-only mapping");
+        self.atomic_u32(off)
+            .expect("an atomic over a read-only mapping")
+    }
+
+    /// The atomic of [`SharedMap::u32_at`], or `None` on a read-only mapping.
+    fn atomic_u32(&self, off: usize) -> Option<&AtomicU32> {
+        if !self.writable {
+            return None;
+        }
         let p = self.word(off, 4);
-        // SAFETY: as in `u64_at`, for an aligned u32.
-        unsafe { AtomicU32::from_ptr(p.cast()) }
+        // SAFETY: as in `atomic_u64`, for an aligned u32.
+        Some(unsafe { AtomicU32::from_ptr(p.cast()) })
     }
 
     /// Loads the 64-bit word at `off` (a multiple of 8, within the mapping), then an acquire
@@ -208,11 +224,12 @@ mod tests {
         super::super::ring::wait_on(p, 7, std::time::Duration::from_millis(1)).unwrap();
     }
 
-    /// An atomic over a read-only mapping (which `from_ptr` does not allow) is refused.
+    /// An atomic over a read-only mapping (which `from_ptr` does not allow) is refused; a
+    /// writable mapping gives one.
     #[test]
-    #[should_panic(expected = "an atomic over a read-only mapping")]
     fn no_atomic_over_a_read_only_mapping() {
-        let (_w, r) = maps();
-        let _ = r.u32_at(4);
+        let (w, r) = maps();
+        assert!(r.atomic_u32(4).is_none() && r.atomic_u64(8).is_none());
+        assert!(w.atomic_u32(4).is_some() && w.atomic_u64(8).is_some());
     }
 }
