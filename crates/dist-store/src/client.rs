@@ -217,6 +217,14 @@ impl TcpStore {
     /// timeout cancels the wait as PyTorch's client does and reports `Ok(false)`.
     fn do_wait(io: &mut Io<'_>, keys: &[&[u8]], timeout: Duration) -> Result<bool, Fail> {
         io.send(&Request::Wait(keys.to_vec()))?;
+        Self::stop_or_cancel(io, "wait", timeout)
+    }
+
+    /// After a request the server answers with STOP_WAITING once it is met (WAIT, BARRIER):
+    /// reads that answer within `timeout` (`Ok(true)`); on timeout sends CANCEL_WAIT and reads
+    /// WAIT_CANCELED, after a STOP_WAITING that may have crossed the cancel (`Ok(false)`).
+    /// `what` names the request in a protocol error.
+    fn stop_or_cancel(io: &mut Io<'_>, what: &str, timeout: Duration) -> Result<bool, Fail> {
         let wait_deadline = Instant::now() + timeout;
         let cancel_deadline = io.deadline.max(wait_deadline) + Duration::from_secs(30);
         io.deadline = wait_deadline;
@@ -224,7 +232,7 @@ impl TcpStore {
             Ok(proto::STOP_WAITING) => return Ok(true),
             Ok(b) => {
                 return Err(Fail::Protocol(format!(
-                    "wait answered {b}, not STOP_WAITING"
+                    "{what} answered {b}, not STOP_WAITING"
                 )));
             }
             Err(e)
@@ -278,29 +286,7 @@ impl TcpStore {
         let k = prefixed(key);
         let done = self.call("server_barrier", key, self.deadline(), |io| {
             io.send(&Request::Barrier(&k, world_size as i64))?;
-            let wait_deadline = Instant::now() + timeout;
-            let cancel_deadline = io.deadline.max(wait_deadline) + Duration::from_secs(30);
-            io.deadline = wait_deadline;
-            match io.u8() {
-                Ok(proto::STOP_WAITING) => return Ok(true),
-                Ok(b) => return Err(Fail::Protocol(format!("barrier answered {b}"))),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) => {}
-                Err(e) => return Err(Fail::Io(e)),
-            }
-            io.deadline = cancel_deadline;
-            io.send(&Request::CancelWait)?;
-            let mut b = io.u8()?;
-            if b == proto::STOP_WAITING {
-                b = io.u8()?;
-            }
-            if b != proto::WAIT_CANCELED {
-                return Err(Fail::Protocol(format!("cancel_wait answered {b}")));
-            }
-            Ok(false)
+            Self::stop_or_cancel(io, "barrier", timeout)
         })?;
         if done {
             Ok(())
