@@ -3,7 +3,8 @@
 //! a path a doc names that does not exist, a protocol version the handshake does not speak, a
 //! source file without its `//!` line; in `tidy_names.rs`, a variable or API item a doc names
 //! that the code does not define, a variable without its one row in `docs/config.md`; in
-//! `tidy_figures.rs`, a figure a doc quotes from a raw result file that the file does not hold.
+//! `tidy_figures.rs`, a figure a doc quotes from a raw result file that the file does not hold; in
+//! `tidy_nccl.rs`, an NCCL function that `dist-nccl-sys`'s version table and the calls disagree on.
 
 #[path = "tidy_counters.rs"]
 mod counters;
@@ -11,6 +12,8 @@ mod counters;
 mod figures;
 #[path = "tidy_names.rs"]
 mod names;
+#[path = "tidy_nccl.rs"]
+mod nccl;
 
 use std::collections::BTreeSet;
 use std::path::Path;
