@@ -434,8 +434,9 @@ impl Transport for TcpBackend {
 }
 
 impl Shared {
-    /// Keeps `n` and, if it was kept (new, and within its sender's bound), wakes every waiter
-    /// to recheck: a repeated or dropped notice costs no work per peer.
+    /// Keeps `n` ([`peer::Aborts::raise`]) and, if a wait may end because of it, wakes every
+    /// waiter to recheck: a notice that ends no wait its sender's others did not costs no work
+    /// per peer.
     fn note_abort(&self, n: AbortNotice) {
         tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
         if self.aborts.raise(n) {
