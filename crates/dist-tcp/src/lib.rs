@@ -345,10 +345,13 @@ impl TcpBackend {
             }
         });
         let weak = Arc::downgrade(&shared);
+        // A close after the peer said "closing" is no fault within the excuse its silence has
+        // (its linger), and one like any other after: a peer killed long after it said so, or
+        // one that said so to hide its end, is reported `Closed`.
         let close_sink: peer::CloseSink = Arc::new(move |from, cause| {
             if let Some(s) = weak.upgrade()
                 && !s.peers[from].declared_silent()
-                && !s.peers[from].leaving()
+                && !s.peers[from].leaving_within(s.closing_excuse(), Instant::now())
             {
                 s.post(PeerFault {
                     rank: s.rank,

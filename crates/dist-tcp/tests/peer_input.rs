@@ -1,6 +1,6 @@
 //! What a peer's bytes can make a rank believe about it: a peer that said "closing" and then
 //! went silent, or that went silent behind a held frame header, is still declared unresponsive;
-//! every one of many abort notices ends its wait.
+//! a close long after "closing" is a fault; every one of many abort notices ends its wait.
 
 use std::io::Write;
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -143,6 +143,36 @@ fn a_close_after_closing_is_no_fault() {
         seen.lock().unwrap()
     );
     drop(raw);
+}
+
+/// A peer that says "closing", keeps sending heartbeats past the excuse of its linger, and
+/// then closes its connection (killed long after its linger began, or hostile) is reported
+/// `Closed` to the hooks, which dist-hybrid's watch aborts NCCL on. Fails without the bound on
+/// the excuse: a close after "closing" was never a fault, however late.
+#[test]
+fn a_close_long_after_closing_is_a_fault() {
+    let (b, mut raw) = real_and_raw(PEER_TIMEOUT);
+    let seen = faults(&b);
+    raw.write_all(&closing_heartbeat()).unwrap();
+    // The excuse lasts the longer of the linger and the peer timeout.
+    let until = Instant::now() + LINGER.max(PEER_TIMEOUT) + Duration::from_millis(300);
+    while Instant::now() < until {
+        raw.write_all(&frame(FrameKind::Heartbeat, 0, 0, [0; 16]))
+            .unwrap();
+        thread::sleep(PEER_TIMEOUT / 4);
+    }
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "faults reported while the peer was heard: {:?}",
+        seen.lock().unwrap()
+    );
+    raw.shutdown(Shutdown::Both).unwrap();
+    assert!(
+        await_fault(&seen, |f| f.peer == 1
+            && matches!(f.cause, FaultCause::Closed(_))),
+        "the hooks heard no Closed fault: {:?}",
+        seen.lock().unwrap()
+    );
 }
 
 /// A system tag of sub-group `id`.
