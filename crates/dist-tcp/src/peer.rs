@@ -20,6 +20,8 @@ use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
 mod connect;
+#[cfg(test)]
+mod fill_tests;
 mod io;
 #[cfg(test)]
 mod io_tests;
