@@ -65,6 +65,10 @@ impl Reach {
     }
 }
 
+// A reach is decided by at most two notices: with room for two, a sender at the bound always
+// has a notice that can make way for one that grows its reach (`Aborts::raise`).
+const _: () = assert!(ABORTS_KEPT_PER_PEER >= 2);
+
 /// How many groups' current calls a backend keeps (the most recently started first-time).
 const GROUPS_TRACKED: usize = 64;
 
