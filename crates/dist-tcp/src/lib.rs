@@ -345,10 +345,13 @@ impl TcpBackend {
             }
         });
         let weak = Arc::downgrade(&shared);
+        // A close after the peer said "closing" is no fault within the excuse its silence has
+        // (its linger), and one like any other after: a peer killed long after it said so, or
+        // one that said so to hide its end, is reported `Closed`.
         let close_sink: peer::CloseSink = Arc::new(move |from, cause| {
             if let Some(s) = weak.upgrade()
                 && !s.peers[from].declared_silent()
-                && !s.peers[from].leaving()
+                && !s.peers[from].leaving_within(s.closing_excuse(), Instant::now())
             {
                 s.post(PeerFault {
                     rank: s.rank,
@@ -434,8 +437,9 @@ impl Transport for TcpBackend {
 }
 
 impl Shared {
-    /// Keeps `n` and, if it was kept (new, and within its sender's bound), wakes every waiter
-    /// to recheck: a repeated or dropped notice costs no work per peer.
+    /// Keeps `n` ([`peer::Aborts::raise`]) and, if a wait may end because of it, wakes every
+    /// waiter to recheck: a notice that ends no wait its sender's others did not costs no work
+    /// per peer.
     fn note_abort(&self, n: AbortNotice) {
         tracing::debug!(rank = self.rank, from = n.from, reason = %n.reason, "abort notice");
         if self.aborts.raise(n) {

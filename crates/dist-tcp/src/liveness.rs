@@ -393,7 +393,7 @@ impl Shared {
     /// How long a peer's silence is excused after it said it is closing: the linger (how long
     /// a closing rank waits for its peers, the job's ranks sharing one configuration), and at
     /// least one peer timeout.
-    fn closing_excuse(&self) -> Duration {
+    pub(crate) fn closing_excuse(&self) -> Duration {
         self.linger.max(self.peer_timeout)
     }
 

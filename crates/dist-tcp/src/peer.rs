@@ -20,6 +20,8 @@ use crate::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind};
 
 mod aborts;
 mod connect;
+#[cfg(test)]
+mod fill_tests;
 mod io;
 #[cfg(test)]
 mod io_tests;
@@ -62,9 +64,10 @@ use writer::*;
 
 /// The longest abort notice a peer may send (its error text); a longer one is a protocol error.
 pub(crate) const ABORT_MAX: usize = 64 << 10;
-/// How many abort notices a backend keeps from each sender (the first ones): a peer flooding
-/// abort frames pushes out no other rank's notices, and holds at most this many of
-/// [`ABORT_MAX`] bytes here.
+/// How many abort notices a backend keeps from each sender (this rank's own included): a peer
+/// flooding abort frames pushes out no other rank's notices, and holds at most this many of
+/// [`ABORT_MAX`] bytes here. A sender's later notice that ends more waits replaces one of its
+/// older ones ([`Aborts::raise`]). At least 2.
 const ABORTS_KEPT_PER_PEER: usize = 16;
 /// What a queued message costs the unexpected-message budget beyond its payload. A message on a
 /// fresh tag costs about this much memory besides its bytes: the `Queued` entry (40 B) in a

@@ -1,5 +1,6 @@
 //! What a peer's bytes can make a rank believe about it: a peer that said "closing" and then
-//! went silent, or that went silent behind a held frame header, is still declared unresponsive.
+//! went silent, or that went silent behind a held frame header, is still declared unresponsive;
+//! a close long after "closing" is a fault; every one of many abort notices ends its wait.
 
 use std::io::Write;
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -7,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use dist_core::{Backend, DistError, Tag};
+use dist_core::subgroup::GROUP_ID_BITS;
+use dist_core::transport::Link;
+use dist_core::{Backend, DistError, Tag, Transport};
 use dist_tcp::wire::{FrameHeader, FrameKind, HEARTBEAT_CLOSING};
 use dist_tcp::{FaultCause, PeerFault, TcpBackend, TcpConfig};
 
@@ -139,6 +142,109 @@ fn a_close_after_closing_is_no_fault() {
         "faults reported: {:?}",
         seen.lock().unwrap()
     );
+    drop(raw);
+}
+
+/// A peer that says "closing", keeps sending heartbeats past the excuse of its linger, and
+/// then closes its connection (killed long after its linger began, or hostile) is reported
+/// `Closed` to the hooks, which dist-hybrid's watch aborts NCCL on. Fails without the bound on
+/// the excuse: a close after "closing" was never a fault, however late.
+#[test]
+fn a_close_long_after_closing_is_a_fault() {
+    let (b, mut raw) = real_and_raw(PEER_TIMEOUT);
+    let seen = faults(&b);
+    raw.write_all(&closing_heartbeat()).unwrap();
+    // The excuse lasts the longer of the linger and the peer timeout.
+    let until = Instant::now() + LINGER.max(PEER_TIMEOUT) + Duration::from_millis(300);
+    while Instant::now() < until {
+        raw.write_all(&frame(FrameKind::Heartbeat, 0, 0, [0; 16]))
+            .unwrap();
+        thread::sleep(PEER_TIMEOUT / 4);
+    }
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "faults reported while the peer was heard: {:?}",
+        seen.lock().unwrap()
+    );
+    raw.shutdown(Shutdown::Both).unwrap();
+    assert!(
+        await_fault(&seen, |f| f.peer == 1
+            && matches!(f.cause, FaultCause::Closed(_))),
+        "the hooks heard no Closed fault: {:?}",
+        seen.lock().unwrap()
+    );
+}
+
+/// A system tag of sub-group `id`.
+fn sub_tag(id: u64) -> Tag {
+    Tag::from_wire(Tag::system(2).to_wire() | (id << GROUP_ID_BITS.trailing_zeros()))
+}
+
+/// Rank 0 receives from rank 1 on `tag` in call `call` of its group (at most 5 s) while
+/// `raise` (on another thread, once the receive waits) makes an abort notice for that call
+/// arrive; the receive must end with it at once.
+fn ended_by(b: &TcpBackend, tag: Tag, call: u64, reason: &str, raise: impl FnOnce() + Send) {
+    b.group().link().enter_call(tag, call);
+    let t = Instant::now();
+    let e = thread::scope(|s| {
+        s.spawn(|| {
+            // Lets the receive start waiting: the notice must wake it.
+            thread::sleep(Duration::from_millis(20));
+            raise();
+        });
+        b.recv_tagged_timeout(&mut [0u8; 4], 1, tag, Duration::from_secs(5))
+            .unwrap_err()
+    });
+    let waited = t.elapsed();
+    match &e {
+        DistError::Aborted { reason: r, .. } if r == reason => {}
+        other => {
+            panic!("call {call}: expected the abort \"{reason}\", got after {waited:.2?}: {other}")
+        }
+    }
+    assert!(
+        waited < Duration::from_secs(2),
+        "call {call}: ended by its notice only after {waited:.2?}"
+    );
+}
+
+/// A long job whose sub-groups fail call after call (here one group's calls, each notice
+/// naming a call that no earlier notice ends): each of 100 abort notices from one peer, and
+/// then each of 100 of this rank's own, ends the receive of its call at once, far past the
+/// 16 notices a rank keeps from one sender. Fails without the fix: the 17th notice from a
+/// sender was dropped, and its receive ran to its deadline.
+#[test]
+fn every_one_of_many_aborts_from_one_sender_ends_its_wait_at_once() {
+    // A peer timeout that does not run out here (the raw peer sends no heartbeats): no
+    // silence is declared, whose notice would end every wait.
+    let (b, raw) = real_and_raw(Duration::from_secs(60));
+    let tag = sub_tag(3);
+    let raw = Mutex::new(raw);
+    for k in 0..100u64 {
+        let call = 1000 - k;
+        let reason = format!("peer abort {k}");
+        let mut meta = [0u8; 16];
+        meta[8..].copy_from_slice(&call.to_le_bytes());
+        ended_by(&b, tag, call, &reason, || {
+            let mut raw = raw.lock().unwrap();
+            raw.write_all(&frame(
+                FrameKind::Abort,
+                tag.to_wire(),
+                reason.len() as u64,
+                meta,
+            ))
+            .unwrap();
+            raw.write_all(reason.as_bytes()).unwrap();
+        });
+    }
+    for k in 0..100u64 {
+        let call = 500 - k;
+        let reason = format!("own abort {k}");
+        ended_by(&b, tag, call, &reason, || {
+            b.group().link().abort(tag, Some(call), &reason, None)
+        });
+    }
+    assert_eq!(b.abort_notices().len(), 2 * 16);
     drop(raw);
 }
 

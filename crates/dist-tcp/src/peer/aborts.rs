@@ -33,6 +33,42 @@ impl AbortNotice {
     }
 }
 
+/// The waits the notices of one sender end, together ([`AbortNotice::ends`]): a notice that
+/// names a call of a group ends every wait but those of that group in an earlier call, any
+/// other ends every wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// No notice: no wait.
+    Nothing,
+    /// Every wait but those of the group with these group bits in a call before `call`.
+    AllBut { group: u64, call: u64 },
+    /// Every wait.
+    All,
+}
+
+impl Reach {
+    /// The reach of these notices and `n`.
+    fn with(self, n: &AbortNotice) -> Reach {
+        let spared = match n.call {
+            Some(call) if n.tag.is_system() => Some((n.tag.to_wire() & GROUP_ID_BITS, call)),
+            _ => None,
+        };
+        match (self, spared) {
+            (Reach::All, _) | (_, None) => Reach::All,
+            (Reach::Nothing, Some((group, call))) => Reach::AllBut { group, call },
+            (Reach::AllBut { group, call }, Some((g, c))) if g == group => Reach::AllBut {
+                group,
+                call: call.min(c),
+            },
+            (Reach::AllBut { .. }, Some(_)) => Reach::All,
+        }
+    }
+}
+
+// A reach is decided by at most two notices: with room for two, a sender at the bound always
+// has a notice that can make way for one that grows its reach (`Aborts::raise`).
+const _: () = assert!(ABORTS_KEPT_PER_PEER >= 2);
+
 /// How many groups' current calls a backend keeps (the most recently started first-time).
 const GROUPS_TRACKED: usize = 64;
 
@@ -52,26 +88,71 @@ pub(crate) struct Aborts {
 }
 
 impl Aborts {
-    /// Records `n`, unless a notice of its sender for the same tag and call is kept already,
-    /// or [`ABORTS_KEPT_PER_PEER`] of its sender's are: a peer flooding abort frames can
-    /// neither grow this list past that nor push out the notices of other ranks. Returns
-    /// whether `n` was kept: a notice not kept changes no wait's outcome (waits look only at
-    /// the kept ones), so only a kept one needs the waiters woken.
+    /// Records `n` and says whether a wait may end because of it (the caller then wakes the
+    /// waiters: a notice that ends no wait that its sender's others did not costs no work per
+    /// peer).
+    ///
+    /// A notice its sender sent already (same tag and call) is not kept again. Each sender (this
+    /// rank, for its own notices, as any peer) has at most [`ABORTS_KEPT_PER_PEER`] kept: a
+    /// peer flooding abort frames can neither grow this list past that nor push out the notices
+    /// of other ranks. A sender at that bound still has a new notice kept when it ends a wait
+    /// that its kept ones do not (its [`Reach`] grows): it replaces the sender's oldest notice
+    /// whose going ends no fewer waits. So every notice of a long job (many groups aborted, by
+    /// a peer or by this rank) still ends its waits at once, and a wait that notices ended
+    /// stays ended.
+    ///
+    /// Of the notices that do grow a sender's reach, one ends waits of one group in fewer calls
+    /// than before; such a notice wakes the waiters only if it ends the call that group is in
+    /// now (a wait that starts later looks for itself): a peer sending notices of ever earlier
+    /// calls wakes them at most once per call this rank enters.
     pub(crate) fn raise(&self, n: AbortNotice) -> bool {
         let mut v = self.notices.lock().unwrap_or_else(|p| p.into_inner());
-        let mut senders = v.iter().filter(|k| k.from == n.from);
-        let kept = senders.clone().count() < ABORTS_KEPT_PER_PEER
-            && !senders.any(|k| k.tag == n.tag && k.call == n.call);
-        if kept {
-            v.push(n);
+        // Set before the calls are read below (and sequentially consistent with `enter_call`'s
+        // store and `raised`'s load), so that a wait entering a call this misses sees the flag,
+        // and then (under the lock) the notice.
+        self.raised.store(true, Ordering::SeqCst);
+        let mine: Vec<usize> = (0..v.len()).filter(|&i| v[i].from == n.from).collect();
+        if mine
+            .iter()
+            .any(|&i| v[i].tag == n.tag && v[i].call == n.call)
+        {
+            return false;
         }
-        drop(v);
-        self.raised.store(true, Ordering::Release);
-        kept
+        let reach = |skip: Option<usize>| {
+            mine.iter()
+                .filter(|&&i| Some(i) != skip)
+                .fold(Reach::Nothing, |r, &i| r.with(&v[i]))
+        };
+        let before = reach(None);
+        let after = before.with(&n);
+        if mine.len() >= ABORTS_KEPT_PER_PEER {
+            if after == before {
+                return false;
+            }
+            // Some notice can go: a reach is decided by at most two notices, and the bound
+            // is more.
+            let out = mine
+                .iter()
+                .copied()
+                .find(|&i| reach(Some(i)).with(&n) == after)
+                .unwrap_or(mine[0]);
+            v.remove(out);
+        }
+        v.push(n);
+        match (before, after) {
+            _ if before == after => false,
+            (Reach::AllBut { group, call: was }, Reach::AllBut { call: now, .. }) => {
+                // Only the waits of `group` in calls `now..was` end newly; an untracked group's
+                // waits end on any notice, so did on the sender's earlier ones.
+                self.group_call(group)
+                    .is_some_and(|c| (now..was).contains(&c))
+            }
+            _ => true,
+        }
     }
 
     pub(crate) fn raised(&self) -> bool {
-        self.raised.load(Ordering::Acquire)
+        self.raised.load(Ordering::SeqCst)
     }
 
     pub(crate) fn notices(&self) -> Vec<AbortNotice> {
@@ -85,7 +166,8 @@ impl Aborts {
     pub(crate) fn enter_call(&self, tag: Tag, call: u64) {
         let group = tag.to_wire() & GROUP_ID_BITS;
         if group == 0 {
-            self.root_call.store(call, Ordering::Release);
+            // Sequentially consistent: see `raise`.
+            self.root_call.store(call, Ordering::SeqCst);
             return;
         }
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
@@ -104,10 +186,14 @@ impl Aborts {
 
     /// The call `tag`'s group is in, if it has run one.
     fn call_of(&self, tag: Tag) -> Option<u64> {
-        let group = tag.to_wire() & GROUP_ID_BITS;
+        self.group_call(tag.to_wire() & GROUP_ID_BITS)
+    }
+
+    /// The call group `group` (tags' group bits) is in, if it has run one.
+    fn group_call(&self, group: u64) -> Option<u64> {
         if group == 0 {
             // Calls are numbered from 1: 0 says the root group has run none.
-            return Some(self.root_call.load(Ordering::Acquire)).filter(|&c| c != 0);
+            return Some(self.root_call.load(Ordering::SeqCst)).filter(|&c| c != 0);
         }
         let calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         calls.iter().find(|(g, _)| *g == group).map(|&(_, c)| c)
@@ -184,30 +270,141 @@ mod tests {
         assert_eq!(notice(4, None, "x").origin(), 4);
     }
 
+    /// A notice of `from` naming call `call` of sub-group `group` (its id).
+    fn of_group(from: usize, group: u64, call: u64) -> AbortNotice {
+        AbortNotice {
+            call: Some(call),
+            tag: sub_tag(group),
+            ..notice(from, None, "sub-group failed")
+        }
+    }
+
+    /// A system tag of sub-group `id` (0: the root group).
+    fn sub_tag(id: u64) -> Tag {
+        Tag::from_wire(Tag::system(2).to_wire() | (id << GROUP_ID_BITS.trailing_zeros()))
+    }
+
     /// A flood of abort frames from one peer keeps at most [`ABORTS_KEPT_PER_PEER`] of its
-    /// notices, a repeated notice (same sender, tag and call) is not kept again, and `raise`
-    /// says which were kept (only those wake the waiters); the notices of other ranks, before
-    /// and after the flood, are kept. Fails with the list bounded per backend: the flood
-    /// pushes out rank 5's later notice, and a repeat or a dropped notice reports as kept.
+    /// notices, whatever they name (the same group in later calls, earlier calls, which each
+    /// end more waits and so replace an older one, or other groups), a repeated notice (same
+    /// sender, tag and call) is not kept again, and the notices of other ranks, before and
+    /// after the flood, are kept. Only a notice that ends a wait the sender's others did not
+    /// asks for the waiters to be woken.
     #[test]
     fn a_flood_is_bounded_per_peer_and_repeats_are_not_kept() {
         let a = Aborts::default();
         assert!(a.raise(notice(1, None, "first")));
         assert!(!a.raise(notice(1, None, "again")), "a repeat is not kept");
-        let on_call = |from, call| AbortNotice {
-            call: Some(call),
-            ..notice(from, None, "flood")
-        };
-        let kept = (1..=4 * ABORTS_KEPT_PER_PEER as u64)
-            .filter(|&c| a.raise(on_call(2, c)))
+        let from = |r| a.notices().iter().filter(|n| n.from == r).count();
+        // Later calls of one group end no wait that call 1 does not.
+        assert!(a.raise(of_group(2, 7, 1_000_000)));
+        let woke = (1_000_001..1_000_100)
+            .filter(|&c| a.raise(of_group(2, 7, c)))
             .count();
-        assert_eq!(kept, ABORTS_KEPT_PER_PEER, "kept of the flood");
-        assert!(!a.raise(on_call(2, 1)), "a repeat is not kept");
+        assert_eq!((woke, from(2)), (0, ABORTS_KEPT_PER_PEER));
+        // Ever earlier calls each end more waits: each is kept, in place of an older one; none
+        // wakes the waiters, as group 7 is in no call here.
+        let woke = (1..1_000_000)
+            .rev()
+            .step_by(997)
+            .filter(|&c| a.raise(of_group(2, 7, c)))
+            .count();
+        assert_eq!((woke, from(2)), (0, ABORTS_KEPT_PER_PEER));
+        assert!(!a.raise(of_group(2, 7, 1_000_050)), "a repeat is not kept");
+        // Other groups: the second ends every wait, the rest none more.
+        assert!(a.raise(of_group(2, 8, 5)));
+        assert!(!(9..5000).any(|g| a.raise(of_group(2, g, 5))));
+        assert_eq!(from(2), ABORTS_KEPT_PER_PEER);
         assert!(
-            a.raise(on_call(5, 1)),
+            a.raise(of_group(5, 7, 1)),
             "another rank's notice after the flood"
         );
-        let from = |r| a.notices().iter().filter(|n| n.from == r).count();
         assert_eq!((from(1), from(2), from(5)), (1, ABORTS_KEPT_PER_PEER, 1));
+    }
+
+    /// Many successive aborts from one sender, each of a call of one group that the kept
+    /// notices do not end (a group's calls failing in turn, as where a job forms and aborts
+    /// sub-groups whose ids come round again), each end the wait of that call at once and ask
+    /// for the waiters to be woken: from a peer and from this rank itself, far past
+    /// [`ABORTS_KEPT_PER_PEER`], with the list still bounded. Fails with the first notices kept
+    /// and later ones dropped: the 17th wait is not ended.
+    #[test]
+    fn every_one_of_many_aborts_from_one_sender_ends_its_wait() {
+        let a = Aborts::default();
+        let tag = sub_tag(3);
+        for from in [0, 1] {
+            for k in 0..100u64 {
+                let call = 10_000 - 100 * from as u64 - k;
+                a.enter_call(tag, call);
+                assert_eq!(a.ending_now(tag), None, "call {call} of rank {from}");
+                assert!(a.raise(of_group(from, 3, call)), "call {call} woke nobody");
+                let n = a.ending_now(tag);
+                assert_eq!(n.map(|n| (n.from, n.call)), Some((from, Some(call))));
+            }
+        }
+        assert_eq!(a.notices().len(), 2 * ABORTS_KEPT_PER_PEER);
+    }
+
+    /// Once notices end a wait, no later notice of the same sender makes them stop ending it:
+    /// a notice that ends every wait stays, though the bound is reached.
+    #[test]
+    fn a_wait_ended_stays_ended() {
+        let a = Aborts::default();
+        let tag = sub_tag(3);
+        a.enter_call(tag, 2);
+        assert!(a.raise(AbortNotice {
+            tag,
+            ..notice(1, Some(4), "peer 4 gone")
+        }));
+        for c in (3..1000).rev() {
+            a.raise(of_group(1, 3, c));
+        }
+        assert_eq!(
+            a.ending_now(tag).map(|n| n.reason),
+            Some("peer 4 gone".into())
+        );
+    }
+
+    /// [`Reach`] agrees with [`AbortNotice::ends`] on every wait of a few groups and calls.
+    #[test]
+    fn a_reach_is_what_its_notices_end() {
+        let notices = [
+            of_group(1, 3, 5),
+            of_group(1, 3, 2),
+            of_group(1, 4, 9),
+            of_group(1, 0, 3),
+            notice(1, None, "any"),
+            AbortNotice {
+                tag: Tag::user(3),
+                ..of_group(1, 3, 5)
+            },
+        ];
+        let waits: Vec<(Tag, Option<u64>)> = [0, 3, 4]
+            .into_iter()
+            .flat_map(|g| {
+                [None, Some(1), Some(2), Some(4), Some(6), Some(10)].map(|c| (sub_tag(g), c))
+            })
+            .collect();
+        // Every ordered pair of notices (and each alone).
+        for x in 0..notices.len() {
+            for y in 0..=notices.len() {
+                let set: Vec<&AbortNotice> = [Some(&notices[x]), notices.get(y)]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let r = set.iter().fold(Reach::Nothing, |r, n| r.with(n));
+                for &(tag, c) in &waits {
+                    let by_reach = match r {
+                        Reach::Nothing => false,
+                        Reach::All => true,
+                        Reach::AllBut { group, call } => {
+                            !(tag.to_wire() & GROUP_ID_BITS == group && c.is_some_and(|c| c < call))
+                        }
+                    };
+                    let by_ends = set.iter().any(|n| n.ends(tag, c));
+                    assert_eq!(by_reach, by_ends, "{set:?} on {tag} in {c:?}");
+                }
+            }
+        }
     }
 }

@@ -72,7 +72,11 @@ pub(super) struct Rx {
 }
 
 // SAFETY: `Frame::Fill::ptr` is the only non-`Send` field; see `State`'s impl. It is written
-// through only while this struct's mutex is held and the receive is `Filling`.
+// through only while this struct's mutex is held and the receive is `Filling`. (Tests, with the
+// I/O thread filling a buffer posted on another thread: `tests::
+// unexpected_messages_are_bounded_and_larger_ones_still_arrive`, and `fill_tests::
+// a_receive_whose_peer_stalls_mid_message_lets_go_of_its_buffer_only_when_cut` for a fill
+// that its receive's deadline interrupts.)
 unsafe impl Send for Rx {}
 
 /// What a call to [`Peer::progress`] ended with.
@@ -163,7 +167,10 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
         }
     };
     // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and `recv` only writes initialised bytes
-    // into the slice, so viewing initialised memory as maybe-uninitialised is sound.
+    // into the slice, so viewing initialised memory as maybe-uninitialised is sound. (Every
+    // received byte passes here; checked byte for byte by `tests::
+    // unexpected_messages_are_bounded_and_larger_ones_still_arrive`, straight into a receive's
+    // buffer and into the read buffer.)
     let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
     loop {
         match sock.recv_with_flags(dst, MSG_DONTWAIT) {
@@ -448,7 +455,10 @@ impl Peer {
                     if *done < *len {
                         // SAFETY: receive `id` is `Filling` and we hold the read-side lock: its
                         // owner cannot release the buffer before the fill ends (see `State`), and
-                        // `len` is the buffer's length.
+                        // `len` is the buffer's length. (Tests: `fill_tests::
+                        // a_receive_whose_peer_stalls_mid_message_lets_go_of_its_buffer_only_when_cut`,
+                        // a deadline mid-fill; `tests::a_receive_whose_wait_unwinds_is_withdrawn`,
+                        // a withdrawn receive not written.)
                         let dst =
                             unsafe { std::slice::from_raw_parts_mut(ptr.add(*done), *len - *done) };
                         match rx_pull(&mut rx.sock, &mut rx.buf, &mut rx.lo, &mut rx.hi, dst) {

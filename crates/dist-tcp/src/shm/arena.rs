@@ -22,7 +22,7 @@ use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
     OFF_PROBE_VALUE, OFF_WORDS, Refused,
 };
-use super::pidfd::{PeerProcess, of_this_process};
+use super::pidfd::{Memory, PeerProcess, of_this_process};
 use crate::peer::Peer;
 
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce (the memory is
@@ -44,7 +44,8 @@ struct PeerPart {
     /// It mapped this rank's segment too.
     mapped_mine: bool,
     /// The process at the other end of the Unix socket its descriptors came through
-    /// (`SO_PEERCRED`), held by a pidfd: the only process this rank reads directly for it.
+    /// (`SO_PEERCRED`), held by a pidfd (`SO_PEERPIDFD` where the kernel has it): the only
+    /// process this rank reads directly for it.
     process: Option<PeerProcess>,
 }
 
@@ -97,15 +98,29 @@ impl ArenaSetup {
         }
     }
 
-    /// Maps the segment `peer` passed (checked first); whether it could. `pid` is the process
-    /// at the other end of the Unix socket the descriptor came through, as the kernel says
-    /// (`SO_PEERCRED`; `None` where it could not say): direct reads of the peer read that
-    /// process, and only if the header names it too ([`TcpArena::probe_peers`]). A pidfd of
-    /// it is opened here, right after the exchange: while it is held the pid cannot name
-    /// another process; where none can be opened (a kernel without `pidfd_open`, the process
-    /// gone), no direct reads of the peer.
-    pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd, pid: Option<u32>) -> bool {
-        let process = pid.and_then(PeerProcess::open);
+    /// Maps the segment `peer` passed (checked first); whether it could. `process` is the
+    /// process at the other end of the Unix socket the descriptor came through, as the kernel
+    /// says (`SO_PEERCRED`), held by a pidfd taken from that socket (`SO_PEERPIDFD`) or, on a
+    /// kernel without it, opened by pid right after the exchange; `None` where there is none
+    /// (the kernel could not say, the process is gone, a kernel without pidfds): then no direct
+    /// reads of the peer. Direct reads read that process only, and only if the header names
+    /// it too ([`TcpArena::probe_peers`]).
+    pub(crate) fn map_peer(&self, peer: usize, fd: &OwnedFd, process: Option<PeerProcess>) -> bool {
+        match &process {
+            Some(p) => tracing::debug!(
+                me = self.me,
+                peer,
+                pid = p.pid(),
+                taken = ?p.taken(),
+                memory = ?p.memory(),
+                "peer's process"
+            ),
+            None => tracing::debug!(
+                me = self.me,
+                peer,
+                "peer's process unknown: no direct reads"
+            ),
+        }
         match Mapping::open(fd, ARENA_SLOT, peer) {
             Ok(m) => {
                 if let Some(p) = self.parts().get_mut(peer) {
@@ -261,26 +276,25 @@ impl TcpArena {
     /// not this one; else why not. A peer that published another process's id (this rank's
     /// own, say, to have it read its own memory at addresses the peer chooses into results
     /// the peer reads) is refused here: the kernel, not the peer, says which process it is.
-    /// A peer of this process (ranks as threads) is refused too: a direct read of this
-    /// process's memory at an address from a caller of the safe
-    /// [`HostArena::read_direct`] could race a write of another thread (the contract of
-    /// [`dist_core::transport::read_process`]); such ranks use the slots.
+    /// A peer of this process (ranks as threads), or any process that shares this one's
+    /// memory (a `CLONE_VM` child, as `kcmp` says), is refused too: a direct read of this
+    /// process's memory at an address from a caller of the safe [`HostArena::read_direct`]
+    /// could race a write of another thread (the contract of
+    /// [`dist_core::transport::read_process`]); such ranks use the slots. So is a process
+    /// whose memory `kcmp` could not compare (a kernel without it, a seccomp filter that
+    /// refuses it): the slots are always right, a direct read only faster.
     fn direct_pid(&self, q: usize) -> std::result::Result<u32, String> {
         let m = self
             .mapping(q)
             .filter(|_| q != self.me)
             .ok_or_else(|| format!("rank {q} is not a peer on this host"))?;
-        let Some(pid) = self
-            .procs
-            .get(q)
-            .and_then(Option::as_ref)
-            .map(PeerProcess::pid)
-        else {
+        let Some(process) = self.procs.get(q).and_then(Option::as_ref) else {
             return Err(format!(
                 "the kernel named no process for rank {q}'s socket (SO_PEERCRED), or it has \
                  no pidfd"
             ));
         };
+        let pid = process.pid();
         let published = m.load_u32(OFF_PID);
         if published != pid {
             return Err(format!(
@@ -294,7 +308,17 @@ impl TcpArena {
                  direct reads of this process's memory"
             ));
         }
-        Ok(pid)
+        match process.memory() {
+            Memory::Apart => Ok(pid),
+            Memory::Shared => Err(format!(
+                "rank {q}'s process {pid} shares this process's memory (kcmp): no direct \
+                 reads of this process's memory"
+            )),
+            Memory::Unknown(e) => Err(format!(
+                "whether rank {q}'s process {pid} shares this process's memory is unknown \
+                 ({e}): no direct reads of it"
+            )),
+        }
     }
 
     /// Reads `dst.len()` bytes at `addr` of rank `q`'s process (`pid`, from
@@ -319,15 +343,25 @@ impl TcpArena {
         if process.pid() != pid || process.exited() {
             return Err(gone());
         }
-        // SAFETY: `pid` is not this process nor a thread of it (`direct_pid`, and checked
-        // again just now), and its process had not exited when checked just now, while this
-        // arena holds its pidfd: so the pid was not handed out again and the kernel reads only
-        // the peer's memory, wherever `addr` points, and writes only `dst`: `read_process`'s
-        // contract asks nothing more. If it exits during the read, the check after refuses
-        // the bytes. (Tests: `arena_tests::direct_reads_are_probed`,
+        // SAFETY: `pid` was checked by `direct_pid`: it is the process the kernel named for
+        // the peer's socket (its pidfd held by this arena, taken from the socket where the
+        // kernel offers it), not this process nor a thread of it, and it does not share this
+        // process's memory (`kcmp`, asked while the pidfd was held). Its process had not exited
+        // when checked just now, so at that moment the pid named it and nothing else, and the
+        // kernel reads only the peer's memory, wherever `addr` points, and writes only `dst`:
+        // `read_process`'s contract asks nothing more. One window remains, so this holds in
+        // practice, not in every timing: `process_vm_readv` looks the pid up again inside the
+        // call, and if the peer exits, is reaped and its pid is handed out again between the
+        // check and that lookup, the kernel reads the new process (this one, if the pid went
+        // to a new thread here: the race the contract forbids). That needs the whole pid space
+        // to wrap round within the microseconds between the check and the call's lookup. It is
+        // accepted because a read by pid cannot close it, and what such a read returns is not
+        // used: the check after it sees the exit and zeroes `dst`.
+        // (Tests: `arena_tests::direct_reads_are_probed`,
         // `direct_reads_follow_the_socket_not_the_header`,
-        // `a_reused_pid_that_names_a_thread_here`, `an_exited_peer_is_not_read`; between
-        // processes, the multi-rank `shm_arena` test's `direct` variant.)
+        // `a_reused_pid_that_names_a_thread_here`, `an_exited_peer_is_not_read`,
+        // `a_process_sharing_this_memory_is_not_read`; between processes, the multi-rank
+        // `shm_arena` test's `direct` variant.)
         let r = unsafe { dist_core::transport::read_process(pid, addr, dst) };
         if process.exited() {
             dst.fill(0);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use dist_core::transport::{ArenaWord, HostArena};
 
 use super::super::arena_map::{HEADER, MAGIC, Mapping, Refused};
+use super::super::pidfd::PeerProcess;
 use super::*;
 
 /// Two ranks of one host, each with the other's segment mapped.
@@ -17,7 +18,7 @@ fn pair() -> (TcpArena, TcpArena) {
     let (a, b) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
     for (x, y, peer) in [(&a, &b, 1), (&b, &a, 0)] {
         x.note_host(peer, host);
-        assert!(x.map_peer(peer, y.fd().unwrap(), Some(std::process::id())));
+        assert!(x.map_peer(peer, y.fd().unwrap(), PeerProcess::open(std::process::id())));
         y.note_mapped_mine(1 - peer);
     }
     let spin = Duration::from_micros(10);
@@ -349,7 +350,7 @@ fn incomplete_arenas_and_other_hosts() {
     let b = ArenaSetup::new(1, 3, host);
     a.note_host(1, host);
     a.note_host(2, Some([1u8; 32]));
-    assert!(a.map_peer(1, b.fd().unwrap(), Some(std::process::id())));
+    assert!(a.map_peer(1, b.fd().unwrap(), PeerProcess::open(std::process::id())));
     // Rank 1 never says it mapped rank 0's segment.
     let a = a.finish(
         Vec::<Arc<crate::peer::Peer>>::new(),
@@ -412,7 +413,11 @@ fn direct_reads_follow_the_socket_not_the_header() {
         let (x, y) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
         for (p, q, peer) in [(&x, &y, 1), (&y, &x, 0)] {
             p.note_host(peer, host);
-            assert!(p.map_peer(peer, q.fd().unwrap(), socket_pid));
+            assert!(p.map_peer(
+                peer,
+                q.fd().unwrap(),
+                socket_pid.and_then(PeerProcess::open)
+            ));
             q.note_mapped_mine(1 - peer);
         }
         let (x, _y) = (
@@ -456,8 +461,8 @@ fn pair_naming(pid: u32) -> (TcpArena, TcpArena) {
     assert!(own.store_u32(super::OFF_PID, pid, Ordering::SeqCst));
     x.note_host(1, host);
     y.note_host(0, host);
-    assert!(x.map_peer(1, y.fd().unwrap(), Some(pid)));
-    assert!(y.map_peer(0, x.fd().unwrap(), Some(std::process::id())));
+    assert!(x.map_peer(1, y.fd().unwrap(), PeerProcess::open(pid)));
+    assert!(y.map_peer(0, x.fd().unwrap(), PeerProcess::open(std::process::id())));
     x.note_mapped_mine(1);
     y.note_mapped_mine(0);
     (
@@ -490,6 +495,32 @@ fn a_reused_pid_that_names_a_thread_here() {
     assert!(
         r.is_err() && out == [0u8; 16],
         "read_direct read this process's memory through thread id {tid}: {r:?}, {out:?}"
+    );
+    assert_eq!(x.direct_min(), None);
+}
+
+/// A peer whose header and socket name a process that shares this one's memory without being
+/// a thread of it (a `CLONE_VM` child, such as a `vfork` child before its `exec`, which a
+/// reused pid could name) is not read directly: `kcmp` says it shares this memory. Fails
+/// without the `kcmp` check: the read returns this process's bytes.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_process_sharing_this_memory_is_not_read() {
+    let vm = super::super::pidfd::tests::VmChild::spawn();
+    let (x, _y) = pair_naming(u32::try_from(vm.pid).unwrap());
+    let secret = [0x5au8; 16];
+    let mut out = [0u8; 16];
+    let e = x
+        .read_direct(1, secret.as_ptr() as u64, &mut out)
+        .unwrap_err();
+    drop(vm);
+    assert_eq!(
+        out, [0u8; 16],
+        "read this process's memory through its CLONE_VM child"
+    );
+    assert!(
+        e.to_string().contains("shares this process's memory"),
+        "{e}"
     );
     assert_eq!(x.direct_min(), None);
 }

@@ -202,19 +202,25 @@ impl TxRing {
 
 /// Sleeps while `word` holds `seen`, at most `limit` (a wake-up, a timeout or an interruption
 /// all return `Ok`: the caller looks again).
-/// `word` is an aligned u32 of a shared mapping that stays mapped for the call, read-only
-/// (a peer's arena) or not: the futex takes its address, not a Rust reference, since an atomic
-/// reference needs memory valid for writes.
+/// `word` is meant to be an aligned u32 of a shared mapping that stays mapped for the call,
+/// read-only (a peer's arena) or not: the futex takes its address, not a Rust reference, since
+/// an atomic reference needs memory valid for writes. Any other address is an error, never
+/// undefined behaviour (the kernel reads the word).
 #[cfg(target_os = "linux")]
 pub(super) fn wait_on(word: *const u32, seen: u32, limit: Duration) -> io::Result<()> {
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(limit.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: limit.subsec_nanos().into(),
     };
-    // SAFETY: FUTEX_WAIT only reads the aligned u32 at `word` (a live word of a shared
-    // mapping, the callers' contract above: `SharedMap::u32_ptr`, `AtomicU32::as_ptr`) and
-    // the timespec `ts`, which lives for the call; it writes no memory. (Tests:
-    // `arena_tests::a_second_sleeper_of_one_rank_is_still_woken`, `ring_tests`.)
+    // SAFETY: sound for any `word`, whatever the callers pass: FUTEX_WAIT reads the u32 at
+    // `word` inside the kernel (as a user-memory access, never through a Rust reference, so a
+    // concurrent atomic store by another thread or process is no data race), and an address
+    // that is not mapped readable is `EFAULT`, a misaligned one `EINVAL`, both returned as
+    // errors below. It also reads the timespec `ts`, which lives for the call, and writes no
+    // memory. The callers pass a live, aligned word of a shared mapping
+    // (`SharedMap::u32_ptr`, `AtomicU32::as_ptr`) so that the wait means something, not for
+    // soundness. (Tests: `arena_tests::a_second_sleeper_of_one_rank_is_still_woken`,
+    // `ring_tests`; `ring_tests::a_bad_futex_address_is_an_error` for the errors.)
     let r = unsafe {
         libc::syscall(
             libc::SYS_futex,

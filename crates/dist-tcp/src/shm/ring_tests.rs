@@ -289,3 +289,20 @@ fn open_checks_the_seals_before_the_size() {
     let e = Segment::open(&fd, CAP).unwrap_err();
     assert!(e.contains("not sealed"), "{e}");
 }
+
+/// `wait_on` with an address that is no word of a mapping is an error, not undefined
+/// behaviour: the kernel reads the word, an unmapped address is `EFAULT` and a misaligned one
+/// `EINVAL`, each returned at once.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_bad_futex_address_is_an_error() {
+    let limit = std::time::Duration::from_secs(5);
+    let t = Instant::now();
+    let e = wait_on(std::ptr::null(), 0, limit).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+    let words = [0u32; 2];
+    let odd = words.as_ptr().cast::<u8>().wrapping_add(1).cast::<u32>();
+    let e = wait_on(odd, 0, limit).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+    assert!(t.elapsed() < limit, "waited {:?}", t.elapsed());
+}

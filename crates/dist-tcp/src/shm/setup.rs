@@ -30,6 +30,7 @@ use sha2::{Digest, Sha256};
 
 use super::arena::ArenaSetup;
 use super::map::Segment;
+use super::pidfd::PeerProcess;
 use super::{RxRing, TxRing};
 
 /// The capacity of each ring: enough for a 1 MiB piece of a pipelined collective in flight.
@@ -201,14 +202,14 @@ pub(crate) fn negotiate(
             arena_fd,
             deadline,
         ) {
-            Ok((seg, fd, their_arena, pid)) => {
+            Ok((seg, fd, their_arena, process)) => {
                 own = Some(seg);
                 match Segment::open(&fd, theirs.cap) {
                     Ok(seg) => shm.rx = Some(RxRing::new(seg, theirs.cap, peer)),
                     Err(e) => tracing::warn!(me, peer, "peer's shared-memory ring refused: {e}"),
                 }
                 if let (Some(a), Some(fd)) = (arena, their_arena) {
-                    arena_mapped = a.map_peer(peer, &fd, pid);
+                    arena_mapped = a.map_peer(peer, &fd, process);
                 }
             }
             Err(e) => tracing::warn!(me, peer, "no shared memory with this peer: {e}"),
@@ -263,7 +264,7 @@ fn abstract_addr(_nonce: &[u8; 16]) -> std::io::Result<SocketAddr> {
 
 /// Step 2: passes this rank's new segment (and its arena's, `arena`) to the peer and receives
 /// the peer's descriptors: its ring's, and its arena's if it sent one; and the process at the
-/// other end of the Unix socket they came through, as the kernel says ([`socket_pid`]).
+/// other end of the Unix socket they came through, as the kernel says ([`socket_process`]).
 // The exchange's two ends, its descriptors and its deadline.
 #[allow(clippy::too_many_arguments)]
 fn exchange(
@@ -275,25 +276,25 @@ fn exchange(
     listener: Option<UnixListener>,
     arena: Option<&OwnedFd>,
     deadline: Instant,
-) -> Result<(Segment, OwnedFd, Option<OwnedFd>, Option<u32>), String> {
+) -> Result<(Segment, OwnedFd, Option<OwnedFd>, Option<PeerProcess>), String> {
     let (fd, seg) = Segment::create(RING_CAP).map_err(|e| format!("memfd ring: {e}"))?;
     let got = if me < peer {
         let l = listener.ok_or("no listener")?;
         let mut u = accept_peer(&l, tcp, deadline)?;
         let fds_in = recv_fd(&mut u, &mut [0u8; 16], deadline, Some(&mine.token))?;
         send_fd(&u, &[1], &fd, arena, deadline)?;
-        (fds_in, socket_pid(&u))
+        (fds_in, socket_process(&u))
     } else {
         let u = connect_peer(me, peer, &theirs.nonce, deadline)?;
         send_fd(&u, &theirs.token, &fd, arena, deadline)?;
         let mut u = u;
         (
             recv_fd(&mut u, &mut [0u8; 1], deadline, Some(&[1]))?,
-            socket_pid(&u),
+            socket_process(&u),
         )
     };
-    let ((got, their_arena), pid) = got;
-    Ok((seg, got, their_arena, pid))
+    let ((got, their_arena), process) = got;
+    Ok((seg, got, their_arena, process))
 }
 
 /// Connects to the lower rank's abstract socket named by `nonce`, by `deadline`. A blocking
@@ -350,6 +351,13 @@ fn connect_peer(
         || "shared memory between ranks needs Linux".to_string(),
         |e| e.to_string(),
     ))
+}
+
+/// The process at the other end of `u` ([`socket_pid`]), held by a pidfd taken from the socket
+/// where the kernel offers it ([`PeerProcess::of_socket`]); `None` where there is none (then
+/// no direct reads of the peer).
+fn socket_process(u: &UnixStream) -> Option<PeerProcess> {
+    PeerProcess::of_socket(u.as_fd(), socket_pid(u)?)
 }
 
 /// The process at the other end of `u`, as the kernel recorded it when the connection was made
