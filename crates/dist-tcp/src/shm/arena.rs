@@ -22,7 +22,7 @@ use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
     OFF_PROBE_VALUE, OFF_WORDS, Refused,
 };
-use super::pidfd::{Memory, PeerProcess, of_this_process};
+use super::pidfd::{Memory, PeerProcess, Taken, of_this_process};
 use crate::peer::Peer;
 
 /// The bytes of each of a rank's two slots: the piece of a large all_reduce (the memory is
@@ -282,7 +282,8 @@ impl TcpArena {
     /// could race a write of another thread (the contract of
     /// [`dist_core::transport::read_process`]); such ranks use the slots. So is a process
     /// whose memory `kcmp` could not compare (a kernel without it, a seccomp filter that
-    /// refuses it): the slots are always right, a direct read only faster.
+    /// refuses it, as Docker's default one does without `CAP_SYS_PTRACE`) when its pidfd was
+    /// opened by pid; with the pidfd from the socket it is read ([`memory_verdict`] says why).
     fn direct_pid(&self, q: usize) -> std::result::Result<u32, String> {
         let m = self
             .mapping(q)
@@ -308,17 +309,9 @@ impl TcpArena {
                  direct reads of this process's memory"
             ));
         }
-        match process.memory() {
-            Memory::Apart => Ok(pid),
-            Memory::Shared => Err(format!(
-                "rank {q}'s process {pid} shares this process's memory (kcmp): no direct \
-                 reads of this process's memory"
-            )),
-            Memory::Unknown(e) => Err(format!(
-                "whether rank {q}'s process {pid} shares this process's memory is unknown \
-                 ({e}): no direct reads of it"
-            )),
-        }
+        memory_verdict(process.taken(), process.memory())
+            .map(|()| pid)
+            .map_err(|why| format!("rank {q}'s process {pid} {why}: no direct reads of it"))
     }
 
     /// Reads `dst.len()` bytes at `addr` of rank `q`'s process (`pid`, from
@@ -401,6 +394,28 @@ impl TcpArena {
                     }
                 }
             })
+    }
+}
+
+/// Whether a peer's process may be read directly, by what `kcmp` said of its memory
+/// ([`Memory`]) and how its pidfd was taken ([`Taken`]); the error says why not.
+///
+/// A process that shares this one's memory is refused: reading it would read this process,
+/// at addresses a peer chose, racing this process's own writes. Where `kcmp` cannot answer,
+/// the pidfd decides: taken from the socket, it holds the very process that connected, and a
+/// process can share this one's memory only if this process made it (`CLONE_VM`), never by a
+/// peer's choice; so such a peer is read. Opened by pid (a kernel without `SO_PEERPIDFD`), the
+/// pid could in principle have been handed out again between `SO_PEERCRED` and the open, and
+/// without `kcmp`'s word the peer is refused: its ranks use the arena's slots, which are always
+/// right, only slower from the direct reads' sizes on.
+fn memory_verdict(taken: Taken, memory: &Memory) -> std::result::Result<(), String> {
+    match (memory, taken) {
+        (Memory::Apart, _) => Ok(()),
+        (Memory::Shared, _) => Err("shares this process's memory (kcmp)".into()),
+        (Memory::Unknown(_), Taken::FromSocket) => Ok(()),
+        (Memory::Unknown(e), Taken::ByPid) => Err(format!(
+            "was opened by pid and whether it shares this process's memory is unknown ({e})"
+        )),
     }
 }
 

@@ -552,3 +552,23 @@ fn an_exited_peer_is_not_read() {
     );
     assert_eq!(out, [0u8; 8]);
 }
+
+/// A peer whose memory `kcmp` could not compare (Docker's default seccomp filter refuses it
+/// without `CAP_SYS_PTRACE` while allowing `process_vm_readv`) is still read where its pidfd
+/// came from the socket, refused where it was opened by pid; one sharing this memory never.
+#[test]
+fn an_unknown_memory_is_read_only_with_the_sockets_pidfd() {
+    use super::super::pidfd::{Memory, Taken};
+    let unknown = Memory::Unknown("kcmp: Operation not permitted".into());
+    assert_eq!(memory_verdict(Taken::FromSocket, &unknown), Ok(()));
+    let e = memory_verdict(Taken::ByPid, &unknown).unwrap_err();
+    assert!(
+        e.contains("opened by pid") && e.contains("Operation not permitted"),
+        "{e}"
+    );
+    for taken in [Taken::FromSocket, Taken::ByPid] {
+        assert_eq!(memory_verdict(taken, &Memory::Apart), Ok(()));
+        let e = memory_verdict(taken, &Memory::Shared).unwrap_err();
+        assert!(e.contains("shares this process's memory"), "{e}");
+    }
+}
