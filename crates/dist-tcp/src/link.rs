@@ -155,12 +155,7 @@ impl Link for TcpLink {
         if !self.0.aborts.raised() {
             return None;
         }
-        self.0
-            .aborts
-            .notices()
-            .into_iter()
-            .next()
-            .map(|n| (n.origin(), n.reason))
+        self.0.aborts.first().map(|n| (n.origin(), n.reason))
     }
 
     fn abort_notice_for(&self, tag: Tag, call: u64) -> Option<dist_core::transport::Notice> {
@@ -174,7 +169,11 @@ impl Link for TcpLink {
 
     /// Kept in the backend's abort list, which its waits consult when a notice has come.
     fn enter_call(&self, tag: Tag, call: u64) {
-        self.0.aborts.enter_call(tag, call);
+        if self.0.aborts.enter_call(tag, call) {
+            for p in &self.0.peers {
+                p.wake();
+            }
+        }
     }
 
     /// One group per backend: its own, formed at init, holds the link for the backend's whole

@@ -66,8 +66,9 @@ use writer::*;
 pub(crate) const ABORT_MAX: usize = 64 << 10;
 /// How many abort notices a backend keeps from each sender (this rank's own included): a peer
 /// flooding abort frames pushes out no other rank's notices, and holds at most this many of
-/// [`ABORT_MAX`] bytes here. A sender's later notice that ends more waits replaces one of its
-/// older ones ([`Aborts::raise`]). At least 2.
+/// [`ABORT_MAX`] bytes here (its text as kept, invalid UTF-8 replaced, is cut back to that
+/// bound). A sender's later notice that ends more waits replaces one of its older ones, never
+/// its first ([`Aborts::raise`]). At least 3.
 const ABORTS_KEPT_PER_PEER: usize = 16;
 /// What a queued message costs the unexpected-message budget beyond its payload. A message on a
 /// fresh tag costs about this much memory besides its bytes: the `Queued` entry (40 B) in a

@@ -67,7 +67,7 @@ impl Reach {
 
 // A reach is decided by at most two notices: with room for two, a sender at the bound always
 // has a notice that can make way for one that grows its reach (`Aborts::raise`).
-const _: () = assert!(ABORTS_KEPT_PER_PEER >= 2);
+const _: () = assert!(ABORTS_KEPT_PER_PEER >= 3);
 
 /// How many groups' current calls a backend keeps (the most recently started first-time).
 const GROUPS_TRACKED: usize = 64;
@@ -129,13 +129,16 @@ impl Aborts {
             if after == before {
                 return false;
             }
-            // Some notice can go: a reach is decided by at most two notices, and the bound
-            // is more.
+            // Some notice can go: a reach is decided by at most one kept notice besides `n`,
+            // and the bound is at least 3. The search starts from the newest, so a sender's
+            // first notice (often the root cause that `first` reports and a sub-group passes
+            // on) is never the one to go.
             let out = mine
                 .iter()
+                .rev()
                 .copied()
                 .find(|&i| reach(Some(i)).with(&n) == after)
-                .unwrap_or(mine[0]);
+                .unwrap_or(mine[mine.len() - 1]);
             v.remove(out);
         }
         v.push(n);
@@ -155,6 +158,16 @@ impl Aborts {
         self.raised.load(Ordering::SeqCst)
     }
 
+    /// The first notice kept (the one an error that no notice in particular ends reports),
+    /// cloned alone: a collective asks each call once a notice has come.
+    pub(crate) fn first(&self) -> Option<AbortNotice> {
+        self.notices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first()
+            .cloned()
+    }
+
     pub(crate) fn notices(&self) -> Vec<AbortNotice> {
         self.notices
             .lock()
@@ -162,13 +175,16 @@ impl Aborts {
             .clone()
     }
 
-    /// `tag`'s group is in call `call` from now on.
-    pub(crate) fn enter_call(&self, tag: Tag, call: u64) {
+    /// `tag`'s group is in call `call` from now on. Returns whether the waiters must be woken:
+    /// a group forgotten to make room (past [`GROUPS_TRACKED`]) has its waits ended by any
+    /// notice, and where notices have come, a wait of it that sleeps must see that at once.
+    #[must_use]
+    pub(crate) fn enter_call(&self, tag: Tag, call: u64) -> bool {
         let group = tag.to_wire() & GROUP_ID_BITS;
         if group == 0 {
             // Sequentially consistent: see `raise`.
             self.root_call.store(call, Ordering::SeqCst);
-            return;
+            return false;
         }
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         match calls.iter_mut().find(|(g, _)| *g == group) {
@@ -176,12 +192,16 @@ impl Aborts {
             None => {
                 // Bounded: a group forgotten here has its waits ended by any notice, as before
                 // notices named calls (safe, only less precise).
-                if calls.len() >= GROUPS_TRACKED {
+                let forgot = calls.len() >= GROUPS_TRACKED;
+                if forgot {
                     calls.remove(0);
                 }
                 calls.push((group, call));
+                // Rare (a group's first call past the bound), so one wake per such call.
+                return forgot && self.raised();
             }
         }
+        false
     }
 
     /// The call `tag`'s group is in, if it has run one.
@@ -218,9 +238,7 @@ impl Aborts {
 
     /// The error of a wait on `tag` ended by an abort: the notice that ends it, else the first.
     pub(super) fn error(&self, me: usize, op: String, tag: Tag) -> DistError {
-        let first = self
-            .ending_now(tag)
-            .or_else(|| self.notices().into_iter().next());
+        let first = self.ending_now(tag).or_else(|| self.first());
         DistError::Aborted {
             rank: me,
             op,
@@ -335,7 +353,7 @@ mod tests {
         for from in [0, 1] {
             for k in 0..100u64 {
                 let call = 10_000 - 100 * from as u64 - k;
-                a.enter_call(tag, call);
+                let _ = a.enter_call(tag, call);
                 assert_eq!(a.ending_now(tag), None, "call {call} of rank {from}");
                 assert!(a.raise(of_group(from, 3, call)), "call {call} woke nobody");
                 let n = a.ending_now(tag);
@@ -351,7 +369,7 @@ mod tests {
     fn a_wait_ended_stays_ended() {
         let a = Aborts::default();
         let tag = sub_tag(3);
-        a.enter_call(tag, 2);
+        let _ = a.enter_call(tag, 2);
         assert!(a.raise(AbortNotice {
             tag,
             ..notice(1, Some(4), "peer 4 gone")
@@ -363,6 +381,56 @@ mod tests {
             a.ending_now(tag).map(|n| n.reason),
             Some("peer 4 gone".into())
         );
+    }
+
+    /// A sender's first notice, the root cause a sub-group reports and passes on, is never the
+    /// one that makes room for a later notice of that sender. Fails with the replacement
+    /// searching from the oldest notice (the first goes once a later one decides the reach).
+    #[test]
+    fn a_senders_first_notice_is_not_replaced() {
+        let a = Aborts::default();
+        let root = AbortNotice {
+            reason: "root cause: rank 3 died".into(),
+            ..of_group(1, 7, 5)
+        };
+        assert!(a.raise(root));
+        for c in 6..21 {
+            let _ = a.raise(of_group(1, 7, c));
+        }
+        let _ = a.raise(of_group(1, 7, 4));
+        let calls: Vec<_> = a.notices().iter().map(|n| n.call).collect();
+        assert_eq!(calls.len(), ABORTS_KEPT_PER_PEER);
+        assert!(calls.contains(&Some(4)), "the notice of call 4 was kept: {calls:?}");
+        assert_eq!(
+            a.first().map(|n| n.reason),
+            Some("root cause: rank 3 died".into())
+        );
+    }
+
+    /// A group forgotten to make room for another's first call (past [`GROUPS_TRACKED`]) has
+    /// its waits ended by any notice: once notices have come, that first call asks for the
+    /// waiters to be woken, so a wait of the forgotten group that sleeps sees it at once. Before
+    /// any notice, and for a group already tracked, it asks for nothing.
+    #[test]
+    fn forgetting_a_group_after_a_notice_wakes_the_waiters() {
+        let a = Aborts::default();
+        for g in 1..=GROUPS_TRACKED as u64 {
+            assert!(!a.enter_call(sub_tag(g), 1), "group {g}, no notice yet");
+        }
+        // A notice of group 1's later call: group 1's wait in call 1 goes on.
+        let forgotten = sub_tag(1);
+        assert!(a.raise(of_group(2, 1, 10)));
+        assert_eq!(
+            a.ending_now(forgotten),
+            None,
+            "group 1 in call 1, notice of call 10"
+        );
+        assert!(!a.enter_call(sub_tag(4), 2), "a tracked group's next call");
+        assert!(
+            a.enter_call(sub_tag(GROUPS_TRACKED as u64 + 1), 1),
+            "a group's first call that forgets group 1, after a notice"
+        );
+        assert!(a.ending_now(forgotten).is_some(), "group 1 forgotten");
     }
 
     /// [`Reach`] agrees with [`AbortNotice::ends`] on every wait of a few groups and calls.

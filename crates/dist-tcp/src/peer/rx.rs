@@ -540,7 +540,7 @@ impl Peer {
                         culprit: *culprit,
                         tag: Tag::from_wire(*tag),
                         call: *call,
-                        reason: String::from_utf8_lossy(text).into_owned(),
+                        reason: bounded_text(text),
                     };
                     rx.frame = Frame::Header;
                     match self.on_abort.get() {
@@ -588,4 +588,19 @@ pub(super) fn describe(e: &std::io::Error) -> String {
         std::io::ErrorKind::ConnectionReset => "connection reset by peer".into(),
         _ => e.to_string(),
     }
+}
+
+/// A peer's abort text as a string of at most [`ABORT_MAX`] bytes: invalid UTF-8 is replaced
+/// (each bad byte by U+FFFD, three bytes), so the replaced text is cut back, at a character
+/// boundary, to the bound the frame's length had.
+pub(super) fn bounded_text(text: &[u8]) -> String {
+    let mut s = String::from_utf8_lossy(text).into_owned();
+    if s.len() > ABORT_MAX {
+        let mut cut = ABORT_MAX;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+    s
 }

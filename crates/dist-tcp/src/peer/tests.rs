@@ -580,3 +580,20 @@ fn the_read_buffer_grows_only_for_a_busy_connection() {
         "{sizes:?}"
     );
 }
+
+/// A peer's abort text is kept within [`ABORT_MAX`] bytes however it is made: invalid UTF-8
+/// (each bad byte becomes a three-byte U+FFFD) is cut back at a character boundary, and valid
+/// text is kept as it came. Fails with the text kept as `from_utf8_lossy` made it (three times
+/// the bound for a frame of `0xFF` bytes).
+#[test]
+fn an_abort_text_is_kept_within_its_bound() {
+    let bad = super::rx::bounded_text(&vec![0xFF; ABORT_MAX]);
+    assert!(
+        bad.len() <= ABORT_MAX && bad.len() > ABORT_MAX - 3,
+        "{}",
+        bad.len()
+    );
+    assert!(bad.chars().all(|c| c == char::REPLACEMENT_CHARACTER));
+    let good = "peer 3 gone: é".repeat(100);
+    assert_eq!(super::rx::bounded_text(good.as_bytes()), good);
+}
