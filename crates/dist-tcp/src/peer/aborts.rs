@@ -400,7 +400,10 @@ mod tests {
         let _ = a.raise(of_group(1, 7, 4));
         let calls: Vec<_> = a.notices().iter().map(|n| n.call).collect();
         assert_eq!(calls.len(), ABORTS_KEPT_PER_PEER);
-        assert!(calls.contains(&Some(4)), "the notice of call 4 was kept: {calls:?}");
+        assert!(
+            calls.contains(&Some(4)),
+            "the notice of call 4 was kept: {calls:?}"
+        );
         assert_eq!(
             a.first().map(|n| n.reason),
             Some("root cause: rank 3 died".into())

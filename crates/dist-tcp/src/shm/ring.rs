@@ -213,8 +213,10 @@ pub(super) fn wait_on(word: *const u32, seen: u32, limit: Duration) -> io::Resul
         tv_nsec: limit.subsec_nanos().into(),
     };
     // SAFETY: sound for any `word`, whatever the callers pass: FUTEX_WAIT reads the u32 at
-    // `word` inside the kernel (as a user-memory access, never through a Rust reference, so a
-    // concurrent atomic store by another thread or process is no data race), and an address
+    // `word` inside the kernel (as a user-memory access, never through a Rust reference; the
+    // words waited on are written only by atomic stores, so no write races it: "any `word`"
+    // covers a fault, not a word that a thread writes plainly, as `read_process`'s contract
+    // has it), and an address
     // that is not mapped readable is `EFAULT`, a misaligned one `EINVAL`, both returned as
     // errors below. It also reads the timespec `ts`, which lives for the call, and writes no
     // memory. The callers pass a live, aligned word of a shared mapping
