@@ -52,6 +52,7 @@
 
 mod args;
 mod calls;
+mod capture;
 mod communicator;
 mod config;
 mod connect;
@@ -66,6 +67,7 @@ mod types;
 mod watchdog;
 mod work;
 
+pub use capture::{Capture, Graph};
 pub use communicator::{AbortHandle, Communicator};
 pub use config::CommConfig;
 pub use dist_nccl_sys::{Library as Nccl, LoadError};

@@ -80,6 +80,21 @@ pub(crate) struct State {
     pub(crate) streams: Vec<Used>,
 }
 
+impl State {
+    /// One more enqueue on `stream` (a call, or a graph's replay), for the watchdog and for
+    /// the drop; allocates only on a stream's first use.
+    pub(crate) fn note_enqueued(&mut self, stream: &Arc<CudaStream>) {
+        let cu = stream.cu_stream();
+        match self.streams.iter_mut().find(|u| u.stream.cu_stream() == cu) {
+            Some(u) => u.enqueued += 1,
+            None => self.streams.push(Used {
+                stream: stream.clone(),
+                enqueued: 1,
+            }),
+        }
+    }
+}
+
 // SAFETY: `ncclComm_t` is a pointer NCCL lets any thread use, one thread at a time (thread
 // safety page quoted above). The handle is only ever used with the `Mutex<State>` around it held
 // (see `Shared::lock` and every caller), so one thread at a time uses it.
