@@ -22,8 +22,10 @@
 //!   a call (a copy, a kernel) can read its result, and the caller can read results between
 //!   replays on the graph's stream. cudarc does not order other streams after a replay until
 //!   the graph is dropped: read a written buffer on the graph's stream (or order the other
-//!   stream after it yourself) while the graph lives. A call inside [`Capture::group`] borrows
-//!   what it writes exclusively, as every group call does.
+//!   stream after it yourself) while the graph lives. Through a shared borrow cudarc lets the
+//!   scratch stream wait only for a written buffer's earlier writes, not for its earlier reads
+//!   on other streams: let those complete before the first replay. A call inside
+//!   [`Capture::group`] borrows what it writes exclusively, as every group call does.
 //! - A call made any other way on a capturing stream (plain [`Ops`], a [`Communicator`]
 //!   method, `HybridBackend`) is refused before anything is enqueued, as are a synchronize, a
 //!   [`Communicator::record_work`] and a graph launch on a capturing stream: NCCL would record
