@@ -33,6 +33,76 @@
 //! - The watchdog never records its mark on a capturing stream, and never queries a mark that
 //!   may have landed in a capture (`watchdog.rs`); its thread's capture mode is relaxed, so its
 //!   event queries on other streams never invalidate a capture made in CUDA's global mode.
+//!
+//! ```no_run
+//! # use dist_core::ReduceOp;
+//! # fn demo(comm: &dist_nccl::Communicator) -> dist_nccl::Result<()> {
+//! let s = comm.stream();
+//! let a = s.alloc_zeros::<f32>(1024).unwrap();
+//! let b = s.alloc_zeros::<f32>(1024).unwrap();
+//! let graph = comm.capture(s, |cap| {
+//!     cap.all_reduce(&a, &b, ReduceOp::Sum)?;
+//!     cap.broadcast(&b, 0)
+//! })?;
+//! for _ in 0..10 {
+//!     graph.launch()?;
+//!     let result = s.clone_dtoh(&b).unwrap(); // on the graph's stream: after the replay
+//! }
+//! graph.synchronize()?;
+//! # Ok(()) }
+//! ```
+//!
+//! A buffer the graph uses cannot be freed while it can replay:
+//!
+//! ```compile_fail,E0505
+//! # use dist_core::ReduceOp;
+//! # fn demo(comm: &dist_nccl::Communicator) -> dist_nccl::Result<()> {
+//! let a = comm.stream().alloc_zeros::<f32>(1024).unwrap();
+//! let graph = comm.capture(comm.stream(), |cap| cap.all_reduce_in_place(&a, ReduceOp::Sum))?;
+//! drop(a);
+//! graph.launch()?;
+//! # Ok(()) }
+//! ```
+//!
+//! nor the communicator:
+//!
+//! ```compile_fail,E0505
+//! # use std::sync::Arc;
+//! # use dist_core::ReduceOp;
+//! # fn demo(comm: dist_nccl::Communicator, s: Arc<cudarc::driver::CudaStream>) -> dist_nccl::Result<()> {
+//! let a = s.alloc_zeros::<f32>(1024).unwrap();
+//! let graph = comm.capture(&s, |cap| cap.all_reduce_in_place(&a, ReduceOp::Sum))?;
+//! drop(comm);
+//! graph.launch()?;
+//! # Ok(()) }
+//! ```
+//!
+//! A buffer made inside the capture does not live long enough:
+//!
+//! ```compile_fail,E0597
+//! # use dist_core::ReduceOp;
+//! # fn demo(comm: &dist_nccl::Communicator) -> dist_nccl::Result<()> {
+//! let graph = comm.capture(comm.stream(), |cap| {
+//!     let a = comm.stream().alloc_zeros::<f32>(1024).unwrap();
+//!     cap.all_reduce_in_place(&a, ReduceOp::Sum)
+//! })?;
+//! # Ok(()) }
+//! ```
+//!
+//! And the capture belongs to its thread (CUDA's thread-local capture mode):
+//!
+//! ```compile_fail,E0277
+//! # use dist_core::ReduceOp;
+//! # fn demo(comm: &dist_nccl::Communicator) -> dist_nccl::Result<()> {
+//! let a = comm.stream().alloc_zeros::<f32>(1024).unwrap();
+//! let graph = comm.capture(comm.stream(), |cap| {
+//!     std::thread::scope(|t| {
+//!         t.spawn(|| cap.all_reduce_in_place(&a, ReduceOp::Sum));
+//!     });
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -167,6 +237,18 @@ impl Drop for Ending<'_> {
 }
 
 impl Communicator {
+    /// The stream captured calls take their buffers' pointers on, made once.
+    pub(crate) fn scratch_stream(&self) -> Result<&Arc<CudaStream>> {
+        if let Some(s) = self.scratch.get() {
+            return Ok(s);
+        }
+        let made = self
+            .ctx
+            .new_stream()
+            .map_err(cuda(&self.shared.who, "create a stream"))?;
+        Ok(self.scratch.get_or_init(|| made))
+    }
+
     /// Records the calls `f` makes through its [`Capture`] (and the caller's own work on
     /// [`Capture::stream`]) into a CUDA graph on `stream` (of this communicator's context, not
     /// the legacy default stream), in CUDA's thread-local capture mode, and returns it to

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use dist_nccl_sys::{Library as Nccl, nccl_fn, ncclComm_t, ncclResult_t};
 
+use crate::abort_handle::AbortHandle;
 use crate::config::{CommConfig, comm_stream, config, runtime_connect_note};
 use crate::error::{NcclCode, NcclError, Result};
 use crate::group::Group;
@@ -38,7 +39,7 @@ pub struct Communicator {
     sync_event: Mutex<CudaEvent>,
     /// The stream captured calls take their buffers' pointers on (`capture.rs`), made at the
     /// first capture.
-    scratch: OnceLock<Arc<CudaStream>>,
+    pub(crate) scratch: OnceLock<Arc<CudaStream>>,
     watchdog: Option<JoinHandle<()>>,
 }
 
@@ -363,18 +364,6 @@ impl Communicator {
         self.wait_stream(stream, self.shared.timeout + WATCH_EVERY * 10)
     }
 
-    /// The stream captured calls take their buffers' pointers on, made once.
-    pub(crate) fn scratch_stream(&self) -> Result<&Arc<CudaStream>> {
-        if let Some(s) = self.scratch.get() {
-            return Ok(s);
-        }
-        let made = self
-            .ctx
-            .new_stream()
-            .map_err(cuda(&self.shared.who, "create a stream"))?;
-        Ok(self.scratch.get_or_init(|| made))
-    }
-
     fn wait_stream(&self, stream: &CudaStream, limit: Duration) -> Result<()> {
         // An abort decided on another thread: refuse now, while NCCL may still be tearing the
         // communicator down under the lock. Checked before every CUDA call here, not after:
@@ -516,34 +505,6 @@ impl Communicator {
             }
         }
         true
-    }
-}
-
-/// Aborts a [`Communicator`] from anywhere (see [`Communicator::abort_handle`]).
-#[derive(Clone)]
-pub struct AbortHandle {
-    shared: Arc<Shared>,
-}
-
-impl std::fmt::Debug for AbortHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AbortHandle({})", self.shared.who)
-    }
-}
-
-impl AbortHandle {
-    /// [`Communicator::abort_with`]: never waits behind a call inside NCCL (the abort then
-    /// happens when that call returns).
-    pub fn abort_with(&self, reason: impl Into<String>) {
-        self.shared.request_abort(Abort::Error(reason.into()));
-    }
-
-    /// Why the communicator was aborted, if it was (`None` also while the abort waits for a
-    /// call inside NCCL to return).
-    pub fn aborted(&self) -> Option<String> {
-        self.shared
-            .try_lock()
-            .and_then(|st| st.aborted.as_ref().map(Abort::reason))
     }
 }
 

@@ -50,6 +50,7 @@
 
 #![deny(missing_docs)]
 
+mod abort_handle;
 mod args;
 mod calls;
 mod capture;
@@ -67,8 +68,9 @@ mod types;
 mod watchdog;
 mod work;
 
+pub use abort_handle::AbortHandle;
 pub use capture::{Capture, Graph};
-pub use communicator::{AbortHandle, Communicator};
+pub use communicator::Communicator;
 pub use config::CommConfig;
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclCode, NcclError, Result};
