@@ -30,6 +30,12 @@
 //!   method, `HybridBackend`) is refused before anything is enqueued, as are a synchronize, a
 //!   [`Communicator::record_work`] and a graph launch on a capturing stream: NCCL would record
 //!   it into a graph dist does not hold, or CUDA would invalidate the capture.
+//! - NCCL (2.26 and newer) keeps a communicator whose work a graph holds until that graph is
+//!   destroyed: `ncclCommAbort` and `ncclCommDestroy` wait inside NCCL for it. So while a graph
+//!   of the communicator lives (or is being captured), an abort (the watchdog's, the deadline's,
+//!   [`Communicator::abort`]) runs on a thread of its own, which waits for the graphs' drops
+//!   (a drop takes no lock), and a call waiting for the communicator's lock gives up once an
+//!   abort is decided: the thread holding the graph is never the one blocked behind it.
 //! - The watchdog never records its mark on a capturing stream, and never queries a mark that
 //!   may have landed in a capture (`watchdog.rs`); its thread's capture mode is relaxed, so its
 //!   event queries on other streams never invalidate a capture made in CUDA's global mode.
@@ -115,7 +121,7 @@ use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::group::Group;
 use crate::ops::{Guards, Ops};
-use crate::shared::cuda;
+use crate::shared::{Shared, cuda};
 
 /// Why a call on a capturing stream, not made through a [`Capture`], is refused.
 pub(crate) const CAPTURING_REASON: &str = "the stream is capturing a CUDA graph: record calls \
@@ -214,6 +220,28 @@ impl<'buf> Capture<'buf> {
     }
 }
 
+/// One CUDA graph holding the communicator's NCCL work (captured, or being captured), counted
+/// in [`Shared::graphs`] while it lives: NCCL's abort waits for every such graph to be
+/// destroyed, so while any lives an abort runs on a thread of its own (`shared.rs`).
+struct Held<'a>(&'a Shared);
+
+impl<'a> Held<'a> {
+    fn new(shared: &'a Shared) -> Held<'a> {
+        shared
+            .graphs
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Held(shared)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0
+            .graphs
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// Ends a capture that is still open when dropped (the closure failed or panicked): the
 /// stream leaves capture mode and what was recorded is discarded.
 struct Ending<'s> {
@@ -279,6 +307,9 @@ impl Communicator {
             return Err(self.invalid(OP, "the stream is capturing already".into()));
         }
         let scratch = self.scratch_stream()?;
+        // Counted from before the first captured call until the graph (or the capture's
+        // discarded one, dropped before this) is destroyed.
+        let held = Held::new(&self.shared);
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda(who, "begin a CUDA graph capture"))?;
@@ -314,6 +345,7 @@ impl Communicator {
             scratch,
             graph: Some(graph),
             guards,
+            _held: held,
             _invariant: PhantomData,
         })
     }
@@ -330,6 +362,8 @@ pub struct Graph<'buf> {
     scratch: &'buf Arc<CudaStream>,
     graph: Option<CudaGraph>,
     guards: Vec<SyncOnDrop<'buf>>,
+    /// Dropped after the graph is destroyed (`Drop` below runs first).
+    _held: Held<'buf>,
     _invariant: PhantomData<fn(&'buf ()) -> &'buf ()>,
 }
 
@@ -349,7 +383,9 @@ impl Graph<'_> {
     /// communicator's lock (so no abort frees the communicator under it), is refused once the
     /// communicator was aborted or while the stream is capturing, and is watched: if the
     /// stream's work stops completing for the communicator's timeout, the communicator is
-    /// aborted, which ends the replay's NCCL kernels.
+    /// aborted, which ends the replay's NCCL kernels. A replay's collectives match other
+    /// ranks' calls in the order they are launched, as calls do: every rank launches its
+    /// replays where it would make those calls.
     pub fn launch(&self) -> Result<()> {
         const OP: &str = "graph launch";
         let shared = &self.comm.shared;
