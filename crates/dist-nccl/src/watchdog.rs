@@ -15,8 +15,9 @@
 //! capture, and querying it would invalidate the capture. So the watchdog does not mark a
 //! stream while it is capturing, and a mark recorded just as a capture began (the stream was
 //! capturing right after the record) is not queried while the stream captures, nor counted
-//! toward the timeout; once the stream has left capture it is queried, and if CUDA answers that
-//! it was recorded in a capture, it is dropped and the work marked again.
+//! toward the timeout; once the stream has left capture it is queried: an answer makes it an
+//! ordinary mark again, and an error (CUDA's answer for an event recorded in a capture) drops
+//! it and the work is marked again.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -167,8 +168,12 @@ fn check_streams(
         let now_capturing = capturing(&w.stream).unwrap_or(true);
         if w.pending.is_some() && !(w.maybe_captured && now_capturing) {
             match w.marker.try_is_complete() {
-                Ok(true) => w.pending = None,
-                Ok(false) => {}
+                // Answered: the mark is an ordinary event, recorded before any capture.
+                Ok(true) => {
+                    w.pending = None;
+                    w.maybe_captured = false;
+                }
+                Ok(false) => w.maybe_captured = false,
                 // The mark went into a capture after all: it never completes; mark the work
                 // again.
                 Err(e) if w.maybe_captured || e.0 == CUresult::CUDA_ERROR_CAPTURED_EVENT => {
