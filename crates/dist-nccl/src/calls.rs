@@ -1,11 +1,14 @@
-//! The public calls, each written once (`ops/collectives.rs`, `ops/p2p.rs`) and exposed four
+//! The public calls, each written once (`ops/collectives.rs`, `ops/p2p.rs`) and exposed five
 //! ways by one macro: on
 //! [`Ops`] (launched at once), on [`GroupOps`] and [`Group`] (recorded, launched at the group's
-//! end, their buffers borrowed until then), and on [`Communicator`] (its stream).
+//! end, their buffers borrowed until then), and on [`Communicator`] (its stream); and by a
+//! second one on [`Capture`] (recorded into a CUDA graph, every buffer borrowed shared for the
+//! graph's life, so that the caller's own captured work can read what a call wrote).
 
 use cudarc::driver::CudaSlice;
 use dist_core::ReduceOp;
 
+use crate::capture::Capture;
 use crate::communicator::Communicator;
 use crate::error::Result;
 use crate::group::{Group, GroupOps};
@@ -112,4 +115,40 @@ calls! {
     /// rank j into `recv` (in rank order), as fused sends and receives. Rank i's
     /// `send_counts[j]` must be rank j's `recv_counts[i]`.
     fn all_to_all_v / all_to_all_v_g(send: &'x CudaSlice<T>, send_counts: &[usize], recv: &'x mut CudaSlice<T>, recv_counts: &[usize]);
+}
+
+/// The calls on [`Capture`]: the same, with every buffer borrowed shared for the graph's life
+/// (`'buf`), the ones the calls write too (see [`Graph`](crate::Graph) for what that asks of
+/// other streams).
+macro_rules! capture_calls {
+    ($(fn $name:ident / $core:ident ($($arg:ident: $ty:ty),*);)*) => {
+        impl<'buf> Capture<'buf> {
+            $(
+                #[doc = concat!("[`Ops::", stringify!($name), "`], recorded into the graph on the capture's stream and replayed by each [`Graph::launch`](crate::Graph::launch).")]
+                pub fn $name<T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                    let guards = self.ops().$core($($arg),*)?;
+                    self.keep(guards);
+                    Ok(())
+                }
+            )*
+        }
+    };
+}
+
+capture_calls! {
+    fn all_reduce / all_reduce_g(send: &'buf CudaSlice<T>, recv: &'buf CudaSlice<T>, op: ReduceOp);
+    fn all_reduce_in_place / all_reduce_in_place_g(buf: &'buf CudaSlice<T>, op: ReduceOp);
+    fn broadcast / broadcast_g(buf: &'buf CudaSlice<T>, root: usize);
+    fn reduce / reduce_g(send: &'buf CudaSlice<T>, recv: Option<&'buf CudaSlice<T>>, op: ReduceOp, root: usize);
+    fn all_gather / all_gather_g(send: &'buf CudaSlice<T>, recv: &'buf CudaSlice<T>);
+    fn reduce_scatter / reduce_scatter_g(send: &'buf CudaSlice<T>, recv: &'buf CudaSlice<T>, op: ReduceOp);
+    fn all_to_all / all_to_all_g(send: &'buf CudaSlice<T>, recv: &'buf CudaSlice<T>);
+    fn gather / gather_g(send: &'buf CudaSlice<T>, recv: Option<&'buf CudaSlice<T>>, root: usize);
+    fn scatter / scatter_g(send: Option<&'buf CudaSlice<T>>, recv: &'buf CudaSlice<T>, root: usize);
+    fn send / send_g(buf: &'buf CudaSlice<T>, peer: usize);
+    fn recv / recv_g(buf: &'buf CudaSlice<T>, peer: usize);
+    fn all_gather_v / all_gather_v_g(send: &'buf CudaSlice<T>, recv: &'buf CudaSlice<T>, counts: &[usize]);
+    fn gather_v / gather_v_g(send: &'buf CudaSlice<T>, recv: Option<&'buf CudaSlice<T>>, counts: &[usize], root: usize);
+    fn scatter_v / scatter_v_g(send: Option<&'buf CudaSlice<T>>, recv: &'buf CudaSlice<T>, counts: &[usize], root: usize);
+    fn all_to_all_v / all_to_all_v_g(send: &'buf CudaSlice<T>, send_counts: &[usize], recv: &'buf CudaSlice<T>, recv_counts: &[usize]);
 }

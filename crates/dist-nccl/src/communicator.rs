@@ -1,13 +1,14 @@
 //! `Communicator`: one rank of an NCCL communicator on one GPU, how it forms (with a
 //! deadline), splits, synchronizes, aborts and is dropped (within its timeout).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use dist_nccl_sys::{Library as Nccl, nccl_fn, ncclComm_t, ncclResult_t};
 
+use crate::abort_handle::AbortHandle;
 use crate::config::{CommConfig, comm_stream, config, runtime_connect_note};
 use crate::error::{NcclCode, NcclError, Result};
 use crate::group::Group;
@@ -36,6 +37,9 @@ pub struct Communicator {
     /// The event a `synchronize` waits on; a second concurrent one makes its own (an event
     /// re-recorded by another thread would let a wait end early).
     sync_event: Mutex<CudaEvent>,
+    /// The stream captured calls take their buffers' pointers on (`capture.rs`), made at the
+    /// first capture.
+    pub(crate) scratch: OnceLock<Arc<CudaStream>>,
     watchdog: Option<JoinHandle<()>>,
 }
 
@@ -218,6 +222,7 @@ impl Communicator {
             device: ctx.ordinal(),
             ctx,
             sync_event: Mutex::new(sync_event),
+            scratch: OnceLock::new(),
             watchdog: Some(watchdog),
         })
     }
@@ -261,17 +266,22 @@ impl Communicator {
             comm: self,
             stream: &self.shared.stream,
             grouped: false,
+            capture: None,
         }
     }
 
     /// Collectives on `stream` (of this communicator's context) instead. The communicator keeps
     /// the stream alive, watches the work enqueued on it, and waits for it (within the timeout)
-    /// when dropped.
+    /// when dropped. They are ordered with the caller's own work on that stream: after what was
+    /// enqueued there before, before what is enqueued after. A call on a stream that is
+    /// capturing a CUDA graph is refused; record calls into a graph with
+    /// [`Communicator::capture`].
     pub fn on<'a>(&'a self, stream: &'a Arc<CudaStream>) -> Ops<'a> {
         Ops {
             comm: self,
             stream,
             grouped: false,
+            capture: None,
         }
     }
 
@@ -365,6 +375,18 @@ impl Communicator {
         // after a sync).
         if let Some(why) = self.shared.doomed.get() {
             return Err(self.shared.aborted_error("synchronize", why));
+        }
+        // An event recorded on a capturing stream would be captured, and querying it would
+        // invalidate the capture: nothing on it runs until a replay.
+        if crate::capture::capturing(stream)
+            .map_err(cuda(&self.shared.who, "query the stream's capture state"))?
+        {
+            return Err(self.invalid(
+                "synchronize",
+                "the stream is capturing a CUDA graph: nothing recorded runs until a replay \
+                 (wait for replays with Graph::synchronize)"
+                    .into(),
+            ));
         }
         let fresh;
         let held = self.sync_event.try_lock().ok();
@@ -464,6 +486,11 @@ impl Communicator {
             .collect();
         let event = self.sync_event.lock().unwrap_or_else(|p| p.into_inner());
         for s in &streams {
+            // Work recorded into a capture does not run; a mark there would never complete.
+            if matches!(crate::capture::capturing(s), Ok(true)) {
+                tracing::warn!(comm = %self.shared.who, "drop: a stream it used is capturing");
+                continue;
+            }
             if event.record(s).is_err() {
                 return false;
             }
@@ -478,34 +505,6 @@ impl Communicator {
             }
         }
         true
-    }
-}
-
-/// Aborts a [`Communicator`] from anywhere (see [`Communicator::abort_handle`]).
-#[derive(Clone)]
-pub struct AbortHandle {
-    shared: Arc<Shared>,
-}
-
-impl std::fmt::Debug for AbortHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AbortHandle({})", self.shared.who)
-    }
-}
-
-impl AbortHandle {
-    /// [`Communicator::abort_with`]: never waits behind a call inside NCCL (the abort then
-    /// happens when that call returns).
-    pub fn abort_with(&self, reason: impl Into<String>) {
-        self.shared.request_abort(Abort::Error(reason.into()));
-    }
-
-    /// Why the communicator was aborted, if it was (`None` also while the abort waits for a
-    /// call inside NCCL to return).
-    pub fn aborted(&self) -> Option<String> {
-        self.shared
-            .try_lock()
-            .and_then(|st| st.aborted.as_ref().map(Abort::reason))
     }
 }
 

@@ -92,16 +92,29 @@ impl Deadline {
             return;
         };
         let op = (*self.op.lock().unwrap_or_else(|p| p.into_inner())).to_string();
-        let started = std::thread::Builder::new()
-            .name("dist-nccl-abort".into())
-            .spawn(move || {
-                if let Some(shared) = shared.upgrade() {
-                    shared.abort_waiting(Abort::Timeout { op, waited });
-                }
-            });
-        if let Err(e) = started {
-            tracing::error!(error = %e, "cannot start a thread to abort a timed-out communicator");
-        }
+        abort_on_own_thread(shared, Abort::Timeout { op, waited });
+    }
+
+    /// The communicator this clock belongs to, while it lives.
+    pub(crate) fn shared(&self) -> Option<Weak<Shared>> {
+        self.shared.get().cloned()
+    }
+}
+
+/// Aborts `shared` (if it still lives) on a thread of its own, which may wait: for a call inside
+/// NCCL to return, and inside `ncclCommAbort` for every CUDA graph holding the communicator to
+/// be destroyed (`shared.rs`).
+pub(crate) fn abort_on_own_thread(shared: Weak<Shared>, why: Abort) {
+    let started = std::thread::Builder::new()
+        .name("dist-nccl-abort".into())
+        .spawn(move || {
+            crate::shared::mark_abort_thread();
+            if let Some(shared) = shared.upgrade() {
+                shared.abort_waiting(why);
+            }
+        });
+    if let Err(e) = started {
+        tracing::error!(error = %e, "cannot start a thread to abort a communicator");
     }
 }
 

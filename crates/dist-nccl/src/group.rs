@@ -70,6 +70,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, SyncOnDrop};
 use dist_nccl_sys::nccl_fn;
 
+use crate::capture::Captured;
 use crate::communicator::Communicator;
 use crate::error::{NcclCode, NcclError, Result};
 use crate::ops::{Guards, Ops};
@@ -94,6 +95,9 @@ pub struct Group<'buf> {
     comms: Vec<&'buf Communicator>,
     guards: RefCell<Vec<SyncOnDrop<'buf>>>,
     ended: Cell<bool>,
+    /// Opened by a [`crate::Capture`]: its calls are recorded into the capture's graph, which
+    /// takes the guards at the end.
+    capture: Option<Captured<'buf>>,
     /// NCCL's group state belongs to the thread that opened it: not `Send`, not `Sync`.
     _thread: PhantomData<*const ()>,
     /// Invariant in `'buf` (the `RefCell` makes it so too; this says it on purpose): were it
@@ -128,6 +132,7 @@ impl<'g, 'buf> GroupOps<'g, 'buf> {
             group: self.group,
             ops: Ops {
                 grouped: true,
+                capture: self.group.capture,
                 ..self.ops.comm.on(stream)
             },
         }
@@ -146,6 +151,17 @@ pub fn group<'buf, R>(
     comms: &[&'buf Communicator],
     f: impl FnOnce(&Group<'buf>) -> Result<R>,
 ) -> Result<R> {
+    // The guards come back only from a captured group; here they were released at the launch.
+    group_in(comms, None, f).map(|(r, _)| r)
+}
+
+/// [`group`], recorded into `capture` where given: then the buffers' guards are returned for
+/// the capture's graph to keep, and nothing is counted as enqueued.
+pub(crate) fn group_in<'buf, R>(
+    comms: &[&'buf Communicator],
+    capture: Option<Captured<'buf>>,
+    f: impl FnOnce(&Group<'buf>) -> Result<R>,
+) -> Result<(R, Vec<SyncOnDrop<'buf>>)> {
     let Some(first) = comms.first() else {
         return Err(NcclError::InvalidArgument {
             comm: "nccl group".into(),
@@ -200,13 +216,15 @@ pub fn group<'buf, R>(
         comms: unique,
         guards: RefCell::new(Vec::with_capacity(4)),
         ended: Cell::new(false),
+        capture,
         _thread: PhantomData,
         _invariant: PhantomData,
     };
     let out = f(&g);
     let ended = g.end();
+    let kept = g.guards.take();
     match (out, ended) {
-        (Ok(v), Ok(())) => Ok(v),
+        (Ok(v), Ok(())) => Ok((v, kept)),
         (Err(e), end) => {
             if let Err(end) = end {
                 tracing::warn!(error = %end, "ncclGroupEnd after a failed group");
@@ -228,10 +246,7 @@ impl<'buf> Group<'buf> {
         }
         Ok(GroupOps {
             group: self,
-            ops: Ops {
-                grouped: true,
-                ..comm.ops()
-            },
+            ops: self.ops_of(comm),
         })
     }
 
@@ -243,9 +258,20 @@ impl<'buf> Group<'buf> {
     pub(crate) fn first(&self) -> GroupOps<'_, 'buf> {
         GroupOps {
             group: self,
-            ops: Ops {
+            ops: self.ops_of(self.comms[0]),
+        }
+    }
+
+    fn ops_of(&self, comm: &'buf Communicator) -> Ops<'buf> {
+        match self.capture {
+            Some(c) => Ops {
                 grouped: true,
-                ..self.comms[0].ops()
+                capture: Some(c),
+                ..comm.on(c.stream)
+            },
+            None => Ops {
+                grouped: true,
+                ..comm.ops()
             },
         }
     }
@@ -299,9 +325,12 @@ impl<'buf> Group<'buf> {
                     Some(st.comm),
                 )),
             };
-            // The group's kernels are on the streams now: let the watchdog watch them.
-            for u in &mut st.streams {
-                u.enqueued += 1;
+            // The group's kernels are on the streams now: let the watchdog watch them (a
+            // captured group's are not, until a replay).
+            if self.capture.is_none() {
+                for u in &mut st.streams {
+                    u.enqueued += 1;
+                }
             }
             st.last_op = "group";
             if result.is_ok() {
@@ -311,7 +340,12 @@ impl<'buf> Group<'buf> {
         // The buffers' guards record cudarc's events (CUDA calls): after the locks are released,
         // never under them (a CUDA call can block behind another communicator's abort, which
         // may need this one's: `deadline.rs`).
-        let guards = std::mem::take(&mut *self.guards.borrow_mut());
+        // A captured group's guards go to the graph instead (taken by `group_in`).
+        let guards = if self.capture.is_none() {
+            std::mem::take(&mut *self.guards.borrow_mut())
+        } else {
+            Vec::new()
+        };
         for (c, st) in self.comms.iter().zip(states.iter_mut()) {
             c.shared.release(st);
         }

@@ -50,8 +50,10 @@
 
 #![deny(missing_docs)]
 
+mod abort_handle;
 mod args;
 mod calls;
+mod capture;
 mod communicator;
 mod config;
 mod connect;
@@ -66,7 +68,9 @@ mod types;
 mod watchdog;
 mod work;
 
-pub use communicator::{AbortHandle, Communicator};
+pub use abort_handle::AbortHandle;
+pub use capture::{Capture, Graph};
+pub use communicator::Communicator;
 pub use config::CommConfig;
 pub use dist_nccl_sys::{Library as Nccl, LoadError};
 pub use error::{NcclCode, NcclError, Result};

@@ -19,8 +19,9 @@
 //!   this communicator), and never while a group is open over it (the group's ops reference the
 //!   communicator until `ncclGroupEnd`): then the abort is deferred to the group's end.
 
+use std::cell::Cell;
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -30,6 +31,17 @@ use dist_nccl_sys::{Library as Nccl, ncclComm_t, ncclResult_t};
 
 use crate::deadline::Deadline;
 use crate::error::{NcclCode, NcclError, Result};
+
+thread_local! {
+    /// Whether this thread exists to abort (`deadline::abort_on_own_thread`): there an abort
+    /// may wait for the communicator's CUDA graphs to be dropped.
+    static ABORT_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as one that exists to abort.
+pub(crate) fn mark_abort_thread() {
+    ABORT_THREAD.with(|t| t.set(true));
+}
 
 /// Why a communicator was aborted.
 #[derive(Clone, Debug)]
@@ -80,6 +92,21 @@ pub(crate) struct State {
     pub(crate) streams: Vec<Used>,
 }
 
+impl State {
+    /// One more enqueue on `stream` (a call, or a graph's replay), for the watchdog and for
+    /// the drop; allocates only on a stream's first use.
+    pub(crate) fn note_enqueued(&mut self, stream: &Arc<CudaStream>) {
+        let cu = stream.cu_stream();
+        match self.streams.iter_mut().find(|u| u.stream.cu_stream() == cu) {
+            Some(u) => u.enqueued += 1,
+            None => self.streams.push(Used {
+                stream: stream.clone(),
+                enqueued: 1,
+            }),
+        }
+    }
+}
+
 // SAFETY: `ncclComm_t` is a pointer NCCL lets any thread use, one thread at a time (thread
 // safety page quoted above). The handle is only ever used with the `Mutex<State>` around it held
 // (see `Shared::lock` and every caller), so one thread at a time uses it.
@@ -107,6 +134,13 @@ pub(crate) struct Shared {
     /// The pending-work clock the watchdog arms and the deadline thread reads
     /// (`deadline.rs`).
     pub(crate) deadline: Arc<Deadline>,
+    /// CUDA graphs holding NCCL work of the communicator, captured or being captured
+    /// (`capture.rs`). While there are any, `ncclCommAbort` waits inside NCCL until they are
+    /// all destroyed, so an abort runs on a thread of its own and a call waiting for the lock
+    /// gives up once an abort is decided.
+    pub(crate) graphs: AtomicUsize,
+    /// An abort was handed to a thread of its own (once).
+    abort_spawned: AtomicBool,
 }
 
 impl Shared {
@@ -143,6 +177,8 @@ impl Shared {
             requested_any: AtomicBool::new(false),
             doomed: OnceLock::new(),
             deadline: Deadline::new(timeout),
+            graphs: AtomicUsize::new(0),
+            abort_spawned: AtomicBool::new(false),
         }
     }
 
@@ -228,7 +264,11 @@ impl Shared {
         if let Some(why) = self.doomed.get() {
             return Err(self.aborted_error(op, why));
         }
-        let mut st = self.lock();
+        let mut st = if self.graphs.load(Ordering::Acquire) == 0 {
+            self.lock()
+        } else {
+            self.lock_unless_doomed(op)?
+        };
         self.apply_requested(&mut st);
         if let Some(owner) = st.owner
             && owner != std::thread::current().id()
@@ -256,6 +296,27 @@ impl Shared {
             return Err(self.aborted_error(op, why));
         }
         Ok(st)
+    }
+
+    /// The lock, waited for only until an abort is decided: while the communicator has CUDA
+    /// graphs, the thread holding it may be an abort that waits inside NCCL for those graphs to
+    /// be dropped, perhaps by this thread.
+    fn lock_unless_doomed(&self, op: &str) -> Result<MutexGuard<'_, State>> {
+        let mut spins = 0u32;
+        loop {
+            if let Some(st) = self.try_lock() {
+                return Ok(st);
+            }
+            if let Some(why) = self.doomed.get() {
+                return Err(self.aborted_error(op, why));
+            }
+            spins += 1;
+            if spins < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
     }
 
     /// Releases a group's hold on the communicator and applies an abort deferred meanwhile.
@@ -331,6 +392,18 @@ impl Shared {
         let _ = self.doomed.set(why.clone());
         if st.owner.is_some() {
             st.deferred.get_or_insert(why);
+            return;
+        }
+        // `ncclCommAbort` waits until every CUDA graph holding the communicator's work is
+        // destroyed (NCCL 2.26 and newer poll for it), and this thread may hold one: abort on a
+        // thread of its own, which waits for them (a graph's drop takes no lock). Calls refuse
+        // meanwhile (`doomed` is set).
+        if self.graphs.load(Ordering::Acquire) > 0 && !ABORT_THREAD.with(Cell::get) {
+            if !self.abort_spawned.swap(true, Ordering::AcqRel)
+                && let Some(me) = self.deadline.shared()
+            {
+                crate::deadline::abort_on_own_thread(me, why);
+            }
             return;
         }
         tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");

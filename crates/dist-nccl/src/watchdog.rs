@@ -10,6 +10,14 @@
 //! failing to take the lock; it then logs it, once (a call that returns was not dead; one that
 //! never returns cannot be aborted under). An abort asked for meanwhile ([`Shared::request_abort`])
 //! is applied by the first to take the lock, the watchdog included.
+//!
+//! CUDA graphs (`capture.rs`): a mark recorded on a capturing stream would be recorded into the
+//! capture, and querying it would invalidate the capture. So the watchdog does not mark a
+//! stream while it is capturing, and a mark recorded just as a capture began (the stream was
+//! capturing right after the record) is not queried while the stream captures, nor counted
+//! toward the timeout; once the stream has left capture it is queried: an answer makes it an
+//! ordinary mark again, and an error (CUDA's answer for an event recorded in a capture) drops
+//! it and the work is marked again.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +25,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use dist_nccl_sys::ncclResult_t;
 
+use cudarc::driver::sys::CUresult;
+
+use crate::capture::{capturing, relax_this_thread};
 use crate::error::NcclCode;
 use crate::shared::{Abort, Shared, nccl_error};
 
@@ -30,9 +41,13 @@ struct Watched {
     marker: CudaEvent,
     marked: u64,
     pending: Option<Instant>,
+    /// The stream was capturing right after the mark was recorded: the mark may be in the
+    /// capture.
+    maybe_captured: bool,
 }
 
 pub(crate) fn watch(shared: &Shared, ctx: &Arc<CudaContext>) {
+    relax_this_thread();
     let mut watched: Vec<Watched> = Vec::new();
     let mut busy_since: Option<Instant> = None;
     let mut reported = false;
@@ -140,6 +155,7 @@ fn check_streams(
                     marker,
                     marked: 0,
                     pending: None,
+                    maybe_captured: false,
                 }),
                 Err(e) => {
                     tracing::error!(comm = %who, error = %e, "watchdog cannot create an event");
@@ -148,29 +164,51 @@ fn check_streams(
             }
         }
         let w = &mut watched[i];
-        if w.pending.is_some() {
+        // A failed query counts as capturing: no mark is recorded or queried on its strength.
+        let now_capturing = capturing(&w.stream).unwrap_or(true);
+        if w.pending.is_some() && !(w.maybe_captured && now_capturing) {
             match w.marker.try_is_complete() {
-                Ok(true) => w.pending = None,
-                Ok(false) => {}
+                // Answered: the mark is an ordinary event, recorded before any capture.
+                Ok(true) => {
+                    w.pending = None;
+                    w.maybe_captured = false;
+                }
+                Ok(false) => w.maybe_captured = false,
+                // The mark went into a capture after all: it never completes; mark the work
+                // again.
+                Err(e) if w.maybe_captured || e.0 == CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+                    w.pending = None;
+                    w.marked = 0;
+                }
                 Err(e) => {
                     return Err(Abort::Error(format!(
                         "CUDA error while watching the communicator's work: {e}"
                     )));
                 }
             }
+            if w.pending.is_none() {
+                w.maybe_captured = false;
+            }
         }
         // A mark recorded now follows at least the `enqueued` calls read under the lock (and
         // any enqueued since, which it then waits for too). Unmarked work is marked again on
-        // the next look if recording fails.
-        if w.pending.is_none() && *enqueued > w.marked {
+        // the next look if recording fails. Never on a capturing stream.
+        if w.pending.is_none() && *enqueued > w.marked && !now_capturing {
             match w.marker.record(&w.stream) {
                 Ok(()) => {
                     w.pending = Some(Instant::now());
                     w.marked = *enqueued;
+                    // A capture may have begun between the look and the record.
+                    w.maybe_captured = capturing(&w.stream).unwrap_or(true);
                 }
                 Err(e) => tracing::warn!(comm = %who, error = %e, "watchdog cannot record a mark"),
             }
         }
     }
-    Ok(watched.iter().filter_map(|w| w.pending).min())
+    // A mark that may be in a capture says nothing about the work's progress.
+    Ok(watched
+        .iter()
+        .filter(|w| !w.maybe_captured)
+        .filter_map(|w| w.pending)
+        .min())
 }

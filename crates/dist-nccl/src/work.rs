@@ -46,6 +46,16 @@ impl Communicator {
         if let Some(why) = self.shared.doomed.get() {
             return Err(self.shared.aborted_error(op, why));
         }
+        if crate::capture::capturing(self.stream())
+            .map_err(cuda(&self.shared.who, "query the stream's capture state"))?
+        {
+            return Err(self.invalid(
+                op,
+                "the communicator's stream is capturing a CUDA graph: nothing recorded runs \
+                 until a replay (wait for replays with Graph::synchronize)"
+                    .into(),
+            ));
+        }
         let event = self
             .ctx
             .new_event(None)

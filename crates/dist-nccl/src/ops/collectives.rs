@@ -13,7 +13,7 @@ use dist_core::ReduceOp;
 use dist_core::collectives::Kind;
 use dist_nccl_sys::nccl_fn;
 
-use super::{Guards, Ops};
+use super::{Dst, Guards, Ops};
 use crate::error::Result;
 use crate::types::NcclType;
 
@@ -21,15 +21,15 @@ impl<'a> Ops<'a> {
     pub(crate) fn all_reduce_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         op: ReduceOp,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllReduce.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
-        self.check_len(OP, "recv", recv.len(), send.len())?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
+        self.check_len(OP, "recv", recv.slice().len(), send.len())?;
         let red = self.red_op::<T>(OP, op)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclAllReduce)?;
         let n = send.len();
@@ -42,17 +42,17 @@ impl<'a> Ops<'a> {
 
     pub(crate) fn all_reduce_in_place_g<'b, T: NcclType>(
         &self,
-        buf: &'b mut CudaSlice<T>,
+        buf: impl Dst<'b, T>,
         op: ReduceOp,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllReduce.name();
-        self.check_context(OP, [("buffer", Some(&*buf)), ("", None)])?;
+        self.check_context(OP, [("buffer", Some(buf.slice())), ("", None)])?;
         let red = self.red_op::<T>(OP, op)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclAllReduce)?;
-        let n = buf.len();
+        let n = buf.slice().len();
         // SAFETY: one buffer of `n` elements of T on this context, used in place (send and
         // receive the same pointer) as NCCL allows.
         // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
@@ -63,17 +63,17 @@ impl<'a> Ops<'a> {
 
     pub(crate) fn broadcast_g<'b, T: NcclType>(
         &self,
-        buf: &'b mut CudaSlice<T>,
+        buf: impl Dst<'b, T>,
         root: usize,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::Broadcast.name();
-        self.check_context(OP, [("buffer", Some(&*buf)), ("", None)])?;
+        self.check_context(OP, [("buffer", Some(buf.slice())), ("", None)])?;
         let root = self.check_rank(OP, "root", root)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclBroadcast)?;
-        let n = buf.len();
+        let n = buf.slice().len();
         // SAFETY: one buffer of `n` elements of T on this context, in place; `root` < size.
         // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, None, Some(buf), |_, p, c, st| unsafe {
@@ -84,7 +84,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn reduce_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: Option<&'b mut CudaSlice<T>>,
+        recv: Option<impl Dst<'b, T>>,
         op: ReduceOp,
         root: usize,
     ) -> Result<Guards<'b>>
@@ -92,11 +92,17 @@ impl<'a> Ops<'a> {
         'a: 'b,
     {
         const OP: &str = Kind::Reduce.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", recv.as_deref())])?;
+        self.check_context(
+            OP,
+            [
+                ("send", Some(send)),
+                ("recv", recv.as_ref().map(|r| r.slice())),
+            ],
+        )?;
         let root_i = self.check_rank(OP, "root", root)?;
         self.check_root_has(OP, "receive", recv.is_some(), root)?;
         if let Some(recv) = &recv {
-            self.check_len(OP, "recv", recv.len(), send.len())?;
+            self.check_len(OP, "recv", recv.slice().len(), send.len())?;
         }
         let red = self.red_op::<T>(OP, op)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclReduce)?;
@@ -113,15 +119,15 @@ impl<'a> Ops<'a> {
     pub(crate) fn all_gather_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllGather.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
         let want = self.times_size(OP, send.len())?;
-        self.check_len(OP, "recv", recv.len(), want)?;
+        self.check_len(OP, "recv", recv.slice().len(), want)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclAllGather)?;
         let n = send.len();
         // SAFETY: `send` holds n and `recv` size × n elements of T on this context, as NCCL
@@ -135,19 +141,19 @@ impl<'a> Ops<'a> {
     pub(crate) fn reduce_scatter_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         op: ReduceOp,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::ReduceScatter.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
-        let want = self.times_size(OP, recv.len())?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
+        let want = self.times_size(OP, recv.slice().len())?;
         self.check_len(OP, "send", send.len(), want)?;
         let red = self.red_op::<T>(OP, op)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclReduceScatter)?;
-        let n = recv.len();
+        let n = recv.slice().len();
         // SAFETY: `send` holds size × n and `recv` n elements of T on this context.
         // The multirank trials `nccl_collectives` and `hybrid_device_collectives` run it.
         self.launch(OP, Some(send), Some(recv), |s, r, c, st| unsafe {
@@ -158,14 +164,14 @@ impl<'a> Ops<'a> {
     pub(crate) fn all_to_all_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllToAll.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
-        self.check_len(OP, "recv", recv.len(), send.len())?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
+        self.check_len(OP, "recv", recv.slice().len(), send.len())?;
         let size = self.comm.size;
         if !send.len().is_multiple_of(size) {
             return Err(self.invalid(
@@ -188,19 +194,25 @@ impl<'a> Ops<'a> {
     pub(crate) fn gather_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: Option<&'b mut CudaSlice<T>>,
+        recv: Option<impl Dst<'b, T>>,
         root: usize,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::Gather.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", recv.as_deref())])?;
+        self.check_context(
+            OP,
+            [
+                ("send", Some(send)),
+                ("recv", recv.as_ref().map(|r| r.slice())),
+            ],
+        )?;
         let root_i = self.check_rank(OP, "root", root)?;
         self.check_root_has(OP, "receive", recv.is_some(), root)?;
         if let Some(recv) = &recv {
             let want = self.times_size(OP, send.len())?;
-            self.check_len(OP, "recv", recv.len(), want)?;
+            self.check_len(OP, "recv", recv.slice().len(), want)?;
         }
         let f = nccl_fn!(&self.comm.shared.nccl, ncclGather)?;
         let n = send.len();
@@ -216,17 +228,17 @@ impl<'a> Ops<'a> {
     pub(crate) fn scatter_g<'b, T: NcclType>(
         &self,
         send: Option<&'b CudaSlice<T>>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         root: usize,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::Scatter.name();
-        self.check_context(OP, [("send", send), ("recv", Some(&*recv))])?;
+        self.check_context(OP, [("send", send), ("recv", Some(recv.slice()))])?;
         let root_i = self.check_rank(OP, "root", root)?;
         self.check_root_has(OP, "send", send.is_some(), root)?;
-        let n = recv.len();
+        let n = recv.slice().len();
         if let Some(send) = send {
             let want = self.times_size(OP, n)?;
             self.check_len(OP, "send", send.len(), want)?;

@@ -15,13 +15,14 @@ mod uneven;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop, sys};
 use dist_nccl_sys::{cudaStream_t, ncclComm_t, ncclResult_t};
 
 use crate::args::{len_ok, rank_ok};
+use crate::capture::{CAPTURING_REASON, Captured};
 use crate::communicator::Communicator;
 use crate::error::{NcclError, Result};
-use crate::shared::Used;
+use crate::shared::cuda;
 use crate::types::{NcclType, size_matches};
 
 /// The collectives and point-to-point calls of one communicator on one stream. Every size,
@@ -33,6 +34,9 @@ pub struct Ops<'a> {
     pub(crate) stream: &'a Arc<CudaStream>,
     /// Made by a [`crate::Group`], which keeps the buffers alive until its launch.
     pub(crate) grouped: bool,
+    /// Made by a [`crate::Capture`] (directly or through its group): the call is recorded into
+    /// a graph, which keeps the buffers alive while it can replay.
+    pub(crate) capture: Option<Captured<'a>>,
 }
 
 impl std::fmt::Debug for Ops<'_> {
@@ -48,6 +52,38 @@ pub(crate) struct Guards<'b>(
     pub(crate) Option<SyncOnDrop<'b>>,
     pub(crate) Option<SyncOnDrop<'b>>,
 );
+
+/// A buffer a call writes: `&mut` for a call enqueued now (cudarc records its write event
+/// behind the call), `&` for one recorded into a graph, which borrows it for the graph's life
+/// and waits for its replays before releasing it (`capture.rs`).
+pub(crate) trait Dst<'b, T> {
+    /// Whether the buffer is borrowed exclusively (only a captured call may take a shared one).
+    const EXCLUSIVE: bool;
+    fn slice(&self) -> &CudaSlice<T>;
+    /// The device pointer on `stream` and cudarc's guard, which records the buffer's use when
+    /// dropped.
+    fn ptr(self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>);
+}
+
+impl<'b, T> Dst<'b, T> for &'b mut CudaSlice<T> {
+    const EXCLUSIVE: bool = true;
+    fn slice(&self) -> &CudaSlice<T> {
+        self
+    }
+    fn ptr(self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        self.device_ptr_mut(stream)
+    }
+}
+
+impl<'b, T> Dst<'b, T> for &'b CudaSlice<T> {
+    const EXCLUSIVE: bool = false;
+    fn slice(&self) -> &CudaSlice<T> {
+        self
+    }
+    fn ptr(self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        self.device_ptr(stream)
+    }
+}
 
 impl<'a> Ops<'a> {
     fn invalid(&self, op: &str, reason: String) -> NcclError {
@@ -124,17 +160,49 @@ impl<'a> Ops<'a> {
         })
     }
 
+    /// The stream to take the buffers' pointers on: the call's own, or for a call recorded
+    /// into a capture the communicator's scratch stream (`capture.rs` says why). Refuses a call
+    /// whose stream's capture state does not match how it was made.
+    fn pointer_stream(&self, op: &str) -> Result<&'a CudaStream> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        let status = crate::capture::status(self.stream).map_err(cuda(
+            &self.comm.shared.who,
+            "query the stream's capture state",
+        ))?;
+        let reason = match (status, self.capture) {
+            (S::CU_STREAM_CAPTURE_STATUS_NONE, None) => return Ok(self.stream),
+            (S::CU_STREAM_CAPTURE_STATUS_ACTIVE, Some(c))
+                if c.stream.cu_stream() == self.stream.cu_stream() =>
+            {
+                return Ok(c.scratch);
+            }
+            (S::CU_STREAM_CAPTURE_STATUS_ACTIVE, Some(_)) => {
+                "inside a capture, calls go on the capture's stream"
+            }
+            (S::CU_STREAM_CAPTURE_STATUS_ACTIVE, None) => CAPTURING_REASON,
+            (S::CU_STREAM_CAPTURE_STATUS_INVALIDATED, _) => {
+                "the stream's CUDA graph capture was invalidated by an earlier error; end it \
+                 before calling"
+            }
+            (S::CU_STREAM_CAPTURE_STATUS_NONE, Some(_)) => {
+                "the capture this call was made through has ended (a capture's calls are made \
+                 inside its closure)"
+            }
+        };
+        Err(self.invalid(op, reason.into()))
+    }
+
     /// The one way a call reaches NCCL. Takes the buffers' device pointers on the stream (so
     /// cudarc makes the stream wait for their earlier uses; null for a buffer not given), runs
     /// `call(send, recv, comm, stream)` under the communicator's lock, settles its result, notes
     /// the stream for the watchdog and for drop, and returns the buffers' guards, which keep
     /// them borrowed until the call has launched (dropped at once by [`Ops`], kept until after
     /// `ncclGroupEnd` by a group). No allocation, and the one lock, per call.
-    fn launch<'b, T: NcclType>(
+    fn launch<'b, T: NcclType, R: Dst<'b, T>>(
         &self,
         op: &'static str,
         send: Option<&'b CudaSlice<T>>,
-        recv: Option<&'b mut CudaSlice<T>>,
+        recv: Option<R>,
         call: impl FnOnce(*const c_void, *mut c_void, ncclComm_t, cudaStream_t) -> ncclResult_t,
     ) -> Result<Guards<'b>>
     where
@@ -149,17 +217,26 @@ impl<'a> Ops<'a> {
                     .into(),
             ));
         }
-        let stream: &'b CudaStream = self.stream;
+        // Before any CUDA call on the buffers: on a capturing stream even cudarc's waits would
+        // be recorded (or refused, invalidating the capture).
+        let ptr_stream = self.pointer_stream(op)?;
+        if !R::EXCLUSIVE && self.capture.is_none() {
+            return Err(self.invalid(
+                op,
+                "a buffer the call writes must be borrowed exclusively (shared only in a capture)"
+                    .into(),
+            ));
+        }
         let (s, gs) = match send {
             Some(b) => {
-                let (p, g) = b.device_ptr(stream);
+                let (p, g) = b.device_ptr(ptr_stream);
                 (p as *const c_void, Some(g))
             }
             None => (std::ptr::null(), None),
         };
         let (r, gr) = match recv {
             Some(b) => {
-                let (p, g) = b.device_ptr_mut(stream);
+                let (p, g) = b.ptr(ptr_stream);
                 (p as *mut c_void, Some(g))
             }
             None => (std::ptr::null_mut(), None),
@@ -170,12 +247,9 @@ impl<'a> Ops<'a> {
         let res = call(s, r, st.comm, cu as cudaStream_t);
         shared.settle(&mut st, op, res)?;
         st.last_op = op;
-        match st.streams.iter_mut().find(|u| u.stream.cu_stream() == cu) {
-            Some(u) => u.enqueued += 1,
-            None => st.streams.push(Used {
-                stream: self.stream.clone(),
-                enqueued: 1,
-            }),
+        // A captured call enqueued nothing: its replays are counted when launched.
+        if self.capture.is_none() {
+            st.note_enqueued(self.stream);
         }
         Ok(Guards(gs, gr))
     }

@@ -5,7 +5,7 @@
 use cudarc::driver::CudaSlice;
 use dist_nccl_sys::nccl_fn;
 
-use super::{Guards, Ops};
+use super::{Dst, Guards, Ops};
 use crate::error::Result;
 use crate::types::NcclType;
 
@@ -25,24 +25,27 @@ impl<'a> Ops<'a> {
         let n = buf.len();
         // SAFETY: `buf` holds n elements of T on this context; `peer` < size (the multirank
         // trials `nccl_collectives` and `hybrid_device_collectives`).
-        self.launch(OP, Some(buf), None, |p, _, c, st| unsafe {
-            f(p, n, T::NCCL, peer, c, st)
-        })
+        self.launch(
+            OP,
+            Some(buf),
+            None::<&mut CudaSlice<T>>,
+            |p, _, c, st| unsafe { f(p, n, T::NCCL, peer, c, st) },
+        )
     }
 
     pub(crate) fn recv_g<'b, T: NcclType>(
         &self,
-        buf: &'b mut CudaSlice<T>,
+        buf: impl Dst<'b, T>,
         peer: usize,
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = "recv";
-        self.check_context(OP, [("buffer", Some(&*buf)), ("", None)])?;
+        self.check_context(OP, [("buffer", Some(buf.slice())), ("", None)])?;
         let peer = self.check_rank(OP, "peer", peer)?;
         let f = nccl_fn!(&self.comm.shared.nccl, ncclRecv)?;
-        let n = buf.len();
+        let n = buf.slice().len();
         // SAFETY: `buf` holds n elements of T on this context; `peer` < size (the multirank
         // trials `nccl_collectives` and `hybrid_device_collectives`).
         self.launch(OP, None, Some(buf), |_, p, c, st| unsafe {

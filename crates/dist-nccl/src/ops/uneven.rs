@@ -16,7 +16,7 @@ use cudarc::driver::CudaSlice;
 use dist_core::collectives::Kind;
 use dist_nccl_sys::{nccl_fn, ncclResult_t};
 
-use super::{Guards, Ops};
+use super::{Dst, Guards, Ops};
 use crate::error::Result;
 use crate::types::NcclType;
 
@@ -171,17 +171,17 @@ impl<'a> Ops<'a> {
     pub(crate) fn all_gather_v_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         counts: &[usize],
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllGatherV.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
         let total = self.check_counts(OP, "counts", counts)?;
         self.check_mine(OP, "send", send.len(), counts)?;
-        self.check_len(OP, "recv", recv.len(), total)?;
+        self.check_len(OP, "recv", recv.slice().len(), total)?;
         let moves = all_gather_v_moves(self.comm.rank, counts);
         self.fused(OP, Some(send), Some(recv), &moves)
     }
@@ -189,7 +189,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn gather_v_g<'b, T: NcclType>(
         &self,
         send: &'b CudaSlice<T>,
-        recv: Option<&'b mut CudaSlice<T>>,
+        recv: Option<impl Dst<'b, T>>,
         counts: &[usize],
         root: usize,
     ) -> Result<Guards<'b>>
@@ -197,7 +197,13 @@ impl<'a> Ops<'a> {
         'a: 'b,
     {
         const OP: &str = Kind::GatherV.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", recv.as_deref())])?;
+        self.check_context(
+            OP,
+            [
+                ("send", Some(send)),
+                ("recv", recv.as_ref().map(|r| r.slice())),
+            ],
+        )?;
         self.check_rank(OP, "root", root)?;
         let total = self.check_counts(OP, "counts", counts)?;
         self.check_mine(OP, "send", send.len(), counts)?;
@@ -205,7 +211,7 @@ impl<'a> Ops<'a> {
         // Only the root receives: elsewhere a receive buffer given is not used.
         let recv = recv.filter(|_| self.comm.rank == root);
         if let Some(recv) = &recv {
-            self.check_len(OP, "recv", recv.len(), total)?;
+            self.check_len(OP, "recv", recv.slice().len(), total)?;
         }
         let moves = gather_v_moves(self.comm.rank, counts, root);
         self.fused(OP, Some(send), recv, &moves)
@@ -214,7 +220,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn scatter_v_g<'b, T: NcclType>(
         &self,
         send: Option<&'b CudaSlice<T>>,
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         counts: &[usize],
         root: usize,
     ) -> Result<Guards<'b>>
@@ -222,10 +228,10 @@ impl<'a> Ops<'a> {
         'a: 'b,
     {
         const OP: &str = Kind::ScatterV.name();
-        self.check_context(OP, [("send", send), ("recv", Some(&*recv))])?;
+        self.check_context(OP, [("send", send), ("recv", Some(recv.slice()))])?;
         self.check_rank(OP, "root", root)?;
         let total = self.check_counts(OP, "counts", counts)?;
-        self.check_mine(OP, "recv", recv.len(), counts)?;
+        self.check_mine(OP, "recv", recv.slice().len(), counts)?;
         self.check_root_has(OP, "send", send.is_some(), root)?;
         let send = send.filter(|_| self.comm.rank == root);
         if let Some(send) = send {
@@ -239,18 +245,18 @@ impl<'a> Ops<'a> {
         &self,
         send: &'b CudaSlice<T>,
         send_counts: &[usize],
-        recv: &'b mut CudaSlice<T>,
+        recv: impl Dst<'b, T>,
         recv_counts: &[usize],
     ) -> Result<Guards<'b>>
     where
         'a: 'b,
     {
         const OP: &str = Kind::AllToAllV.name();
-        self.check_context(OP, [("send", Some(send)), ("recv", Some(&*recv))])?;
+        self.check_context(OP, [("send", Some(send)), ("recv", Some(recv.slice()))])?;
         let sent = self.check_counts(OP, "send_counts", send_counts)?;
         let received = self.check_counts(OP, "recv_counts", recv_counts)?;
         self.check_len(OP, "send", send.len(), sent)?;
-        self.check_len(OP, "recv", recv.len(), received)?;
+        self.check_len(OP, "recv", recv.slice().len(), received)?;
         let me = self.comm.rank;
         if send_counts[me] != recv_counts[me] {
             return Err(self.invalid(
@@ -272,7 +278,7 @@ impl<'a> Ops<'a> {
         &self,
         op: &'static str,
         send: Option<&'b CudaSlice<T>>,
-        recv: Option<&'b mut CudaSlice<T>>,
+        recv: Option<impl Dst<'b, T>>,
         moves: &[Move],
     ) -> Result<Guards<'b>>
     where
