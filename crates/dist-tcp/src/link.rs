@@ -95,7 +95,8 @@ impl Link for TcpLink {
     ) -> Result<TcpRecv<'a>> {
         let len = buf.len();
         let peer = self.peer(src, &|| format!("recv from {src} (tag {tag}, {len} bytes)"))?;
-        // SAFETY: the caller does not leak the handle (this function's own contract).
+        // SAFETY: the caller does not leak the handle (this function's own contract). (Tests:
+        // `a_receive_whose_wait_unwinds_is_withdrawn`, every collective over TCP.)
         Ok(unsafe { peer.post(buf, tag.to_wire(), deadline, None) })
     }
 

@@ -334,6 +334,7 @@ impl Peer {
             Some(p) if p.len == bytes.len() => {
                 // SAFETY: see `State`'s `Send` impl: the entry is open, so its buffer is live and
                 // only written by whoever moves the entry out of `Open`, which we do under the lock.
+                // (Tests: `ring_messages_self_sends_and_barrier`, `peer/props.rs`.)
                 unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.ptr, bytes.len()) };
                 p.slot = Slot::Done(Outcome::Delivered(meta));
                 if counted {

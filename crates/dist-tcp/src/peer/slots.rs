@@ -144,7 +144,8 @@ impl State {
 // before it returns, and never while it is `Filling` (a fill ends, or the connection is shut and
 // the fill dropped, under the read-side lock first). Only the holder of the read-side lock writes
 // through the pointer. So moving `State` between threads (inside its mutex) never lets the
-// pointer outlive or alias its buffer.
+// pointer outlive or alias its buffer. (Tests: `a_receive_whose_wait_unwinds_is_withdrawn`,
+// `a_receive_whose_send_unwinds_is_withdrawn`, `fill_tests`.)
 unsafe impl Send for State {}
 
 pub(super) enum Payload<'a> {

@@ -109,7 +109,8 @@ impl Segment {
 
     fn map(fd: &impl AsFd, len: usize) -> io::Result<Segment> {
         // SAFETY: `len` is the file's size, which its seals keep: set by `create` before it
-        // maps, checked by `open` (`check_sealed`) before it maps.
+        // maps, checked by `open` (`check_sealed`) before it maps. (Tests:
+        // `open_refuses_what_could_fault_or_lie`, `open_checks_the_seals_before_the_size`.)
         let map = unsafe { SharedMap::new(fd, len, true)? };
         Ok(Segment { map })
     }
@@ -129,6 +130,7 @@ impl Segment {
     /// The first byte of the ring (after the header); `len() - HEADER` bytes follow.
     pub(crate) fn data(&self) -> *mut u8 {
         // SAFETY: the mapping is longer than HEADER (`create` and `open` check cap ≥ MIN_CAP).
+        // (Test: `open_refuses_what_could_fault_or_lie`.)
         unsafe { self.map.ptr().add(HEADER) }
     }
 

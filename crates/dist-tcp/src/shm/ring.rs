@@ -164,7 +164,8 @@ impl TxRing {
             }
             let n = (b.len() as u64).min(room);
             // SAFETY: the consumer has given back `room` bytes from `tail` (checked against
-            // `cap` in `room`), and this `&mut self` is the ring's only producer.
+            // `cap` in `room`), and this `&mut self` is the ring's only producer. (Tests:
+            // `bytes_wrap_around_the_end_in_order`, `random_header_values_never_fault`.)
             unsafe { copy_in(self.seg.data(), self.cap, self.tail, &b[..n as usize]) };
             self.tail += n;
             room -= n;
@@ -313,7 +314,8 @@ impl RxRing {
             return Ok(0);
         }
         // SAFETY: the producer has published `avail` bytes from `head` (checked against `cap`
-        // in `available`), and this `&mut self` is the ring's only consumer.
+        // in `available`), and this `&mut self` is the ring's only consumer. (Tests:
+        // `a_corrupt_position_is_an_error_naming_the_peer`, `bytes_wrap_around_the_end_in_order`.)
         unsafe { copy_out(self.seg.data(), self.cap, self.head, &mut dst[..n]) };
         self.head += n as u64;
         self.seg

@@ -49,9 +49,11 @@ pub(crate) struct SharedMap {
 // (`u64_at`, `u32_at`, writable mappings only), volatile word loads (`load_u64`, `load_u32` on
 // read-only ones), futex waits by address and raw byte copies through `ptr` by its owners (a ring's one producer
 // or consumer, an arena's checked copies), never through references to its bytes, so moving or
-// sharing the value between threads races on nothing Rust relies on.
+// sharing the value between threads races on nothing Rust relies on. (Tests:
+// `two_threads_move_checked_bytes`, `segments_round_trip`, a sleeper on another thread.)
 unsafe impl Send for SharedMap {}
-// SAFETY: as for `Send`: `&SharedMap` gives only atomic access and raw pointers.
+// SAFETY: as for `Send`: `&SharedMap` gives only atomic access and raw pointers. (Tests: as
+// for `Send`.)
 unsafe impl Sync for SharedMap {}
 
 impl SharedMap {
@@ -87,6 +89,7 @@ impl SharedMap {
             self.len
         );
         // SAFETY: `off + size <= len` (checked above), so the result is within the mapping.
+        // (Test: `out_of_range_accesses_are_refused`.)
         unsafe { self.ptr.as_ptr().add(off) }
     }
 
@@ -189,7 +192,8 @@ impl Drop for SharedMap {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly the mapping made in `new`, unmapped only here; the
         // atomics borrow `self` and the raw pointers handed out are used only while their
-        // owner holds this value, so nothing refers to the mapping after this.
+        // owner holds this value, so nothing refers to the mapping after this. (Tests: every
+        // ring and arena test maps and drops; `hostile_segments_are_refused`.)
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
