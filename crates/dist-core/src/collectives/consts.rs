@@ -50,6 +50,10 @@ pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
 /// broadcast runs two chains only from here (on 32 cores, 8 MiB: 4.7 GB/s with one chain, 4.1
 /// with two; 16 MiB: even; 32 and 64 MiB: 3.9 and 3.6 with one, 4.4 and 4.3 with two).
 pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
+/// An all_reduce on a host arena up to this many bytes (and within the arena's small areas)
+/// goes through the small areas: each rank's input, the call's descriptor and a sequence word
+/// in the fewest cache lines (`collectives/small.rs`).
+pub const HOST_SMALL_MAX: usize = 4 << 10;
 /// An all_reduce on a host arena up to this many bytes has every rank reduce the whole buffer
 /// (one wait per call); larger ones split each piece into one share per rank
 /// (`collectives/host.rs`).

@@ -1,7 +1,9 @@
 //! all_reduce over a host arena ([`HostArena`]), for a group whose ranks all share one host:
 //! peers' buffers are read in place, through the arena, instead of passing messages.
 //!
-//! The buffer goes in pieces of at most one slot. For piece k (counted over every arena
+//! A buffer that fits the arena's small areas (up to [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX))
+//! goes through them, in one piece (`collectives/small.rs`). Larger ones go in pieces of at
+//! most one slot. For piece k (counted over every arena
 //! collective of the group, the same on every rank) each rank copies its input (what of it
 //! its peers read) into its slot `k % 2` and publishes `Input = k + 1`, then waits for every
 //! peer's `Input`:
@@ -25,7 +27,7 @@
 //! still being read. The first piece of each call publishes the call's descriptor beside its
 //! slot, and every rank compares its peers' with its own: a mismatched call is reported as
 //! every collective's is. A peer's word is checked against what the protocol allows (one piece
-//! behind, or at most one ahead for `Input`): anything else is a corrupt arena, an error naming
+//! behind; for `Input` two, after a small piece, or one ahead): anything else is a corrupt arena, an error naming
 //! that peer. Waits (`collectives/arena_wait.rs`) spin for the arena's spin time, then sleep
 //! in slices until the call's deadline, checking between slices whether the peer is gone, an
 //! abort has come, or the peer sent a message of another collective (a mismatched call on the
@@ -92,7 +94,7 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
 }
 
 /// A rank's vote: 0 if its arena is incomplete or an earlier group over the same link claimed
-/// it, else a hash (never 0) of the host layout and the slot size.
+/// it, else a hash (never 0) of the host layout, the slot size and the small areas' size.
 /// A claim spent on a vote whose all_reduce then fails is not given back: a failed collective
 /// aborts the link, and no later call of any group over it runs.
 fn vote(a: &dyn HostArena) -> u64 {
@@ -106,6 +108,7 @@ fn vote(a: &dyn HostArena) -> u64 {
         }
     };
     eat(a.slot_len() as u64);
+    eat(a.small_len() as u64);
     for &host in a.hosts() {
         eat(host as u64);
     }
@@ -159,6 +162,9 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     op: ReduceOp,
 ) -> Result<()> {
     let h = Host::new(c, a, local)?;
+    if super::small::fits(a, std::mem::size_of_val(data)) {
+        return h.all_reduce_small(data, op);
+    }
     if direct_for(c, a, std::mem::size_of_val(data)) {
         return h.all_reduce_direct(data, op);
     }

@@ -53,6 +53,7 @@ mod parts;
 mod ring;
 mod scratch;
 mod select;
+mod small;
 mod tree;
 pub(crate) mod uneven;
 

@@ -189,16 +189,21 @@ fn a_rank_that_never_publishes_is_named_by_the_timeout() {
 /// arena naming it.
 #[test]
 fn a_corrupt_word_is_an_error_naming_the_peer() {
-    assert_eq!(word_reached(4, 5, 1), Some(false));
-    assert_eq!(word_reached(5, 5, 0), Some(true));
-    assert_eq!(word_reached(6, 5, 1), Some(true));
-    assert_eq!(word_reached(6, 5, 0), None);
-    assert_eq!(word_reached(3, 5, 1), None);
-    assert_eq!(word_reached(u32::MAX, 0, 1), Some(false));
-    assert_eq!(word_reached(0, 0, 1), Some(true));
-    assert_eq!(word_reached(0, u32::MAX, 1), Some(true));
-    assert_eq!(word_reached(1, u32::MAX, 1), None);
-    assert_eq!(word_reached(1 << 31, 0, 1), None);
+    // Input: behind by one or two, or up to one ahead; Reduced: behind by one, or there.
+    assert_eq!(word_reached(4, 5, 2, 1), Some(false));
+    assert_eq!(word_reached(3, 5, 2, 1), Some(false));
+    assert_eq!(word_reached(2, 5, 2, 1), None);
+    assert_eq!(word_reached(5, 5, 1, 0), Some(true));
+    assert_eq!(word_reached(6, 5, 2, 1), Some(true));
+    assert_eq!(word_reached(7, 5, 2, 1), None);
+    assert_eq!(word_reached(6, 5, 1, 0), None);
+    assert_eq!(word_reached(3, 5, 1, 0), None);
+    assert_eq!(word_reached(u32::MAX, 0, 1, 0), Some(false));
+    assert_eq!(word_reached(u32::MAX - 1, 0, 2, 1), Some(false));
+    assert_eq!(word_reached(0, 0, 2, 1), Some(true));
+    assert_eq!(word_reached(0, u32::MAX, 2, 1), Some(true));
+    assert_eq!(word_reached(1, u32::MAX, 2, 1), None);
+    assert_eq!(word_reached(1 << 31, 0, 2, 1), None);
     // A peer whose input word jumps ahead.
     for word in [ArenaWord::Input] {
         let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);

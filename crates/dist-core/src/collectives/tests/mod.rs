@@ -15,6 +15,7 @@ mod forming;
 mod halving;
 mod host;
 mod matrix;
+mod small;
 mod uneven;
 
 /// Whether `e` names `rank` as its cause: the peer found gone, or the origin of an abort.
