@@ -6,7 +6,7 @@
 //! rank rather than a hang.
 
 use dist_core::collectives::{
-    Collectives, HOST_DIRECT_MIN, HOST_SMALL_MAX, HOST_SPLIT_MIN, Transport,
+    Collectives, HOST_DIRECT_MIN, HOST_SMALL_MAX, Transport, host_split_min,
 };
 use dist_core::transport::Link;
 use dist_core::{Backend, DistError, ReduceOp};
@@ -80,7 +80,8 @@ fn value(r: usize, i: usize) -> f32 {
 fn check_sizes(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
     let per = slot(b) / 4;
-    let split = HOST_SPLIT_MIN / 4;
+    let local = b.group().link().arena().map_or(n, |a| a.local().len());
+    let split = host_split_min(local) / 4;
     let small = HOST_SMALL_MAX / 4;
     let mut counts = vec![
         1,
@@ -177,7 +178,7 @@ fn check_direct(b: &TcpBackend) -> Option<String> {
 fn check_alternating(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
     let small = HOST_SMALL_MAX / 4;
-    let counts = [2, small + 1, 9, small, HOST_SPLIT_MIN / 4 + 3, 1, 0, 5];
+    let counts = [2, small + 1, 9, small, host_split_min(n) / 4 + 3, 1, 0, 5];
     for round in 0..200usize {
         let count = counts[round % counts.len()];
         let value = |r: usize, i: usize| ((r + 1) * 1000 + round * 7 + i) as u32;

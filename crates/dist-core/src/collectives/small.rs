@@ -1,6 +1,7 @@
-//! all_reduce of a small buffer on the host arena (up to [`HOST_SMALL_MAX`] bytes, within the
-//! arena's small areas, [`HostArena::small_len`]): the fewest cache lines a rank's input can
-//! travel in.
+//! all_reduce of a small buffer on the host arena (up to
+//! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) bytes, within the arena's small areas,
+//! [`HostArena::small_len`](crate::arena::HostArena::small_len)): the fewest cache lines a
+//! rank's input can travel in.
 //!
 //! For piece k (the count every arena collective of the group shares, `collectives/host.rs`)
 //! each rank writes its whole input, the call's descriptor and the word `k + 1` into its small
@@ -32,14 +33,13 @@
 
 use std::time::{Duration, Instant};
 
-use crate::arena::{ArenaWord, HostArena};
+use crate::arena::ArenaWord;
 use crate::error::{DistError, Result};
 use crate::link::Link;
 use crate::types::{Element, ReduceOp};
 
 use super::arena_wait::wait_word;
 use super::call::finish;
-use super::consts::HOST_SMALL_MAX;
 use super::desc::Desc;
 use super::host::Host;
 use super::scratch::bytes;
@@ -48,11 +48,6 @@ use super::scratch::bytes;
 /// arena's spin time is not zero, before its waits give the core away: a peer on a core of its
 /// own publishes within a few cache-line transfers, and a yield costs more than that.
 pub(super) const SMALL_SPIN: Duration = Duration::from_micros(2);
-
-/// Whether an all_reduce of `bytes` takes the small path on arena `a`.
-pub(super) fn fits(a: &dyn HostArena, bytes: usize) -> bool {
-    bytes <= HOST_SMALL_MAX.min(a.small_len())
-}
 
 /// Whether a peer's small-area word `v` says its input for `target` is there: `Some(true)` for
 /// `target`, `Some(false)` for an earlier value of the same area (`target − 2j`, j ≥ 1, less
