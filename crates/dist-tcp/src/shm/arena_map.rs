@@ -324,10 +324,9 @@ impl Mapping {
 
     /// Writes `data` (at most [`SMALL_DATA`] bytes) and `meta` into small area `area` (0 or
     /// 1), then stores `seq` as its word with a release store; refused (nothing written) on a
-    /// peer's read-only mapping or where it does not fit. Every access is an atomic store of
-    /// one aligned word (the last data word padded with zeros), so a peer that reads the area
-    /// meanwhile reads some mix of old and new words, never a data race, and needs no record of
-    /// copies in progress.
+    /// peer's read-only mapping, where it does not fit, or while another thread of this process
+    /// copies the area's bytes. The data goes in as a slot's bytes do ([`Mapping::write`]), the
+    /// descriptor and the word as atomic stores of aligned words.
     pub(crate) fn small_put(
         &self,
         area: usize,
@@ -339,23 +338,38 @@ impl Mapping {
             return Err(Refused::OutOfRange);
         }
         let at = SMALL_AT + area * SMALL_STRIDE;
-        let word = |b: &[u8]| {
-            let mut w = [0u8; 8];
-            w[..b.len()].copy_from_slice(b);
-            u64::from_le_bytes(w)
-        };
-        for (i, w) in data.chunks(8).enumerate() {
-            self.map
-                .u64_at(at + SMALL_FIRST + 8 * i)
-                .store(word(w), Ordering::Relaxed);
+        let busy = self.busy.as_ref().ok_or(Refused::OutOfRange)?;
+        let start = self.small_key(area);
+        let entered = busy
+            .enter(start, start + data.len(), true)
+            .ok_or(Refused::Busy)?;
+        // SAFETY: as in `write`: the range is within small area `area` (checked above: `data`
+        // fits its SMALL_DATA bytes), inside the live writable mapping, outside every Rust
+        // allocation; only this process writes the segment, and while `entered` lives no other
+        // thread of it copies these bytes (the record `busy`, under the area's own key past
+        // the slots'). A peer of another process reading them meanwhile (outside the protocol)
+        // reads wrong bytes, never a data race: the stores are volatile (`copy::write_shared`).
+        // (Tests: `small_tests`, `collectives::tests::small` through the multi-rank
+        // `shm_arena` case.)
+        unsafe {
+            super::copy::write_shared(self.map.ptr().add(at + SMALL_FIRST), data);
         }
-        for (i, w) in meta.chunks(8).enumerate() {
-            self.map
-                .u64_at(at + SMALL_META + 8 * i)
-                .store(word(w), Ordering::Relaxed);
-        }
+        drop(entered);
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
+        self.map
+            .u64_at(at + SMALL_META)
+            .store(word(&meta[..8]), Ordering::Relaxed);
+        self.map
+            .u64_at(at + SMALL_META + 8)
+            .store(word(&meta[8..]), Ordering::Relaxed);
         self.map.u32_at(at).store(seq, Ordering::Release);
         Ok(())
+    }
+
+    /// The key of small area `area`'s bytes in the record of copies in progress (`busy.rs`):
+    /// past the slots', which count from the first slot's byte 0.
+    fn small_key(&self, area: usize) -> usize {
+        2 * self.slot + area * SMALL_STRIDE
     }
 
     /// Small area `area`'s word (a load, then an acquire fence; 0 for an area past the two).
@@ -377,8 +391,9 @@ impl Mapping {
         out
     }
 
-    /// Copies small area `area`'s data bytes from `offset` into `dst`, a word at a time (loads
-    /// of aligned words, as of the header's); refused (nothing copied) out of range.
+    /// Copies small area `area`'s data bytes from `offset` into `dst`, as a slot's bytes are
+    /// copied ([`Mapping::read`]); refused (nothing copied) out of range or, where this process
+    /// writes the segment, while another of its threads writes the area.
     pub(crate) fn small_read(
         &self,
         area: usize,
@@ -389,15 +404,24 @@ impl Mapping {
         if area >= 2 || end.is_none_or(|e| e > SMALL_DATA) {
             return Err(Refused::OutOfRange);
         }
-        let at = SMALL_AT + area * SMALL_STRIDE + SMALL_FIRST;
-        let mut done = 0;
-        while done < dst.len() {
-            let byte = offset + done;
-            let skip = byte % 8;
-            let w = self.map.load_u64(at + byte - skip).to_le_bytes();
-            let take = (8 - skip).min(dst.len() - done);
-            dst[done..done + take].copy_from_slice(&w[skip..skip + take]);
-            done += take;
+        let start = self.small_key(area) + offset;
+        let _entered = match &self.busy {
+            Some(busy) => Some(
+                busy.enter(start, start + dst.len(), false)
+                    .ok_or(Refused::Busy)?,
+            ),
+            None => None,
+        };
+        // SAFETY: as in `read`: the range is within small area `area`'s data (checked above),
+        // inside the live mapping; where this process writes the segment no thread of it writes
+        // these bytes meanwhile (`busy`); the owner in another process writes them meanwhile
+        // only outside the protocol, and the loads are volatile (`copy::read_shared`): wrong
+        // bytes at worst, plain bytes valid for every type, no reference into the mapping.
+        // (Tests: `small_tests`, `collectives::tests::small` through the multi-rank
+        // `shm_arena` case.)
+        unsafe {
+            let at = SMALL_AT + area * SMALL_STRIDE + SMALL_FIRST + offset;
+            super::copy::read_shared(self.map.ptr().add(at), dst);
         }
         Ok(())
     }
