@@ -20,7 +20,8 @@
 //!
 //! **Waiting.** A rank spins on a peer's area word (the CPU's pause between looks) for at most
 //! [`SMALL_SPIN`] a call (none where the arena's spin time is zero, a host crowded with ranks,
-//! or where the host's ranks outnumber the cores this process may run on),
+//! where the host's ranks outnumber the cores this process may run on, or in a backoff after
+//! spins that ran out, [`SPIN_BACKOFF`]),
 //! then waits on the peer's `Input` word as every arena wait does (`collectives/arena_wait.rs`:
 //! giving its core away between looks, then sleeping until the call's deadline, ending on a gone
 //! peer, an abort or a mismatched call). Once that word says the piece is published, the area's
@@ -32,6 +33,7 @@
 //! other area's parity) is a corrupt arena, an error naming the peer. A peer whose descriptor
 //! differs from this rank's is a mismatched call, named as every collective's is.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::arena::ArenaWord;
@@ -52,6 +54,53 @@ use super::scratch::bytes;
 /// spin, every small all_reduce up to 2 KiB took about 22 µs where the slots' path took 15,
 /// medians of five rounds under heavy load; without it, level within the noise.)
 pub(super) const SMALL_SPIN: Duration = Duration::from_micros(2);
+
+/// When the spin pays: after a call whose spin ran out (some peer came later, off its core:
+/// the host is busy with other work), the next 1, then 2, 4, … 64 calls do not spin; a call
+/// whose peers all came within it ends the backoff. One per process. (On 2 ranks of the
+/// 2-core machine with other load, a spin that ran out every call made 8 B calls 6.9 µs
+/// against 4.7 without the small areas; in quiet rounds they took 1.33 µs against 1.7–2.0:
+/// `docs/results/2026-12-07-2core-22bfbe8`.)
+static SPIN_BACKOFF: Backoff = Backoff::new();
+
+/// The state of [`SPIN_BACKOFF`]: the calls left that skip the spin, and the next skip's
+/// length. Relaxed atomics: a heuristic, which threads racing on it can only make spin a call
+/// more or less.
+pub(super) struct Backoff {
+    skip: AtomicU32,
+    next: AtomicU32,
+}
+
+impl Backoff {
+    /// A backoff with nothing to skip.
+    pub(super) const fn new() -> Backoff {
+        Backoff {
+            skip: AtomicU32::new(0),
+            next: AtomicU32::new(0),
+        }
+    }
+
+    /// Whether this call skips its spin (counting it off if so).
+    pub(super) fn skip(&self) -> bool {
+        let left = self.skip.load(Ordering::Relaxed);
+        if left == 0 {
+            return false;
+        }
+        self.skip.store(left - 1, Ordering::Relaxed);
+        true
+    }
+
+    /// A call spun: `paid` if every peer came within the spin.
+    pub(super) fn spun(&self, paid: bool) {
+        if paid {
+            self.next.store(0, Ordering::Relaxed);
+        } else {
+            let next = (self.next.load(Ordering::Relaxed) * 2).clamp(1, 64);
+            self.next.store(next, Ordering::Relaxed);
+            self.skip.store(next, Ordering::Relaxed);
+        }
+    }
+}
 
 /// Whether `local` ranks outnumber the cores this process may run on (counted once): there a
 /// spin keeps the core from the peer it waits for, so a wait gives the core away at once.
@@ -87,13 +136,17 @@ impl<L: Link> Host<'_, '_, L> {
         // looks there.
         a.set_meta(area, c.meta());
         a.publish(ArenaWord::Input, target);
-        let mut spin = if crowded(self.local.len()) {
+        let budget = if crowded(self.local.len()) || SPIN_BACKOFF.skip() {
             Duration::ZERO
         } else {
             a.spin().min(SMALL_SPIN)
         };
+        let mut spin = budget;
         for &q in self.local.iter().filter(|&&q| q != c.me) {
             spin = spin.saturating_sub(self.wait_small(q, area, target, spin)?);
+        }
+        if !budget.is_zero() {
+            SPIN_BACKOFF.spun(!spin.is_zero());
         }
         let len = std::mem::size_of_val(data);
         self.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {

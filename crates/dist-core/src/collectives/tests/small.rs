@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::super::small::small_reached;
+use super::super::small::{Backoff, small_reached};
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::testing::{MemLink, run_links};
 use crate::{Backend, Collectives, DistError, Element, Group, ReduceOp, Result, Tuning};
@@ -338,4 +338,21 @@ fn a_rank_that_never_comes_is_named_by_the_timeout() {
             .any(|r| matches!(r, Err(DistError::Timeout { peer: 2, .. }))),
         "{results:?}"
     );
+}
+
+/// The spin's backoff: after a spin that ran out, 1, 2, 4, … 64 calls skip it; a spin that
+/// paid ends the backoff.
+#[test]
+fn spins_that_run_out_back_off_up_to_64_calls() {
+    let b = Backoff::new();
+    let skipped = |b: &Backoff| (0..100).take_while(|_| b.skip()).count();
+    assert_eq!(skipped(&b), 0);
+    for want in [1, 2, 4, 8, 16, 32, 64, 64] {
+        b.spun(false);
+        assert_eq!(skipped(&b), want);
+    }
+    b.spun(true);
+    assert_eq!(skipped(&b), 0);
+    b.spun(false);
+    assert_eq!(skipped(&b), 1);
 }
