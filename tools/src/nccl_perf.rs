@@ -215,6 +215,7 @@ fn main() -> ExitCode {
             (count * 4, count),
             dist(&mut a, &mut b),
             wrong,
+            None,
         );
         if let Some(bare) = &mut bare {
             let (mut d, mut r) = (Vec::new(), Vec::new());

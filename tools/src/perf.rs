@@ -90,6 +90,10 @@ fn one_size<T: Element>(b: &TcpBackend, o: &PerfOpts, size: usize) {
     for _ in 0..iters {
         call(&mut a, &mut out).unwrap_or_else(|e| panic!("{e}"));
     }
+    // The algorithm, as the group chose it (known once its first all_reduce agreed on the
+    // arena: the warm-up's calls have run).
+    let algorithm = matches!(o.op, PerfOp::Collective(Kind::AllReduce))
+        .then(|| dist_core::collectives::all_reduce_path(b.group(), count, bytes));
     perf_row(
         b,
         o.op,
@@ -97,6 +101,7 @@ fn one_size<T: Element>(b: &TcpBackend, o: &PerfOpts, size: usize) {
         (bytes, count),
         t.elapsed().as_secs_f64() / iters as f64,
         wrong.map(|w| w as u64),
+        algorithm.as_deref(),
     );
 }
 
@@ -146,6 +151,9 @@ fn main() {
             b.group().tuning().arena_max_kb,
             forced.map_or(String::new(), |a| format!("; all_reduce forced: {a:?}")),
         ));
+        if matches!(o.op, PerfOp::Collective(Kind::AllReduce)) {
+            println!("# last column: the algorithm (dist_core::collectives::all_reduce_path)");
+        }
     }
     match o.dtype {
         DType::F32 => sweep::<f32>(&b, &o),

@@ -111,6 +111,35 @@ pub trait HostArena: Send + Sync {
     /// timeout or a spurious return all return: the caller looks again.
     fn sleep(&self, owner: usize, word: ArenaWord, seen: u32, limit: Duration);
 
+    /// The data bytes of each of this rank's two small areas (0: it has none):
+    /// the lines a small all_reduce (`collectives/small.rs`) writes its whole input into, with
+    /// the call's descriptor and a sequence word beside it, so that a peer learns that the input
+    /// is there, checks the call and reads the first bytes of the input in one cache line.
+    /// Like a slot, area `k % 2` is written for piece k; this rank alone writes its areas and
+    /// its host's other ranks read them.
+    fn small_len(&self) -> usize;
+
+    /// Writes `data` (at most [`HostArena::small_len`] bytes) and `meta` into this rank's
+    /// small area `area` (0 or 1), then stores `seq` as the area's word (a release store: a
+    /// peer that loads `seq` sees the data and descriptor written before it). Any thread may
+    /// call it: the accesses are atomic or volatile, never a data race, whoever reads the
+    /// area meanwhile (a read beside it sees old and new bytes mixed, which the word tells
+    /// apart). An error where the arena has no small areas or `data` does not fit.
+    fn put_small(&self, area: usize, seq: u32, meta: Meta, data: &[u8]) -> Result<()>;
+
+    /// Loads rank `owner`'s small area `area`'s word (an acquire load; 0 for a rank not on
+    /// this host, or an arena without small areas).
+    fn small_seq(&self, owner: usize, area: usize) -> u32;
+
+    /// The descriptor rank `owner` wrote into its small area `area` (zeros for a rank not on
+    /// this host, or an arena without small areas).
+    fn small_meta(&self, owner: usize, area: usize) -> Meta;
+
+    /// Copies `dst.len()` bytes of rank `owner`'s small area `area` from byte `offset` of its
+    /// data into `dst`; an error if out of [`HostArena::small_len`] or the rank is not on this
+    /// host.
+    fn read_small(&self, owner: usize, area: usize, offset: usize, dst: &mut [u8]) -> Result<()>;
+
     /// From which size (bytes) this rank proposes that all_reduces on the arena read their
     /// peers' buffers directly ([`HostArena::read_direct`]), or `None` where it cannot read the
     /// memory of every other rank of its host (probed once: by reading a value each peer

@@ -225,7 +225,8 @@ pub fn perf_header(title: &str) {
 }
 
 /// One row of the table: the slowest rank's `secs` per call and every rank's `wrong` elements
-/// (`None`: not checked), gathered over `tcp` and printed by rank 0.
+/// (`None`: not checked), gathered over `tcp` and printed by rank 0, with `algorithm` after
+/// them where given.
 pub fn perf_row(
     tcp: &TcpBackend,
     op: PerfOp,
@@ -233,6 +234,7 @@ pub fn perf_row(
     (bytes, count): (usize, usize),
     secs: f64,
     wrong: Option<u64>,
+    algorithm: Option<&str>,
 ) {
     use dist_core::{Backend, Collectives};
     let mut t = [secs];
@@ -244,13 +246,14 @@ pub fn perf_row(
     if tcp.rank() == 0 {
         let algbw = bytes as f64 / t[0] / 1e9;
         println!(
-            "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.2} {algbw:>8.3} {:>8.3} {:>6}",
+            "{bytes:>12} {count:>12} {:>8} {:>6} {:>4} {:>10.2} {algbw:>8.3} {:>8.3} {:>6}{}",
             dtype.name(),
             if op.reduces() { "sum" } else { "none" },
             if op.has_root() { "0" } else { "-1" },
             t[0] * 1e6,
             algbw * op.bus_factor(tcp.world_size()),
             wrong.map_or("N/A".to_string(), |_| w[0].to_string()),
+            algorithm.map_or(String::new(), |a| format!(" {a}")),
         );
     }
 }

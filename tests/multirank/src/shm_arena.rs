@@ -1,10 +1,13 @@
 //! all_reduce on the host arena: results checked at every world size from
-//! 2 to 8 at counts around the split threshold and the slot's pieces, with the group on the
+//! 2 to 8 at counts around the small areas' limit, the split threshold and the slot's pieces,
+//! and in calls whose sizes alternate across them, with the group on the
 //! arena exactly when shared memory is on; a job of several hosts (simulated by
 //! `DIST_HOST_ID`) on the hierarchical all_reduce; and after a mismatch, an error on every
 //! rank rather than a hang.
 
-use dist_core::collectives::{Collectives, HOST_DIRECT_MIN, HOST_SPLIT_MIN, Transport};
+use dist_core::collectives::{
+    Collectives, HOST_DIRECT_MIN, HOST_SMALL_MAX, Transport, host_split_min,
+};
 use dist_core::transport::Link;
 use dist_core::{Backend, DistError, ReduceOp};
 use dist_multirank::{Case, DIRECT, Variant, config};
@@ -77,11 +80,16 @@ fn value(r: usize, i: usize) -> f32 {
 fn check_sizes(b: &TcpBackend) {
     let (me, n) = (b.rank(), b.world_size());
     let per = slot(b) / 4;
-    let split = HOST_SPLIT_MIN / 4;
+    let local = b.group().link().arena().map_or(n, |a| a.local().len());
+    let split = host_split_min(local) / 4;
+    let small = HOST_SMALL_MAX / 4;
     let mut counts = vec![
         1,
         2,
         7,
+        small - 1,
+        small,
+        small + 1,
         split - 1,
         split,
         split + 1,
@@ -164,11 +172,35 @@ fn check_direct(b: &TcpBackend) -> Option<String> {
     None
 }
 
+/// Back-to-back all_reduces whose sizes alternate across the small areas' limit and the split
+/// (each rank's inputs new every call, so that bytes read from an area or slot its owner had
+/// already written again would show), every element checked.
+fn check_alternating(b: &TcpBackend) {
+    let (me, n) = (b.rank(), b.world_size());
+    let small = HOST_SMALL_MAX / 4;
+    let counts = [2, small + 1, 9, small, host_split_min(n) / 4 + 3, 1, 0, 5];
+    for round in 0..200usize {
+        let count = counts[round % counts.len()];
+        let value = |r: usize, i: usize| ((r + 1) * 1000 + round * 7 + i) as u32;
+        let mut x: Vec<u32> = (0..count).map(|i| value(me, i)).collect();
+        b.all_reduce(&mut x, ReduceOp::Sum)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (i, got) in x.iter().enumerate() {
+            let want: u32 = (0..n).map(|r| value(r, i)).sum();
+            assert_eq!(
+                *got, want,
+                "rank {me}: round {round}, {count} u32: element {i}"
+            );
+        }
+    }
+}
+
 /// Every rank on one host: the group runs on the arena (over messages with `DIST_SHM=0`).
 fn arena() -> Result<(), String> {
     let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
     check_limit(&b);
     check_sizes(&b);
+    check_alternating(&b);
     let unchecked = check_direct(&b);
     check_threads(&b);
     assert_eq!(

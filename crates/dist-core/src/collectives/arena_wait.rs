@@ -22,8 +22,9 @@ const YIELD: Duration = Duration::from_micros(100);
 
 /// Waits until rank `owner`'s `word` reaches `target` (by the call's deadline). The values the
 /// protocol allows: `target - 1` (not yet), `target`, and for `Input` `target + 1` (the peer
-/// has published the next piece already). Anything else is a corrupt arena: an error naming
-/// `owner`.
+/// has published the next piece already) and `target - 2` (not yet: after a small piece, which
+/// a rank finishes once it read the peer's small area, written before the peer's `Input` word,
+/// `collectives/small.rs`). Anything else is a corrupt arena: an error naming `owner`.
 pub(super) fn wait_word<L: Link>(
     c: &Call<'_, L>,
     a: &dyn HostArena,
@@ -31,12 +32,13 @@ pub(super) fn wait_word<L: Link>(
     word: ArenaWord,
     target: u32,
 ) -> Result<()> {
-    let ahead = match word {
-        ArenaWord::Input => 1,
-        ArenaWord::Reduced => 0,
+    let (behind, ahead) = match word {
+        ArenaWord::Input => (2, 1),
+        ArenaWord::Reduced => (1, 0),
     };
     let reached = |v: u32| -> Result<bool> {
-        word_reached(v, target, ahead).ok_or_else(|| corrupt(c, owner, word, v, target, ahead))
+        word_reached(v, target, behind, ahead)
+            .ok_or_else(|| corrupt(c, owner, word, v, target, (behind, ahead)))
     };
     // Spin for the arena's spin time, then some more, giving the core away between looks
     // (with more ranks than cores the peer waited for may need it: a pure busy loop here took
@@ -110,13 +112,13 @@ fn sleep_until<L: Link>(
     }
 }
 
-/// Whether a peer's word `v` has reached `target`: `Some(false)` for `target - 1` (not yet),
-/// `Some(true)` from `target` to `target + ahead`, `None` for any other value (not one the
-/// protocol allows: a corrupt arena). Wrapping at 2³².
-pub(super) fn word_reached(v: u32, target: u32, ahead: u32) -> Option<bool> {
-    match v.wrapping_sub(target.wrapping_sub(1)) {
-        0 => Some(false),
-        d if d <= 1 + ahead => Some(true),
+/// Whether a peer's word `v` has reached `target`: `Some(false)` from `target - behind` to
+/// `target - 1` (not yet), `Some(true)` from `target` to `target + ahead`, `None` for any other
+/// value (not one the protocol allows: a corrupt arena). Wrapping at 2³².
+pub(super) fn word_reached(v: u32, target: u32, behind: u32, ahead: u32) -> Option<bool> {
+    match v.wrapping_sub(target.wrapping_sub(behind)) {
+        d if d < behind => Some(false),
+        d if d <= behind + ahead => Some(true),
         _ => None,
     }
 }
@@ -127,7 +129,7 @@ fn corrupt<L: Link>(
     word: ArenaWord,
     v: u32,
     target: u32,
-    ahead: u32,
+    (behind, ahead): (u32, u32),
 ) -> DistError {
     DistError::PeerGone {
         rank: c.me,
@@ -137,7 +139,7 @@ fn corrupt<L: Link>(
             "corrupt host arena: its {} word is {v}, where this rank waits for {target} \
              (possible: {} to {})",
             word.name(),
-            target.wrapping_sub(1),
+            target.wrapping_sub(behind),
             target.wrapping_add(ahead)
         ),
     }

@@ -50,10 +50,20 @@ pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
 /// broadcast runs two chains only from here (on 32 cores, 8 MiB: 4.7 GB/s with one chain, 4.1
 /// with two; 16 MiB: even; 32 and 64 MiB: 3.9 and 3.6 with one, 4.4 and 4.3 with two).
 pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
-/// An all_reduce on a host arena up to this many bytes has every rank reduce the whole buffer
-/// (one wait per call); larger ones split each piece into one share per rank
-/// (`collectives/host.rs`).
+/// An all_reduce on a host arena up to this many bytes (and within the arena's small areas)
+/// goes through the small areas: each rank's input, the call's descriptor and a sequence word
+/// in the fewest cache lines (`collectives/small.rs`).
+pub const HOST_SMALL_MAX: usize = 4 << 10;
+/// The largest all_reduce on a host arena whose every rank reduces the whole buffer (one wait
+/// per call), at any rank count; larger ones split each piece into one share per rank
+/// (`collectives/host.rs`). From 5 ranks on a host the limit is lower:
+/// [`host_split_min`](super::host_split_min).
 pub const HOST_SPLIT_MIN: usize = 32 << 10;
+/// The bytes a rank may read and reduce beyond what the split path would have it do before a
+/// host arena all_reduce splits ([`host_split_min`](super::host_split_min)): what one extra
+/// wait on every peer (the split path's second) is worth. Set so that 4 ranks split from
+/// [`HOST_SPLIT_MIN`], as they did before the rule, where every rank count did.
+pub const HOST_SPLIT_EXTRA: usize = 48 << 10;
 /// The default [`Tuning::arena_max`](crate::Tuning::arena_max), and the arena's limit where
 /// a host's ranks have a core each, but not two, and are fewer than
 /// [`HOST_ARENA_ALL_MIN_RANKS`]: larger all_reduces run the message algorithms (over the

@@ -1,11 +1,14 @@
 //! all_reduce over a host arena ([`HostArena`]), for a group whose ranks all share one host:
 //! peers' buffers are read in place, through the arena, instead of passing messages.
 //!
-//! The buffer goes in pieces of at most one slot. For piece k (counted over every arena
+//! A buffer that fits the arena's small areas (up to [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX))
+//! goes through them, in one piece (`collectives/small.rs`). Larger ones go in pieces of at
+//! most one slot. For piece k (counted over every arena
 //! collective of the group, the same on every rank) each rank copies its input (what of it
 //! its peers read) into its slot `k % 2` and publishes `Input = k + 1`, then waits for every
 //! peer's `Input`:
-//! - small buffers (up to [`HOST_SPLIT_MIN`]): every rank reduces all n inputs, in rank order,
+//! - small buffers (up to [`host_split_min`](super::host_split_min) of the host's ranks: 32 KiB
+//!   up to 4 ranks, less from 5): every rank reduces all n inputs, in rank order,
 //!   into its buffer and publishes `Reduced = k + 1` (read done). One wait per call.
 //! - larger: a rank's slot takes only the shares its peers reduce (all but its own), and
 //!   rank i reduces share i of the piece (1/n of it) from its buffer and every
@@ -25,7 +28,7 @@
 //! still being read. The first piece of each call publishes the call's descriptor beside its
 //! slot, and every rank compares its peers' with its own: a mismatched call is reported as
 //! every collective's is. A peer's word is checked against what the protocol allows (one piece
-//! behind, or at most one ahead for `Input`): anything else is a corrupt arena, an error naming
+//! behind; for `Input` two, after a small piece, or one ahead): anything else is a corrupt arena, an error naming
 //! that peer. Waits (`collectives/arena_wait.rs`) spin for the arena's spin time, then sleep
 //! in slices until the call's deadline, checking between slices whether the peer is gone, an
 //! abort has come, or the peer sent a message of another collective (a mismatched call on the
@@ -41,6 +44,8 @@ use super::call::{Call, finish};
 use super::consts::HOST_SPLIT_MIN;
 use super::desc::Desc;
 use super::scratch::{bytes, bytes_mut, segment, with_scratch};
+use super::select::{HostAllReducePath, host_all_reduce_path};
+use crate::group::Group;
 
 /// Fills its buffer with a local peer's bytes from a byte offset: `read(rank, offset, dst)`.
 pub(super) type ReadPeer<'r> = &'r (dyn Fn(usize, usize, &mut [u8]) -> Result<()> + Sync);
@@ -92,7 +97,7 @@ pub(super) fn agreed<L: Link>(c: &Call<'_, L>, a: &dyn HostArena) -> Result<bool
 }
 
 /// A rank's vote: 0 if its arena is incomplete or an earlier group over the same link claimed
-/// it, else a hash (never 0) of the host layout and the slot size.
+/// it, else a hash (never 0) of the host layout, the slot size and the small areas' size.
 /// A claim spent on a vote whose all_reduce then fails is not given back: a failed collective
 /// aborts the link, and no later call of any group over it runs.
 fn vote(a: &dyn HostArena) -> u64 {
@@ -106,6 +111,7 @@ fn vote(a: &dyn HostArena) -> u64 {
         }
     };
     eat(a.slot_len() as u64);
+    eat(a.small_len() as u64);
     for &host in a.hosts() {
         eat(host as u64);
     }
@@ -144,7 +150,12 @@ impl<'a, 'c, L: Link> Host<'a, 'c, L> {
 /// buffers the arena would split (larger than [`HOST_SPLIT_MIN`]), if a slot holds the
 /// buffer's address and an element of any type after it (where the results go).
 pub(super) fn direct_for<L: Link>(c: &Call<'_, L>, a: &dyn HostArena, bytes: usize) -> bool {
-    c.g.arena_direct_min()
+    direct_for_group(c.g, a, bytes)
+}
+
+/// [`direct_for`], for group `g`.
+pub(super) fn direct_for_group<L: Link>(g: &Group<L>, a: &dyn HostArena, bytes: usize) -> bool {
+    g.arena_direct_min()
         .is_some_and(|min| bytes >= min.max(HOST_SPLIT_MIN + 1))
         && a.slot_len() >= super::direct::HEADER + 8
 }
@@ -159,15 +170,20 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     op: ReduceOp,
 ) -> Result<()> {
     let h = Host::new(c, a, local)?;
-    if direct_for(c, a, std::mem::size_of_val(data)) {
-        return h.all_reduce_direct(data, op);
-    }
+    let bytes = std::mem::size_of_val(data);
+    let direct = direct_for(c, a, bytes);
+    let split =
+        match host_all_reduce_path(local.len(), bytes, (a.small_len(), a.slot_len()), direct) {
+            HostAllReducePath::Small => return h.all_reduce_small(data, op),
+            HostAllReducePath::Direct => return h.all_reduce_direct(data, op),
+            HostAllReducePath::Split => true,
+            HostAllReducePath::Whole => false,
+        };
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {
         return Err(c.invalid(format!("arena slots of {} bytes", a.slot_len())));
     }
-    let split = std::mem::size_of_val(data) > HOST_SPLIT_MIN.min(a.slot_len());
     let mut first = true;
     let mut start = 0;
     loop {

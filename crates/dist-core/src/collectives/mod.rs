@@ -53,6 +53,7 @@ mod parts;
 mod ring;
 mod scratch;
 mod select;
+mod small;
 mod tree;
 pub(crate) mod uneven;
 
@@ -62,7 +63,8 @@ pub(crate) use call::abort_all;
 pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
 pub use select::{
-    AllReduceAlgorithm, all_reduce_algorithm, broadcast_by_halving, reduce_by_halving,
+    AllReduceAlgorithm, HostAllReducePath, all_reduce_algorithm, all_reduce_path,
+    broadcast_by_halving, host_all_reduce_path, host_split_min, reduce_by_halving,
 };
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the

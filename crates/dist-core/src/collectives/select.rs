@@ -1,11 +1,14 @@
 //! The choice of algorithm by message size and world size, where it depends on more than one
-//! threshold: all_reduce (recursive doubling, the ring, or recursive halving and doubling), and
-//! the large broadcast and reduce on many ranks.
+//! threshold: all_reduce (recursive doubling, the ring, or recursive halving and doubling; on a
+//! host arena, small areas, every rank reducing the whole, shares or direct reads), and the
+//! large broadcast and reduce on many ranks.
 
 use super::consts::{
-    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS,
-    TWO_RINGS_MIN,
+    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, HOST_SMALL_MAX, HOST_SPLIT_EXTRA,
+    HOST_SPLIT_MIN, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
 };
+use crate::group::Group;
+use crate::link::Link;
 
 /// An all_reduce algorithm (see the table in the [module docs](super)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,4 +88,105 @@ pub fn broadcast_by_halving(n: usize, bytes: usize) -> bool {
 /// halving's second half.
 pub fn reduce_by_halving(n: usize) -> bool {
     n >= HALVING_MIN_RANKS
+}
+
+/// How an all_reduce on a host arena goes (`collectives/host.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HostAllReducePath {
+    /// Through the small areas, every rank reducing every input (`collectives/small.rs`).
+    Small,
+    /// Through the slots, every rank reducing every input of each piece.
+    Whole,
+    /// Through the slots, each piece in one share per rank, which that rank reduces.
+    Split,
+    /// Reading the peers' buffers in place (`collectives/direct.rs`).
+    Direct,
+}
+
+impl HostAllReducePath {
+    /// A name for tables (`dist-perf`'s algorithm column).
+    pub fn name(self) -> &'static str {
+        match self {
+            HostAllReducePath::Small => "arena-small",
+            HostAllReducePath::Whole => "arena-whole",
+            HostAllReducePath::Split => "arena-split",
+            HostAllReducePath::Direct => "arena-direct",
+        }
+    }
+}
+
+/// The largest all_reduce on a host arena of `local` ranks that every rank reduces whole.
+/// Whole, a rank reads and reduces (n − 1) × size bytes of its peers' inputs after one wait;
+/// split, it reduces (n − 1)/n × size for its share and copies as much of the others' shares
+/// out, after a second wait on every peer. So the whole path reads (n − 1)(n − 2)/n × size
+/// bytes more, and it pays while that is at most [`HOST_SPLIT_EXTRA`] (what the second wait
+/// costs, in bytes read): never more than [`HOST_SPLIT_MIN`] (2 to 4 ranks; the split's
+/// threads, from 512 KiB, want it there), about 20 KiB at 5 ranks, 9 KiB at 8, 3.7 KiB at 16
+/// (and 4 KiB and below take the small areas). Measured on 16 ranks of the 16-core host (before
+/// the rule, when 32 KiB was the limit at every rank count): 32 KiB whole 106.6 µs, 128 KiB
+/// split 89.8 µs (`docs/benchmarks.md`).
+pub fn host_split_min(local: usize) -> usize {
+    if local <= 4 {
+        return HOST_SPLIT_MIN;
+    }
+    let n = local as u128;
+    let limit = HOST_SPLIT_EXTRA as u128 * n / ((n - 1) * (n - 2));
+    usize::try_from(limit).map_or(HOST_SPLIT_MIN, |l| l.min(HOST_SPLIT_MIN))
+}
+
+/// How an all_reduce of `bytes` on a host arena of `local` ranks goes, given the arena's small
+/// areas and slots (bytes) and whether the call reads its peers' buffers directly (`direct`,
+/// as the group agreed: [`Group::arena_direct_min`]).
+pub fn host_all_reduce_path(
+    local: usize,
+    bytes: usize,
+    (small_len, slot_len): (usize, usize),
+    direct: bool,
+) -> HostAllReducePath {
+    if bytes <= HOST_SMALL_MAX.min(small_len) {
+        HostAllReducePath::Small
+    } else if direct {
+        HostAllReducePath::Direct
+    } else if bytes > host_split_min(local).min(slot_len) {
+        HostAllReducePath::Split
+    } else {
+        HostAllReducePath::Whole
+    }
+}
+
+/// The algorithm an all_reduce of `count` elements, `bytes` in all, runs on group `g`, by name,
+/// as the group chooses it once it has agreed on its arena (after its first all_reduce): a host
+/// arena path ([`HostAllReducePath::name`]; "hosts-" before it where the group spans several
+/// hosts, whose leaders then run a ring between them), or a message algorithm
+/// ([`all_reduce_algorithm`], or the one the group forces).
+pub fn all_reduce_path<L: Link>(g: &Group<L>, count: usize, bytes: usize) -> String {
+    let n = g.link().world_size();
+    let forced = g.forced_all_reduce();
+    let arena_max = g.tuning().arena_max();
+    if n > 1
+        && forced.is_none()
+        && arena_max > 0
+        && g.arena_in_use() == Some(true)
+        && let Some(a) = g.link().arena()
+    {
+        let local = a.local().len();
+        let direct = super::host::direct_for_group(g, a, bytes);
+        let path = host_all_reduce_path(local, bytes, (a.small_len(), a.slot_len()), direct);
+        if local == n && (bytes <= arena_max || direct) {
+            return path.name().into();
+        }
+        if bytes <= arena_max {
+            let path = host_all_reduce_path(local, bytes, (a.small_len(), a.slot_len()), false);
+            return format!("hosts-{}", path.name());
+        }
+    }
+    let algorithm =
+        forced.unwrap_or_else(|| all_reduce_algorithm(n, count, bytes, g.tuning().lanes));
+    match algorithm {
+        AllReduceAlgorithm::Doubling => "doubling",
+        AllReduceAlgorithm::Ring => "ring",
+        AllReduceAlgorithm::Halving => "halving",
+    }
+    .into()
 }

@@ -1,5 +1,6 @@
 //! A [`HostArena`] in memory for [`MemLink`](super::MemLink)s made by
-//! [`MemLink::mesh_on_hosts`](super::MemLink::mesh_on_hosts): every rank's slots behind a lock,
+//! [`MemLink::mesh_on_hosts`](super::MemLink::mesh_on_hosts): every rank's slots and small areas
+//! (a quarter of a slot, at most 4 KiB) behind locks,
 //! its words atomics, a condition variable to sleep on; direct reads of peers' buffers (the
 //! ranks are threads: `process_vm_readv` of this process); with faults to inject (a word set to
 //! any value, an arena that is incomplete on one rank, direct reads refused (all, or after the
@@ -39,6 +40,13 @@ struct Part {
     dies_at_reduced: AtomicU32,
     /// The threads this rank's direct reads ran on.
     read_threads: Mutex<Vec<std::thread::ThreadId>>,
+    /// The words of the two small areas.
+    small_seq: [AtomicU32; 2],
+    /// The descriptor and data bytes of the two small areas.
+    small: [Mutex<(Meta, Vec<u8>)>; 2],
+    /// How long [`HostArena::put_small`] waits after its word (a rank descheduled before it
+    /// publishes its input word).
+    small_lag: Mutex<Duration>,
 }
 
 /// A fault of a rank's direct reads of its peers' memory ([`HostArena::read_direct`]).
@@ -117,12 +125,22 @@ impl Arenas {
                     trace: Mutex::new(None),
                     dies_at_reduced: AtomicU32::new(0),
                     read_threads: Mutex::new(Vec::new()),
+                    small_seq: [AtomicU32::new(0), AtomicU32::new(0)],
+                    small: [(); 2].map(|_| Mutex::new(([0; 16], vec![0; small_len(slot_len)]))),
+                    small_lag: Mutex::new(Duration::ZERO),
                 })
                 .collect(),
             lock: Mutex::new(()),
             cond: Condvar::new(),
         }
     }
+}
+
+/// The data bytes of each small area ([`HostArena::small_len`]) of arenas with slots of
+/// `slot_len` bytes: a quarter of a slot, at most 4 KiB (so that the tests' small slots still
+/// make buffers of several pieces).
+pub(super) fn small_len(slot_len: usize) -> usize {
+    (slot_len / 4).min(4 << 10)
 }
 
 /// Notes the calling thread in `seen` (once).
@@ -245,6 +263,43 @@ impl MemArena {
         self.arenas.parts[self.me]
             .direct_read_bytes
             .load(Ordering::Relaxed)
+    }
+
+    /// Stores `value` as this rank's small area `area`'s word, its bytes untouched.
+    pub(super) fn scribble_small(&self, area: usize, value: u32) {
+        self.arenas.parts[self.me].small_seq[area % 2].store(value, Ordering::Release);
+    }
+
+    pub(super) fn set_small_lag(&self, lag: Duration) {
+        *self.arenas.parts[self.me]
+            .small_lag
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = lag;
+    }
+
+    fn small_area(&self, owner: usize, area: usize) -> Option<&Mutex<(Meta, Vec<u8>)>> {
+        self.local(owner)
+            .filter(|_| area < 2)
+            .map(|p| &p.small[area])
+    }
+
+    fn small_refused(
+        &self,
+        what: &str,
+        owner: usize,
+        area: usize,
+        at: usize,
+        len: usize,
+    ) -> DistError {
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: format!("{what} the host arena's small area"),
+            reason: format!(
+                "{len} bytes at {at} of small area {area} of rank {owner}: outside its {} bytes \
+                 on this host",
+                small_len(self.arenas.slot_len)
+            ),
+        }
     }
 
     /// Wakes every sleeper (after a death, so that it looks at once).
@@ -427,6 +482,52 @@ impl HostArena for MemArena {
         let _ = self.arenas.cond.wait_timeout(held, limit);
     }
 
+    fn small_len(&self) -> usize {
+        small_len(self.arenas.slot_len)
+    }
+
+    fn put_small(&self, area: usize, seq: u32, meta: Meta, data: &[u8]) -> Result<()> {
+        let Some(m) = self
+            .small_area(self.me, area)
+            .filter(|_| data.len() <= self.small_len())
+        else {
+            return Err(self.small_refused("write to", self.me, area, 0, data.len()));
+        };
+        let mut held = m.lock().unwrap_or_else(|p| p.into_inner());
+        held.0 = meta;
+        held.1[..data.len()].copy_from_slice(data);
+        drop(held);
+        let part = &self.arenas.parts[self.me];
+        part.small_seq[area].store(seq, Ordering::Release);
+        let lag = *part.small_lag.lock().unwrap_or_else(|p| p.into_inner());
+        if !lag.is_zero() {
+            std::thread::sleep(lag);
+        }
+        Ok(())
+    }
+
+    fn small_seq(&self, owner: usize, area: usize) -> u32 {
+        self.local(owner)
+            .map_or(0, |p| p.small_seq[area % 2].load(Ordering::Acquire))
+    }
+
+    fn small_meta(&self, owner: usize, area: usize) -> Meta {
+        self.small_area(owner, area)
+            .map_or([0; 16], |m| m.lock().unwrap_or_else(|p| p.into_inner()).0)
+    }
+
+    fn read_small(&self, owner: usize, area: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(dst.len());
+        match (self.small_area(owner, area), end) {
+            (Some(m), Some(end)) if end <= self.small_len() => {
+                let held = m.lock().unwrap_or_else(|p| p.into_inner());
+                dst.copy_from_slice(&held.1[offset..end]);
+                Ok(())
+            }
+            _ => Err(self.small_refused("read from", owner, area, offset, dst.len())),
+        }
+    }
+
     fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {
         if self.mesh.ranks[owner].dead.load(Ordering::Acquire) {
             return Err(DistError::PeerGone {
@@ -447,6 +548,22 @@ impl super::MemLink {
     pub fn scribble_arena(&self, word: crate::arena::ArenaWord, value: u32) {
         if let Some(a) = &self.arena {
             a.scribble(word, value);
+        }
+    }
+
+    /// Plays a hostile peer: this rank stores `value` as the word of its arena's small area
+    /// `area` (0 or 1), its bytes untouched (no-op without an arena).
+    pub fn scribble_arena_small(&self, area: usize, value: u32) {
+        if let Some(a) = &self.arena {
+            a.scribble_small(area, value);
+        }
+    }
+
+    /// This rank waits `lag` after writing each small area's word, before it publishes its
+    /// input word (a rank descheduled between the two; no-op without an arena).
+    pub fn set_arena_small_lag(&self, lag: Duration) {
+        if let Some(a) = &self.arena {
+            a.set_small_lag(lag);
         }
     }
 

@@ -20,7 +20,7 @@ use dist_core::{DistError, Meta, Result};
 
 use super::arena_map::{
     Mapping, OFF_ASLEEP, OFF_CALL, OFF_CALL_SEQ, OFF_META, OFF_PID, OFF_PROBE_ADDR,
-    OFF_PROBE_VALUE, OFF_WORDS, Refused,
+    OFF_PROBE_VALUE, OFF_WORDS, Refused, SMALL_DATA,
 };
 use super::pidfd::{Memory, PeerProcess, Taken, of_this_process};
 use crate::peer::Peer;
@@ -266,6 +266,27 @@ impl TcpArena {
             rank: self.me,
             op: format!("{what} the host arena"),
             reason,
+        }
+    }
+}
+
+impl TcpArena {
+    /// The error of a refused small-area access (`what` the access, `owner` the area's rank,
+    /// `(offset, len)` the range of its data).
+    fn small_refused(
+        &self,
+        what: &str,
+        owner: usize,
+        area: usize,
+        (offset, len): (usize, usize),
+    ) -> DistError {
+        DistError::InvalidArgument {
+            rank: self.me,
+            op: format!("{what} the host arena's small area"),
+            reason: format!(
+                "{len} bytes at {offset} of small area {area} of rank {owner}: not within a \
+                 mapped segment's small areas of {SMALL_DATA} bytes"
+            ),
         }
     }
 }
@@ -580,6 +601,34 @@ impl HostArena for TcpArena {
             std::thread::sleep(limit.min(Duration::from_millis(1)));
         }
         own.add_u32(OFF_ASLEEP, u32::MAX);
+    }
+
+    fn small_len(&self) -> usize {
+        SMALL_DATA
+    }
+
+    fn put_small(&self, area: usize, seq: u32, meta: Meta, data: &[u8]) -> Result<()> {
+        let done = match &self.own {
+            Some(m) => m.small_put(area, seq, meta, data),
+            None => Err(Refused::OutOfRange),
+        };
+        done.map_err(|_| self.small_refused("write to", self.me, area, (0, data.len())))
+    }
+
+    fn small_seq(&self, owner: usize, area: usize) -> u32 {
+        self.mapping(owner).map_or(0, |m| m.small_seq(area))
+    }
+
+    fn small_meta(&self, owner: usize, area: usize) -> Meta {
+        self.mapping(owner).map_or([0; 16], |m| m.small_meta(area))
+    }
+
+    fn read_small(&self, owner: usize, area: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let done = match self.mapping(owner) {
+            Some(m) => m.small_read(area, offset, dst),
+            None => Err(Refused::OutOfRange),
+        };
+        done.map_err(|_| self.small_refused("read from", owner, area, (offset, dst.len())))
     }
 
     fn check_peer(&self, owner: usize, op: &dyn Fn() -> String) -> Result<()> {

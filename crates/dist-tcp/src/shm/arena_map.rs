@@ -1,4 +1,4 @@
-//! A host arena's segment (see `arena.rs`): a sealed `memfd` of a header page and two slots,
+//! A host arena's segment (see `arena.rs`): a sealed `memfd` of a header page, two small areas and two slots,
 //! mapped read-write by the rank that made it ([`Mapping::create`]) and read-only by the peers
 //! it was passed to ([`Mapping::open`]), which check everything that could make an access fault
 //! before they map it: the size, and the seals that keep it.
@@ -8,7 +8,9 @@
 //! input word, the reduced word, and the owner's asleep count (its threads sleeping on a peer's
 //! word); the descriptors beside each slot and of the current call, and the owner's token for
 //! the segment (by which a rank of the same process finds the segment's copy record:
-//! `busy.rs`).
+//! `busy.rs`). Two small areas follow the header (each a word, a descriptor and 4 KiB of data,
+//! for small all_reduces: `dist-core/src/collectives/small.rs`), then, from the next page, the
+//! slots.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -20,8 +22,21 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use super::busy::{self, Busy};
 use super::shared_map::{SharedMap, check_sealed};
 
-/// The header's length; the slots follow it.
+/// The header's length; the small areas follow it, then the slots.
 pub(crate) const HEADER: usize = 4096;
+/// The first small area (`small_*` below; the second follows [`SMALL_STRIDE`] bytes later):
+/// its word (u32) at 0, the descriptor at 16, then [`SMALL_DATA`] data bytes from 32, so that
+/// the word, the descriptor and the first 32 bytes of data share one cache line.
+const SMALL_AT: usize = HEADER;
+const SMALL_STRIDE: usize = 4160;
+const SMALL_META: usize = 16;
+const SMALL_FIRST: usize = 32;
+/// The data bytes of a small area.
+pub(crate) const SMALL_DATA: usize = 4096;
+/// Where the slots start: the page after the small areas.
+pub(crate) const SLOTS_AT: usize = 16384;
+const _: () = assert!(SMALL_FIRST + SMALL_DATA <= SMALL_STRIDE && SMALL_STRIDE.is_multiple_of(64));
+const _: () = assert!(SMALL_AT + 2 * SMALL_STRIDE <= SLOTS_AT);
 const OFF_MAGIC: usize = 0;
 const OFF_VERSION: usize = 8;
 const OFF_RANK: usize = 12;
@@ -45,7 +60,7 @@ const OFF_TOKEN: usize = 312;
 
 /// `dist-are` in ASCII, little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"dist-are");
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// The slot sizes a peer may offer: powers of two in this range.
 pub(crate) const MIN_SLOT: u64 = 4 << 10;
 pub(crate) const MAX_SLOT: u64 = 64 << 20;
@@ -111,7 +126,7 @@ impl Mapping {
             "dist-shm-arena",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
         )?;
-        let len = HEADER as u64 + 2 * slot;
+        let len = SLOTS_AT as u64 + 2 * slot;
         rustix::fs::ftruncate(&fd, len)?;
         // Mapped writable before the seals: after them no writable mapping can be made.
         let (token, busy) = busy::for_new_file(&fd)?;
@@ -134,7 +149,7 @@ impl Mapping {
         if !slot.is_power_of_two() || !(MIN_SLOT..=MAX_SLOT).contains(&slot) {
             return Err(format!("arena slots of {slot} bytes"));
         }
-        let want = HEADER as u64 + 2 * slot;
+        let want = SLOTS_AT as u64 + 2 * slot;
         check_sealed(fd, want, required_seals(), "arena segment")?;
         let mut m = Mapping::map(fd, want as usize, slot as usize, None)
             .map_err(|e| format!("mmap: {e}"))?;
@@ -270,7 +285,7 @@ impl Mapping {
         // on a mapping outside every Rust allocation (`copy::write_shared`), and so are the
         // peer's loads (`read` below), so that gives the peer wrong bytes, never a data race.
         unsafe {
-            let at = self.map.ptr().add(HEADER + start);
+            let at = self.map.ptr().add(SLOTS_AT + start);
             super::copy::write_shared(at, data);
         }
         Ok(())
@@ -301,8 +316,112 @@ impl Mapping {
         // for every element type), never a reference into the mapping. (Tests as for
         // `write`, and `copy::tests`.)
         unsafe {
-            let at = self.map.ptr().add(HEADER + start);
+            let at = self.map.ptr().add(SLOTS_AT + start);
             super::copy::read_shared(at, dst);
+        }
+        Ok(())
+    }
+
+    /// Writes `data` (at most [`SMALL_DATA`] bytes) and `meta` into small area `area` (0 or
+    /// 1), then stores `seq` as its word with a release store; refused (nothing written) on a
+    /// peer's read-only mapping, where it does not fit, or while another thread of this process
+    /// copies the area's bytes. The data goes in as a slot's bytes do ([`Mapping::write`]), the
+    /// descriptor and the word as atomic stores of aligned words.
+    pub(crate) fn small_put(
+        &self,
+        area: usize,
+        seq: u32,
+        meta: [u8; 16],
+        data: &[u8],
+    ) -> Result<(), Refused> {
+        if !self.map.writable() || area >= 2 || data.len() > SMALL_DATA {
+            return Err(Refused::OutOfRange);
+        }
+        let at = SMALL_AT + area * SMALL_STRIDE;
+        let busy = self.busy.as_ref().ok_or(Refused::OutOfRange)?;
+        let start = self.small_key(area);
+        let entered = busy
+            .enter(start, start + data.len(), true)
+            .ok_or(Refused::Busy)?;
+        // SAFETY: as in `write`: the range is within small area `area` (checked above: `data`
+        // fits its SMALL_DATA bytes), inside the live writable mapping, outside every Rust
+        // allocation; only this process writes the segment, and while `entered` lives no other
+        // thread of it copies these bytes (the record `busy`, under the area's own key past
+        // the slots'). A peer of another process reading them meanwhile (outside the protocol)
+        // reads wrong bytes, never a data race: the stores are volatile (`copy::write_shared`).
+        // (Tests: `small_tests`, `collectives::tests::small` through the multi-rank
+        // `shm_arena` case.)
+        unsafe {
+            super::copy::write_shared(self.map.ptr().add(at + SMALL_FIRST), data);
+        }
+        drop(entered);
+        let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
+        self.map
+            .u64_at(at + SMALL_META)
+            .store(word(&meta[..8]), Ordering::Relaxed);
+        self.map
+            .u64_at(at + SMALL_META + 8)
+            .store(word(&meta[8..]), Ordering::Relaxed);
+        self.map.u32_at(at).store(seq, Ordering::Release);
+        Ok(())
+    }
+
+    /// The key of small area `area`'s bytes in the record of copies in progress (`busy.rs`):
+    /// past the slots', which count from the first slot's byte 0.
+    fn small_key(&self, area: usize) -> usize {
+        2 * self.slot + area * SMALL_STRIDE
+    }
+
+    /// Small area `area`'s word (a load, then an acquire fence; 0 for an area past the two).
+    pub(crate) fn small_seq(&self, area: usize) -> u32 {
+        if area >= 2 {
+            return 0;
+        }
+        self.map.load_u32(SMALL_AT + area * SMALL_STRIDE)
+    }
+
+    /// The descriptor in small area `area` (zeros for an area past the two).
+    pub(crate) fn small_meta(&self, area: usize) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        if area < 2 {
+            let at = SMALL_AT + area * SMALL_STRIDE + SMALL_META;
+            out[..8].copy_from_slice(&self.map.load_u64(at).to_le_bytes());
+            out[8..].copy_from_slice(&self.map.load_u64(at + 8).to_le_bytes());
+        }
+        out
+    }
+
+    /// Copies small area `area`'s data bytes from `offset` into `dst`, as a slot's bytes are
+    /// copied ([`Mapping::read`]); refused (nothing copied) out of range or, where this process
+    /// writes the segment, while another of its threads writes the area.
+    pub(crate) fn small_read(
+        &self,
+        area: usize,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), Refused> {
+        let end = offset.checked_add(dst.len());
+        if area >= 2 || end.is_none_or(|e| e > SMALL_DATA) {
+            return Err(Refused::OutOfRange);
+        }
+        let start = self.small_key(area) + offset;
+        let _entered = match &self.busy {
+            Some(busy) => Some(
+                busy.enter(start, start + dst.len(), false)
+                    .ok_or(Refused::Busy)?,
+            ),
+            None => None,
+        };
+        // SAFETY: as in `read`: the range is within small area `area`'s data (checked above),
+        // inside the live mapping; where this process writes the segment no thread of it writes
+        // these bytes meanwhile (`busy`); the owner in another process writes them meanwhile
+        // only outside the protocol, and the loads are volatile (`copy::read_shared`): wrong
+        // bytes at worst, plain bytes valid for every type, no reference into the mapping.
+        // (Tests: `small_tests`, `collectives::tests::small` through the multi-rank
+        // `shm_arena` case.)
+        unsafe {
+            let at = SMALL_AT + area * SMALL_STRIDE + SMALL_FIRST + offset;
+            super::copy::read_shared(self.map.ptr().add(at), dst);
         }
         Ok(())
     }
@@ -314,3 +433,7 @@ impl Mapping {
         self.busy.as_deref()
     }
 }
+
+#[cfg(test)]
+#[path = "small_tests.rs"]
+mod small_tests;

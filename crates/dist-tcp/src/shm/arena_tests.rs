@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use dist_core::transport::{ArenaWord, HostArena};
 
-use super::super::arena_map::{HEADER, MAGIC, Mapping, Refused};
+use super::super::arena_map::{MAGIC, Mapping, Refused, SLOTS_AT};
 use super::super::pidfd::PeerProcess;
 use super::*;
 
@@ -164,7 +164,7 @@ fn memfd(len: u64, seal: bool) -> OwnedFd {
 /// is refused, with a reason.
 #[test]
 fn hostile_segments_are_refused() {
-    let len = HEADER as u64 + 2 * ARENA_SLOT;
+    let len = SLOTS_AT as u64 + 2 * ARENA_SLOT;
     let e = Mapping::open(&memfd(len - 1, true), ARENA_SLOT, 1).unwrap_err();
     assert!(e.contains("not a file of"), "{e}");
     let e = Mapping::open(&memfd(len, false), ARENA_SLOT, 1).unwrap_err();

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 
-use super::super::HOST_SPLIT_MIN;
 use super::super::arena_wait::word_reached;
+use super::super::{HOST_SPLIT_MIN, host_split_min};
 use super::matrix::{TIMEOUT, inputs, ops_for, reduced, same};
 use crate::arena::ArenaWord;
 use crate::link::Link;
@@ -28,10 +28,10 @@ fn on_one_host(n: usize, slot: usize, f: impl Fn(&Group<MemLink>) -> Result<()> 
     }
 }
 
-/// Counts around one piece, two, the split threshold, for slots of `slot` bytes.
-fn counts<E: Element>(slot: usize) -> Vec<usize> {
+/// Counts around one piece, two, the split threshold of `n` ranks, for slots of `slot` bytes.
+fn counts<E: Element>(slot: usize, n: usize) -> Vec<usize> {
     let per = slot / std::mem::size_of::<E>();
-    let split = HOST_SPLIT_MIN.min(slot) / std::mem::size_of::<E>();
+    let split = host_split_min(n).min(slot) / std::mem::size_of::<E>();
     vec![
         0,
         1,
@@ -50,7 +50,7 @@ fn every_op<E: Element>(slot: usize) {
     for n in 1..=9 {
         on_one_host(n, slot, |g| {
             for op in ops_for::<E>() {
-                for count in counts::<E>(slot) {
+                for count in counts::<E>(slot, n) {
                     let mut x = inputs::<E>(op, g.rank(), count);
                     g.all_reduce(&mut x, op)?;
                     let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());
@@ -96,7 +96,7 @@ fn split_threshold_and_bitwise_equal_results() {
     let slot = 4 * HOST_SPLIT_MIN;
     for n in [2, 3, 5, 8] {
         on_one_host(n, slot, |g| {
-            let per = HOST_SPLIT_MIN / 4;
+            let per = host_split_min(n) / 4;
             for count in [per, per + 1, slot / 4 + 9, 3 * slot / 4] {
                 let value = |r: usize, i: usize| 1.0f32 / ((r * 31 + i * 7) % 97 + 1) as f32;
                 let mut x: Vec<f32> = (0..count).map(|i| value(g.rank(), i)).collect();
@@ -189,16 +189,21 @@ fn a_rank_that_never_publishes_is_named_by_the_timeout() {
 /// arena naming it.
 #[test]
 fn a_corrupt_word_is_an_error_naming_the_peer() {
-    assert_eq!(word_reached(4, 5, 1), Some(false));
-    assert_eq!(word_reached(5, 5, 0), Some(true));
-    assert_eq!(word_reached(6, 5, 1), Some(true));
-    assert_eq!(word_reached(6, 5, 0), None);
-    assert_eq!(word_reached(3, 5, 1), None);
-    assert_eq!(word_reached(u32::MAX, 0, 1), Some(false));
-    assert_eq!(word_reached(0, 0, 1), Some(true));
-    assert_eq!(word_reached(0, u32::MAX, 1), Some(true));
-    assert_eq!(word_reached(1, u32::MAX, 1), None);
-    assert_eq!(word_reached(1 << 31, 0, 1), None);
+    // Input: behind by one or two, or up to one ahead; Reduced: behind by one, or there.
+    assert_eq!(word_reached(4, 5, 2, 1), Some(false));
+    assert_eq!(word_reached(3, 5, 2, 1), Some(false));
+    assert_eq!(word_reached(2, 5, 2, 1), None);
+    assert_eq!(word_reached(5, 5, 1, 0), Some(true));
+    assert_eq!(word_reached(6, 5, 2, 1), Some(true));
+    assert_eq!(word_reached(7, 5, 2, 1), None);
+    assert_eq!(word_reached(6, 5, 1, 0), None);
+    assert_eq!(word_reached(3, 5, 1, 0), None);
+    assert_eq!(word_reached(u32::MAX, 0, 1, 0), Some(false));
+    assert_eq!(word_reached(u32::MAX - 1, 0, 2, 1), Some(false));
+    assert_eq!(word_reached(0, 0, 2, 1), Some(true));
+    assert_eq!(word_reached(0, u32::MAX, 2, 1), Some(true));
+    assert_eq!(word_reached(1, u32::MAX, 2, 1), None);
+    assert_eq!(word_reached(1 << 31, 0, 2, 1), None);
     // A peer whose input word jumps ahead.
     for word in [ArenaWord::Input] {
         let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
@@ -321,7 +326,7 @@ fn mismatched_calls_are_reported() {
 fn hierarchical_all_reduce_over_several_hosts() {
     fn check<E: Element>(g: &Group<MemLink>, n: usize) -> Result<()> {
         for op in ops_for::<E>() {
-            for count in counts::<E>(SLOT) {
+            for count in counts::<E>(SLOT, n) {
                 let mut x = inputs::<E>(op, g.rank(), count);
                 g.all_reduce(&mut x, op)?;
                 let what = format!("all_reduce({}, {count}, {op:?})", E::DTYPE.name());

@@ -15,6 +15,7 @@ mod forming;
 mod halving;
 mod host;
 mod matrix;
+mod small;
 mod uneven;
 
 /// Whether `e` names `rank` as its cause: the peer found gone, or the origin of an abort.
@@ -159,4 +160,34 @@ fn huge_default_timeouts_are_errors() {
             "{text}"
         );
     }
+}
+
+/// The arena's split size falls with the host's ranks, never rises, and the path by size.
+#[test]
+fn the_host_split_size_falls_with_the_ranks() {
+    use super::HostAllReducePath::{Direct, Small, Split, Whole};
+    for n in 1..=4 {
+        assert_eq!(host_split_min(n), HOST_SPLIT_MIN, "{n} ranks");
+    }
+    assert_eq!(host_split_min(5), 20 << 10);
+    assert_eq!(host_split_min(8), (48 << 10) * 8 / 42);
+    assert_eq!(host_split_min(16), (48 << 10) * 16 / 210);
+    for n in 2..=1024 {
+        assert!(host_split_min(n + 1) <= host_split_min(n), "{n} ranks");
+    }
+    let areas = (HOST_SMALL_MAX, 4 << 20);
+    let path = |n, bytes| host_all_reduce_path(n, bytes, areas, false);
+    assert_eq!(path(4, 8), Small);
+    assert_eq!(path(4, HOST_SMALL_MAX), Small);
+    assert_eq!(path(4, HOST_SMALL_MAX + 1), Whole);
+    assert_eq!(path(4, HOST_SPLIT_MIN), Whole);
+    assert_eq!(path(4, HOST_SPLIT_MIN + 1), Split);
+    assert_eq!(path(8, 9 << 10), Whole);
+    assert_eq!(path(8, 10 << 10), Split);
+    assert_eq!(path(16, HOST_SMALL_MAX + 1), Split);
+    // No small areas; a slot smaller than the split size; direct reads.
+    assert_eq!(host_all_reduce_path(4, 8, (0, 4 << 20), false), Whole);
+    assert_eq!(host_all_reduce_path(4, 2048, (0, 1024), false), Split);
+    assert_eq!(host_all_reduce_path(4, 1 << 20, areas, true), Direct);
+    assert_eq!(host_all_reduce_path(4, 8, areas, true), Small);
 }
