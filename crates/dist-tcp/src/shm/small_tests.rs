@@ -5,6 +5,7 @@
 use dist_core::transport::HostArena;
 
 use super::super::arena::ArenaSetup;
+use super::super::pidfd::PeerProcess;
 use super::{Mapping, Refused, SMALL_DATA};
 
 /// Every offset and length near the words' edges reads back what was written, on the owner's
@@ -75,7 +76,7 @@ fn the_arena_passes_small_areas_on() {
     let (a, b) = (ArenaSetup::new(0, 2, host), ArenaSetup::new(1, 2, host));
     for (x, y, peer) in [(&a, &b, 1), (&b, &a, 0)] {
         x.note_host(peer, host);
-        assert!(x.map_peer(peer, y.fd().unwrap(), Some(std::process::id())));
+        assert!(x.map_peer(peer, y.fd().unwrap(), PeerProcess::open(std::process::id())));
         y.note_mapped_mine(1 - peer);
     }
     let spin = std::time::Duration::ZERO;
