@@ -2,7 +2,7 @@
 //! ranks' start order.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -211,17 +211,20 @@ fn master_port() -> u16 {
     std::env::var("MASTER_PORT").unwrap().parse().unwrap()
 }
 
-fn connect(port: u16) -> TcpStream {
+fn connect(addr: SocketAddr) -> TcpStream {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut backoff = Duration::from_millis(5);
     loop {
-        match TcpStream::connect(("127.0.0.1", port)) {
+        match TcpStream::connect(addr) {
             Ok(s) => {
                 s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
                 return s;
             }
             Err(e) => {
-                assert!(Instant::now() < deadline, "rank 0's port never opened: {e}");
+                assert!(
+                    Instant::now() < deadline,
+                    "rank 0's listener never opened: {e}"
+                );
                 // Rank 0 may not have bound its port yet: retry with backoff.
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_millis(200));
@@ -233,7 +236,7 @@ fn connect(port: u16) -> TcpStream {
 fn hello(rank: u32, world: u32) -> Hello {
     Hello {
         version: PROTOCOL_VERSION,
-        purpose: Purpose::Rendezvous,
+        purpose: Purpose::Mesh,
         has_secret: false,
         world_size: world,
         rank,
@@ -244,7 +247,7 @@ fn hello(rank: u32, world: u32) -> Hello {
 }
 
 /// Sends `bytes` as a stranger and returns rank 0's refusal.
-fn refusal_for(port: u16, bytes: &[u8]) -> Reply {
+fn refusal_for(port: SocketAddr, bytes: &[u8]) -> Reply {
     let mut s = connect(port);
     s.write_all(bytes).unwrap();
     let mut r = [0u8; REPLY_LEN];
@@ -257,7 +260,8 @@ fn refusal_for(port: u16, bytes: &[u8]) -> Reply {
     reply
 }
 
-/// Raw clients hit rank 0's port while the job forms: each is refused, and the job forms.
+/// Raw clients hit rank 0's listener (its address from the job's store) while the job forms:
+/// each is refused, and the job forms.
 pub fn strangers() {
     let mut cfg = common::config();
     let (me, n) = (cfg.rank(), cfg.world_size());
@@ -266,7 +270,7 @@ pub fn strangers() {
     }
     if me == n - 1 {
         // Rank 0 cannot finish the rendezvous before this rank joins, so these all arrive during it.
-        let port = master_port();
+        let port = common::rank0_listener();
         let silent = std::thread::spawn(move || {
             let mut s = connect(port);
             let t = Instant::now();

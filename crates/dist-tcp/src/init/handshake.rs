@@ -132,8 +132,6 @@ impl Gate {
 pub(super) struct Joined {
     pub(super) rank: usize,
     pub(super) stream: TcpStream,
-    pub(super) hello: Hello,
-    pub(super) from: SocketAddr,
 }
 
 /// The accepting side of the handshake, on a worker of the listener's pool, by the handshake
@@ -332,12 +330,7 @@ pub(super) fn serve_handshake(
         &Reply::accept([0; NONCE_LEN], server_proof).encode(),
         deadline,
     );
-    let joined = Joined {
-        rank,
-        stream,
-        hello,
-        from,
-    };
+    let joined = Joined { rank, stream };
     match &r.gate {
         Gate::Once { tx, .. } => {
             sent.map_err(|e| format!("sending the verdict: {e}"))?;
@@ -490,13 +483,11 @@ pub(super) fn client_handshake(
     }
 }
 
-/// Connects to the listener of rank `server_rank` at `addr` (the first time over `first`, when
-/// given) and runs the handshake with a hello from `hello` (a fresh nonce each time),
-/// connecting again with backoff while the listener turns the connection away unread, until
-/// `deadline`.
+/// Connects to the listener of rank `server_rank` at `addr` and runs the handshake with a hello
+/// from `hello` (a fresh nonce each time), connecting again with backoff while the listener
+/// turns the connection away unread, until `deadline`.
 #[allow(clippy::too_many_arguments)] // Each is one fact about the connection; a struct would only rename them.
 pub(super) fn join_listener(
-    first: Option<TcpStream>,
     addr: SocketAddr,
     hello: &mut dyn FnMut() -> Result<Hello>,
     secret: Option<&[u8]>,
@@ -508,13 +499,9 @@ pub(super) fn join_listener(
 ) -> Result<TcpStream> {
     let peer = format!("{who} at {addr}");
     let mut backoff = Duration::from_millis(5);
-    let mut first = first;
     loop {
-        let mut s = match first.take() {
-            Some(s) => s,
-            None => connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?,
-        };
-        // A rendezvous that fails fails formation as a whole: no grace is needed.
+        let mut s = connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?;
+        // A formation that fails fails as a whole: no grace is needed.
         let grace = Duration::ZERO;
         match client_handshake(
             &mut s,
