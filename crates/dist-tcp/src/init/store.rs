@@ -120,7 +120,14 @@ impl JobStore {
                 (None, master)
             }
         };
-        let client = TcpStore::connect(target, left(deadline)).map_err(|e| {
+        // A store served by others is dialed by name: every address the master's name
+        // resolves to is tried (torchrun says `localhost`, which may resolve to ::1 first while
+        // its agent listens on IPv4 alone).
+        let dialed = match &server {
+            Some(_) => TcpStore::connect(target, left(deadline)),
+            None => TcpStore::connect(cfg.master.as_str(), left(deadline)),
+        };
+        let client = dialed.map_err(|e| {
             let detail = format!("no store at {target}: {}", full(&e));
             if cfg.serve_store {
                 // Rank 0 serves it: rank 0 is who is missing.
