@@ -96,15 +96,30 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
             store: store.keep(cfg.timeout),
         });
     }
-    let mesh = match form_through(cfg, &store, started, deadline, &mut streams, lazy) {
+    let mut claimed = false;
+    let formed = form_through(
+        cfg,
+        &store,
+        started,
+        deadline,
+        &mut streams,
+        lazy,
+        &mut claimed,
+    );
+    let mesh = match formed {
         Ok(mesh) => mesh,
         Err(e) => {
             // Tell every rank, so that each fails now rather than at the deadline (the first
-            // failure set wins; one already there stays).
-            let _ =
-                store
-                    .keys()
-                    .compare_set("init/go", b"", format!("failed {me}: {e}").as_bytes());
+            // failure set wins; one already there stays). Only a rank that has claimed its
+            // rank speaks for the job: a second process claiming a rank, or one of another
+            // world size, is refused without failing the job.
+            if claimed {
+                let _ = store.keys().compare_set(
+                    "init/go",
+                    b"",
+                    format!("failed {me}: {e}").as_bytes(),
+                );
+            }
             return Err(e);
         }
     };
@@ -158,7 +173,8 @@ fn published_failure(me: usize, text: &str) -> Option<DistError> {
 }
 
 /// The rendezvous through the store, then the connections: the eager mesh, or the lazy one's
-/// acceptor. Returns the lazy mesh.
+/// acceptor. Returns the lazy mesh; `claimed` says, on failure too, whether this rank had
+/// claimed its rank in the store.
 fn form_through(
     cfg: &TcpConfig,
     store: &JobStore,
@@ -166,6 +182,7 @@ fn form_through(
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
     lazy: Option<OnIncoming>,
+    claimed: &mut bool,
 ) -> Result<Option<Mesh>> {
     let (me, world) = (cfg.rank, cfg.world_size);
     let keys = store.keys();
@@ -243,6 +260,7 @@ fn form_through(
             ),
         });
     }
+    *claimed = true;
     tracing::debug!(rank = me, addr = %mine, "listening; waiting for the table");
     let (job_id, addrs) = if me == 0 {
         (

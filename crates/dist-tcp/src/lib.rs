@@ -1,7 +1,8 @@
-//! The TCP backend of dist: ranks rendezvous through rank 0, authenticate each other, and keep
-//! TCP connections (a full mesh made at init below 65 ranks; from 65 ranks, by default, each
-//! pair's connection made on its first use) over which tagged messages travel with no copy on
-//! the large message path.
+//! The TCP backend of dist: ranks rendezvous through the job's store (a TCPStore on
+//! `MASTER_PORT`: rank 0's, or torchrun's agent's; [`TcpBackend::store`]), authenticate each
+//! other, and keep TCP connections (a full mesh made at init below 65 ranks; from 65 ranks, by
+//! default, each pair's connection made on its first use) over which tagged messages travel
+//! with no copy on the large message path.
 //!
 //! ```no_run
 //! use dist_core::Backend;
@@ -389,9 +390,9 @@ impl TcpBackend {
                 source,
             })?;
         threads.liveness = Some(liveness);
-        // The group forms over the mesh: rank 0's tuning goes down the formation's tree (over
-        // connections formation made, in a lazy job too). Should it fail,
-        // `threads` closes the connections on its way out.
+        // The group forms over the mesh: rank 0's tuning goes down a binomial tree (in a lazy
+        // job, over connections made on first use). Should it fail, `threads` closes the
+        // connections on its way out.
         let link = TcpLink(shared.clone());
         let group = Group::form(
             link,
