@@ -187,23 +187,6 @@ fn form_through(
     let (me, world) = (cfg.rank, cfg.world_size);
     let keys = store.keys();
     let server = store.client.server().to_string();
-    // One world size per job: the first rank to get here sets it, every other checks it.
-    let w = world.to_string();
-    let set = keys
-        .compare_set("init/world", b"", w.as_bytes())
-        .map_err(|e| store.err(e))?;
-    if set != w.as_bytes() {
-        return Err(DistError::Config {
-            what: "world size".into(),
-            reason: format!(
-                "rank {me} has {world}, but key {}/init/world in the store at {server} says \
-                 {:?}: the ranks disagree (or an earlier job's keys are under this prefix; \
-                 DIST_STORE_PREFIX)",
-                store.prefix,
-                String::from_utf8_lossy(&set)
-            ),
-        });
-    }
     // Listen on the interface that reaches the store, unless told otherwise.
     let local_ip: IpAddr = match cfg.bind {
         Some(ip) => ip,
@@ -222,10 +205,13 @@ fn form_through(
             return Err(e);
         }
     };
-    let mine = listener
-        .local_addr()
-        .map_err(io_err(me, "listener address"))?
-        .to_string();
+    // The world size beside the address: rank 0 checks that every rank's is its own.
+    let mine = format!(
+        "{world} {}",
+        listener
+            .local_addr()
+            .map_err(io_err(me, "listener address"))?
+    );
     // Rank 0 draws the job id now and accepts from the start (as every listener: bounded, the
     // handshake's checks), so that its listener is never a backlog nobody drains; the other
     // ranks accept once the table has told them the job id.
@@ -358,13 +344,21 @@ fn publish_table(
         let text = String::from_utf8_lossy(v);
         let why = match text.strip_prefix("failed: ") {
             Some(why) => why.to_string(),
-            None => match text.parse::<SocketAddr>() {
-                Ok(a) => {
+            None => match text
+                .split_once(' ')
+                .map(|(w, a)| (w.parse::<usize>(), a.parse::<SocketAddr>()))
+            {
+                Some((Ok(w), Ok(a))) if w == world => {
                     addrs.push(a);
                     continue;
                 }
-                Err(_) => format!(
-                    "key {}/{} holds {text:?}, not an address",
+                Some((Ok(w), Ok(_))) => format!(
+                    "rank {r} has a world size of {w}, rank 0 of {world} (key {}/{})",
+                    store.prefix,
+                    addr_key(r)
+                ),
+                _ => format!(
+                    "key {}/{} holds {text:?}, not a world size and an address",
                     store.prefix,
                     addr_key(r)
                 ),
@@ -415,7 +409,16 @@ fn read_table(
         reason: format!("bad table of {} bytes: {what}", table.len()),
     };
     let head = wire::decode_table_head(&table).map_err(|e| bad(e.to_string()))?;
-    if head.world as usize != world || !head.is_whole() {
+    if head.world as usize != world {
+        return Err(DistError::Config {
+            what: "world size".into(),
+            reason: format!(
+                "rank {me} has {world}, but rank 0's table (key {}/init/table) has {}",
+                store.prefix, head.world
+            ),
+        });
+    }
+    if !head.is_whole() {
         return Err(bad(format!(
             "ranks {}..{} of {}, expected the whole table of {world}",
             head.first,

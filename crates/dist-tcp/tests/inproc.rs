@@ -114,8 +114,7 @@ fn rendezvous_timeout_names_the_missing_ranks() {
 }
 
 /// Two processes that claim rank 1 of 3: the second is refused naming the key that holds
-/// the first's listener; a rank that says the world has 5 ranks is refused naming the key
-/// that says 3. Neither fails the job: it forms once rank 2 comes.
+/// the first's listener, without failing the job: it forms once rank 2 comes.
 #[test]
 fn a_duplicate_rank_is_refused_and_told_why() {
     use dist_store::Store;
@@ -135,13 +134,6 @@ fn a_duplicate_rank_is_refused_and_told_why() {
                 .contains("duplicate rank 1: key dist/0/init/addr/1 already holds"),
         "{e}"
     );
-    let e = TcpBackend::with_config(cfg(2, 5, port)).unwrap_err();
-    assert!(
-        e.to_string()
-            .contains("rank 2 has 5, but key dist/0/init/world")
-            && e.to_string().contains("says \"3\""),
-        "{e}"
-    );
     // The job is whole once rank 2 comes.
     let two = TcpBackend::with_config(cfg(2, 3, port)).unwrap();
     let (root, first) = (
@@ -155,6 +147,41 @@ fn a_duplicate_rank_is_refused_and_told_why() {
     for h in hs {
         h.join().unwrap().unwrap();
     }
+}
+
+/// A rank whose world size is not rank 0's fails the job at once: rank 0 names it, and so does
+/// every other rank.
+#[test]
+fn a_rank_of_another_world_size_is_named() {
+    let port = free_port();
+    let others: Vec<_> = [(0, 3), (1, 3)]
+        .into_iter()
+        .map(|(r, n)| thread::spawn(move || TcpBackend::with_config(cfg(r, n, port))))
+        .collect();
+    let t = Instant::now();
+    let e = TcpBackend::with_config(cfg(2, 5, port)).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            DistError::Aborted {
+                rank: 2,
+                origin: 2,
+                ..
+            }
+        ) && e
+            .to_string()
+            .contains("rank 2 has a world size of 5, rank 0 of 3 (key dist/0/init/addr/2)"),
+        "{e}"
+    );
+    for (r, h) in others.into_iter().enumerate() {
+        let e = h.join().unwrap().unwrap_err();
+        assert!(
+            matches!(&e, DistError::Aborted { origin: 2, .. })
+                && e.to_string().contains("rank 2 has a world size of 5"),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
 }
 
 /// A rank with the wrong secret is refused by the rank it connects to, and both fail at once

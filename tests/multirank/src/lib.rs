@@ -30,7 +30,8 @@ pub fn config() -> TcpConfig {
 }
 
 /// Rank 0's listener, as rank 0 publishes it in the job's store before the others have
-/// joined (the key `<prefix>/0/init/addr/0`, dist-tcp's `init/store.rs`), waiting up to 30 s.
+/// joined (the key `<prefix>/0/init/addr/0`, whose value is the world size and the address:
+/// dist-tcp's `init/store.rs`), waiting up to 30 s.
 pub fn rank0_listener() -> std::net::SocketAddr {
     use dist_tcp::dist_store::{Store, TcpStore};
     let master = format!(
@@ -46,9 +47,12 @@ pub fn rank0_listener() -> std::net::SocketAddr {
     let v = store
         .get(&key, Duration::from_secs(30))
         .unwrap_or_else(|e| panic!("{e}"));
-    String::from_utf8_lossy(&v)
-        .parse()
-        .unwrap_or_else(|e| panic!("key {key}: {e}"))
+    // `<world size> <ip:port>`.
+    let text = String::from_utf8_lossy(&v);
+    text.rsplit(' ')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("key {key} holds {text:?}"))
 }
 
 /// Joins the job the launcher describes.

@@ -10,8 +10,7 @@
 //!
 //! | key | set by | value |
 //! | --- | --- | --- |
-//! | `init/world` | every rank (`compare_set`, first wins) | the world size, decimal |
-//! | `init/addr/<r>` | rank `r` (`compare_set`: a second claim of `r` sees the first) | its listener, `ip:port`, or `failed: <why>` |
+//! | `init/addr/<r>` | rank `r` (`compare_set`: a second claim of `r` sees the first) | its world size and listener, `<n> <ip:port>`, or `failed: <why>` |
 //! | `init/table` | rank 0, once every `addr` key is there | the table of listeners (`wire::encode_table`), or `failed <r>: <why>` |
 //! | `init/ready/<r>` | rank `r`, its connections up | `1` |
 //! | `init/ready` | every rank (`add`) | how many are ready |
