@@ -199,15 +199,26 @@ impl JobStore {
         }
     }
 
-    /// The ranks among `ranks` whose key (`key(r)`) is absent, checked one at a time.
+    /// The ranks among `ranks` whose key (`key(r)`) is absent, checked one at a time. Should
+    /// the store fail a check, the ranks from there on count as absent: no more checks, each
+    /// of which could take the client's whole timeout.
     pub(crate) fn absent(
         &self,
         ranks: std::ops::Range<usize>,
         key: impl Fn(usize) -> String,
     ) -> Vec<usize> {
         let keys = self.keys();
+        let mut failed = false;
         ranks
-            .filter(|&r| !matches!(keys.check(&[&key(r)]), Ok(true)))
+            .filter(|&r| {
+                if !failed {
+                    match keys.check(&[&key(r)]) {
+                        Ok(there) => return !there,
+                        Err(_) => failed = true,
+                    }
+                }
+                true
+            })
             .collect()
     }
 
