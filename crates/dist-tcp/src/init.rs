@@ -120,6 +120,7 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
                     format!("failed {me}: {e}").as_bytes(),
                 );
             }
+            store.linger();
             return Err(e);
         }
     };
@@ -510,6 +511,7 @@ fn mesh_eagerly(
                 waited: started.elapsed(),
                 detail,
             },
+            failed,
         )?;
         streams[i] = Some(s);
     }

@@ -485,7 +485,8 @@ pub(super) fn client_handshake(
 
 /// Connects to the listener of rank `server_rank` at `addr` and runs the handshake with a hello
 /// from `hello` (a fresh nonce each time), connecting again with backoff while the listener
-/// turns the connection away unread, until `deadline`.
+/// refuses the connection or turns it away unread, until `deadline`, or until `abandon` says
+/// why not to (another rank has failed the job).
 #[allow(clippy::too_many_arguments)] // Each is one fact about the connection; a struct would only rename them.
 pub(super) fn join_listener(
     addr: SocketAddr,
@@ -496,11 +497,16 @@ pub(super) fn join_listener(
     me: usize,
     who: &str,
     on_connect_failure: &dyn Fn(String) -> DistError,
+    abandon: &dyn Fn() -> Option<DistError>,
 ) -> Result<TcpStream> {
     let peer = format!("{who} at {addr}");
     let mut backoff = Duration::from_millis(5);
     loop {
-        let mut s = connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?;
+        let mut s = match connect_retry(addr, deadline, me, who, abandon) {
+            Ok(s) => s,
+            Err(NoConnection::GaveUp(detail)) => return Err(on_connect_failure(detail)),
+            Err(NoConnection::Abandoned(e)) => return Err(e),
+        };
         // A formation that fails fails as a whole: no grace is needed.
         let grace = Duration::ZERO;
         match client_handshake(
@@ -530,13 +536,27 @@ pub(super) fn join_listener(
     }
 }
 
-/// Connects to `addr`, retrying with backoff until `deadline`.
+/// Why [`connect_retry`] returned no connection.
+pub(super) enum NoConnection {
+    /// The deadline passed; what the last attempt met.
+    GaveUp(String),
+    /// `abandon` said why to stop.
+    Abandoned(DistError),
+}
+
+/// From which backoff on a connect that keeps failing asks `abandon` between attempts (each
+/// asking is a round trip to the store): the first few quick retries do not.
+const ASK_FROM: Duration = Duration::from_millis(40);
+
+/// Connects to `addr`, retrying with backoff until `deadline`, or until `abandon` says why not
+/// to.
 pub(super) fn connect_retry(
     addr: SocketAddr,
     deadline: Instant,
     me: usize,
     who: &str,
-) -> std::result::Result<TcpStream, String> {
+    abandon: &dyn Fn() -> Option<DistError>,
+) -> std::result::Result<TcpStream, NoConnection> {
     let mut backoff = Duration::from_millis(5);
     let mut attempts = 0u32;
     loop {
@@ -556,9 +576,14 @@ pub(super) fn connect_retry(
         };
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!(
+            return Err(NoConnection::GaveUp(format!(
                 "cannot connect to {who} at {addr} after {attempts} attempts: {last}"
-            ));
+            )));
+        }
+        if backoff >= ASK_FROM
+            && let Some(e) = abandon()
+        {
+            return Err(NoConnection::Abandoned(e));
         }
         tracing::trace!(rank = me, %addr, error = %last, "connect failed; retrying");
         // Back off between attempts: the peer may simply not have started yet.

@@ -32,6 +32,9 @@ use crate::config::TcpConfig;
 /// backends, so the counts agree; ranks that are threads of one process (tests) count apart.
 static FORMATIONS: Mutex<BTreeMap<(String, String, usize), u64>> = Mutex::new(BTreeMap::new());
 
+/// How long a store whose rank failed formation stays up for the others to read why.
+pub(crate) const LINGER: Duration = Duration::from_secs(2);
+
 /// The job's store: the connection, the server when this rank serves it, and the prefix of
 /// this formation's keys.
 pub(crate) struct JobStore {
@@ -173,6 +176,20 @@ impl JobStore {
     /// The rank this store was opened for.
     pub(crate) fn rank(&self) -> usize {
         self.me
+    }
+
+    /// This rank's formation failed: a store it serves stays up for [`LINGER`] more on a
+    /// thread of its own (the error returns at once), so that the other ranks read the failure
+    /// it published rather than a closed connection. A process that exits ends it sooner.
+    pub(crate) fn linger(self) {
+        if self.server.is_some() {
+            let _ = std::thread::Builder::new()
+                .name(format!("dist-store-linger-{}", self.me))
+                .spawn(move || {
+                    std::thread::sleep(LINGER);
+                    drop(self);
+                });
+        }
     }
 
     /// The store under this formation's prefix.

@@ -323,6 +323,7 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         2,
         "rank 1",
         &|detail| panic!("{detail}"),
+        &|| None,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let j = joins.recv_deadline(deadline).unwrap();
@@ -391,4 +392,40 @@ fn the_lazy_entry_point_forms_a_world_of_one() {
     let cfg = TcpConfig::new(0, 1, "127.0.0.1:1").formation(Formation::Lazy);
     let f = form_lazy(&cfg, Box::new(|_, _| false)).unwrap();
     assert!(f.streams.iter().all(Option::is_none));
+}
+
+/// A dial to a listener that is gone (its rank failed) retries with backoff, asking between
+/// attempts whether another rank has failed the job: it stops at the first such answer, long
+/// before its deadline, with that failure as its error.
+#[test]
+fn a_dial_that_keeps_failing_stops_when_abandoned() {
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    let e = join_listener(
+        addr,
+        &mut || Ok(mesh_hello(2, false)),
+        None,
+        1,
+        t + Duration::from_secs(20),
+        2,
+        "rank 1",
+        &|detail| panic!("gave up instead: {detail}"),
+        &|| {
+            let n = asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            (n >= 1).then(|| DistError::Aborted {
+                rank: 2,
+                op: "init".into(),
+                origin: 1,
+                reason: "rank 1 failed".into(),
+            })
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, DistError::Aborted { origin: 1, .. }), "{e}");
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
