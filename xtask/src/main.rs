@@ -11,6 +11,7 @@ mod package;
 mod plot;
 mod public_api;
 mod scale;
+mod store;
 #[cfg(test)]
 mod tidy;
 mod torch_venv;
@@ -89,6 +90,9 @@ enum Cmd {
     PublicApi(public_api::Args),
     /// Regenerate (or --check) dist-nccl-sys's bindings from nccl.h.
     Bindgen(bindgen::Args),
+    /// Serve a TCPStore on --port until stopped (SIGINT/SIGTERM), for jobs started by hand
+    /// (their ranks set DIST_SERVE_STORE=0 and form through it).
+    Store(store::Args),
     /// Prepare (or reuse) a venv with torch outside the repository, for dist-store's interop
     /// tests, and print its python (`DIST_TORCH_PYTHON=$(cargo xtask torch-venv)`).
     TorchVenv(torch_venv::Args),
@@ -239,6 +243,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Trace(a) => trace::run(&a),
         Cmd::Plot(a) => plot::run(&a),
         Cmd::TorchVenv(a) => torch_venv::run(&a),
+        Cmd::Store(a) => store::run(&a),
         Cmd::Run { ranks, example } => run_example(&example, ranks),
         Cmd::BenchP2p { pin, latency_only } => {
             let mut args = Vec::new();

@@ -213,7 +213,8 @@ impl HybridBackend {
         Self::with_nccl(tcp, local, GpuChoice::Auto, Some(*unique_id), cfg)
     }
 
-    /// Forms the job: the TCP mesh, then a NCCL id made by rank 0 and sent over TCP, then the
+    /// Forms the job: the TCP mesh, then a NCCL id made by rank 0 and put in the job's store
+    /// ([`TcpBackend::store`]'s, under a prefix of its own), then the
     /// NCCL communicator on the GPU of this rank's local rank (if every rank has one; TCP only
     /// otherwise, with a warning).
     pub fn init(rank: usize, world_size: usize, master: &str) -> Result<HybridBackend> {
@@ -392,6 +393,12 @@ impl<H: Transport> HybridBackend<H> {
     /// The TCP side: the whole job's mesh, or a group's sub-group of it.
     pub fn tcp(&self) -> &H {
         &self.tcp
+    }
+
+    /// The job's store under a prefix of the job's own, for user code to coordinate beside
+    /// the collectives (the TCP mesh's: [`TcpBackend::store`]; a group's is its job's).
+    pub fn store(&self) -> dist_tcp::dist_store::PrefixStore<Arc<dist_tcp::dist_store::TcpStore>> {
+        self.root.store()
     }
 
     /// Opens a `dist-core` [`Scope`](dist_core::Scope) for async host work on the TCP side

@@ -1,37 +1,43 @@
-//! The NCCL setup's agreement: before NCCL init every rank says over TCP whether its setup (the
-//! library, its device, rank 0's unique id) worked and, if not, why, in one all_gather; rank
-//! 0's record carries the unique id it made. Every rank then goes on, or fails naming each rank
-//! that failed and its reason.
+//! The NCCL setup's agreement: rank 0 puts the unique id it made in the job's store (the key
+//! `unique_id` under the job's `nccl` prefix), then every rank says over TCP whether its setup
+//! (the library, its device, rank 0's unique id) worked and, if not, why, in one all_gather.
+//! Every rank then goes on, taking the id from the store, or fails naming each rank that failed
+//! and its reason.
+
+use std::time::Duration;
 
 use dist_core::flight::rank_list;
 use dist_core::{Backend, Collectives};
 use dist_tcp::TcpBackend;
+use dist_tcp::dist_store::Store;
 
 use crate::{HybridError, Result};
 
 /// The length of one rank's record: flags, the reason's length (u16, little-endian), the
-/// reason, the unique id.
-const RECORD: usize = 512;
+/// reason.
+const RECORD: usize = 384;
 /// The length of a unique id (NCCL's `ncclUniqueId`).
 const ID: usize = 128;
-/// Where the unique id starts in a record.
-const ID_AT: usize = RECORD - ID;
 /// The most bytes of a reason a record carries (a longer one is cut at a character boundary).
-const REASON: usize = ID_AT - 3;
+const REASON: usize = RECORD - 3;
+/// The key of rank 0's unique id, under the job's `nccl` prefix in its store.
+const ID_KEY: &str = "unique_id";
+/// How long a rank waits for the unique id in the store: rank 0 set it before the all_gather
+/// that precedes the read, so it is there; this only bounds a store gone astray.
+const ID_WAIT: Duration = Duration::from_secs(60);
 /// Record flags.
 const FAILED: u8 = 1;
 const HAS_ID: u8 = 2;
 /// How many distinct reasons an error lists.
 const REASONS_SHOWN: usize = 4;
 
-/// One rank's record: `Ok` with the unique id it made (if any), or why its setup failed.
-fn encode(mine: &std::result::Result<Option<[u8; ID]>, String>) -> [u8; RECORD] {
+/// One rank's record: `Ok` with whether it made a unique id, or why its setup failed.
+fn encode(mine: &std::result::Result<bool, String>) -> [u8; RECORD] {
     let mut b = [0u8; RECORD];
     match mine {
         Ok(made) => {
-            if let Some(id) = made {
+            if *made {
                 b[0] = HAS_ID;
-                b[ID_AT..].copy_from_slice(id);
             }
         }
         Err(why) => {
@@ -57,15 +63,27 @@ fn failure(b: &[u8]) -> Option<String> {
 }
 
 /// Every rank's setup outcome, agreed: `mine` is this rank's (`Ok` with the unique id it made,
-/// if it made one). Collective over `tcp`. Returns rank 0's unique id, if it made one, or, on
-/// every rank alike, [`HybridError::NcclSetup`] naming each rank that failed.
+/// if it made one, which goes into the job's store first). Collective over `tcp`. Returns rank
+/// 0's unique id, if it made one, or, on every rank alike, [`HybridError::NcclSetup`] naming
+/// each rank that failed.
 pub(crate) fn agree(
     tcp: &TcpBackend,
     mine: std::result::Result<Option<[u8; ID]>, String>,
 ) -> Result<Option<[u8; ID]>> {
-    let n = tcp.world_size();
+    let (me, n) = (tcp.rank(), tcp.world_size());
+    let store = tcp.store_under("nccl");
+    let mine = mine.and_then(|made| match made {
+        Some(id) => store
+            .set(ID_KEY, &id)
+            .map(|()| Some(id))
+            .map_err(|e| format!("cannot put the NCCL unique id in the job's store: {e}")),
+        None => Ok(None),
+    });
     let mut all = vec![0u8; RECORD * n];
-    tcp.all_gather(&encode(&mine), &mut all)?;
+    tcp.all_gather(
+        &encode(&mine.as_ref().map(Option::is_some).map_err(String::clone)),
+        &mut all,
+    )?;
     let records: Vec<&[u8]> = all.chunks_exact(RECORD).collect();
     let failed: Vec<(usize, String)> = records
         .iter()
@@ -78,12 +96,32 @@ pub(crate) fn agree(
             failed,
         });
     }
-    let first = records[0];
-    Ok((first[0] & HAS_ID != 0).then(|| {
-        let mut id = [0u8; ID];
-        id.copy_from_slice(&first[ID_AT..]);
-        id
-    }))
+    if records[0][0] & HAS_ID == 0 {
+        return Ok(None);
+    }
+    if let Ok(Some(id)) = mine {
+        return Ok(Some(id));
+    }
+    let not_read = |why: String| HybridError::NcclSetup {
+        rank: me,
+        failed: vec![(
+            0,
+            format!(
+                "rank {me} cannot read its NCCL unique id (key {}/{ID_KEY} in the job's store at \
+                 {}): {why}",
+                store.prefix(),
+                store.inner().server()
+            ),
+        )],
+    };
+    let bytes = store
+        .get(ID_KEY, ID_WAIT)
+        .map_err(|e| not_read(e.to_string()))?;
+    let id: [u8; ID] = bytes
+        .as_slice()
+        .try_into()
+        .map_err(|_| not_read(format!("{} bytes, not {ID}", bytes.len())))?;
+    Ok(Some(id))
 }
 
 /// The failures of [`HybridError::NcclSetup`] in a line: the ranks of each distinct reason, the
@@ -152,7 +190,7 @@ mod tests {
         forged[0] = FAILED;
         forged[1..3].copy_from_slice(&u16::MAX.to_le_bytes());
         assert_eq!(failure(&forged).unwrap().len(), REASON);
-        assert_eq!(failure(&encode(&Ok(None))), None);
+        assert_eq!(failure(&encode(&Ok(false))), None);
     }
 
     /// Rank 1 of 3 fails its setup (as where NCCL cannot be loaded on its host): every rank
@@ -198,6 +236,8 @@ mod tests {
         );
     }
 
+    /// Rank 0's unique id reaches every rank through the job's store: it is there, under the
+    /// job's `nccl` prefix, for any rank to read.
     #[test]
     fn rank_0s_unique_id_reaches_every_rank() {
         let tcps = job(3);
@@ -214,5 +254,10 @@ mod tests {
                 Some([9u8; ID])
             );
         }
+        let stored = tcps[2]
+            .store_under("nccl")
+            .get(ID_KEY, Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(stored, [9u8; ID]);
     }
 }

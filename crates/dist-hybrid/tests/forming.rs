@@ -141,3 +141,33 @@ fn auto_falls_back_to_tcp_on_every_rank_and_says_why() {
         );
     }
 }
+
+/// A hybrid backend gives its job's store, the TCP mesh's (under the job's `user` prefix): a
+/// key one rank sets, every rank reads, and a counter every rank adds to.
+#[test]
+fn the_hybrid_backend_gives_the_jobs_store() {
+    use dist_tcp::dist_store::Store;
+    let wait = Duration::from_secs(10);
+    let got = job(3, move |r, port| {
+        let h = HybridBackend::with_nccl(
+            tcp(r, 3, port),
+            r,
+            GpuChoice::None,
+            None,
+            CommConfig::default(),
+        )
+        .unwrap();
+        let store = h.store();
+        assert_eq!(store.prefix(), h.tcp().store().prefix());
+        if r == 2 {
+            store.set("checkpoint", b"step 1200").unwrap();
+        }
+        let v = store.get("checkpoint", wait).unwrap();
+        store.add("seen", 1).unwrap();
+        store.barrier("seen-all", 3, wait).unwrap();
+        (v, store.add("seen", 0).unwrap())
+    });
+    for (r, (v, seen)) in got.into_iter().enumerate() {
+        assert_eq!((v.as_slice(), seen), (&b"step 1200"[..], 3), "rank {r}");
+    }
+}

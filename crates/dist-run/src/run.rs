@@ -13,9 +13,15 @@ const POLL: Duration = Duration::from_millis(5);
 /// How long the pipes may stay open after every rank has ended (a process a rank started in
 /// the background may hold them).
 const DRAIN: Duration = Duration::from_secs(2);
-/// Variables that would override the port the launcher gives: dist reads `DIST_MASTER_PORT`
-/// before `MASTER_PORT`, and under torchrun (`TORCHELASTIC_RUN_ID`) the port above it.
-const REMOVED: [&str; 2] = ["DIST_MASTER_PORT", "TORCHELASTIC_RUN_ID"];
+/// Variables that would override the port or the store the launcher gives: dist reads
+/// `DIST_MASTER_PORT` before `MASTER_PORT`, and under torchrun's agent store
+/// (`TORCHELASTIC_USE_AGENT_STORE`, or `DIST_SERVE_STORE=0`) its rank 0 serves no store.
+const REMOVED: [&str; 4] = [
+    "DIST_MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "DIST_SERVE_STORE",
+];
 
 struct Rank {
     child: Child,

@@ -158,6 +158,19 @@ impl TcpStore {
         self.opts.timeout
     }
 
+    /// The same connection with `timeout` as the deadline of operations that do not wait for
+    /// keys (as [`ClientOptions::timeout`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> TcpStore {
+        self.opts.timeout = timeout;
+        self
+    }
+
+    /// This end's address of the connection: the local interface that reaches the server.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        conn.stream.local_addr()
+    }
+
     /// Runs one exchange under the connection's lock, within `deadline`, giving any failure
     /// the operation's context. A failure that may leave a reply in flight breaks the connection.
     fn call<T>(

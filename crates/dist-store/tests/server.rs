@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{Caps, T, connect, exercise};
 use dist_store::proto::{self, Request, VALIDATION_MAGIC, query};
-use dist_store::{ServerOptions, Store, StoreError, StoreServer};
+use dist_store::{ServerOptions, Store, StoreError, StoreServer, TcpStore};
 
 fn raw(addr: SocketAddr) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
@@ -326,4 +326,20 @@ mod fuzz {
             prop_assert_eq!(good.get("k", T).unwrap(), b"v".to_vec());
         }
     }
+}
+
+/// A client says which local address reaches the server (where dist-tcp's ranks listen), and
+/// keeps its connection when its timeout changes (as a backend's store does after formation).
+#[test]
+fn a_client_knows_its_local_address_and_takes_a_new_timeout() {
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let c = TcpStore::connect(server.local_addr(), Duration::from_secs(5)).unwrap();
+    let local = c.local_addr().unwrap();
+    assert_eq!(local.ip(), server.local_addr().ip());
+    assert_ne!(local.port(), server.local_addr().port());
+    c.set("k", b"v").unwrap();
+    let c = c.with_timeout(Duration::from_millis(1500));
+    assert_eq!(c.timeout(), Duration::from_millis(1500));
+    assert_eq!(c.local_addr().unwrap(), local);
+    assert_eq!(c.get("k", Duration::from_secs(5)).unwrap(), b"v");
 }

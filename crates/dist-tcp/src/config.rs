@@ -47,6 +47,9 @@ pub enum Formation {
 /// directly.
 pub const LAZY_FROM: usize = 65;
 
+/// The prefix of a job's keys in its store unless told otherwise ([`TcpConfig::store_prefix`]).
+pub const DEFAULT_STORE_PREFIX: &str = "dist";
+
 /// Everything a [`TcpBackend`](crate::TcpBackend) needs to form a job.
 #[derive(Clone)]
 pub struct TcpConfig {
@@ -74,6 +77,8 @@ pub struct TcpConfig {
     pub(crate) formation: Formation,
     pub(crate) shm: bool,
     pub(crate) host_id: Option<String>,
+    pub(crate) serve_store: bool,
+    pub(crate) store_prefix: String,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -102,6 +107,8 @@ impl std::fmt::Debug for TcpConfig {
             .field("formation", &self.formation)
             .field("shm", &self.shm)
             .field("host_id", &self.host_id)
+            .field("serve_store", &self.serve_store)
+            .field("store_prefix", &self.store_prefix)
             .finish()
     }
 }
@@ -134,6 +141,8 @@ impl TcpConfig {
             formation: Formation::Auto,
             shm: true,
             host_id: None,
+            serve_store: true,
+            store_prefix: DEFAULT_STORE_PREFIX.into(),
         }
     }
 
@@ -142,7 +151,11 @@ impl TcpConfig {
     /// `DIST_TIMEOUT`, `DIST_INIT_TIMEOUT` (seconds), `DIST_SECRET`, and the tuning variables
     /// `DIST_TCP_PARALLEL` (0 or 1), `DIST_RING_PIECE_KB`, `DIST_TCP_LANES` (1 or 2) and
     /// `DIST_ARENA_MAX_KB`, `DIST_DIRECT` (0 or 1), `DIST_DIRECT_MIN_KB` and `DIST_ARENA_THREADS`, and
-    /// `DIST_FORMATION` (`eager` or `lazy`) when present.
+    /// `DIST_FORMATION` (`eager` or `lazy`) when present. The job's store: under torchrun with
+    /// its agent's store (`TORCHELASTIC_USE_AGENT_STORE=True`), the store torchrun already
+    /// serves at `MASTER_ADDR:MASTER_PORT`, and the keys under
+    /// `dist/<TORCHELASTIC_RUN_ID>/attempt_<TORCHELASTIC_RESTART_COUNT>`; `DIST_SERVE_STORE`
+    /// (0 or 1) and `DIST_STORE_PREFIX` say otherwise.
     pub fn from_env() -> Result<TcpConfig> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -203,6 +216,29 @@ impl TcpConfig {
             };
         }
         cfg.host_id = get("DIST_HOST_ID").filter(|h| !h.is_empty());
+        // torchrun's agent serves a store at MASTER_ADDR:MASTER_PORT and says so; PyTorch's
+        // own process groups then use it instead of serving one, and so does dist.
+        let agent_store = get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.trim() == "True");
+        cfg.serve_store = !agent_store;
+        if let Some(run) = get("TORCHELASTIC_RUN_ID").filter(|r| !r.trim().is_empty()) {
+            let attempt = get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+            cfg.store_prefix = format!("dist/{}/attempt_{}", run.trim(), attempt.trim());
+        }
+        if let Some(v) = get("DIST_SERVE_STORE") {
+            cfg.serve_store = match v.trim() {
+                "0" => false,
+                "1" => true,
+                _ => {
+                    return Err(DistError::Config {
+                        what: "DIST_SERVE_STORE".into(),
+                        reason: format!("{v:?} is neither 0 nor 1"),
+                    });
+                }
+            };
+        }
+        if let Some(p) = get("DIST_STORE_PREFIX") {
+            cfg.store_prefix = p;
+        }
         if let Some(s) = get("DIST_SECRET") {
             cfg.secret = Some(s.into_bytes());
         }
@@ -249,6 +285,26 @@ impl TcpConfig {
         cfg = crate::limits_from_env(cfg, &get)?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Whether rank 0 serves the job's store on the master address (the default), or every rank
+    /// uses a store already served there: torchrun's agent's
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`), or one started by hand with `cargo xtask store`
+    /// (`DIST_SERVE_STORE=0`). The job forms through the store's keys.
+    pub fn serve_store(mut self, on: bool) -> Self {
+        self.serve_store = on;
+        self
+    }
+
+    /// The prefix of the job's keys in its store (default `dist`; under torchrun
+    /// `dist/<run id>/attempt_<restart count>`; `DIST_STORE_PREFIX`). Jobs that share one
+    /// store need different prefixes. Under it, each formation's keys lie under a count: 0
+    /// where rank 0 serves a fresh store; where the store is served by others, the number of
+    /// backends this rank formed before through it in this process, so that successive
+    /// backends of one process never read each other's keys.
+    pub fn store_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.store_prefix = prefix.into();
+        self
     }
 
     /// The deadline of every operation that takes none (default 300 s; `DIST_TIMEOUT`).

@@ -1,56 +1,58 @@
-//! Forming the job: rendezvous through rank 0, the handshake, and the full mesh (eager) or the
-//! means to connect later (lazy).
+//! Forming the job: the rendezvous through the job's store, the handshake, and the full mesh
+//! (eager) or the means to connect later (lazy).
 //!
-//! Rank 0 listens on the master address; its acceptor runs the handshakes on a fixed pool of
-//! workers (`acceptor.rs`). Every other rank connects to it (retrying with backoff until the init
-//! deadline, so ranks may start in any order), opens a listener of its own, and announces that
-//! listener's port in its [`Hello`]. Once all ranks have joined, rank 0 sends each the table of
-//! listeners and a fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank
-//! `j` then connects to every rank `0 < i < j`, whose listener accepts only that job's ranks
-//! above it, and reports `Ready` once all its connections are up. Lazy
+//! Every rank connects to the job's store (`store.rs`: served by rank 0 on the master address,
+//! or by torchrun's agent), binds a listener of its own and publishes its address under the
+//! job's prefix. Rank 0 waits for every rank's key (ranks may start in any order; on the
+//! deadline the store tells which keys are absent) and publishes the table of listeners with a
+//! fresh job id. Eager ([`Formation::Eager`](crate::Formation::Eager)): rank `j` then connects
+//! to every rank `i < j`, whose listener accepts only that job's ranks above it (the handshake
+//! and the secret's proofs on each connection, `handshake.rs`). Lazy
 //! ([`Formation::Lazy`](crate::Formation::Lazy)): each rank starts its long-lived acceptor
-//! ([`Mesh`]); the table goes down a tree (`tree.rs`: a rank dials its parent for it and
-//! forwards it to its children), and a rank reports `Ready` once it has the table. Rank 0 reads
-//! the statuses on one thread (`status.rs`) and answers `Go` when every rank is ready, so that
+//! ([`Mesh`]) and connects to a peer on first use. A rank ready says so in the store; the last
+//! one sets `go`, the first to fail sets why, and every rank returns on what it finds there:
 //! init returns on all ranks together, or fails on all of them with the first rank's error.
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::RecvTimeoutError;
 use dist_core::{DistError, Result};
+use dist_store::Store;
 
 use crate::config::TcpConfig;
-use crate::wire::{self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, STATUS_LEN, Status};
+use crate::wire::{self, Hello, PROTOCOL_VERSION, Purpose};
 
 mod acceptor;
 mod handshake;
 mod links;
 mod mesh;
-mod status;
-mod tree;
+mod store;
 
 use acceptor::Acceptor;
 use handshake::*;
 pub use links::OnIncoming;
 use mesh::MeshSpec;
 pub use mesh::{Dialed, Mesh};
+pub(crate) use store::Kept;
+use store::{JobStore, addr_key, ready_key};
 
 /// Forms the job eagerly (whatever `cfg` says) and returns one handshaken stream per peer
-/// (`None` at this rank's index).
-pub(crate) fn form(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
-    form_with(cfg, None).map(|f| f.streams)
+/// (`None` at this rank's index) and the job's store.
+pub(crate) fn form(cfg: &TcpConfig) -> Result<(Vec<Option<TcpStream>>, Kept)> {
+    form_with(cfg, None).map(|f| (f.streams, f.store))
 }
 
-/// A job formed lazily: the connections formation made (to rank 0 on every rank; rank 0's to
-/// every rank) and the means to make the others.
+/// A job formed lazily: no connection yet, the means to make them, and the job's store.
 #[derive(Debug)]
 pub struct Formed {
-    /// The stream to each peer connected at formation (`None` elsewhere and at this rank).
+    /// The stream to each peer connected at formation (`None` everywhere: a lazy formation
+    /// connects no pair of ranks).
     pub streams: Vec<Option<TcpStream>>,
     /// This rank's acceptor and dialer.
     pub mesh: Mesh,
+    /// The job's store.
+    pub(crate) store: Kept,
 }
 
 /// Forms the job lazily ([`Formation::Lazy`](crate::Formation::Lazy), whatever `cfg` says): `on_incoming` gets every
@@ -61,15 +63,14 @@ pub(crate) fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Form
     Ok(Formed {
         streams: f.streams,
         mesh: f.mesh.expect("a lazy formation makes a mesh"),
+        store: f.store,
     })
 }
-
-/// Builds a rank's [`MeshSpec`] from the job id and the table of listeners.
-type SpecFor<'a> = dyn Fn(u64, Vec<SocketAddr>) -> MeshSpec + 'a;
 
 struct Made {
     streams: Vec<Option<TcpStream>>,
     mesh: Option<Mesh>,
+    store: Kept,
 }
 
 /// Forms the job: eagerly without `lazy`, lazily with the callback.
@@ -79,72 +80,68 @@ fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
     let (me, world) = (cfg.rank, cfg.world_size);
     let deadline =
         dist_core::transport::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
+    let store = JobStore::open(cfg, started, deadline)?;
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-    let spec = |job_id: u64, addrs: Vec<SocketAddr>| MeshSpec {
-        me,
-        world,
-        job_id,
-        secret: cfg.secret.clone(),
-        handshake_timeout: cfg.handshake_timeout,
-        addrs,
-    };
     if world == 1 {
         let mesh = match lazy {
             None => None,
             Some(cb) => {
                 let any = SocketAddr::from(([127, 0, 0, 1], 0));
-                Some(Mesh::start(spec(0, vec![any]), None, |_| true, cb)?)
+                Some(Mesh::start(spec(cfg, 0, vec![any]), None, |_| true, cb)?)
             }
         };
-        return Ok(Made { streams, mesh });
+        return Ok(Made {
+            streams,
+            mesh,
+            store: store.keep(cfg.timeout),
+        });
     }
-    let master = cfg.master_addr()?;
-    let mut mesh = None;
-    if me == 0 {
-        let (job_id, addrs) =
-            form_as_root(cfg, master, started, deadline, lazy.is_some(), &mut streams)?;
-        if let Some(cb) = lazy {
-            mesh = Some(Mesh::start(spec(job_id, addrs), None, |_| true, cb)?);
-        }
-    } else {
-        let mut to_root = match connect_retry(master, deadline, me, "rank 0") {
-            Ok(s) => s,
-            Err(detail) => {
-                return Err(DistError::RendezvousFailed {
-                    rank: me,
-                    joined: 0,
-                    world_size: world,
-                    missing: vec![0],
-                    waited: started.elapsed(),
-                    detail,
-                });
-            }
-        };
-        let made = form_as_member(
-            cfg,
-            master,
-            &mut to_root,
-            started,
-            deadline,
-            &mut streams,
-            lazy.map(|cb| (cb, &spec as &SpecFor<'_>)),
-        );
-        match made {
-            Ok(m) => mesh = m,
-            Err(e) => {
-                // Tell rank 0, so that every rank fails now rather than at the deadline.
-                let _ = write_by(
-                    &mut to_root,
-                    &Status::Failed(e.to_string()).encode(me as u32),
-                    deadline,
+    let mut claimed = false;
+    let formed = form_through(
+        cfg,
+        &store,
+        started,
+        deadline,
+        &mut streams,
+        lazy,
+        &mut claimed,
+    );
+    let mesh = match formed {
+        Ok(mesh) => mesh,
+        Err(e) => {
+            // Tell every rank, so that each fails now rather than at the deadline (the first
+            // failure set wins; one already there stays). Only a rank that has claimed its
+            // rank speaks for the job: a second process claiming a rank, or one of another
+            // world size, is refused without failing the job.
+            if claimed {
+                let _ = store.keys().compare_set(
+                    "init/go",
+                    b"",
+                    format!("failed {me}: {e}").as_bytes(),
                 );
-                return Err(e);
             }
+            store.linger();
+            return Err(e);
         }
-        streams[0] = Some(to_root);
-    }
+    };
     tracing::debug!(rank = me, world, elapsed = ?started.elapsed(), "job formed");
-    Ok(Made { streams, mesh })
+    Ok(Made {
+        streams,
+        mesh,
+        store: store.keep(cfg.timeout),
+    })
+}
+
+/// What a rank needs to build its [`Mesh`], from the job id and the table of listeners.
+fn spec(cfg: &TcpConfig, job_id: u64, addrs: Vec<SocketAddr>) -> MeshSpec {
+    MeshSpec {
+        me: cfg.rank,
+        world: cfg.world_size,
+        job_id,
+        secret: cfg.secret.clone(),
+        handshake_timeout: cfg.handshake_timeout,
+        addrs,
+    }
 }
 
 fn bind_listener(addr: SocketAddr, me: usize) -> Result<TcpListener> {
@@ -163,278 +160,292 @@ fn bind_listener(addr: SocketAddr, me: usize) -> Result<TcpListener> {
     Ok(sock.into())
 }
 
-fn form_as_root(
-    cfg: &TcpConfig,
-    master: SocketAddr,
-    started: Instant,
-    deadline: Instant,
-    lazy: bool,
-    streams: &mut [Option<TcpStream>],
-) -> Result<(u64, Vec<SocketAddr>)> {
-    let world = cfg.world_size;
-    let bind_at = SocketAddr::new(cfg.bind.unwrap_or(master.ip()), master.port());
-    let listener = bind_listener(bind_at, 0)?;
-    tracing::debug!(rank = 0, addr = %bind_at, world, "waiting for ranks to join");
-    let (gate, joins) = Gate::once(world);
-    let acceptor = Acceptor::start(
-        listener,
-        Rules {
-            me: 0,
-            world,
-            purpose: Purpose::Rendezvous,
-            ranks: 1..world,
-            job_id: 0,
-            secret: cfg.secret.clone(),
-            handshake_timeout: cfg.handshake_timeout,
-            gate,
-        },
-    )?;
-    let mut joined: Vec<Option<Joined>> = (0..world).map(|_| None).collect();
-    let mut count = 1;
-    while count < world {
-        match joins.recv_deadline(deadline) {
-            Ok(j) => {
-                let r = j.rank;
-                joined[r] = Some(j);
-                count += 1;
-            }
-            Err(_) => {
-                return Err(DistError::RendezvousFailed {
-                    rank: 0,
-                    joined: count,
-                    world_size: world,
-                    missing: (1..world).filter(|r| joined[*r].is_none()).collect(),
-                    waited: started.elapsed(),
-                    detail: String::new(),
-                });
-            }
-        }
-    }
-    drop(acceptor);
-    let mut addrs = vec![bind_at; world];
-    for (r, j) in joined.iter().enumerate().skip(1) {
-        let j = j.as_ref().expect("every rank joined");
-        addrs[r] = SocketAddr::new(j.from.ip(), j.hello.listen_port);
-    }
-    let job_id = u64::from_le_bytes(nonce(0)?[..8].try_into().expect("8 bytes"));
-    // The whole table to every rank (eager), or down the tree (lazy): whole to rank 0's
-    // children, and to every other rank its parent's entry only (`tree.rs`).
-    let table = wire::encode_table(job_id, &addrs);
-    let mut conns: Vec<TcpStream> = Vec::with_capacity(world - 1);
-    let (sending, mut bytes) = (Instant::now(), 0);
-    for (r, j) in joined.into_iter().enumerate().skip(1) {
-        let mut s = j.expect("every rank joined").stream;
-        let p = tree::parent(r);
-        let part;
-        let message = if lazy && p != 0 {
-            part = wire::encode_table_part(job_id, world as u32, p as u32, &addrs[p..=p]);
-            &part
-        } else {
-            &table
-        };
-        bytes += message.len();
-        write_by(&mut s, message, deadline)
-            .map_err(io_err(0, format!("send the table to rank {r}")))?;
-        conns.push(s);
-    }
-    tracing::debug!(
-        rank = 0,
-        world,
-        bytes,
-        elapsed = ?sending.elapsed(),
-        "table sent"
-    );
-    let failure = status::gather(&conns, deadline);
-    let status = match &failure {
-        None => Status::Go,
-        Some((_, why)) => Status::Failed(why.clone()),
-    };
-    for (i, s) in conns.iter_mut().enumerate() {
-        write_by(s, &status.encode(0), deadline)
-            .map_err(io_err(0, format!("send the go to rank {}", i + 1)))?;
-    }
-    if let Some((origin, reason)) = failure {
-        return Err(DistError::Aborted {
-            rank: 0,
-            op: "init".into(),
-            origin,
-            reason,
-        });
-    }
-    for (i, s) in conns.into_iter().enumerate() {
-        streams[i + 1] = Some(s);
-    }
-    Ok((job_id, addrs))
+/// A failure another rank published in the store (`failed <rank>: <why>`), as this rank's
+/// error.
+fn published_failure(me: usize, text: &str) -> Option<DistError> {
+    let rest = text.strip_prefix("failed ")?;
+    let (origin, reason) = rest.split_once(": ").unwrap_or((rest, ""));
+    Some(DistError::Aborted {
+        rank: me,
+        op: "init".into(),
+        origin: origin.parse().unwrap_or(0),
+        reason: reason.into(),
+    })
 }
 
-fn form_as_member(
+/// The rendezvous through the store, then the connections: the eager mesh, or the lazy one's
+/// acceptor. Returns the lazy mesh; `claimed` says, on failure too, whether this rank had
+/// claimed its rank in the store.
+fn form_through(
     cfg: &TcpConfig,
-    master: SocketAddr,
-    to_root: &mut TcpStream,
+    store: &JobStore,
     started: Instant,
     deadline: Instant,
     streams: &mut [Option<TcpStream>],
-    lazy: Option<(OnIncoming, &SpecFor<'_>)>,
+    lazy: Option<OnIncoming>,
+    claimed: &mut bool,
 ) -> Result<Option<Mesh>> {
     let (me, world) = (cfg.rank, cfg.world_size);
-    // Listen on the interface that reaches rank 0, unless told otherwise.
+    let keys = store.keys();
+    let server = store.client.server().to_string();
+    // Listen on the interface that reaches the store, unless told otherwise.
     let local_ip: IpAddr = match cfg.bind {
         Some(ip) => ip,
-        None => to_root
+        None => store
+            .client
             .local_addr()
-            .map_err(io_err(me, "local address"))?
+            .map_err(io_err(me, "local address of the store's connection"))?
             .ip(),
     };
-    let listener = bind_listener(SocketAddr::new(local_ip, 0), me)?;
-    let port = listener
-        .local_addr()
-        .map_err(io_err(me, "listener address"))?
-        .port();
-    let hello = Hello {
-        version: PROTOCOL_VERSION,
-        purpose: Purpose::Rendezvous,
-        has_secret: cfg.secret.is_some(),
-        world_size: world as u32,
-        rank: me as u32,
-        listen_port: port,
-        job_id: 0,
-        nonce: [0; NONCE_LEN],
-    };
-    let root_desc = format!("rank 0 at {}", cfg.master);
-    let rendezvous_failed = |detail: String| DistError::RendezvousFailed {
-        rank: me,
-        joined: 0,
-        world_size: world,
-        missing: vec![0],
-        waited: started.elapsed(),
-        detail,
-    };
-    let first = to_root
-        .try_clone()
-        .map_err(io_err(me, "clone the socket to rank 0"))?;
-    *to_root = join_listener(
-        Some(first),
-        master,
-        &mut || {
-            Ok(Hello {
-                nonce: nonce(me)?,
-                ..hello
-            })
-        },
-        cfg.secret.as_deref(),
-        0,
-        deadline,
-        me,
-        "rank 0",
-        &rendezvous_failed,
-    )?;
-    tracing::debug!(rank = me, "joined; waiting for the table");
-
-    // The table arrives once every rank has joined.
-    let waiting_for_table = |e: std::io::Error| DistError::RendezvousFailed {
-        rank: me,
-        joined: 0,
-        world_size: world,
-        missing: Vec::new(),
-        waited: started.elapsed(),
-        detail: format!("no table from rank 0 (other ranks missing?): {e}"),
-    };
-    let protocol = |what: String| DistError::HandshakeRefused {
-        rank: me,
-        peer: root_desc.clone(),
-        reason: what,
-    };
-    let (head, entries) =
-        tree::read_table(to_root, world, deadline, &waiting_for_table, &protocol)?;
-    let job_id = head.job_id;
-
-    let mesh = match lazy {
-        // Lazy: the listener stays up for the life of the rank; only the tree is dialed now.
-        Some((cb, spec)) => {
-            let forward = Arc::new(tree::Forward::new(me, world, cfg.handshake_timeout, cb));
-            let parent = tree::parent(me);
-            let whole = head.is_whole();
-            if !whole && (head.first as usize != parent || head.count != 1) {
-                return Err(protocol(format!(
-                    "rank 0 sent ranks {}..{} of the table; rank {me} expects the whole table \
-                     or its parent's entry (rank {parent})",
-                    head.first,
-                    u64::from(head.first) + u64::from(head.count)
-                )));
-            }
-            let known = if whole {
-                entries.clone()
-            } else {
-                let mut a = vec![SocketAddr::from(([0, 0, 0, 0], 0)); world];
-                a[parent] = entries[0];
-                a
-            };
-            let f = forward.clone();
-            let mut mesh = Mesh::start(
-                spec(job_id, known),
-                Some(listener),
-                |r| r == 0,
-                Box::new(move |r, s| f.incoming(r, s)),
-            )?;
-            let addrs = if whole {
-                entries
-            } else {
-                let (addrs, s) =
-                    tree::table_from_parent(&mesh, parent, entries[0], job_id, world, deadline)?;
-                mesh.set_addrs(addrs.clone());
-                forward.hand_on(parent, s);
-                addrs
-            };
-            forward.publish(wire::encode_table(job_id, &addrs));
-            Some(mesh)
+    let key = addr_key(me);
+    let listener = match bind_listener(SocketAddr::new(local_ip, 0), me) {
+        Ok(l) => l,
+        Err(e) => {
+            // Rank 0 reads this key with the others' and fails the job naming this rank.
+            let _ = keys.compare_set(&key, b"", format!("failed: {e}").as_bytes());
+            return Err(e);
         }
-        None => {
-            if !head.is_whole() {
-                return Err(protocol(format!(
-                    "rank 0 sent ranks {}..{} of the table; an eager formation needs the \
-                     whole table (is rank 0 forming lazily? DIST_FORMATION must agree)",
-                    head.first,
-                    u64::from(head.first) + u64::from(head.count)
-                )));
+    };
+    // The world size beside the address: rank 0 checks that every rank's is its own.
+    let mine = format!(
+        "{world} {}",
+        listener
+            .local_addr()
+            .map_err(io_err(me, "listener address"))?
+    );
+    // Rank 0 draws the job id now and accepts from the start (as every listener: bounded, the
+    // handshake's checks), so that its listener is never a backlog nobody drains; the other
+    // ranks accept once the table has told them the job id.
+    let (mut listening, mut lazy) = (Some(listener), lazy);
+    let mut early = None;
+    let job_id0 = if me == 0 {
+        let id = u64::from_le_bytes(nonce(0)?[..8].try_into().expect("8 bytes"));
+        let l = listening.take().expect("bound above");
+        early = Some(match lazy.take() {
+            Some(cb) => {
+                let unknown = vec![SocketAddr::from(([0, 0, 0, 0], 0)); world];
+                Accepting::Lazy(Mesh::start(spec(cfg, id, unknown), Some(l), |_| false, cb)?)
             }
+            None => Accepting::Eager(eager_acceptor(cfg, l, id)?),
+        });
+        id
+    } else {
+        0
+    };
+    let got = keys
+        .compare_set(&key, b"", mine.as_bytes())
+        .map_err(|e| store.err(e))?;
+    if got != mine.as_bytes() {
+        return Err(DistError::HandshakeRefused {
+            rank: me,
+            peer: format!("the store at {server}"),
+            reason: format!(
+                "duplicate rank {me}: key {}/{key} already holds {:?} (another process claims \
+                 rank {me}, or an earlier job's keys are under this prefix; DIST_STORE_PREFIX)",
+                store.prefix,
+                String::from_utf8_lossy(&got)
+            ),
+        });
+    }
+    *claimed = true;
+    tracing::debug!(rank = me, addr = %mine, "listening; waiting for the table");
+    let (job_id, addrs) = if me == 0 {
+        (
+            job_id0,
+            publish_table(store, job_id0, world, started, deadline)?,
+        )
+    } else {
+        read_table(store, world, started, deadline)?
+    };
+    let accepting = match (early, listening, lazy) {
+        (Some(a), _, _) => a,
+        (None, Some(l), Some(cb)) => Accepting::Lazy(Mesh::start(
+            spec(cfg, job_id, addrs.clone()),
+            Some(l),
+            |_| false,
+            cb,
+        )?),
+        (None, Some(l), None) => Accepting::Eager(eager_acceptor(cfg, l, job_id)?),
+        (None, None, _) => unreachable!("a rank without an early acceptor kept its listener"),
+    };
+    let mesh = match accepting {
+        Accepting::Lazy(mut m) => {
+            m.set_addrs(addrs);
+            Some(m)
+        }
+        Accepting::Eager(acceptor) => {
+            // A rank that fails meanwhile says so in the store: seen here while this rank
+            // waits for the ranks above it, rather than at the deadline.
+            let failed = || match keys.check(&["init/go"]) {
+                Ok(true) => match keys.get("init/go", store::left(deadline)) {
+                    Ok(v) => published_failure(me, &String::from_utf8_lossy(&v)),
+                    Err(_) => None,
+                },
+                _ => None,
+            };
             mesh_eagerly(
-                cfg, listener, &entries, job_id, &hello, started, deadline, streams,
+                cfg, acceptor, &addrs, job_id, started, deadline, streams, &failed,
             )?;
             None
         }
     };
-    write_by(to_root, &Status::Ready.encode(me as u32), deadline)
-        .map_err(io_err(me, "send ready to rank 0"))?;
-    let mut b = [0u8; STATUS_LEN];
-    read_exact_by(to_root, &mut b, deadline).map_err(io_err(me, "wait for the go from rank 0"))?;
-    match Status::decode(&b) {
-        Ok((_, Status::Go)) => Ok(mesh),
-        Ok((_, Status::Failed(reason))) => Err(DistError::Aborted {
-            rank: me,
-            op: "init".into(),
-            origin: 0,
-            reason,
-        }),
-        Ok((_, s)) => Err(protocol(format!("unexpected status {s:?}"))),
-        Err(e) => Err(protocol(format!("bad status: {e}"))),
+    // Ready: the last rank to say so lets every rank go.
+    keys.set(&ready_key(me), b"1").map_err(|e| store.err(e))?;
+    let ready = keys.add("init/ready", 1).map_err(|e| store.err(e))?;
+    if ready == world as i64 {
+        keys.compare_set("init/go", b"", b"go")
+            .map_err(|e| store.err(e))?;
+    }
+    match keys.get("init/go", store::left(deadline)) {
+        Ok(v) if v == b"go" => Ok(mesh),
+        Ok(v) => {
+            let text = String::from_utf8_lossy(&v);
+            Err(
+                published_failure(me, &text).unwrap_or_else(|| DistError::HandshakeRefused {
+                    rank: me,
+                    peer: format!("the store at {server}"),
+                    reason: format!("key {}/init/go holds {text:?}", store.prefix),
+                }),
+            )
+        }
+        Err(dist_store::StoreError::Timeout { .. }) => Err(store.missing(
+            ready_key,
+            world,
+            started,
+            "ranks did not say they were ready before the init deadline",
+        )),
+        Err(e) => Err(store.err(e)),
     }
 }
 
-/// The eager mesh: connects to every rank `0 < i < me` and takes the connections of the ranks
-/// above on `listener`, by `deadline`.
-#[allow(clippy::too_many_arguments)] // Each is one fact about the formation in progress.
-fn mesh_eagerly(
-    cfg: &TcpConfig,
-    listener: TcpListener,
-    addrs: &[SocketAddr],
+/// Rank 0: waits for every rank's listener, then publishes the table with the job id.
+fn publish_table(
+    store: &JobStore,
     job_id: u64,
-    hello: &Hello,
+    world: usize,
     started: Instant,
     deadline: Instant,
-    streams: &mut [Option<TcpStream>],
-) -> Result<()> {
+) -> Result<Vec<SocketAddr>> {
+    let keys = store.keys();
+    store.wait_for(
+        0..world,
+        addr_key,
+        world,
+        started,
+        deadline,
+        "ranks did not publish their listener before the init deadline",
+    )?;
+    let names: Vec<String> = (0..world).map(addr_key).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let values = keys
+        .multi_get(&refs, store::left(deadline))
+        .map_err(|e| store.err(e))?;
+    let mut addrs = Vec::with_capacity(world);
+    for (r, v) in values.iter().enumerate() {
+        let text = String::from_utf8_lossy(v);
+        let why = match text.strip_prefix("failed: ") {
+            Some(why) => why.to_string(),
+            None => match text
+                .split_once(' ')
+                .map(|(w, a)| (w.parse::<usize>(), a.parse::<SocketAddr>()))
+            {
+                Some((Ok(w), Ok(a))) if w == world => {
+                    addrs.push(a);
+                    continue;
+                }
+                Some((Ok(w), Ok(_))) => format!(
+                    "rank {r} has a world size of {w}, rank 0 of {world} (key {}/{})",
+                    store.prefix,
+                    addr_key(r)
+                ),
+                _ => format!(
+                    "key {}/{} holds {text:?}, not a world size and an address",
+                    store.prefix,
+                    addr_key(r)
+                ),
+            },
+        };
+        let _ = keys.set("init/table", format!("failed {r}: {why}").as_bytes());
+        return Err(DistError::Aborted {
+            rank: 0,
+            op: "init".into(),
+            origin: r,
+            reason: why,
+        });
+    }
+    keys.set("init/table", &wire::encode_table(job_id, &addrs))
+        .map_err(|e| store.err(e))?;
+    Ok(addrs)
+}
+
+/// A rank other than 0: waits for the table rank 0 publishes, and checks it.
+fn read_table(
+    store: &JobStore,
+    world: usize,
+    started: Instant,
+    deadline: Instant,
+) -> Result<(u64, Vec<SocketAddr>)> {
+    let me = store.rank();
+    let table = match store.keys().get("init/table", store::left(deadline)) {
+        Ok(t) => t,
+        Err(dist_store::StoreError::Timeout { .. }) => {
+            return Err(store.missing(
+                addr_key,
+                world,
+                started,
+                "no table of listeners from rank 0 before the init deadline",
+            ));
+        }
+        Err(e) => return Err(store.err(e)),
+    };
+    if let Some(e) = std::str::from_utf8(&table)
+        .ok()
+        .and_then(|t| published_failure(me, t))
+    {
+        return Err(e);
+    }
+    let bad = |what: String| DistError::HandshakeRefused {
+        rank: me,
+        peer: format!("rank 0 (key {}/init/table)", store.prefix),
+        reason: format!("bad table of {} bytes: {what}", table.len()),
+    };
+    let head = wire::decode_table_head(&table).map_err(|e| bad(e.to_string()))?;
+    if head.world as usize != world {
+        return Err(DistError::Config {
+            what: "world size".into(),
+            reason: format!(
+                "rank {me} has {world}, but rank 0's table (key {}/init/table) has {}",
+                store.prefix, head.world
+            ),
+        });
+    }
+    if !head.is_whole() {
+        return Err(bad(format!(
+            "ranks {}..{} of {}, expected the whole table of {world}",
+            head.first,
+            u64::from(head.first) + u64::from(head.count),
+            head.world
+        )));
+    }
+    let addrs = wire::decode_table_entries(&table[wire::TABLE_HEAD_LEN..], world)
+        .map_err(|e| bad(e.to_string()))?;
+    Ok((head.job_id, addrs))
+}
+
+/// A rank's listener at work: the eager mesh's acceptor (and the connections it passed), or
+/// the lazy mesh.
+enum Accepting {
+    Eager((Acceptor, crossbeam_channel::Receiver<Joined>)),
+    Lazy(Mesh),
+}
+
+/// The eager mesh's acceptor on `listener`: it takes the ranks above this one, of job `job_id`.
+fn eager_acceptor(
+    cfg: &TcpConfig,
+    listener: TcpListener,
+    job_id: u64,
+) -> Result<(Acceptor, crossbeam_channel::Receiver<Joined>)> {
     let (me, world) = (cfg.rank, cfg.world_size);
-    // Ranks above us connect to our listener; we connect to the ranks between 0 and us.
     let (gate, joins) = Gate::once(world);
     let acceptor = Acceptor::start(
         listener,
@@ -449,18 +460,42 @@ fn mesh_eagerly(
             gate,
         },
     )?;
-    for (i, addr) in addrs.iter().enumerate().take(me).skip(1) {
+    Ok((acceptor, joins))
+}
+
+/// How often a rank waiting for the connections of the ranks above it looks in the store for
+/// a failure another rank published.
+const FAILURE_LOOK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The eager mesh: connects to every rank `i < me` and takes the connections of the ranks
+/// above from `acceptor`, by `deadline`; `failed` says whether another rank has failed the job.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the formation in progress.
+fn mesh_eagerly(
+    cfg: &TcpConfig,
+    (acceptor, joins): (Acceptor, crossbeam_channel::Receiver<Joined>),
+    addrs: &[SocketAddr],
+    job_id: u64,
+    started: Instant,
+    deadline: Instant,
+    streams: &mut [Option<TcpStream>],
+    failed: &dyn Fn() -> Option<DistError>,
+) -> Result<()> {
+    let (me, world) = (cfg.rank, cfg.world_size);
+    // Ranks above us connect to our listener; we connect to the ranks below us.
+    for (i, addr) in addrs.iter().enumerate().take(me) {
         let who = format!("rank {i}");
         let s = join_listener(
-            None,
             *addr,
             &mut || {
                 Ok(Hello {
+                    version: PROTOCOL_VERSION,
                     purpose: Purpose::Mesh,
+                    has_secret: cfg.secret.is_some(),
+                    world_size: world as u32,
+                    rank: me as u32,
                     listen_port: 0,
                     job_id,
                     nonce: nonce(me)?,
-                    ..*hello
                 })
             },
             cfg.secret.as_deref(),
@@ -476,15 +511,22 @@ fn mesh_eagerly(
                 waited: started.elapsed(),
                 detail,
             },
+            failed,
         )?;
         streams[i] = Some(s);
     }
     let mut expected = world - 1 - me;
     while expected > 0 {
-        match joins.recv_deadline(deadline) {
+        let look = deadline.min(Instant::now() + FAILURE_LOOK);
+        match joins.recv_deadline(look) {
             Ok(j) => {
                 streams[j.rank] = Some(j.stream);
                 expected -= 1;
+            }
+            Err(RecvTimeoutError::Timeout) if look < deadline => {
+                if let Some(e) = failed() {
+                    return Err(e);
+                }
             }
             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
                 return Err(DistError::RendezvousFailed {
@@ -508,5 +550,3 @@ mod links_tests;
 mod mesh_tests;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tree_tests;

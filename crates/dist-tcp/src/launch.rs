@@ -162,9 +162,8 @@ impl LaunchEnv {
                 None => return Err(missing("MASTER_ADDR")),
             },
         };
-        // DIST_MASTER_PORT, if set, is the port. Otherwise MASTER_PORT, except under torchrun
-        // (TORCHELASTIC_RUN_ID is set), whose own store already listens on MASTER_PORT: then
-        // the next port up.
+        // DIST_MASTER_PORT, if set, is the port; otherwise MASTER_PORT. Under torchrun the
+        // job's store is the one torchrun's agent serves there (`TcpConfig::from_launch`).
         let (port_var, port_text) = match get("DIST_MASTER_PORT") {
             Some(p) => ("DIST_MASTER_PORT", p),
             None => (
@@ -172,21 +171,10 @@ impl LaunchEnv {
                 get("MASTER_PORT").ok_or_else(|| missing("MASTER_PORT"))?,
             ),
         };
-        let port: u16 = port_text.trim().parse().map_err(|_| DistError::Config {
+        let master_port: u16 = port_text.trim().parse().map_err(|_| DistError::Config {
             what: port_var.into(),
             reason: format!("{port_text:?} is not a port number (0-65535)"),
         })?;
-        let under_torchrun = port_var == "MASTER_PORT" && get("TORCHELASTIC_RUN_ID").is_some();
-        let master_port = if under_torchrun {
-            port.checked_add(1).ok_or_else(|| DistError::Config {
-                what: "MASTER_PORT".into(),
-                reason:
-                    "65535 leaves no port above it for dist under torchrun; set DIST_MASTER_PORT"
-                        .into(),
-            })?
-        } else {
-            port
-        };
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -239,8 +227,10 @@ mod tests {
         );
     }
 
+    /// Under torchrun the port is MASTER_PORT itself, where torchrun's agent serves the store
+    /// the job forms through; DIST_MASTER_PORT wins over it.
     #[test]
-    fn under_torchrun_the_port_above_its_store() {
+    fn under_torchrun_the_port_of_its_store() {
         let base = [
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
@@ -248,14 +238,10 @@ mod tests {
             ("MASTER_PORT", "29500"),
             ("TORCHELASTIC_RUN_ID", "none"),
         ];
-        assert_eq!(LaunchEnv::detect(&env(&base)).unwrap().master_port, 29501);
+        assert_eq!(LaunchEnv::detect(&env(&base)).unwrap().master_port, 29500);
         let mut v = base.to_vec();
         v.push(("DIST_MASTER_PORT", "4000"));
         assert_eq!(LaunchEnv::detect(&env(&v)).unwrap().master_port, 4000);
-        assert_eq!(
-            LaunchEnv::detect(&env(&base[..4])).unwrap().master_port,
-            29500
-        );
     }
 
     #[test]

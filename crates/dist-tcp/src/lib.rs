@@ -1,7 +1,8 @@
-//! The TCP backend of dist: ranks rendezvous through rank 0, authenticate each other, and keep
-//! TCP connections (a full mesh made at init below 65 ranks; from 65 ranks, by default, each
-//! pair's connection made on its first use) over which tagged messages travel with no copy on
-//! the large message path.
+//! The TCP backend of dist: ranks rendezvous through the job's store (a TCPStore on
+//! `MASTER_PORT`: rank 0's, or torchrun's agent's; [`TcpBackend::store`]), authenticate each
+//! other, and keep TCP connections (a full mesh made at init below 65 ranks; from 65 ranks, by
+//! default, each pair's connection made on its first use) over which tagged messages travel
+//! with no copy on the large message path.
 //!
 //! ```no_run
 //! use dist_core::Backend;
@@ -54,9 +55,12 @@ use dist_core::transport::Link;
 use dist_core::{Backend, DistError, Group, Result, Tag, Transport};
 
 pub use config::{
-    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT,
-    Formation, LAZY_FROM, TcpConfig,
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_INIT_TIMEOUT, DEFAULT_PEER_TIMEOUT, DEFAULT_STORE_PREFIX,
+    DEFAULT_TIMEOUT, Formation, LAZY_FROM, TcpConfig,
 };
+/// The store crate, whose [`Store`](dist_store::Store) trait [`TcpBackend::store`]'s
+/// operations come from.
+pub use dist_store;
 pub use launch::{LaunchEnv, Launcher};
 pub use link::TcpLink;
 
@@ -153,6 +157,9 @@ pub struct TcpBackend {
     group: Group<TcpLink>,
     /// Held for its `Drop`, which closes the connections in order.
     _threads: Threads,
+    /// The job's store (and its server, on the rank that serves it): dropped after the
+    /// connections have closed.
+    store: init::Kept,
 }
 
 /// The backend's threads (the I/O thread, which reads every connection, and the liveness
@@ -202,13 +209,16 @@ impl TcpBackend {
         let me = cfg.rank;
         // Connections a peer makes to this rank after formation (lazy formation only).
         let incoming = Arc::new(lazy::Incoming::default());
-        let (streams, mesh) = match cfg.formation_mode() {
+        let (streams, mesh, store) = match cfg.formation_mode() {
             Formation::Lazy => {
                 let inc = incoming.clone();
                 let formed = init::form_lazy(&cfg, Box::new(move |r, s| inc.deliver(r, s)))?;
-                (formed.streams, Some(Arc::new(formed.mesh)))
+                (formed.streams, Some(Arc::new(formed.mesh)), formed.store)
             }
-            _ => (init::form(&cfg)?, None),
+            _ => {
+                let (streams, store) = init::form(&cfg)?;
+                (streams, None, store)
+            }
         };
         let aborts = Arc::new(Aborts::default());
         let limits = Limits {
@@ -383,9 +393,9 @@ impl TcpBackend {
                 source,
             })?;
         threads.liveness = Some(liveness);
-        // The group forms over the mesh: rank 0's tuning goes down the formation's tree (over
-        // connections formation made, in a lazy job too). Should it fail,
-        // `threads` closes the connections on its way out.
+        // The group forms over the mesh: rank 0's tuning goes down a binomial tree (in a lazy
+        // job, over connections made on first use). Should it fail, `threads` closes the
+        // connections on its way out.
         let link = TcpLink(shared.clone());
         let group = Group::form(
             link,
@@ -396,7 +406,28 @@ impl TcpBackend {
             shared,
             group,
             _threads: threads,
+            store,
         })
+    }
+
+    /// The job's store, under a prefix of this job's own (`<job prefix>/user`; see
+    /// [`TcpConfig::store_prefix`]), for user code to coordinate beside the collectives:
+    /// `set`, `get`, `add`, `wait`, `compare_set`, queues and named barriers
+    /// ([`dist_store::Store`]). It is the store the job formed through: served by rank 0's
+    /// backend (so it lives as long as that backend), or by torchrun's agent. Its operations
+    /// that do not wait for keys are bounded by [`TcpConfig::timeout`]; those that wait take
+    /// their own. [`PrefixStore::inner`](dist_store::PrefixStore::inner) is the connection
+    /// without a prefix, to meet processes that are not dist's (a Python rank's
+    /// `torch.distributed.TCPStore`) at keys agreed with them.
+    pub fn store(&self) -> dist_store::PrefixStore<Arc<dist_store::TcpStore>> {
+        self.store.under("user")
+    }
+
+    /// The job's store under `<job prefix>/<part>`, for the crates built on this one (the
+    /// hybrid backend keeps its NCCL setup under `nccl`). `init` is formation's own.
+    #[doc(hidden)]
+    pub fn store_under(&self, part: &str) -> dist_store::PrefixStore<Arc<dist_store::TcpStore>> {
+        self.store.under(part)
     }
 
     /// Calls `hook` whenever a peer fails: its connection closes or breaks, it stays silent past

@@ -14,7 +14,7 @@ pub use crate::init::{Dialed, Formed, Mesh, OnIncoming};
 /// index), with no reader on them. Like every rank, it first answers each peer's
 /// shared-memory offer (declining it), so frames written on the connections are read as such.
 pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
-    let streams = init::form(cfg)?;
+    let (streams, _store) = init::form(cfg)?;
     let deadline = std::time::Instant::now() + cfg.init_timeout;
     for (peer, s) in streams.iter().enumerate() {
         if let Some(s) = s {
@@ -32,9 +32,9 @@ pub fn form_raw(cfg: &TcpConfig) -> Result<Vec<Option<TcpStream>>> {
 }
 
 /// Forms the job `cfg` describes lazily ([`Formation::Lazy`](crate::Formation), whatever `cfg`
-/// says): every rank connected to rank 0 and to its neighbours in the tree the table of
-/// listeners goes down (those connections go to `on_incoming`), each with its listener and
-/// acceptor up, with no peer layer on the connections; for the formation benchmarks and tests.
+/// says): no rank connected to another, each with its listener and acceptor up (the
+/// connections peers make go to `on_incoming`), with no peer layer on the connections; for the
+/// formation benchmarks and tests.
 pub fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
     init::form_lazy(cfg, on_incoming)
 }

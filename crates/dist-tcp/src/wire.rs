@@ -1,12 +1,12 @@
-//! The wire format as pure functions over bytes: the handshake messages, the rendezvous table
-//! (`table.rs`), the init status messages and the frame header. Nothing here touches a socket, so
+//! The wire format as pure functions over bytes: the handshake messages, the table of listeners
+//! (`table.rs`, the value of a key in the job's store) and the frame header. Nothing here touches a socket, so
 //! every decoder can be tested (and fuzzed) on arbitrary, truncated or oversized input.
 //!
 //! All integers are little-endian. Every handshake message has a fixed size, so a peer can make
 //! us read at most [`HELLO_LEN`] bytes before it has been checked, whatever it sends.
 //!
-//! The shared secret ([`proof`]) only admits ranks: the table, the status messages and the
-//! frames after the handshake are neither encrypted nor authenticated. Run dist on a trusted
+//! The shared secret ([`proof`]) only admits ranks: the store's keys and the frames after the
+//! handshake are neither encrypted nor authenticated. Run dist on a trusted
 //! network, or over WireGuard or IPsec.
 
 use hmac::{Hmac, Mac};
@@ -29,12 +29,10 @@ pub const MIN_SECRET_LEN: usize = 16;
 pub const NONCE_LEN: usize = 32;
 /// Length of a [`Hello`].
 pub const HELLO_LEN: usize = 64;
-/// Longest reason text a [`Reply`] or [`Status`] carries.
+/// Longest reason text a [`Reply`] carries.
 pub const REASON_LEN: usize = 128;
 /// Length of a [`Reply`].
 pub const REPLY_LEN: usize = 8 + 4 + NONCE_LEN + NONCE_LEN + 2 + REASON_LEN;
-/// Length of a [`Status`].
-pub const STATUS_LEN: usize = 4 + 4 + 2 + REASON_LEN;
 /// Length of a [`FrameHeader`].
 pub const FRAME_HEADER_LEN: usize = 40;
 /// Length of one rank's entry in the rendezvous table.
@@ -319,47 +317,6 @@ impl Reply {
             proof: buf[44..76].try_into().expect("32 bytes"),
             reason: get_reason(&buf[76..])?,
         })
-    }
-}
-
-/// Init progress between rank 0 and the others, after the table: `Ready` from each rank once
-/// its mesh is complete, then `Go` (or `Failed` with the reason) from rank 0 to all.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Status {
-    /// The sender's connections are all up.
-    Ready,
-    /// Everyone is ready: the job has formed.
-    Go,
-    /// The sender could not finish; the job fails.
-    Failed(String),
-}
-
-impl Status {
-    /// Encodes the message; `rank` is the sender's.
-    pub fn encode(&self, rank: u32) -> [u8; STATUS_LEN] {
-        let mut b = [0u8; STATUS_LEN];
-        let (code, reason) = match self {
-            Status::Ready => (1u32, ""),
-            Status::Go => (2, ""),
-            Status::Failed(r) => (3, r.as_str()),
-        };
-        b[..4].copy_from_slice(&code.to_le_bytes());
-        b[4..8].copy_from_slice(&rank.to_le_bytes());
-        put_reason(&mut b[8..], reason);
-        b
-    }
-
-    /// Decodes the message into the sender's rank and the status.
-    pub fn decode(buf: &[u8]) -> Result<(u32, Status), DecodeError> {
-        need(buf, STATUS_LEN)?;
-        let rank = u32_at(buf, 4);
-        let s = match u32_at(buf, 0) {
-            1 => Status::Ready,
-            2 => Status::Go,
-            3 => Status::Failed(get_reason(&buf[8..])?),
-            c => return Err(DecodeError::BadField("status code", c.into())),
-        };
-        Ok((rank, s))
     }
 }
 

@@ -3,13 +3,10 @@
 mod common;
 use common::free_port;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use dist_core::{Backend, DistError, Tag};
-use dist_tcp::wire::{self, Hello, NONCE_LEN, PROTOCOL_VERSION, Purpose, REPLY_LEN, Reply};
 use dist_tcp::{TcpBackend, TcpConfig};
 
 fn cfg(rank: usize, world: usize, port: u16) -> TcpConfig {
@@ -116,102 +113,116 @@ fn rendezvous_timeout_names_the_missing_ranks() {
     assert!(t.join().unwrap().is_err());
 }
 
-fn raw_hello(rank: u32, world: u32) -> Hello {
-    Hello {
-        version: PROTOCOL_VERSION,
-        purpose: Purpose::Rendezvous,
-        has_secret: false,
-        world_size: world,
-        rank,
-        listen_port: 1,
-        job_id: 0,
-        nonce: [1; NONCE_LEN],
-    }
-}
-
-fn connect(port: u16) -> TcpStream {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match TcpStream::connect(("127.0.0.1", port)) {
-            Ok(s) => {
-                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-                return s;
-            }
-            // Rank 0 has not bound its port yet.
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("cannot connect: {e}"),
-        }
-    }
-}
-
-fn read_reply(s: &mut TcpStream) -> Reply {
-    let mut b = [0u8; REPLY_LEN];
-    s.read_exact(&mut b).unwrap();
-    Reply::decode(&b).unwrap()
-}
-
-/// A client that completes the handshake by hand as `rank`, claiming a slot.
-fn claim(port: u16, rank: u32, world: u32) -> (TcpStream, Reply) {
-    let mut s = connect(port);
-    s.write_all(&raw_hello(rank, world).encode()).unwrap();
-    let r = read_reply(&mut s);
-    if r.refusal.is_some() {
-        return (s, r);
-    }
-    s.write_all(&[0; NONCE_LEN]).unwrap();
-    let v = read_reply(&mut s);
-    (s, v)
-}
-
+/// Two processes that claim rank 1 of 3: the second is refused naming the key that holds
+/// the first's listener, without failing the job: it forms once rank 2 comes.
 #[test]
 fn a_duplicate_rank_is_refused_and_told_why() {
+    use dist_store::Store;
     let port = free_port();
-    let root = thread::spawn(move || {
-        TcpBackend::with_config(cfg(0, 3, port).init_timeout(Duration::from_secs(3)))
-    });
-    let (_first, ok) = claim(port, 1, 3);
-    assert_eq!(ok.refusal, None, "{}", ok.reason);
-    let (_second, refused) = claim(port, 1, 3);
-    assert_eq!(refused.refusal, Some(wire::Refusal::DuplicateRank));
+    let root = thread::spawn(move || TcpBackend::with_config(cfg(0, 3, port)));
+    let first = thread::spawn(move || TcpBackend::with_config(cfg(1, 3, port)));
+    // The first claim is in the store before the second is made.
+    let store =
+        dist_store::TcpStore::connect(("127.0.0.1", port), Duration::from_secs(10)).unwrap();
+    store
+        .wait(&["dist/0/init/addr/1"], Duration::from_secs(10))
+        .unwrap();
+    let e = TcpBackend::with_config(cfg(1, 3, port)).unwrap_err();
     assert!(
-        refused.reason.contains("duplicate rank 1"),
-        "{}",
-        refused.reason
+        matches!(&e, DistError::HandshakeRefused { rank: 1, .. })
+            && e.to_string()
+                .contains("duplicate rank 1: key dist/0/init/addr/1 already holds"),
+        "{e}"
     );
-    let (_, wrong_world) = claim(port, 2, 5);
-    assert_eq!(wrong_world.refusal, Some(wire::Refusal::WorldSize));
-    assert!(
-        wrong_world
-            .reason
-            .contains("world size 5 does not match rank 0's 3"),
-        "{}",
-        wrong_world.reason
+    // The job is whole once rank 2 comes.
+    let two = TcpBackend::with_config(cfg(2, 3, port)).unwrap();
+    let (root, first) = (
+        root.join().unwrap().unwrap(),
+        first.join().unwrap().unwrap(),
     );
-    // Rank 2 never comes: rank 0 names it.
-    let e = root.join().unwrap().unwrap_err();
-    assert!(e.to_string().contains("missing ranks [2]"), "{e}");
+    let hs: Vec<_> = [root, first, two]
+        .into_iter()
+        .map(|b| thread::spawn(move || b.barrier()))
+        .collect();
+    for h in hs {
+        h.join().unwrap().unwrap();
+    }
 }
 
+/// A rank whose world size is not rank 0's fails the job at once: rank 0 names it, and so does
+/// every other rank.
+#[test]
+fn a_rank_of_another_world_size_is_named() {
+    let port = free_port();
+    let others: Vec<_> = [(0, 3), (1, 3)]
+        .into_iter()
+        .map(|(r, n)| thread::spawn(move || TcpBackend::with_config(cfg(r, n, port))))
+        .collect();
+    let t = Instant::now();
+    let e = TcpBackend::with_config(cfg(2, 5, port)).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            DistError::Aborted {
+                rank: 2,
+                origin: 2,
+                ..
+            }
+        ) && e
+            .to_string()
+            .contains("rank 2 has a world size of 5, rank 0 of 3 (key dist/0/init/addr/2)"),
+        "{e}"
+    );
+    for (r, h) in others.into_iter().enumerate() {
+        let e = h.join().unwrap().unwrap_err();
+        assert!(
+            matches!(&e, DistError::Aborted { origin: 2, .. })
+                && e.to_string().contains("rank 2 has a world size of 5"),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+/// A rank with the wrong secret is refused by the rank it connects to, and both fail at once
+/// (the refused rank publishes its failure, which the other sees while it waits), not at the
+/// deadline; a secret on one side only is refused too; the right secret forms the job.
 #[test]
 fn wrong_secret_is_refused_on_both_sides_and_right_one_joins() {
-    let port = free_port();
-    let root = thread::spawn(move || {
-        TcpBackend::with_config(cfg(0, 2, port).secret("right secret 16+ b")).map(|b| b.rank())
-    });
-    let e = TcpBackend::with_config(cfg(1, 2, port).secret("wrong secret 16+ b")).unwrap_err();
+    let pair = |a: Option<&'static str>, b: Option<&'static str>| {
+        let port = free_port();
+        let with = move |r: usize, s: Option<&str>| {
+            let c = cfg(r, 2, port);
+            TcpBackend::with_config(match s {
+                Some(s) => c.secret(s),
+                None => c,
+            })
+        };
+        let t = Instant::now();
+        let root = thread::spawn(move || with(0, a));
+        let one = with(1, b);
+        (root.join().unwrap(), one, t.elapsed())
+    };
+    let (root, one, took) = pair(Some("right secret 16+ b"), Some("wrong secret 16+ b"));
+    let e = one.unwrap_err();
     assert!(
         matches!(&e, DistError::HandshakeRefused { .. })
             && e.to_string().contains("wrong shared secret from rank 1"),
         "{e}"
     );
-    let e = TcpBackend::with_config(cfg(1, 2, port)).unwrap_err();
+    let e = root.unwrap_err();
+    assert!(
+        matches!(&e, DistError::Aborted { origin: 1, .. })
+            && e.to_string().contains("wrong shared secret from rank 1"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(10), "failed after {took:?}");
+    let (root, one, _) = pair(Some("right secret 16+ b"), None);
+    let e = one.unwrap_err();
     assert!(e.to_string().contains("requires a shared secret"), "{e}");
-    let b = TcpBackend::with_config(cfg(1, 2, port).secret("right secret 16+ b")).unwrap();
-    assert_eq!(root.join().unwrap().unwrap(), 0);
-    drop(b);
+    assert!(root.is_err());
+    let (root, one, _) = pair(Some("right secret 16+ b"), Some("right secret 16+ b"));
+    assert_eq!((root.unwrap().rank(), one.unwrap().rank()), (0, 1));
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! Admission under a flood: idle and garbage connections on rank 0's port while the ranks join.
+//! Admission under a flood: idle and garbage connections on rank 0's listener while the ranks
+//! join.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -19,11 +20,6 @@ const CAP: usize = 64;
 /// Rank 0's handshake deadline in this case.
 const HANDSHAKE: Duration = Duration::from_secs(2);
 
-fn rank0() -> SocketAddr {
-    let port: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
 /// Connects, waiting for rank 0 to bind its port.
 fn first_connection(addr: SocketAddr) -> TcpStream {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -32,7 +28,10 @@ fn first_connection(addr: SocketAddr) -> TcpStream {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
             Ok(s) => return s,
             Err(e) => {
-                assert!(Instant::now() < deadline, "rank 0's port never opened: {e}");
+                assert!(
+                    Instant::now() < deadline,
+                    "rank 0's listener never opened: {e}"
+                );
                 // Rank 0 may not have bound its port yet: retry with backoff.
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_millis(200));
@@ -98,7 +97,7 @@ pub fn read_until_closed(s: &mut TcpStream, within: Duration, what: &str) -> End
 
 /// The last rank, before it joins (so while the others are joining and rank 0 cannot have
 /// finished the rendezvous), opens 2,000 idle connections and 200 that send garbage to rank
-/// 0's port. Rank 0 holds at most 64 of them open at any time, closing the rest at once (on
+/// 0's listener (its address from the job's store; rank 0 accepts on it from the start). Rank 0 holds at most 64 of them open at any time, closing the rest at once (on
 /// main it gave each a thread and held all of them until its handshake deadline); the garbage
 /// is refused or closed, each by its handshake deadline; then the job forms and an all_reduce
 /// is checked.
@@ -110,7 +109,7 @@ pub fn flood() -> Result<(), String> {
     }
     let mut flood = Vec::new();
     if me == n - 1 {
-        let addr = rank0();
+        let addr = common::rank0_listener();
         let t = Instant::now();
         flood.push(first_connection(addr));
         // Garbage among the idle connections: early garbage finds a free place and is refused

@@ -3,8 +3,8 @@
 //! named, whether or not it was ever connected to that rank. The death reaches the ranks that
 //! never talked to it as abort notices, from the ranks that waited on it directly (their
 //! connection closed, or their dial was refused) and from there on along the connections the
-//! collective uses; a rank 0 that dies is seen by every rank at once (every rank is connected
-//! to it) and by the same notices.
+//! collective uses; a rank 0 that dies is seen so too (formation through the store connects
+//! no pair, so rank 0 is a rank like any other here).
 
 use std::time::{Duration, Instant};
 
@@ -14,9 +14,9 @@ use dist_multirank::join;
 /// Rank `victim` of a lazy job exits abruptly after its first 8 B all_reduce; every other rank
 /// runs 8 B all_reduces until one fails, which must happen within the peer timeout and name the
 /// victim. (The first may fail already: the victim's exit resets connections whose last
-/// bytes its partners have not read yet, and TCP drops those.) At 8 ranks, ranks 1, 2 and 4 are never connected to rank 7 (the all_reduce's
-/// partners of 7 are 6, 5 and 3, its parent in the table's tree 3): they hear of its death
-/// only from others.
+/// bytes its partners have not read yet, and TCP drops those.) At 8 ranks, ranks 1, 2 and 4 are
+/// never connected to rank 7 (the all_reduce's partners of 7 are 6, 5 and 3): they hear of its
+/// death only from others.
 fn death_of(victim: usize) {
     let b = join();
     let (me, n) = (b.rank(), b.world_size());

@@ -29,6 +29,32 @@ pub fn config() -> TcpConfig {
         .linger(Duration::from_secs(10))
 }
 
+/// Rank 0's listener, as rank 0 publishes it in the job's store before the others have
+/// joined (the key `<prefix>/0/init/addr/0`, whose value is the world size and the address:
+/// dist-tcp's `init/store.rs`), waiting up to 30 s.
+pub fn rank0_listener() -> std::net::SocketAddr {
+    use dist_tcp::dist_store::{Store, TcpStore};
+    let master = format!(
+        "{}:{}",
+        std::env::var("MASTER_ADDR").unwrap(),
+        std::env::var("MASTER_PORT").unwrap()
+    );
+    let prefix = std::env::var("DIST_STORE_PREFIX")
+        .unwrap_or_else(|_| dist_tcp::DEFAULT_STORE_PREFIX.into());
+    let store = TcpStore::connect(master.as_str(), Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let key = format!("{prefix}/0/init/addr/0");
+    let v = store
+        .get(&key, Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // `<world size> <ip:port>`.
+    let text = String::from_utf8_lossy(&v);
+    text.rsplit(' ')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("key {key} holds {text:?}"))
+}
+
 /// Joins the job the launcher describes.
 pub fn join() -> TcpBackend {
     TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"))

@@ -2,7 +2,7 @@
 //! ranks' start order.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -211,17 +211,20 @@ fn master_port() -> u16 {
     std::env::var("MASTER_PORT").unwrap().parse().unwrap()
 }
 
-fn connect(port: u16) -> TcpStream {
+fn connect(addr: SocketAddr) -> TcpStream {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut backoff = Duration::from_millis(5);
     loop {
-        match TcpStream::connect(("127.0.0.1", port)) {
+        match TcpStream::connect(addr) {
             Ok(s) => {
                 s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
                 return s;
             }
             Err(e) => {
-                assert!(Instant::now() < deadline, "rank 0's port never opened: {e}");
+                assert!(
+                    Instant::now() < deadline,
+                    "rank 0's listener never opened: {e}"
+                );
                 // Rank 0 may not have bound its port yet: retry with backoff.
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_millis(200));
@@ -233,7 +236,7 @@ fn connect(port: u16) -> TcpStream {
 fn hello(rank: u32, world: u32) -> Hello {
     Hello {
         version: PROTOCOL_VERSION,
-        purpose: Purpose::Rendezvous,
+        purpose: Purpose::Mesh,
         has_secret: false,
         world_size: world,
         rank,
@@ -244,7 +247,7 @@ fn hello(rank: u32, world: u32) -> Hello {
 }
 
 /// Sends `bytes` as a stranger and returns rank 0's refusal.
-fn refusal_for(port: u16, bytes: &[u8]) -> Reply {
+fn refusal_for(port: SocketAddr, bytes: &[u8]) -> Reply {
     let mut s = connect(port);
     s.write_all(bytes).unwrap();
     let mut r = [0u8; REPLY_LEN];
@@ -257,7 +260,8 @@ fn refusal_for(port: u16, bytes: &[u8]) -> Reply {
     reply
 }
 
-/// Raw clients hit rank 0's port while the job forms: each is refused, and the job forms.
+/// Raw clients hit rank 0's listener (its address from the job's store) while the job forms:
+/// each is refused, and the job forms.
 pub fn strangers() {
     let mut cfg = common::config();
     let (me, n) = (cfg.rank(), cfg.world_size());
@@ -266,7 +270,7 @@ pub fn strangers() {
     }
     if me == n - 1 {
         // Rank 0 cannot finish the rendezvous before this rank joins, so these all arrive during it.
-        let port = master_port();
+        let port = common::rank0_listener();
         let silent = std::thread::spawn(move || {
             let mut s = connect(port);
             let t = Instant::now();
@@ -466,26 +470,53 @@ fn staggered(dir: &Path, before: impl FnOnce(usize) -> Duration) {
     }
 }
 
-/// With a shared secret configured, a rank with the wrong one is refused with an error saying
-/// so; with the right one, the job forms.
+/// A rank with a wrong secret, then one with none: each time the handshake refuses it, and
+/// the whole job fails at once, every rank naming the last rank (its claim in the store is
+/// final: a refused rank fails the formation, as one that crashed would); a short secret is
+/// refused before anything is sent; then the job forms with the right secret. Every attempt
+/// forms through one store rank 0 serves for the whole case (`DIST_SERVE_STORE=0` semantics),
+/// each under a prefix of its own.
 pub fn secret() {
-    let cfg = common::config().secret("correct horse battery");
-    let (me, n) = (cfg.rank(), cfg.world_size());
-    if me == n - 1 {
-        let e = TcpBackend::with_config(cfg.clone().secret("battery staple horse")).unwrap_err();
-        assert!(matches!(e, DistError::HandshakeRefused { .. }), "{e}");
-        assert!(e.to_string().contains("wrong shared secret"), "{e}");
-        println!("wrong secret: {e}");
-        let e = TcpBackend::with_config(common::config()).unwrap_err();
-        assert!(e.to_string().contains("requires a shared secret"), "{e}");
-        println!("no secret: {e}");
-        let e = TcpBackend::with_config(common::config().secret("horse")).unwrap_err();
-        assert!(
-            matches!(e, DistError::Config { .. }) && e.to_string().contains("at least 16 bytes"),
-            "{e}"
-        );
-        println!("short secret: {e}");
+    let base = common::config();
+    let (me, n) = (base.rank(), base.world_size());
+    let server = (me == 0).then(|| {
+        let port: u16 = std::env::var("MASTER_PORT").unwrap().parse().unwrap();
+        dist_tcp::dist_store::StoreServer::bind(("127.0.0.1", port))
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    let attempt = |prefix: &str, secret: Option<&str>| {
+        let mut c = base.clone().serve_store(false).store_prefix(prefix);
+        if let Some(s) = secret {
+            c = c.secret(s);
+        }
+        TcpBackend::with_config(c)
+    };
+    let right = "correct horse battery";
+    let last = n - 1;
+    for (prefix, theirs, refusal) in [
+        ("wrong", Some("battery staple horse"), "wrong shared secret"),
+        ("none", None, "requires a shared secret"),
+    ] {
+        let e = attempt(prefix, if me == last { theirs } else { Some(right) }).unwrap_err();
+        if me == last {
+            assert!(matches!(e, DistError::HandshakeRefused { .. }), "{e}");
+            assert!(e.to_string().contains(refusal), "{e}");
+        } else {
+            assert!(
+                matches!(&e, DistError::Aborted { origin, .. } if *origin == last)
+                    && e.to_string().contains(refusal),
+                "{prefix}: {e}"
+            );
+        }
+        println!("{prefix}: {e}");
     }
-    let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
+    let e = TcpBackend::with_config(base.clone().secret("horse")).unwrap_err();
+    assert!(
+        matches!(e, DistError::Config { .. }) && e.to_string().contains("at least 16 bytes"),
+        "{e}"
+    );
+    let b = attempt("right", Some(right)).unwrap_or_else(|e| panic!("init failed: {e}"));
     ring_check(&b);
+    drop(b);
+    drop(server);
 }

@@ -132,8 +132,6 @@ impl Gate {
 pub(super) struct Joined {
     pub(super) rank: usize,
     pub(super) stream: TcpStream,
-    pub(super) hello: Hello,
-    pub(super) from: SocketAddr,
 }
 
 /// The accepting side of the handshake, on a worker of the listener's pool, by the handshake
@@ -332,12 +330,7 @@ pub(super) fn serve_handshake(
         &Reply::accept([0; NONCE_LEN], server_proof).encode(),
         deadline,
     );
-    let joined = Joined {
-        rank,
-        stream,
-        hello,
-        from,
-    };
+    let joined = Joined { rank, stream };
     match &r.gate {
         Gate::Once { tx, .. } => {
             sent.map_err(|e| format!("sending the verdict: {e}"))?;
@@ -490,13 +483,12 @@ pub(super) fn client_handshake(
     }
 }
 
-/// Connects to the listener of rank `server_rank` at `addr` (the first time over `first`, when
-/// given) and runs the handshake with a hello from `hello` (a fresh nonce each time),
-/// connecting again with backoff while the listener turns the connection away unread, until
-/// `deadline`.
+/// Connects to the listener of rank `server_rank` at `addr` and runs the handshake with a hello
+/// from `hello` (a fresh nonce each time), connecting again with backoff while the listener
+/// refuses the connection or turns it away unread, until `deadline`, or until `abandon` says
+/// why not to (another rank has failed the job).
 #[allow(clippy::too_many_arguments)] // Each is one fact about the connection; a struct would only rename them.
 pub(super) fn join_listener(
-    first: Option<TcpStream>,
     addr: SocketAddr,
     hello: &mut dyn FnMut() -> Result<Hello>,
     secret: Option<&[u8]>,
@@ -505,16 +497,17 @@ pub(super) fn join_listener(
     me: usize,
     who: &str,
     on_connect_failure: &dyn Fn(String) -> DistError,
+    abandon: &dyn Fn() -> Option<DistError>,
 ) -> Result<TcpStream> {
     let peer = format!("{who} at {addr}");
     let mut backoff = Duration::from_millis(5);
-    let mut first = first;
     loop {
-        let mut s = match first.take() {
-            Some(s) => s,
-            None => connect_retry(addr, deadline, me, who).map_err(on_connect_failure)?,
+        let mut s = match connect_retry(addr, deadline, me, who, abandon) {
+            Ok(s) => s,
+            Err(NoConnection::GaveUp(detail)) => return Err(on_connect_failure(detail)),
+            Err(NoConnection::Abandoned(e)) => return Err(e),
         };
-        // A rendezvous that fails fails formation as a whole: no grace is needed.
+        // A formation that fails fails as a whole: no grace is needed.
         let grace = Duration::ZERO;
         match client_handshake(
             &mut s,
@@ -543,13 +536,27 @@ pub(super) fn join_listener(
     }
 }
 
-/// Connects to `addr`, retrying with backoff until `deadline`.
+/// Why [`connect_retry`] returned no connection.
+pub(super) enum NoConnection {
+    /// The deadline passed; what the last attempt met.
+    GaveUp(String),
+    /// `abandon` said why to stop.
+    Abandoned(DistError),
+}
+
+/// From which backoff on a connect that keeps failing asks `abandon` between attempts (each
+/// asking is a round trip to the store): the first few quick retries do not.
+const ASK_FROM: Duration = Duration::from_millis(40);
+
+/// Connects to `addr`, retrying with backoff until `deadline`, or until `abandon` says why not
+/// to.
 pub(super) fn connect_retry(
     addr: SocketAddr,
     deadline: Instant,
     me: usize,
     who: &str,
-) -> std::result::Result<TcpStream, String> {
+    abandon: &dyn Fn() -> Option<DistError>,
+) -> std::result::Result<TcpStream, NoConnection> {
     let mut backoff = Duration::from_millis(5);
     let mut attempts = 0u32;
     loop {
@@ -569,9 +576,14 @@ pub(super) fn connect_retry(
         };
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!(
+            return Err(NoConnection::GaveUp(format!(
                 "cannot connect to {who} at {addr} after {attempts} attempts: {last}"
-            ));
+            )));
+        }
+        if backoff >= ASK_FROM
+            && let Some(e) = abandon()
+        {
+            return Err(NoConnection::Abandoned(e));
         }
         tracing::trace!(rank = me, %addr, error = %last, "connect failed; retrying");
         // Back off between attempts: the peer may simply not have started yet.

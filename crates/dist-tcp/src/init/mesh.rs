@@ -113,8 +113,8 @@ impl Mesh {
         })
     }
 
-    /// Sets the table of listeners, once it has arrived (a lazy rank whose table comes down the
-    /// tree starts its mesh knowing only its parent's listener).
+    /// Sets the table of listeners, once it has arrived (rank 0 starts its mesh before it
+    /// knows the others' listeners).
     pub(crate) fn set_addrs(&mut self, addrs: Vec<SocketAddr>) {
         self.addrs = addrs;
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::Formation;
-use crate::wire::{HELLO_LEN, REPLY_LEN, Refusal, Reply, Side};
+use crate::wire::{HELLO_LEN, NONCE_LEN, REPLY_LEN, Refusal, Reply, Side};
 
 const KEY: &[u8] = b"a shared secret of 16+ bytes";
 const ZERO: Duration = Duration::ZERO;
@@ -315,7 +315,6 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     let s = join_listener(
-        None,
         addr,
         &mut || Ok(mesh_hello(2, false)),
         None,
@@ -324,6 +323,7 @@ fn admission_is_capped_and_a_rank_gets_through_a_flood() {
         2,
         "rank 1",
         &|detail| panic!("{detail}"),
+        &|| None,
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let j = joins.recv_deadline(deadline).unwrap();
@@ -386,164 +386,46 @@ fn a_worker_starts_only_when_none_is_idle() {
     drop(held);
 }
 
-/// Runs `form` as rank 1 of 2 against a fake rank 0 that plays `script` on the connection.
-fn against_fake_root(script: fn(&mut TcpStream)) -> DistError {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let fake = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        script(&mut s);
-        // Hold the connection until the rank gives up on it.
-        let _ = s.read_to_end(&mut Vec::new());
-    });
-    let cfg = TcpConfig::new(1, 2, addr.to_string()).init_timeout(Duration::from_secs(10));
-    let e = form(&cfg).unwrap_err();
-    fake.join().unwrap();
-    e
-}
-
-fn accept_hello(s: &mut TcpStream) {
-    let mut b = [0u8; HELLO_LEN];
-    s.read_exact(&mut b).unwrap();
-    s.write_all(&Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode())
-        .unwrap();
-    let mut proof = [0u8; NONCE_LEN];
-    s.read_exact(&mut proof).unwrap();
-    s.write_all(&Reply::accept([0; NONCE_LEN], [0; NONCE_LEN]).encode())
-        .unwrap();
-}
-
-/// What the connecting side reads as lengths (a reply's reason length, the table's count of
-/// ranks) is checked before use: a fake rank 0 that claims 65,535 bytes of reason or a
-/// table of 2^32 - 1 ranks gets an error saying so, and nothing is allocated by it.
-#[test]
-fn lengths_from_a_fake_rank0_are_checked() {
-    let e = against_fake_root(|s| {
-        let mut b = [0u8; HELLO_LEN];
-        s.read_exact(&mut b).unwrap();
-        let mut r = Reply::accept([1; NONCE_LEN], [0; NONCE_LEN]).encode();
-        r[76..78].copy_from_slice(&u16::MAX.to_le_bytes());
-        s.write_all(&r).unwrap();
-    });
-    assert!(
-        e.to_string()
-            .contains("malformed reply: invalid reason length 65535"),
-        "{e}"
-    );
-    let e = against_fake_root(|s| {
-        accept_hello(s);
-        let mut table = wire::encode_table(5, &[]);
-        table[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
-        s.write_all(&table).unwrap();
-    });
-    assert!(
-        e.to_string()
-            .contains(&format!("table has {} ranks, expected 2", u32::MAX)),
-        "{e}"
-    );
-}
-
-/// `n` connected pairs: rank 0's ends and the ranks' ends.
-fn pairs(n: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    (0..n)
-        .map(|_| {
-            let theirs = TcpStream::connect(addr).unwrap();
-            (l.accept().unwrap().0, theirs)
-        })
-        .unzip()
-}
-
-/// Rank 0 reads the statuses on one thread: a failure from the last rank is seen at once,
-/// while the ranks before it have sent nothing (or half a status); with every rank ready,
-/// statuses that arrive a byte at a time are read whole.
-#[test]
-fn a_failure_is_seen_before_slow_ranks() {
-    let (ours, mut theirs) = pairs(3);
-    theirs[0].write_all(&Status::Ready.encode(1)[..10]).unwrap();
-    theirs[2]
-        .write_all(&Status::Failed("rank 3 broke".into()).encode(3))
-        .unwrap();
-    let t = Instant::now();
-    let got = status::gather(&ours, Instant::now() + Duration::from_secs(20));
-    assert_eq!(got, Some((3, "rank 3 broke".to_string())));
-    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-
-    let (ours, theirs) = pairs(4);
-    let writer = std::thread::spawn(move || {
-        let mut theirs = theirs;
-        for i in 0..STATUS_LEN {
-            for (r, s) in theirs.iter_mut().enumerate() {
-                s.write_all(&Status::Ready.encode(r as u32 + 1)[i..i + 1])
-                    .unwrap();
-            }
-        }
-        theirs
-    });
-    assert_eq!(
-        status::gather(&ours, Instant::now() + Duration::from_secs(20)),
-        None
-    );
-    drop(writer.join().unwrap());
-
-    // A rank that closes its connection, and a deadline that passes, are failures too.
-    let (ours, mut theirs) = pairs(2);
-    theirs.remove(1);
-    match status::gather(&ours, Instant::now() + Duration::from_secs(20)) {
-        Some((2, why)) => assert!(why.contains("connection closed"), "{why}"),
-        other => panic!("{other:?}"),
-    }
-    let (ours, _theirs) = pairs(1);
-    match status::gather(&ours, Instant::now() + Duration::from_millis(100)) {
-        Some((0, why)) => assert!(why.contains("deadline"), "{why}"),
-        other => panic!("{other:?}"),
-    }
-}
-
-/// What unicasting the table costs rank 0 at 1,024 ranks: the table of 1,024 listeners written
-/// on 1,023 loopback connections, as `form_as_root` does (measured for `docs/benchmarks.md`;
-/// run with `--ignored --nocapture`). Ignored in the suite: it checks nothing the formation
-/// tests do not, and starts 1,023 reader threads to print a time.
-#[test]
-#[ignore = "a measurement, not a check"]
-fn table_unicast_to_1023_ranks() {
-    let (mut ours, theirs) = pairs(1023);
-    let addrs = vec![SocketAddr::from(([127, 0, 0, 1], 4242)); 1024];
-    let readers: Vec<_> = theirs
-        .into_iter()
-        .map(|mut s| {
-            std::thread::Builder::new()
-                .stack_size(64 << 10)
-                .spawn(move || {
-                    let mut b = vec![0u8; wire::TABLE_HEAD_LEN + 1024 * wire::TABLE_ENTRY_LEN];
-                    s.read_exact(&mut b).unwrap();
-                })
-                .unwrap()
-        })
-        .collect();
-    let t = Instant::now();
-    let table = wire::encode_table(7, &addrs);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for s in &mut ours {
-        write_by(s, &table, deadline).unwrap();
-    }
-    let wrote = t.elapsed();
-    for r in readers {
-        r.join().unwrap();
-    }
-    eprintln!(
-        "table of {} bytes to 1023 ranks: written in {wrote:.2?}, all read in {:.2?}",
-        table.len(),
-        t.elapsed()
-    );
-}
-
 /// The lazy entry point forms a lazily configured job (a world of one: no connection at all).
 #[test]
 fn the_lazy_entry_point_forms_a_world_of_one() {
     let cfg = TcpConfig::new(0, 1, "127.0.0.1:1").formation(Formation::Lazy);
     let f = form_lazy(&cfg, Box::new(|_, _| false)).unwrap();
     assert!(f.streams.iter().all(Option::is_none));
+}
+
+/// A dial to a listener that is gone (its rank failed) retries with backoff, asking between
+/// attempts whether another rank has failed the job: it stops at the first such answer, long
+/// before its deadline, with that failure as its error.
+#[test]
+fn a_dial_that_keeps_failing_stops_when_abandoned() {
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    let e = join_listener(
+        addr,
+        &mut || Ok(mesh_hello(2, false)),
+        None,
+        1,
+        t + Duration::from_secs(20),
+        2,
+        "rank 1",
+        &|detail| panic!("gave up instead: {detail}"),
+        &|| {
+            let n = asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            (n >= 1).then(|| DistError::Aborted {
+                rank: 2,
+                op: "init".into(),
+                origin: 1,
+                reason: "rank 1 failed".into(),
+            })
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, DistError::Aborted { origin: 1, .. }), "{e}");
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
