@@ -91,6 +91,7 @@ pub(crate) fn scope<'scope, L: Link, R>(
     let op = || "open an async scope".to_string();
     let entry = occupancy
         .enter(me, SCOPE_KIND, false, op)
+        .map_err(|e| g.link().label_error(e))
         .inspect_err(|e| crate::collectives::abort_all(g, e, None))?;
     let leave = Leave {
         occupancy,
