@@ -233,27 +233,26 @@ impl<R: Link> SubLink<R> {
     fn tag(&self, tag: Tag, op: impl FnOnce() -> String) -> Result<Tag> {
         let raw = tag.to_wire();
         if raw & GROUP_ID_BITS != 0 {
-            return Err(DistError::InvalidArgument {
+            return Err(self.label_in_group(DistError::InvalidArgument {
                 rank: self.me,
                 op: op(),
                 reason: format!(
                     "tag {tag} uses bits 32-62, which carry sub-group ids: use Tag::user(u32)"
                 ),
-            });
+            }));
         }
         Ok(Tag::from_wire(raw | (u64::from(self.id) << 32)))
     }
 
     fn check_rank(&self, r: usize, op: impl FnOnce() -> String) -> Result<usize> {
-        self.members
-            .get(r)
-            .copied()
-            .ok_or_else(|| DistError::InvalidRank {
+        self.members.get(r).copied().ok_or_else(|| {
+            self.label_in_group(DistError::InvalidRank {
                 rank: self.me,
                 op: op(),
                 given: r,
                 world_size: self.members.len(),
             })
+        })
     }
 
     /// Which group this is, for the operation of an error: its label, this rank's group and

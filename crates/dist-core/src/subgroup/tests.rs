@@ -432,6 +432,15 @@ fn tags_with_group_bits_and_ranks_outside_the_group_are_refused() {
                 .unwrap_err();
             assert!(e.to_string().contains("bits 32-62"), "{e}");
             let e = sub.send_tagged(&[1], 3, Tag::user(0)).unwrap_err();
+            let r = g.rank();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {r}: send to 3 (tag 0, 1 bytes) in group {:#x} (rank {r} of 3 = \
+                     backend rank {r}): rank 3 is out of range for world size 3",
+                    sub.link().id()
+                )
+            );
             assert!(
                 matches!(
                     e,
