@@ -102,6 +102,10 @@
 //!
 //! Threads: a group takes calls from one thread at a time; a scope holds its group for as long
 //! as it is open. See [`Collectives`](crate::Collectives) for the rule.
+//!
+//! Outside a scope, [`Collectives::all_reduce_owned`](crate::Collectives::all_reduce_owned)
+//! takes its buffer by value and returns a `Work<'static, Vec<T>>` that borrows nothing: it can
+//! be kept past the call that issued it and waited on anywhere (the backward-hook pattern).
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
