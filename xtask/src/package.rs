@@ -19,10 +19,11 @@ use crate::{cargo, root};
 const EVERY_PACKAGE: [&str; 4] = ["Cargo.toml", "README.md", "LICENSE-MIT", "LICENSE-APACHE"];
 
 /// Files particular packages must carry: what their builds and tests need.
-const CARRIED: [(&str, &str); 6] = [
+const CARRIED: [(&str, &str); 7] = [
     ("dist-nccl-sys", "src/bindings.rs"),
     ("dist-nccl-sys", "cuda-stub/cuda_runtime.h"),
     ("dist-tcp", "tests/common/mod.rs"),
+    ("dist-tcp", "examples/grid.rs"),
     ("dist-hybrid", "examples/train.rs"),
     ("dist-run", "tests/cli.rs"),
     ("dist-run", "src/main.rs"),

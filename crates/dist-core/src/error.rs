@@ -146,7 +146,15 @@ pub enum DistError {
     },
 
     /// Another rank failed a collective and told this one to stop.
-    #[error("rank {rank}: {op} aborted because rank {origin} failed: {reason}")]
+    ///
+    /// In a sub-group's error, `rank` and `origin` are group ranks and `op` names the group
+    /// with the backend ranks beside; where the rank at fault is no member of the group,
+    /// `origin` is its backend rank, `reason` starts with [`DistError::OUTSIDE_GROUP`], and the
+    /// text says "backend rank".
+    #[error(
+        "rank {rank}: {op} aborted because {} failed: {reason}",
+        origin_words(*origin, reason)
+    )]
     Aborted {
         /// The rank reporting.
         rank: usize,
@@ -197,7 +205,21 @@ pub enum DistError {
     },
 }
 
+/// How an abort's text names its origin: a rank of the reporting group, or (where the reason
+/// says it is outside that group) a backend rank.
+fn origin_words(origin: usize, reason: &str) -> String {
+    if reason.starts_with(DistError::OUTSIDE_GROUP) {
+        format!("backend rank {origin}")
+    } else {
+        format!("rank {origin}")
+    }
+}
+
 impl DistError {
+    /// How the reason of a sub-group's [`DistError::Aborted`] begins when the rank at fault is
+    /// no member of the group: its `origin` is then a backend rank (and said so).
+    pub const OUTSIDE_GROUP: &'static str = "(outside this group) ";
+
     /// The same error, its operation said as `context: op` (for an error that names one), so a
     /// low-level wait's error says what it was part of, e.g. "form the group: recv from 0".
     #[must_use]

@@ -3,8 +3,8 @@
 //! messages ([`Tuning`], rank 0's, agreed when the group forms) and the thread a second lane
 //! runs on. The algorithms themselves are in [`crate::collectives`].
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::backend::{Meta, Tag};
@@ -123,6 +123,14 @@ impl Tuning {
 /// a call from a second thread while one is inside fails at once with
 /// [`DistError::ConcurrentUse`]. The rule in full is on [`Collectives`](crate::Collectives).
 pub struct Group<L: Link> {
+    /// The state, shared with the owned async work running on it
+    /// ([`Collectives::all_reduce_owned`](crate::Collectives::all_reduce_owned)), which keeps
+    /// it alive until that work ends.
+    state: Arc<State<L>>,
+}
+
+/// A group's state: the link and what its collectives keep between calls.
+struct State<L: Link> {
     link: L,
     timeout: Duration,
     tuning: Tuning,
@@ -148,8 +156,8 @@ pub struct Group<L: Link> {
     arena_direct_min: AtomicU64,
 }
 
-/// The link is free for another group once this one is gone.
-impl<L: Link> Drop for Group<L> {
+/// The link is free for another group once this one is gone (with the owned work that held it).
+impl<L: Link> Drop for State<L> {
     fn drop(&mut self) {
         self.link.release_group();
     }
@@ -158,9 +166,9 @@ impl<L: Link> Drop for Group<L> {
 impl<L: Link> std::fmt::Debug for Group<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
-            .field("rank", &self.link.rank())
-            .field("world_size", &self.link.world_size())
-            .field("tuning", &self.tuning)
+            .field("rank", &self.state.link.rank())
+            .field("world_size", &self.state.link.world_size())
+            .field("tuning", &self.state.tuning)
             .finish()
     }
 }
@@ -335,7 +343,7 @@ impl<L: Link> Group<L> {
     }
 
     fn assemble(link: L, tuning: Tuning, timeout: Duration) -> Group<L> {
-        Group {
+        let state = State {
             link,
             timeout,
             tuning,
@@ -347,6 +355,17 @@ impl<L: Link> Group<L> {
             occupancy: Occupancy::default(),
             arena_agreed: AtomicU8::new(0),
             arena_direct_min: AtomicU64::new(u64::MAX),
+        };
+        Group {
+            state: Arc::new(state),
+        }
+    }
+
+    /// Another handle on this group, sharing its state (for owned async work, which must keep
+    /// the group alive while it runs, whatever happens to the caller's).
+    pub(crate) fn share(&self) -> Group<L> {
+        Group {
+            state: self.state.clone(),
         }
     }
 
@@ -357,18 +376,18 @@ impl<L: Link> Group<L> {
     /// sizes, which is reported as a mismatch (or a timeout) like any other disagreement.
     pub fn force_all_reduce(&self, algorithm: Option<AllReduceAlgorithm>) {
         let code = algorithm.map_or(0, AllReduceAlgorithm::code);
-        self.forced_all_reduce.store(code, Ordering::Relaxed);
+        self.state.forced_all_reduce.store(code, Ordering::Relaxed);
     }
 
     /// The all_reduce algorithm forced by [`Group::force_all_reduce`], if any.
     pub fn forced_all_reduce(&self) -> Option<AllReduceAlgorithm> {
-        AllReduceAlgorithm::from_code(self.forced_all_reduce.load(Ordering::Relaxed))
+        AllReduceAlgorithm::from_code(self.state.forced_all_reduce.load(Ordering::Relaxed))
     }
 
     /// Whether this group runs its all_reduces on the link's host arena
     /// ([`Link::arena`]): `None` until its first all_reduce, on which the ranks agree.
     pub fn arena_in_use(&self) -> Option<bool> {
-        match self.arena_agreed.load(Ordering::Acquire) {
+        match self.state.arena_agreed.load(Ordering::Acquire) {
             0 => None,
             x => Some(x == 2),
         }
@@ -382,7 +401,7 @@ impl<L: Link> Group<L> {
         if self.arena_in_use() != Some(true) {
             return None;
         }
-        match self.arena_direct_min.load(Ordering::Relaxed) {
+        match self.state.arena_direct_min.load(Ordering::Relaxed) {
             u64::MAX => None,
             b => usize::try_from(b).ok(),
         }
@@ -390,42 +409,43 @@ impl<L: Link> Group<L> {
 
     pub(crate) fn set_arena_agreed(&self, yes: bool, direct_min: Option<usize>) {
         let b = direct_min.map_or(u64::MAX, |b| b as u64);
-        self.arena_direct_min.store(b, Ordering::Relaxed);
+        self.state.arena_direct_min.store(b, Ordering::Relaxed);
         // The release publishes `arena_direct_min` with the agreement.
-        self.arena_agreed
+        self.state
+            .arena_agreed
             .store(if yes { 2 } else { 1 }, Ordering::Release);
     }
 
     /// The link the group moves its bytes over.
     pub fn link(&self) -> &L {
-        &self.link
+        &self.state.link
     }
 
     /// How the group's collectives cut their messages (rank 0's tuning).
     pub fn tuning(&self) -> Tuning {
-        self.tuning
+        self.state.tuning
     }
 
     /// The collectives' default timeout.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.state.timeout
     }
 
     /// Which thread is inside a call on this group, and its async work
     /// ([`crate::work`]).
     pub(crate) fn occupancy(&self) -> &Occupancy {
-        &self.occupancy
+        &self.state.occupancy
     }
 
     /// The number of the collective this rank starts now (0 for the first).
     pub(crate) fn next_seq(&self) -> u64 {
-        self.seq.fetch_add(1, Ordering::Relaxed)
+        self.state.seq.fetch_add(1, Ordering::Relaxed)
     }
 
     /// The number (from 1, as abort notices name calls) of the collective this rank would
     /// start next.
     pub(crate) fn next_number(&self) -> u64 {
-        self.seq.load(Ordering::Relaxed) + 1
+        self.state.seq.load(Ordering::Relaxed) + 1
     }
 
     /// Tells every rank that this rank's operation on `tag` failed with `reason` (caused by
@@ -437,10 +457,10 @@ impl<L: Link> Group<L> {
     /// A `culprit` that is no rank of the group is refused with [`DistError::InvalidRank`]
     /// before anything is recorded or sent.
     pub fn abort(&self, tag: Tag, reason: &str, culprit: Option<usize>) -> Result<()> {
-        let size = self.link.world_size();
+        let size = self.state.link.world_size();
         if let Some(c) = culprit.filter(|&c| c >= size) {
             return Err(DistError::InvalidRank {
-                rank: self.link.rank(),
+                rank: self.state.link.rank(),
                 op: format!("abort on tag {tag} naming rank {c} at fault"),
                 given: c,
                 world_size: size,
@@ -459,8 +479,8 @@ impl<L: Link> Group<L> {
         reason: &str,
         culprit: Option<usize>,
     ) {
-        if !self.abort_sent.swap(true, Ordering::AcqRel) {
-            self.link.abort(tag, call, reason, culprit);
+        if !self.state.abort_sent.swap(true, Ordering::AcqRel) {
+            self.state.link.abort(tag, call, reason, culprit);
         }
     }
 
@@ -473,8 +493,8 @@ impl<L: Link> Group<L> {
         if rayon::current_thread_index().is_some() {
             return run_beside_scoped(first, second);
         }
-        let me = self.link.rank();
-        let pool = self.lane.get_or_init(|| {
+        let me = self.state.link.rank();
+        let pool = self.state.lane.get_or_init(|| {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(1)
                 .thread_name(move |_| format!("dist-lane-{me}"))
@@ -498,8 +518,9 @@ impl<L: Link> Group<L> {
         if threads <= 1 || rayon::current_thread_index().is_some() {
             return None;
         }
-        let me = self.link.rank();
-        self.helpers
+        let me = self.state.link.rank();
+        self.state
+            .helpers
             .get_or_init(|| {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(threads - 1)

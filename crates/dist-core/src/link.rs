@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::arena::HostArena;
 use crate::backend::{Meta, Tag};
-use crate::error::Result;
+use crate::error::{DistError, Result};
 use crate::flight::FlightRecorder;
 use crate::subgroup::GROUP_ID_BITS;
 
@@ -131,6 +131,14 @@ pub trait Link: Send + Sync {
     /// the group then agrees, on its first all_reduce, whether to use it.
     fn arena(&self) -> Option<&dyn HostArena> {
         None
+    }
+
+    /// An error of a call of this link's group, said the way the layer above wants it: a
+    /// sub-group's link ([`SubLink`](crate::SubLink)) names the group and gives the backend
+    /// ranks beside its own. The collectives pass every error they return through it. The same
+    /// error by default.
+    fn label_error(&self, e: DistError) -> DistError {
+        e
     }
 }
 
@@ -256,6 +264,10 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
 
     fn arena(&self) -> Option<&dyn HostArena> {
         (**self).arena()
+    }
+
+    fn label_error(&self, e: DistError) -> DistError {
+        (**self).label_error(e)
     }
 }
 

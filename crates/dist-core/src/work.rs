@@ -102,6 +102,10 @@
 //!
 //! Threads: a group takes calls from one thread at a time; a scope holds its group for as long
 //! as it is open. See [`Collectives`](crate::Collectives) for the rule.
+//!
+//! Outside a scope, [`Collectives::all_reduce_owned`](crate::Collectives::all_reduce_owned)
+//! takes its buffer by value and returns a `Work<'static, Vec<T>>` that borrows nothing: it can
+//! be kept past the call that issued it and waited on anywhere (the backward-hook pattern).
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -110,9 +114,11 @@ use std::time::{Duration, Instant};
 use crate::error::{DistError, Result};
 
 mod occupancy;
+mod owned;
 mod scope;
 
 pub(crate) use occupancy::Occupancy;
+pub(crate) use owned::all_reduce_owned;
 
 thread_local! {
     /// Set on the threads that run a group's async work.
@@ -227,18 +233,29 @@ impl<R: Send> Issued for Slot<R> {
     }
 }
 
-/// A handle to one piece of async work issued in a [`Scope`]: a collective, a send or a
-/// receive. [`Work::wait`] gives its result (for work that fills a buffer, the buffer back);
-/// its error, if it failed, comes from there too.
+/// A handle to one piece of async work: a collective, a send or a receive issued in a
+/// [`Scope`], or owned work
+/// ([`Collectives::all_reduce_owned`](crate::Collectives::all_reduce_owned)).
+/// [`Work::wait`] gives its result (for work that fills a buffer, the buffer back); its error,
+/// if it failed, comes from there too.
 ///
-/// Dropping a handle whose work has not ended **waits** for the work to end (nothing is
-/// cancelled: the other ranks are part of the same collective). The result of a dropped
-/// handle's work is not lost: if it failed and nobody took the error, the scope returns it.
-/// Leaking a handle (`mem::forget`) is safe: its work still runs, and its scope waits for it.
-/// `'s` is the scope's own lifetime: a handle cannot outlive its scope.
+/// A scope's work: dropping a handle whose work has not ended **waits** for the work to end
+/// (nothing is cancelled: the other ranks are part of the same collective). The result of a
+/// dropped handle's work is not lost: if it failed and nobody took the error, the scope
+/// returns it. Leaking a handle (`mem::forget`) is safe: its work still runs, and its scope
+/// waits for it. `'s` is the scope's own lifetime: a handle cannot outlive its scope.
+///
+/// Owned work (`Work<'static, Vec<T>>`): the work owns its buffer and a share of its group, so
+/// the handle borrows nothing and may be kept anywhere. Dropping it unwaited neither waits nor
+/// cancels: the work runs to its end (its deadline bounds it) and frees the buffer then; a
+/// failure is not lost, since it aborts the group as any collective's does, and the group's
+/// next call reports it.
 #[must_use = "work runs to its end whatever happens to the handle; wait on it for its result"]
 pub struct Work<'s, R = ()> {
     slot: Option<Arc<Slot<R>>>,
+    /// Whether dropping the handle waits for the work (a scope's work, whose buffers are
+    /// borrowed) or lets it run on (owned work, which owns what it uses).
+    wait_on_drop: bool,
     _scope: PhantomData<&'s ()>,
 }
 
@@ -254,6 +271,16 @@ impl<'s, R> Work<'s, R> {
     pub(crate) fn new(slot: Arc<Slot<R>>) -> Work<'s, R> {
         Work {
             slot: Some(slot),
+            wait_on_drop: true,
+            _scope: PhantomData,
+        }
+    }
+
+    /// A handle whose drop does not wait: for owned work.
+    pub(crate) fn detached(slot: Arc<Slot<R>>) -> Work<'s, R> {
+        Work {
+            slot: Some(slot),
+            wait_on_drop: false,
             _scope: PhantomData,
         }
     }
@@ -294,8 +321,11 @@ impl<'s, R> Work<'s, R> {
 }
 
 impl<R> Drop for Work<'_, R> {
-    /// Waits for the work to end (see [`Work`]).
+    /// Waits for a scope's work to end; lets owned work run on (see [`Work`]).
     fn drop(&mut self) {
+        if !self.wait_on_drop {
+            return;
+        }
         if let Some(slot) = self.slot.take() {
             let mut st = slot.wait_until(None);
             // A success nobody will take is done with: marked taken, so that the scope prunes
@@ -312,3 +342,5 @@ impl<R> Drop for Work<'_, R> {
 mod tests;
 #[cfg(test)]
 mod tests_concurrency;
+#[cfg(test)]
+mod tests_owned;

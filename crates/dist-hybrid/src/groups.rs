@@ -60,6 +60,25 @@ where
         self.with_sub_nccl(host)
     }
 
+    /// [`HybridBackend::split`], the group named `name` in its host errors, as
+    /// [`Subgroups::split_named`] names a TCP group.
+    pub fn split_named(
+        &self,
+        color: Option<u32>,
+        key: i64,
+        name: &str,
+    ) -> Result<Option<HybridGroup>> {
+        let host = self.tcp.split_named(color, key, name)?;
+        self.with_sub_nccl(host)
+    }
+
+    /// [`HybridBackend::new_group`], the group named `name` in its host errors, as
+    /// [`Subgroups::new_group_named`] names a TCP group.
+    pub fn new_group_named(&self, ranks: &[usize], name: &str) -> Result<Option<HybridGroup>> {
+        let host = self.tcp.new_group_named(ranks, name)?;
+        self.with_sub_nccl(host)
+    }
+
     /// The group for `host` (this rank's TCP group, if it has one), with the NCCL
     /// sub-communicator split from this one's. Every rank here calls it after the TCP split,
     /// which every rank passed (or failed on) alike.

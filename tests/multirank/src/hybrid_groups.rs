@@ -84,17 +84,22 @@ pub fn grid() -> Result<(), String> {
     let (row, col) = (me / 2, me % 2);
     // Keys reverse the rows' order: row rank 0 is the higher world rank.
     let rows = h
-        .split(Some(row as u32), -(me as i64))
+        .split_named(Some(row as u32), -(me as i64), "row")
         .unwrap_or_else(|e| panic!("{e}"))
         .expect("every rank has a row");
+    // The name reaches the host group, whose errors use it.
+    assert_eq!(rows.tcp().link().name(), Some("row"));
     let row_mates = [row * 2 + 1, row * 2];
     let mut cols = None;
     for c in 0..2 {
-        let g = h.new_group(&[c, c + 2]).unwrap_or_else(|e| panic!("{e}"));
+        let g = h
+            .new_group_named(&[c, c + 2], "col")
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(g.is_some(), c == col, "new_group({c}) on rank {me}");
         cols = cols.or(g);
     }
     let cols = cols.expect("every rank is in its column");
+    assert_eq!(cols.tcp().link().label(), "\"col\"");
     let col_mates = [col, col + 2];
     assert!(rows.nccl().is_none() && rows.why_no_nccl().is_some());
     for (g, mates) in [(&rows, &row_mates[..]), (&cols, &col_mates[..])] {

@@ -340,6 +340,7 @@ pub(super) fn run<L: Link, T: Element, R>(
     {
         Ok(entry) => entry,
         Err(e) => {
+            let e = g.link().label_error(e);
             // The other ranks must not wait for this call, and the call inside this group
             // may be matched against this one elsewhere: every rank stops.
             abort_all(g, &e, None);
@@ -349,6 +350,7 @@ pub(super) fn run<L: Link, T: Element, R>(
     let r = run_entered::<L, T, R>(g, timeout, what, described, f);
     if g.occupancy().leave(entry) && r.is_ok() {
         let e = crate::work::Occupancy::refused_meanwhile(me, described(0).describe());
+        let e = g.link().label_error(e);
         abort_all(g, &e, None);
         return Err(e);
     }
@@ -383,7 +385,9 @@ fn run_entered<L: Link, T: Element, R>(
         };
         (f, f.begin(info, OpState::Started))
     });
-    let r = run_call(g, desc, seq + 1, timeout, f);
+    // Said the way the link says its errors (a sub-group names itself) before anything else
+    // sees them: the record, the abort sent to the other ranks, the caller.
+    let r = run_call(g, desc, seq + 1, timeout, f).map_err(|e| g.link().label_error(e));
     if let Some((f, e)) = entry {
         f.finish(
             e,

@@ -153,6 +153,9 @@ pub trait Transport: Backend {
 /// - A thread that has a scope open on the group may still call blocking collectives on it:
 ///   such a call runs after the async collectives the thread has queued (issue order), on the
 ///   calling thread.
+/// - Owned work ([`Collectives::all_reduce_owned`]) is a call of the thread that issues it and
+///   holds the group for that thread until it ends: the thread's later collectives run after
+///   it (a blocking one waits for it), another thread's are refused as above.
 /// - Different groups (a backend and its sub-groups, say) are independent: one thread each
 ///   may call at once.
 ///
@@ -179,6 +182,60 @@ pub trait Collectives: Transport {
     /// Reduces `data` over all ranks with `op`, in place: every rank ends with the result.
     fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         ops::all_reduce(self.group(), self.default_timeout(), data, op)
+    }
+
+    /// [`Collectives::all_reduce`], async, on a buffer the work owns: returns at once, and
+    /// [`Work::wait`](crate::Work::wait) gives `data` back reduced. The handle borrows nothing
+    /// (neither a [`scope`](Collectives::scope) nor this backend), so it can be kept anywhere
+    /// and waited on later, from any thread: the backward-hook pattern, a bucket's reduction
+    /// started as soon as its gradients are ready and waited for at the optimizer step.
+    ///
+    /// Order: owned work is a collective call of the thread that issues it, in issue order.
+    /// It runs on the group's async thread, after the work queued before it; a later
+    /// collective of the same thread (blocking, a scope, more owned work) comes after it, a
+    /// blocking one waiting until the owned work has ended. Every rank must issue its owned
+    /// and blocking collectives in the same order, as for blocking calls. The group takes
+    /// calls from one thread at a time, and owned work holds the group for its thread until it
+    /// ends: a collective of another thread meanwhile fails at once with
+    /// [`DistError::ConcurrentUse`](crate::DistError::ConcurrentUse) and aborts the group
+    /// (see [Threads](Collectives#threads)); so does owned work issued while another thread is
+    /// inside a call (its handle gives the error). Waiting on the handle is not a call: any
+    /// thread may.
+    ///
+    /// Dropping the handle unwaited does not wait: the work runs to its end (each run has the
+    /// backend's default timeout, from when it starts) and frees the buffer then; a failure
+    /// aborts the group, so the next call reports it. On an error the buffer is dropped.
+    /// Issued inside an open scope of this thread, the scope's end waits for it. The work keeps
+    /// the group's state alive; if the backend itself is dropped first, its connections close
+    /// and the work fails.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use dist_core::testing::run_group;
+    /// use dist_core::{Backend, Collectives, ReduceOp, Tuning, Work};
+    ///
+    /// let out = run_group(2, |_| Tuning::default(), Duration::from_secs(10), |g| {
+    ///     // Started bucket by bucket (as each one's gradients are ready) ...
+    ///     let pending: Vec<Work<'static, Vec<f32>>> = (0..3)
+    ///         .map(|k| g.all_reduce_owned(vec![(g.rank() + k) as f32; 4], ReduceOp::Sum))
+    ///         .collect();
+    ///     // ... and waited for later (the optimizer step).
+    ///     for (k, w) in pending.into_iter().enumerate() {
+    ///         assert_eq!(w.wait()?, vec![(1 + 2 * k) as f32; 4]);
+    ///     }
+    ///     Ok(())
+    /// });
+    /// assert!(out.into_iter().all(|r| r.is_ok()));
+    /// ```
+    fn all_reduce_owned<T: Element>(
+        &self,
+        data: Vec<T>,
+        op: ReduceOp,
+    ) -> crate::Work<'static, Vec<T>>
+    where
+        Self::Link: 'static,
+    {
+        crate::work::all_reduce_owned(self.group(), self.default_timeout(), data, op)
     }
 
     /// [`Collectives::all_reduce`] out of place: `output` gets the reduction of every rank's

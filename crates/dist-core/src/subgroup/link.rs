@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::backend::{Meta, Tag};
 use crate::error::{DistError, Result};
-use crate::flight::{FlightRecorder, rank_list};
+use crate::flight::FlightRecorder;
 use crate::link::{Link, PostedRecv};
 
 /// The bits of a tag's wire form that carry a sub-group's id (bits 32–62): user tags
@@ -103,7 +103,10 @@ impl SplitLink for crate::testing::MemLink {
 /// ([`GROUP_ID_BITS`]), so messages of two groups that share ranks never meet.
 ///
 /// Errors name group ranks (their `rank`, `peer` and `origin`), and their operation says which
-/// group and which link ranks it has. An abort notice of the root link (a failure in this
+/// group it is (its name, given at [`Subgroups::split_named`](crate::Subgroups::split_named) or
+/// [`Subgroups::new_group_named`](crate::Subgroups::new_group_named), else its id) and the
+/// backend rank of each group rank it names:
+/// `all_reduce(f32 x 4, sum) in group "tensor" (rank 1 of 2 = backend rank 3; peer 0 = backend rank 2)`. An abort notice of the root link (a failure in this
 /// group, in another group, or on the root's own collectives) aborts every group over it: see
 /// [`SubLink::abort`].
 ///
@@ -115,6 +118,8 @@ pub struct SubLink<R: Link> {
     /// `members[r]`: the root rank of group rank `r`.
     members: Vec<usize>,
     me: usize,
+    /// The name errors give the group, if the caller gave one.
+    name: Option<String>,
     flight: FlightRecorder,
     /// A group runs over this link ([`Link::claim_group`]).
     group_claimed: std::sync::atomic::AtomicBool,
@@ -181,6 +186,7 @@ impl<R: Link> SubLink<R> {
             id,
             members,
             me,
+            name: None,
             flight: FlightRecorder::new(SUB_FLIGHT_CAPACITY),
             group_claimed: std::sync::atomic::AtomicBool::new(false),
             _live: live,
@@ -190,6 +196,27 @@ impl<R: Link> SubLink<R> {
     /// The group's id, as its tags carry it.
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// The link named `name` in its errors (or by its id, for `None`).
+    pub(crate) fn named(mut self, name: Option<&str>) -> SubLink<R> {
+        self.name = name.map(str::to_owned);
+        self
+    }
+
+    /// The name given at [`Subgroups::split_named`](crate::Subgroups::split_named) or
+    /// [`Subgroups::new_group_named`](crate::Subgroups::new_group_named), if one was.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The group as its errors name it: its name in quotes (`"tensor"`, escaped as Rust
+    /// escapes a string), else its id (`0x9`).
+    pub fn label(&self) -> String {
+        match &self.name {
+            Some(n) => format!("{n:?}"),
+            None => format!("{:#x}", self.id),
+        }
     }
 
     /// The root ranks of the group's ranks: `members()[r]` is group rank `r`.
@@ -206,53 +233,83 @@ impl<R: Link> SubLink<R> {
     fn tag(&self, tag: Tag, op: impl FnOnce() -> String) -> Result<Tag> {
         let raw = tag.to_wire();
         if raw & GROUP_ID_BITS != 0 {
-            return Err(DistError::InvalidArgument {
+            return Err(self.label_in_group(DistError::InvalidArgument {
                 rank: self.me,
                 op: op(),
                 reason: format!(
                     "tag {tag} uses bits 32-62, which carry sub-group ids: use Tag::user(u32)"
                 ),
-            });
+            }));
         }
         Ok(Tag::from_wire(raw | (u64::from(self.id) << 32)))
     }
 
     fn check_rank(&self, r: usize, op: impl FnOnce() -> String) -> Result<usize> {
-        self.members
-            .get(r)
-            .copied()
-            .ok_or_else(|| DistError::InvalidRank {
+        self.members.get(r).copied().ok_or_else(|| {
+            self.label_in_group(DistError::InvalidRank {
                 rank: self.me,
                 op: op(),
                 given: r,
                 world_size: self.members.len(),
             })
+        })
     }
 
-    /// Which group this is, for the operation of an error.
-    fn context(&self) -> String {
-        let list = if self.members.len() <= 16 {
-            rank_list(&self.members)
-        } else {
-            format!("{} ranks", self.members.len())
-        };
-        format!(
-            "in group {:#x} (rank {} of {}; link {list})",
-            self.id,
+    /// Which group this is, for the operation of an error: its label, this rank's group and
+    /// backend rank, and the backend rank of `other` (a group rank the error names, with the
+    /// word the error uses for it: "peer", "rank").
+    fn context(&self, other: Option<(&str, usize)>) -> String {
+        let mut s = format!(
+            "in group {} (rank {} of {} = backend rank {}",
+            self.label(),
             self.me,
-            self.members.len()
-        )
+            self.members.len(),
+            self.members[self.me]
+        );
+        if let Some((word, r)) = other
+            && let Some(b) = self.members.get(r)
+        {
+            s.push_str(&format!("; {word} {r} = backend rank {b}"));
+        }
+        s.push(')');
+        s
     }
 
-    /// A root abort's origin as a group rank, with the reason saying so when it is none.
+    /// A root abort's origin as a group rank, or, for one outside the group, its root rank with
+    /// the reason saying so ([`DistError::OUTSIDE_GROUP`]).
     fn origin(&self, origin: usize, reason: String) -> (usize, String) {
         match self.group_rank(origin) {
             Some(r) => (r, reason),
-            None => (
-                origin,
-                format!("(rank {origin} of the link, outside this group) {reason}"),
-            ),
+            None if reason.starts_with(DistError::OUTSIDE_GROUP) => (origin, reason),
+            None => (origin, format!("{}{reason}", DistError::OUTSIDE_GROUP)),
         }
+    }
+
+    /// `e`, an error in this group's ranks, with its operation naming the group and the
+    /// backend ranks of the group ranks it names (unless it does already).
+    fn label_in_group(&self, e: DistError) -> DistError {
+        let other = match &e {
+            DistError::Timeout { peer, .. }
+            | DistError::PeerGone { peer, .. }
+            | DistError::PeerUnresponsive { peer, .. }
+            | DistError::SizeMismatch { peer, .. }
+            | DistError::CollectiveMismatch { peer, .. } => Some(("peer", *peer)),
+            DistError::Aborted { origin, reason, .. }
+                if !reason.starts_with(DistError::OUTSIDE_GROUP) =>
+            {
+                Some(("rank", *origin))
+            }
+            _ => None,
+        };
+        let context = self.context(other);
+        let mark = format!("in group {} (", self.label());
+        e.map_op(|op| {
+            if op.contains(&mark) {
+                op.to_string()
+            } else {
+                format!("{op} {context}")
+            }
+        })
     }
 
     /// An error of the root link, said in this group's ranks, its operation `what` (this
@@ -260,8 +317,8 @@ impl<R: Link> SubLink<R> {
     fn to_group(&self, e: DistError, what: &str) -> DistError {
         let me = self.me;
         let peer_of = |p: usize| self.group_rank(p).unwrap_or(p);
-        let op = |_root_op: String| format!("{what} {}", self.context());
-        match e {
+        let op = |_root_op: String| what.to_string();
+        let e = match e {
             DistError::Timeout {
                 op: o,
                 peer,
@@ -338,7 +395,8 @@ impl<R: Link> SubLink<R> {
                 reason,
             },
             other => other.map_op(|o| op(o.to_string())),
-        }
+        };
+        self.label_in_group(e)
     }
 }
 
@@ -452,7 +510,13 @@ impl<R: Link> Link for SubLink<R> {
             Some((origin, first, named)) => self.root.abort(wire, named, &first, Some(origin)),
             None => {
                 let culprit = culprit.and_then(|c| self.members.get(c).copied());
-                let reason = format!("{} {reason}", self.context());
+                // The reason names this group (the collectives' errors do already).
+                let mark = format!("in group {} (", self.label());
+                let reason = if reason.contains(&mark) {
+                    reason.to_string()
+                } else {
+                    format!("{} {reason}", self.context(None))
+                };
                 self.root.abort(wire, call, &reason, culprit)
             }
         }
@@ -493,6 +557,10 @@ impl<R: Link> Link for SubLink<R> {
 
     fn flight(&self) -> Option<&FlightRecorder> {
         Some(&self.flight)
+    }
+
+    fn label_error(&self, e: DistError) -> DistError {
+        self.label_in_group(e)
     }
 }
 

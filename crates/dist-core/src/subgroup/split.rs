@@ -152,7 +152,24 @@ pub trait Subgroups: Transport<Link: SplitLink> {
             Some(c) => (COLORED, c),
             None => (0, 0),
         };
-        divide(self.group(), SPLIT, flags, color, key, 0, None)
+        divide(self.group(), SPLIT, flags, color, key, 0, None, None)
+    }
+
+    /// [`Subgroups::split`], the group named `name` in its errors
+    /// (`all_reduce(f32 x 4, sum) in group "tensor" (rank 1 of 2 = backend rank 3)`) and by
+    /// [`SubLink::name`]. The name is this rank's label for the group, not compared between
+    /// ranks: give every member the same. Unnamed groups are named by their id (`0x9`).
+    fn split_named(
+        &self,
+        color: Option<u32>,
+        key: i64,
+        name: &str,
+    ) -> Result<Option<SubGroup<<Self::Link as SplitLink>::Root>>> {
+        let (flags, color) = match color {
+            Some(c) => (COLORED, c),
+            None => (0, 0),
+        };
+        divide(self.group(), SPLIT, flags, color, key, 0, None, Some(name))
     }
 
     /// PyTorch's `new_group`: every rank of the parent passes the same list of distinct parent
@@ -165,7 +182,29 @@ pub trait Subgroups: Transport<Link: SplitLink> {
         &self,
         ranks: &[usize],
     ) -> Result<Option<SubGroup<<Self::Link as SplitLink>::Root>>> {
-        let g = self.group();
+        new_group(self.group(), ranks, None)
+    }
+
+    /// [`Subgroups::new_group`], the group named `name` in its errors, as
+    /// [`Subgroups::split_named`] names it.
+    fn new_group_named(
+        &self,
+        ranks: &[usize],
+        name: &str,
+    ) -> Result<Option<SubGroup<<Self::Link as SplitLink>::Root>>> {
+        new_group(self.group(), ranks, Some(name))
+    }
+}
+
+impl<T: Transport<Link: SplitLink> + ?Sized> Subgroups for T {}
+
+/// [`Subgroups::new_group`] over `g`, the group named `name`.
+fn new_group<L: SplitLink>(
+    g: &Group<L>,
+    ranks: &[usize],
+    name: Option<&str>,
+) -> Result<Option<SubGroup<L::Root>>> {
+    {
         let (me, n) = (g.link().rank(), g.link().world_size());
         let problem = list_problem(ranks, n);
         let position = ranks.iter().position(|&r| r == me);
@@ -176,14 +215,14 @@ pub trait Subgroups: Transport<Link: SplitLink> {
         if problem.is_some() {
             flags |= BAD_LIST;
         }
-        divide(g, NEW_GROUP, flags, 0, key, digest(ranks), problem)
+        divide(g, NEW_GROUP, flags, 0, key, digest(ranks), problem, name)
     }
 }
 
-impl<T: Transport<Link: SplitLink> + ?Sized> Subgroups for T {}
-
 /// The split itself: one all_gather of records over `g`, one of whether each rank's group id is
-/// live there already, then every rank's group, or the error every rank gives.
+/// live there already, then every rank's group (named `group_name` in its errors), or the error
+/// every rank gives.
+#[allow(clippy::too_many_arguments)] // one record's fields, the caller's problem and the name
 fn divide<L: SplitLink>(
     g: &Group<L>,
     call: [u8; 4],
@@ -192,6 +231,7 @@ fn divide<L: SplitLink>(
     key: i64,
     digest: u64,
     problem: Option<String>,
+    group_name: Option<&str>,
 ) -> Result<Option<SubGroup<L::Root>>> {
     let link = g.link();
     let (me, n) = (link.rank(), link.world_size());
@@ -306,7 +346,7 @@ fn divide<L: SplitLink>(
         .position(|&r| r == me)
         .expect("this rank has its own color");
     let roots: Vec<usize> = members.iter().map(|&r| link.root_rank(r)).collect();
-    let sub = SubLink::reserved(root.clone(), id, live, roots, sub_me)?;
+    let sub = SubLink::reserved(root.clone(), id, live, roots, sub_me)?.named(group_name);
     Group::form(sub, g.tuning(), g.timeout())
         .map(Some)
         .map_err(|e| e.with_op(name))

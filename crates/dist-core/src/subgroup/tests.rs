@@ -324,16 +324,99 @@ fn a_dead_member_is_named_by_its_group_rank() {
             }
             let Some(sub) = sub else { return Ok(None) };
             let mut x = [0u8; 4];
-            Ok(Some(sub.recv_tagged(&mut x, 0, Tag::user(1)).unwrap_err()))
+            let e = sub.recv_tagged(&mut x, 0, Tag::user(1)).unwrap_err();
+            Ok(Some((sub.link().id(), e)))
         },
     );
     match got[1].as_ref().unwrap() {
-        Some(DistError::PeerGone { rank, peer, op, .. }) => {
+        Some((id, e @ DistError::PeerGone { rank, peer, .. })) => {
             assert_eq!((*rank, *peer), (1, 0));
-            assert!(op.contains("rank 1 of 2; link ranks 1, 3"), "{op}");
+            // Unnamed: the group is named by its id.
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank 1: peer 0 gone during recv from 0 (tag 1, 4 bytes) in group {id:#x} \
+                     (rank 1 of 2 = backend rank 1; peer 0 = backend rank 3): the rank died \
+                     (in-memory link)"
+                )
+            );
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// 4 ranks as a 2 x 2 grid of named groups, "data" {0, 2}, {1, 3} and "tensor" {0, 1},
+/// {2, 3}; rank 3 dies. Every text names the group, gives backend ranks beside group ranks,
+/// and an abort whose origin is outside the group says "backend rank".
+#[test]
+fn errors_name_the_group_and_give_backend_ranks_beside_group_ranks() {
+    let all_out = std::sync::Barrier::new(4);
+    let got = run_group(
+        4,
+        |_| Tuning::default(),
+        Duration::from_secs(5),
+        |g| {
+            let me = g.rank();
+            let data = g.split_named(Some(me as u32 % 2), 0, "data")?.unwrap();
+            let tensor = g.split_named(Some(me as u32 / 2), 0, "tensor")?.unwrap();
+            assert_eq!(data.link().name(), Some("data"));
+            assert_eq!(tensor.link().label(), "\"tensor\"");
+            all_out.wait();
+            let mut x = [1u32];
+            match me {
+                3 => {
+                    g.link().kill();
+                    Ok(vec![])
+                }
+                1 => {
+                    // Data rank 0, with the dead rank as its data rank 1.
+                    let first = data.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                    let again = data.barrier().unwrap_err();
+                    let other = tensor.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                    Ok(vec![first, again, other])
+                }
+                0 => Ok(vec![tensor.all_reduce(&mut x, ReduceOp::Sum).unwrap_err()]),
+                _ => Ok(vec![]),
+            }
+        },
+    );
+    let got = ok(got);
+    let first = "rank 0: peer 1 gone during all_reduce(u32 x 1, sum) in group \"data\" (rank 0 of \
+                 2 = backend rank 1; peer 1 = backend rank 3): the rank died (in-memory link)";
+    let texts: Vec<String> = got[1].iter().map(ToString::to_string).collect();
+    assert_eq!(texts[0], first);
+    assert_eq!(
+        texts[1],
+        format!(
+            "rank 0: barrier in group \"data\" (rank 0 of 2 = backend rank 1; rank 1 = backend \
+             rank 3) aborted because rank 1 failed: {first}"
+        )
+    );
+    let outside = format!("aborted because backend rank 3 failed: (outside this group) {first}");
+    assert_eq!(
+        texts[2],
+        format!(
+            "rank 1: all_reduce(u32 x 1, sum) in group \"tensor\" (rank 1 of 2 = backend rank 1) \
+             {outside}"
+        )
+    );
+    assert_eq!(
+        got[0][0].to_string(),
+        format!(
+            "rank 0: all_reduce(u32 x 1, sum) in group \"tensor\" (rank 0 of 2 = backend rank 0) \
+             {outside}"
+        )
+    );
+    // The fields: group ranks, and the backend rank where the origin is outside.
+    assert!(matches!(
+        got[1][1],
+        DistError::Aborted {
+            rank: 0,
+            origin: 1,
+            ..
+        }
+    ));
+    assert!(matches!(got[0][0], DistError::Aborted { origin: 3, .. }));
 }
 
 #[test]
@@ -349,6 +432,15 @@ fn tags_with_group_bits_and_ranks_outside_the_group_are_refused() {
                 .unwrap_err();
             assert!(e.to_string().contains("bits 32-62"), "{e}");
             let e = sub.send_tagged(&[1], 3, Tag::user(0)).unwrap_err();
+            let r = g.rank();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "rank {r}: send to 3 (tag 0, 1 bytes) in group {:#x} (rank {r} of 3 = \
+                     backend rank {r}): rank 3 is out of range for world size 3",
+                    sub.link().id()
+                )
+            );
             assert!(
                 matches!(
                     e,

@@ -7,6 +7,13 @@
 //! it leaves, and fails too. A call from the thread that holds the group through a scope waits
 //! until the scope's queued work has run, then runs (issue order). The work a scope queues runs
 //! on the group's executor threads, under the scope's claim.
+//!
+//! Owned work ([`Collectives::all_reduce_owned`](crate::Collectives::all_reduce_owned)) claims
+//! the group for the thread that issues it, as a call of kind [`OWNED_KIND`], and keeps the
+//! claim until the last owned work queued has ended (the count and the release under one
+//! lock, so that an issue and the last end never cross). A later call of the same thread
+//! waits for that (issue order) and claims the group afresh; one of another thread meanwhile is
+//! refused, as any call is while another thread's is inside.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +24,9 @@ use crate::error::{DistError, Result};
 
 /// The kind code that marks a scope in the occupant word (no collective has it).
 pub(crate) const SCOPE_KIND: u8 = 0xff;
+
+/// The kind code that marks owned work in the occupant word (no collective has it).
+pub(crate) const OWNED_KIND: u8 = 0xfe;
 
 /// Bits of the occupant word below the token: the kind (8) and the refused mark (1).
 const TOKEN_SHIFT: u32 = 9;
@@ -75,7 +85,7 @@ pub(crate) struct Occupancy {
     /// `token << 9 | kind << 1 | refused`, 0 when no call is inside.
     word: AtomicU64,
     /// Async collectives queued and not yet finished.
-    pending: Mutex<usize>,
+    pending: Mutex<Pending>,
     drained: Condvar,
     executors: OnceLock<std::result::Result<Executors, String>>,
 }
@@ -88,15 +98,27 @@ impl std::fmt::Debug for Occupancy {
     }
 }
 
+/// The async collectives queued on a group and not yet finished.
+#[derive(Default)]
+struct Pending {
+    /// All of them: a scope's and owned work.
+    all: usize,
+    /// Owned work: while there is some, the group is claimed for it.
+    owned: usize,
+}
+
 fn kind_text(code: u8) -> &'static str {
     if code == SCOPE_KIND {
         return "an async scope (its queued work)";
+    }
+    if code == OWNED_KIND {
+        return "owned async work (queued, not yet ended)";
     }
     Kind::from_code(code).map_or("a collective", Kind::name)
 }
 
 impl Occupancy {
-    fn lock_pending(&self) -> MutexGuard<'_, usize> {
+    fn lock_pending(&self) -> MutexGuard<'_, Pending> {
         // Only counts are updated under the lock; a panic leaves it whole.
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -134,6 +156,14 @@ impl Occupancy {
                         detail: format!("another thread is inside {other} on this group"),
                     });
                 }
+                Err(now)
+                    if now >> TOKEN_SHIFT == me && (now >> 1) & 0xff == u64::from(OWNED_KIND) =>
+                {
+                    // This thread's owned work holds the group: this call comes after it
+                    // (issue order), and then claims the group as any call does.
+                    self.wait_drained();
+                    cur = 0;
+                }
                 Err(now) if now >> TOKEN_SHIFT == me => {
                     if drain {
                         self.wait_drained();
@@ -167,14 +197,65 @@ impl Occupancy {
 
     /// One more async collective is queued.
     pub(crate) fn queued(&self) {
-        *self.lock_pending() += 1;
+        self.lock_pending().all += 1;
     }
 
     /// An async collective has finished.
     pub(crate) fn finished(&self) {
         let mut p = self.lock_pending();
-        *p = p.saturating_sub(1);
-        if *p == 0 {
+        p.all = p.all.saturating_sub(1);
+        if p.all == 0 {
+            self.drained.notify_all();
+        }
+    }
+
+    /// Queues one piece of owned work of this thread's: claims the group for it (or finds this
+    /// thread holding it: its owned work, or its open scope), counted until
+    /// [`Occupancy::owned_finished`]. Fails at once with [`DistError::ConcurrentUse`] when
+    /// another thread holds it, marking the word so that the holder fails too.
+    pub(crate) fn owned_queued(&self, rank: usize, op: impl FnOnce() -> String) -> Result<()> {
+        let mut p = self.lock_pending();
+        let me = token();
+        let mine = me << TOKEN_SHIFT | u64::from(OWNED_KIND) << 1;
+        let mut cur = 0;
+        loop {
+            match self.word.compare_exchange(
+                cur,
+                if cur == 0 { mine } else { cur | REFUSED },
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(0) => break,
+                Ok(_) => {
+                    let other = kind_text(((cur >> 1) & 0xff) as u8);
+                    return Err(DistError::ConcurrentUse {
+                        rank,
+                        op: op(),
+                        detail: format!("another thread is inside {other} on this group"),
+                    });
+                }
+                Err(now) if now >> TOKEN_SHIFT == me => break,
+                Err(now) => cur = now,
+            }
+        }
+        p.all += 1;
+        p.owned += 1;
+        Ok(())
+    }
+
+    /// A piece of owned work has ended: the last frees the group if its claim is owned work's
+    /// (not a scope that was open when it was queued, whose end frees it).
+    pub(crate) fn owned_finished(&self) {
+        let mut p = self.lock_pending();
+        p.all = p.all.saturating_sub(1);
+        p.owned = p.owned.saturating_sub(1);
+        if p.owned == 0 {
+            let w = self.word.load(Ordering::Acquire);
+            if w != 0 && (w >> 1) & 0xff == u64::from(OWNED_KIND) {
+                self.word.store(0, Ordering::Release);
+            }
+        }
+        if p.all == 0 {
             self.drained.notify_all();
         }
     }
@@ -187,13 +268,13 @@ impl Occupancy {
 
     /// The async collectives queued and not yet finished.
     pub(crate) fn pending(&self) -> usize {
-        *self.lock_pending()
+        self.lock_pending().all
     }
 
     /// Waits until no async collective is queued. Each ends by its own deadline, so this does.
-    fn wait_drained(&self) {
+    pub(crate) fn wait_drained(&self) {
         let mut p = self.lock_pending();
-        while *p > 0 {
+        while p.all > 0 {
             p = self.drained.wait(p).unwrap_or_else(|e| e.into_inner());
         }
     }

@@ -1,5 +1,6 @@
 //! A [`Scope`]: where async work is issued, and the calls that issue it (every collective,
-//! `isend`, `irecv` and `barrier`), each queued on one of the group's executors.
+//! `isend`, `irecv`, their typed forms and `barrier`), each queued on one of the group's
+//! executors.
 
 use std::cell::RefCell;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -91,6 +92,7 @@ pub(crate) fn scope<'scope, L: Link, R>(
     let op = || "open an async scope".to_string();
     let entry = occupancy
         .enter(me, SCOPE_KIND, false, op)
+        .map_err(|e| g.link().label_error(e))
         .inspect_err(|e| crate::collectives::abort_all(g, e, None))?;
     let leave = Leave {
         occupancy,
@@ -108,6 +110,9 @@ pub(crate) fn scope<'scope, L: Link, R>(
                     prune_at: std::cell::Cell::new(64),
                 };
                 let r = f(&scope);
+                // Owned work this thread queued while the scope was open ends before the
+                // scope gives up its claim on the group.
+                occupancy.wait_drained();
                 // Every piece ends here, before the scope's end: the first unclaimed error.
                 let issued = scope.issued.take();
                 let unclaimed = issued.iter().filter_map(|i| i.unclaimed_error()).next();
@@ -369,6 +374,60 @@ impl<'s, 'scope, L: Link> Scope<'s, 'scope, L> {
             let op = || format!("isend to {dst} (tag {tag}, {} bytes)", data.len());
             let deadline = crate::transport::deadline_after(Instant::now(), t, g.rank(), op)?;
             g.link().send(data, dst, tag, [0; 16], deadline, None)
+        })
+    }
+
+    /// Sends the elements of `data` to `dst` on `tag` (as
+    /// [`TypedMessages::send_slice`](crate::TypedMessages::send_slice)), after this scope's
+    /// earlier sends.
+    pub fn isend_slice<T: Element>(&'s self, data: &'scope [T], dst: usize, tag: Tag) -> Work<'s> {
+        let (g, t) = (self.group, self.timeout);
+        self.submit(Lane::Sends, move || {
+            let op = || {
+                format!(
+                    "isend_slice to {dst} (tag {tag}, {} x {})",
+                    T::DTYPE,
+                    data.len()
+                )
+            };
+            let deadline = crate::transport::deadline_after(Instant::now(), t, g.rank(), op)?;
+            // The error said as this call (a sub-group's link names itself again).
+            g.link()
+                .send(
+                    bytemuck::cast_slice(data),
+                    dst,
+                    tag,
+                    [0; 16],
+                    deadline,
+                    None,
+                )
+                .map_err(|e| g.link().label_error(e.map_op(|_| op())))
+        })
+    }
+
+    /// Receives the next message from `src` on `tag` into `buf`, which it must fill exactly
+    /// (as [`TypedMessages::recv_slice`](crate::TypedMessages::recv_slice)), after this
+    /// scope's earlier receives; `buf` comes back from [`Work::wait`]. A message of another
+    /// length is a [`DistError::SizeMismatch`] (in bytes, its operation naming the element
+    /// type and count) and stays queued; the sender must use the same element type (nothing
+    /// on the wire says which it was).
+    pub fn irecv_slice<T: Element>(
+        &'s self,
+        buf: &'scope mut [T],
+        src: usize,
+        tag: Tag,
+    ) -> Work<'s, &'scope mut [T]> {
+        let (g, t) = (self.group, self.timeout);
+        self.submit(Lane::Recvs, move || {
+            let what = format!(
+                "irecv_slice from {src} (tag {tag}, {} x {} = {} bytes)",
+                T::DTYPE,
+                buf.len(),
+                std::mem::size_of_val(buf)
+            );
+            g.recv_tagged_timeout(bytemuck::cast_slice_mut(buf), src, tag, t)
+                .map_err(|e| g.link().label_error(e.map_op(|_| what)))?;
+            Ok(buf)
         })
     }
 
