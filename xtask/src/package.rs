@@ -50,15 +50,28 @@ impl Published {
 /// Every step; see the module docs.
 pub fn run() -> Result<()> {
     let published = check_metadata()?;
-    let mut args = vec!["publish", "--dry-run", "--allow-dirty"];
+    let target = target_dir();
+    // The dry run builds each package against the others as unpacked from a local registry,
+    // all at version 0.1.0. Cargo takes a registry crate of a given version to be unchanging,
+    // so in a shared target directory it would reuse what it built from an earlier run's
+    // packages (a trait as it was then) and fail, or pass, on stale code. So the dry run has a
+    // target directory of its own, where every `dist-*` artifact is a package's, and those
+    // are removed first (the third-party ones are kept).
+    let verify = target.join("publish-check");
+    forget_packaged_builds(&verify.join("debug"))?;
+    let verify_dir = verify.display().to_string();
+    let mut args = vec!["publish", "--dry-run", "--allow-dirty", "--target-dir"];
+    args.push(&verify_dir);
     for p in &published {
         args.extend(["-p", p.name.as_str()]);
     }
     cargo(&args)?;
     // The .crate files themselves (the dry run verified them; this only writes them out).
-    args[0..3].copy_from_slice(&["package", "--no-verify", "--allow-dirty"]);
+    let mut args = vec!["package", "--no-verify", "--allow-dirty"];
+    for p in &published {
+        args.extend(["-p", p.name.as_str()]);
+    }
     cargo(&args)?;
-    let target = target_dir();
     for p in &published {
         check_contents(
             p,
@@ -72,6 +85,33 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target"))
+}
+
+/// Removes what a build in `profile_dir` made of the project's own crates (`dist-*`): their
+/// fingerprints, build-script outputs and compiled files.
+fn forget_packaged_builds(profile_dir: &Path) -> Result<()> {
+    for sub in [".fingerprint", "build", "deps"] {
+        let Ok(entries) = std::fs::read_dir(profile_dir.join(sub)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ours = ["dist-", "dist_", "libdist_"]
+                .iter()
+                .any(|prefix| name.starts_with(prefix));
+            if !ours {
+                continue;
+            }
+            let path = e.path();
+            let gone = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            gone.with_context(|| format!("remove {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// The published crates (every package under `crates/`), after checking that each has the

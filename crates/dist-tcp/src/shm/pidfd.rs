@@ -5,6 +5,10 @@
 //! syscall (`arena.rs` says why that is accepted). The pidfd is taken from the Unix socket the
 //! peer's descriptors came through where the kernel offers it (`SO_PEERPIDFD`), so that it
 //! names the process that made the connection, not whichever has its pid when it is opened.
+//!
+//! Pidfds, `SO_PEERPIDFD` and `kcmp` are Linux's: on other targets no process is ever held
+//! (no direct reads), and what only that path uses is compiled but unused.
+#![cfg_attr(not(target_os = "linux"), allow(dead_code))]
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 
