@@ -223,6 +223,7 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
         deadline: Instant,
     ) -> Result<Self::Recv<'a>> {
         // SAFETY: the caller's obligation (not leaking the handle) is passed on unchanged.
+        // (Tests: every collective over an `Arc`-held link, `collectives::tests`.)
         unsafe { (**self).post(buf, src, tag, deadline) }
     }
 

@@ -113,7 +113,8 @@ impl<L: Link> Call<'_, L> {
     ) -> Result<Pending<'b, L>> {
         let len = buf.len();
         // SAFETY: the handle goes into a `Pending`, which this module's algorithms wait on or
-        // drop on every path and never leak (see above).
+        // drop on every path and never leak (see above). (Tests: `collectives::tests` over
+        // `MemLink`, their failing-rank cases included; every TCP collective test.)
         let recv = unsafe { self.link().post(buf, src, tag, self.deadline) }
             .map_err(|e| self.explain(e, src, tag, len))?;
         Ok(Pending {

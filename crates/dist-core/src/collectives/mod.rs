@@ -99,7 +99,8 @@ pub trait Transport: Backend {
     ) -> Result<Meta> {
         let link = self.group().link();
         // SAFETY: the handle is waited on, or dropped by the `?` of a failed send, in this
-        // function; it is never leaked.
+        // function; it is never leaked. (Tests: `collectives::tests`' send_recv cases; over
+        // TCP, `a_receive_whose_send_unwinds_is_withdrawn`.)
         let r = unsafe { link.post(recv, src, tag, deadline)? };
         link.send(send, dst, tag, meta, deadline, Some(&r))?;
         r.wait()
@@ -425,7 +426,8 @@ impl<L: Link> Backend for Group<L> {
             crate::transport::deadline_after(Instant::now(), timeout, self.rank(), || {
                 format!("recv from {src} (tag {tag}, {len} bytes)")
             })?;
-        // SAFETY: the handle is waited on in this statement; it is never leaked.
+        // SAFETY: the handle is waited on in this statement; it is never leaked. (Tests:
+        // `collectives::tests`' point-to-point cases, every TCP receive test.)
         unsafe { self.link().post(buf, src, tag, deadline)? }
             .wait()
             .map(|_| ())

@@ -472,7 +472,8 @@ impl<R: Link> Link for SubLink<R> {
         let wire = self.tag(tag, op)?;
         // SAFETY: the root's handle lives inside the returned `SubRecv`, which has no other
         // way to end than its wait or its drop (which drops the root's handle); the caller's
-        // obligation not to leak the `SubRecv` is the root's, passed on unchanged.
+        // obligation not to leak the `SubRecv` is the root's, passed on unchanged. (Tests:
+        // `subgroup::tests` over `MemLink`, multirank `groups_*` over TCP.)
         let inner = unsafe { self.root.post(buf, from, wire, deadline) }
             .map_err(|e| self.to_group(e, &op()))?;
         Ok(SubRecv {
