@@ -71,6 +71,7 @@ fn a_rank_that_exits_is_named_by_every_survivor_and_every_exit_is_reported() {
                 .contains(&format!("rank {dead}: exiting at step 2 (--die)").as_str()),
             "{all}"
         );
+        let mut errors = std::collections::BTreeMap::new();
         for r in (0..n).filter(|&r| r != dead) {
             let e = &report.ranks[r];
             assert!(
@@ -83,17 +84,37 @@ fn a_rank_that_exits_is_named_by_every_survivor_and_every_exit_is_reported() {
                 .into_iter()
                 .find_map(|l| l.strip_prefix(&prefix))
                 .unwrap_or_else(|| panic!("{n} ranks: rank {r} said no error:\n{all}"));
-            // A sub-group's error gives the backend rank; the backend's own, its rank.
-            let names_it = [
-                format!("backend rank {dead}"),
-                format!("peer {dead} "),
-                format!("because rank {dead} failed"),
-            ]
+            errors.insert(r, (named_ranks(error, r), error.to_string()));
+        }
+        // Every survivor's error leads to the dead rank: it names it, or names a survivor
+        // whose error does (a survivor that failed and exited closes its connections, and a
+        // peer still waiting on it may see that first: the cause is then one step away).
+        let mut leads: std::collections::BTreeSet<usize> = errors
             .iter()
-            .any(|w| error.contains(w.as_str()));
+            .filter(|(_, (named, _))| named.contains(&dead))
+            .map(|(&r, _)| r)
+            .collect();
+        assert!(
+            !leads.is_empty(),
+            "{n} ranks: no survivor names rank {dead}:\n{all}"
+        );
+        loop {
+            let more: Vec<usize> = errors
+                .iter()
+                .filter(|(r, (named, _))| {
+                    !leads.contains(*r) && named.iter().any(|k| leads.contains(k))
+                })
+                .map(|(&r, _)| r)
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            leads.extend(more);
+        }
+        for (r, (_, error)) in &errors {
             assert!(
-                names_it,
-                "{n} ranks: rank {r}'s error names no rank {dead}: {error}"
+                leads.contains(r),
+                "{n} ranks: rank {r}'s error leads to no rank {dead}: {error}"
             );
         }
         // The launcher's report: the first failure, then one line per rank.
@@ -110,4 +131,38 @@ fn a_rank_that_exits_is_named_by_every_survivor_and_every_exit_is_reported() {
             );
         }
     }
+}
+
+/// The backend ranks an error of rank `me` names, other than `me`: every `backend rank N` (a
+/// sub-group's errors), and in an error of the backend's own group every `peer N ` and
+/// `because rank N failed`.
+fn named_ranks(error: &str, me: usize) -> std::collections::BTreeSet<usize> {
+    let number_after = |pat: &str| -> Vec<usize> {
+        error
+            .match_indices(pat)
+            .filter_map(|(i, _)| {
+                let rest = &error[i + pat.len()..];
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().ok()
+            })
+            .collect()
+    };
+    let mut named: std::collections::BTreeSet<usize> =
+        number_after("backend rank ").into_iter().collect();
+    named.extend(number_after("because rank "));
+    if !error.contains(" in group ") {
+        named.extend(number_after("peer "));
+    }
+    named.remove(&me);
+    named
+}
+
+/// What [`named_ranks`] reads from a sub-group's error and from the backend's own.
+#[test]
+fn named_ranks_reads_both_numberings() {
+    let sub = "rank 1: peer 0 gone during all_reduce(f32 x 1000, sum) in group \"data\" (rank 1 \
+               of 4 = backend rank 2; peer 0 = backend rank 0): connection closed by peer";
+    assert_eq!(named_ranks(sub, 2).into_iter().collect::<Vec<_>>(), [0]);
+    let own = "rank 3: peer 7 gone during barrier: connection closed by peer";
+    assert_eq!(named_ranks(own, 3).into_iter().collect::<Vec<_>>(), [7]);
 }
