@@ -11,6 +11,7 @@ mod arena_map;
 mod busy;
 mod copy;
 mod map;
+mod peer_cred;
 mod pidfd;
 mod ring;
 mod setup;
