@@ -56,6 +56,33 @@
 //! graph.synchronize()?;
 //! # Ok(()) }
 //! ```
+//!
+//! A buffer the graph uses cannot be freed while it can replay:
+//!
+//! ```compile_fail,E0505
+//! # use dist_core::ReduceOp;
+//! # fn demo(h: &dist_hybrid::HybridBackend) -> dist_hybrid::Result<()> {
+//! let a = h.nccl().unwrap().stream().alloc_zeros::<f32>(1024).unwrap();
+//! let graph = h.capture(|cap| cap.all_reduce_in_place(&a, ReduceOp::Sum))?;
+//! drop(a);
+//! graph.launch()
+//! # }
+//! ```
+//!
+//! and the capture belongs to its thread (CUDA's thread-local capture mode):
+//!
+//! ```compile_fail,E0277
+//! # use dist_core::ReduceOp;
+//! # fn demo(h: &dist_hybrid::HybridBackend) -> dist_hybrid::Result<()> {
+//! let a = h.nccl().unwrap().stream().alloc_zeros::<f32>(1024).unwrap();
+//! let graph = h.capture(|cap| {
+//!     std::thread::scope(|t| {
+//!         t.spawn(|| cap.all_reduce_in_place(&a, ReduceOp::Sum));
+//!     });
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
