@@ -36,16 +36,16 @@ pub(crate) fn fingerprint(counts: &[usize]) -> String {
 }
 
 /// The counts' sum for the check's descriptor (saturated: an overflow is refused by the call).
-fn total(counts: &[usize]) -> usize {
+pub(crate) fn total(counts: &[usize]) -> usize {
     counts.iter().fold(0usize, |a, c| a.saturating_add(*c))
 }
 
-fn native(c: &Communicator) -> bool {
+pub(crate) fn native(c: &Communicator) -> bool {
     c.nccl().version() >= NATIVE_ALL_TO_ALL
 }
 
 /// `k` for each of `n` ranks, for the fallback of the even calls.
-fn even(k: usize, n: usize) -> Vec<usize> {
+pub(crate) fn even(k: usize, n: usize) -> Vec<usize> {
     vec![k; n]
 }
 

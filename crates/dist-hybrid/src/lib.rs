@@ -30,6 +30,7 @@
 #![deny(missing_docs)]
 
 mod buffer;
+mod capture;
 mod check;
 mod device;
 mod gpu_work;
@@ -48,6 +49,7 @@ use dist_nccl::{CommConfig, Communicator, Nccl, NcclError, NcclType, UniqueId};
 use dist_tcp::{LaunchEnv, TcpBackend, TcpConfig};
 
 pub use buffer::Buffer;
+pub use capture::{HybridCapture, HybridGraph};
 pub use gpu_work::GpuWork;
 pub use groups::HybridGroup;
 pub use host::{HostId, LocalRanks, local_ranks};
@@ -517,10 +519,33 @@ impl<H: Transport> HybridBackend<H> {
         f: impl FnOnce(&Communicator) -> dist_nccl::Result<()>,
     ) -> Result<()> {
         let c = self.need_nccl(coll.name())?;
+        self.checked(coll.name(), T::NAME, count, op, root, || f(c))
+    }
+
+    /// Records one enqueue of NCCL work (a collective, or a graph's replay) with the record
+    /// and hands its descriptor to the check, then runs `f`, which enqueues it.
+    pub(crate) fn checked(
+        &self,
+        coll: &'static str,
+        dtype: &'static str,
+        count: usize,
+        op: Option<&str>,
+        root: Option<usize>,
+        f: impl FnOnce() -> dist_nccl::Result<()>,
+    ) -> Result<()> {
         let Some(w) = &self.watch else {
-            return Ok(f(c)?);
+            return Ok(f()?);
         };
-        let d = w.begin(coll.name(), T::NAME, count, op, root);
+        let d = w.begin(coll, dtype, count, op, root);
+        self.note_for_check(w, d);
+        f().map_err(|e| {
+            w.failed_call(&e);
+            self.explain_nccl(e)
+        })
+    }
+
+    /// Hands `d` to the check, where it is on.
+    pub(crate) fn note_for_check(&self, w: &watch::Watch, d: check::Desc) {
         // Once aborted, the calls only fail here: nothing more to compare.
         if self.check_calls
             && w.failure().is_none()
@@ -528,10 +553,6 @@ impl<H: Transport> HybridBackend<H> {
         {
             k.note(d);
         }
-        f(c).map_err(|e| {
-            w.failed_call(&e);
-            self.explain_nccl(e)
-        })
     }
 
     /// Runs one NCCL point-to-point call (`send` or `recv` with `peer`) through the record;

@@ -75,6 +75,59 @@ impl Watch {
             count,
             peer: root,
         });
+        Self::desc(seq, coll, dtype, count, op, root)
+    }
+
+    /// Records a collective recorded into a CUDA graph (`capture.rs`): it takes its sequence
+    /// number as a call does, but nothing is enqueued, so its record is not among the calls a
+    /// synchronize finishes; the capture finishes it (returned) when it ends.
+    pub(crate) fn begin_captured(
+        &self,
+        coll: &'static str,
+        dtype: &'static str,
+        count: usize,
+        op: Option<&str>,
+        root: Option<usize>,
+    ) -> (Desc, Entry) {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let info = OpInfo {
+            seq,
+            op: coll,
+            dtype,
+            count,
+            peer: root,
+        };
+        let e = self.flight.begin(info, OpState::Queued);
+        (Self::desc(seq, coll, dtype, count, op, root), e)
+    }
+
+    /// A point-to-point call recorded into a CUDA graph: its record only (no sequence number,
+    /// as [`Watch::begin_p2p`]), finished by the capture.
+    pub(crate) fn begin_captured_p2p(
+        &self,
+        op: &'static str,
+        dtype: &'static str,
+        count: usize,
+        peer: usize,
+    ) -> Entry {
+        let info = OpInfo {
+            seq: 0,
+            op,
+            dtype,
+            count,
+            peer: Some(peer),
+        };
+        self.flight.begin(info, OpState::Queued)
+    }
+
+    fn desc(
+        seq: u64,
+        coll: &str,
+        dtype: &str,
+        count: usize,
+        op: Option<&str>,
+        root: Option<usize>,
+    ) -> Desc {
         Desc {
             seq,
             coll: Name::new(coll),

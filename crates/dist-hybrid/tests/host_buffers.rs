@@ -193,3 +193,24 @@ fn every_collective_on_host_slices_goes_over_tcp() {
         });
     }
 }
+
+/// A CUDA graph capture where the backend has no NCCL communicator: the error says so, and
+/// the closure never runs.
+#[test]
+fn a_capture_without_nccl_is_refused() {
+    job(1, |h| {
+        let mut ran = false;
+        let e = h
+            .capture(|_| {
+                ran = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(!ran, "the closure ran");
+        assert!(
+            matches!(e, dist_hybrid::HybridError::NoNccl { ref op, .. } if op == "capture"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("no NCCL communicator"), "{e}");
+    });
+}

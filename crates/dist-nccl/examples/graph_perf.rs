@@ -4,15 +4,24 @@
 //!
 //! `cargo run --release -p dist-nccl --example graph_perf -- [N] [REPLAYS]` (N calls a graph,
 //! default 64; 200 replays). Each op at 8 B is timed in three rounds, each round alternating
-//! the four loops; a line per op gives each loop's median µs per call. Every loop ends with a
+//! the loops; a line per op gives each loop's median µs per call. Every loop ends with a
 //! stream synchronize; the eager loops run N × REPLAYS calls.
+//!
+//! What dist's eager call costs, taken apart: a second line per op times dist's eager call on
+//! buffers made without cudarc's event tracking (only the stream orders them), so that
+//! `tracked - untracked` is cudarc's ordering of the buffers (a `cuStreamWaitEvent` per earlier
+//! use waited for and a `cuEventRecord` per buffer) and `untracked - bare` is dist's own path
+//! (argument checks, the capture check, the lock, the watchdog's count). The `# step` lines
+//! then time each driver step of that path alone, N × REPLAYS times on the communicator's
+//! stream: the capture check (`cuStreamIsCapturing`), the ordering cudarc does for a buffer a
+//! call reads (one wait, one record) and for one it writes (two waits, one record).
 
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, result};
 use dist_core::ReduceOp;
 use dist_nccl::{CommConfig, Communicator, Nccl, UniqueId};
 use dist_nccl_sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
@@ -117,6 +126,38 @@ fn per_call(iters: usize, calls_each: usize, mut call: impl FnMut(), sync: impl 
     t.elapsed().as_secs_f64() * 1e6 / (iters * calls_each) as f64
 }
 
+/// Each driver step of dist's eager path alone, `iters` times on `s` (median of three rounds,
+/// µs a step).
+fn steps(s: &Arc<CudaStream>, a: &mut CudaSlice<f32>, b: &mut CudaSlice<f32>, iters: usize) {
+    let sync = || s.synchronize().unwrap();
+    let time = |mut step: Box<dyn FnMut() + '_>| {
+        median(
+            (0..3)
+                .map(|_| per_call(iters, 1, &mut step, sync))
+                .collect(),
+        )
+    };
+    let cu = s.cu_stream();
+    let capture = time(Box::new(|| {
+        // SAFETY: `cu` is the live stream `s`; the query only reads its capture state.
+        let st = unsafe { result::stream::is_capturing(cu) }.unwrap();
+        std::hint::black_box(st);
+    }));
+    let read = time(Box::new(|| {
+        let (p, g) = a.device_ptr(s);
+        std::hint::black_box(p);
+        drop(g);
+    }));
+    let write = time(Box::new(|| {
+        let (p, g) = b.device_ptr_mut(s);
+        std::hint::black_box(p);
+        drop(g);
+    }));
+    println!("# step capture check (cuStreamIsCapturing): {capture:.3} us");
+    println!("# step cudarc ordering of a buffer read (1 wait, 1 record): {read:.3} us");
+    println!("# step cudarc ordering of a buffer written (2 waits, 1 record): {write:.3} us");
+}
+
 fn main() {
     if dist_nccl::cuda_device_count() == 0 {
         println!("skipped: no CUDA device");
@@ -144,6 +185,19 @@ fn main() {
     let bcu = bs.cu_stream() as cudaStream_t;
     let mut a = s.alloc_zeros::<f32>(COUNT).unwrap();
     let mut b = s.alloc_zeros::<f32>(COUNT).unwrap();
+    // Buffers without cudarc's events, for dist's own cost apart from cudarc's ordering.
+    // SAFETY: the two buffers made while tracking is off are used only on the communicator's
+    // stream `s` (by dist's calls), which orders every use, and are dropped (freed on `s`) after
+    // its last synchronize; every other buffer is made while tracking is on.
+    let (mut ua, mut ub) = unsafe {
+        ctx.disable_event_tracking();
+        let made = (
+            s.alloc_zeros::<f32>(COUNT).unwrap(),
+            s.alloc_zeros::<f32>(COUNT).unwrap(),
+        );
+        ctx.enable_event_tracking();
+        made
+    };
     println!(
         "# one rank, 8 B, NCCL {} from {}, {} ({n} calls a graph, {replays} replays; eager \
          loops {} calls)",
@@ -168,7 +222,14 @@ fn main() {
             .unwrap()
             .expect("a graph");
         let (mut r_be, mut r_de, mut r_bg, mut r_dg) = (vec![], vec![], vec![], vec![]);
+        let mut r_du = vec![];
         for _ in 0..3 {
+            r_du.push(per_call(
+                n * replays,
+                1,
+                || dist_call(&comm, op, &mut ua, &mut ub),
+                || comm.synchronize().unwrap(),
+            ));
             r_be.push(per_call(
                 n * replays,
                 1,
@@ -216,7 +277,15 @@ fn main() {
             dg - bg,
             dg - be
         );
+        let du = median(r_du);
+        println!(
+            "# per-call {op:?} 8 B untracked buffers: dist eager {du:.2} us ({:+.2} vs bare \
+             eager: dist's own path; cudarc's ordering {:+.2})",
+            du - be,
+            de - du
+        );
     }
+    steps(&s, &mut a, &mut b, n * replays);
     drop((ga, gb));
     bs.synchronize().unwrap();
 }

@@ -27,7 +27,8 @@
 //!   on other streams: let those complete before the first replay. A call inside
 //!   [`Capture::group`] borrows what it writes exclusively, as every group call does.
 //! - A call made any other way on a capturing stream (plain [`Ops`], a [`Communicator`]
-//!   method, `HybridBackend`) is refused before anything is enqueued, as are a synchronize, a
+//!   method, `HybridBackend`'s plain calls, which capture through `HybridBackend::capture`) is
+//!   refused before anything is enqueued, as are a synchronize, a
 //!   [`Communicator::record_work`] and a graph launch on a capturing stream: NCCL would record
 //!   it into a graph dist does not hold, or CUDA would invalidate the capture.
 //! - NCCL (2.26 and newer) keeps a communicator whose work a graph holds until that graph is

@@ -198,6 +198,23 @@ impl<'a> Ops<'a> {
     /// the stream for the watchdog and for drop, and returns the buffers' guards, which keep
     /// them borrowed until the call has launched (dropped at once by [`Ops`], kept until after
     /// `ncclGroupEnd` by a group). No allocation, and the one lock, per call.
+    ///
+    /// What an eager call does besides NCCL's own call, in order (the example `graph_perf`
+    /// times the driver steps alone, and dist's call on buffers without cudarc's events):
+    /// - host checks (type, group, context, lengths, ranks): comparisons, no call;
+    /// - the capture check: one `cuStreamIsCapturing` on the call's stream. It cannot be
+    ///   cached: any thread may begin a capture on the stream (cudarc's `begin_capture` is
+    ///   safe), or make it join another stream's capture by waiting on an event recorded there,
+    ///   between two calls, and nothing tells dist; a call recorded into a capture dist does
+    ///   not hold would let safe code replay it after its buffers were freed;
+    /// - cudarc's ordering of each buffer (only while the context tracks events, in
+    ///   multi-stream mode): a `cuStreamWaitEvent` for each earlier use the call must follow
+    ///   (the last write of a buffer it reads; the last read and write of one it writes) and a
+    ///   `cuEventRecord` per buffer when its guard drops (after the lock is released): for an
+    ///   out-of-place call 3 waits and 2 records, in place 2 and 1;
+    /// - the communicator's lock (one uncontended mutex: the watchdog only ever `try_lock`s it)
+    ///   with three atomic loads around it, and the watchdog's count of the stream's calls (a
+    ///   search of the few streams used).
     fn launch<'b, T: NcclType, R: Dst<'b, T>>(
         &self,
         op: &'static str,
