@@ -6,7 +6,8 @@
 #   mkdir -p target/gbundle && cp target/release/deps/gpu-HASH target/gbundle/gpu \
 #     && cp target/release/examples/graph_step target/release/examples/graph_perf target/gbundle/
 # then, there: benches/gpu-graph-run.sh target/gbundle [OUT]. Optional in the folder:
-# gpu_without_watchdog_fix (the gpu binary built with another watchdog.rs), whose case
+# hybrid_gpu (dist-hybrid's one-GPU cases: `cargo test --release -p dist-hybrid --test gpu
+# --no-run`); gpu_without_watchdog_fix (the gpu binary built with another watchdog.rs), whose case
 # graph_captured_right_after_eager_calls is run and expected to fail; MANIFEST (copied into
 # machine.txt). PERF_ARGS (default "64 200"): graph_perf's calls a graph and replays.
 set -uo pipefail
@@ -31,6 +32,11 @@ if [ -x "$dir/gpu_without_watchdog_fix" ]; then
         graph_captured_right_after_eager_calls > "$out/gpu-without-watchdog-fix.txt" 2>&1
     echo "exit $?" >> "$out/gpu-without-watchdog-fix.txt"
     tail -15 "$out/gpu-without-watchdog-fix.txt"
+fi
+if [ -x "$dir/hybrid_gpu" ]; then
+    echo "== hybrid_gpu --test-threads 1"
+    timeout 240 "$dir/hybrid_gpu" --test-threads 1 > "$out/hybrid-gpu-tests.txt" 2>&1 || status=1
+    tail -30 "$out/hybrid-gpu-tests.txt"
 fi
 echo "== graph_step"
 timeout 120 "$dir/graph_step" > "$out/graph_step.txt" 2>&1 || status=1
