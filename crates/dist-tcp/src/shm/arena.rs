@@ -172,7 +172,14 @@ impl ArenaSetup {
                 .iter()
                 .filter(|&&r| r != me)
                 .all(|&r| parts[r].map.is_some() && parts[r].mapped_mine);
-        let procs = parts.iter_mut().map(|p| p.process.take()).collect();
+        let procs: Vec<Option<PeerProcess>> = parts.iter_mut().map(|p| p.process.take()).collect();
+        // Asked once, while each pidfd is held: a process that has not exited keeps its pid,
+        // so a peer found here not to be this process stays so for as long as `exited` says
+        // it lives (checked before every direct read).
+        let of_this = procs
+            .iter()
+            .map(|p| p.as_ref().is_some_and(|p| of_this_process(p.pid())))
+            .collect();
         let maps = parts
             .iter_mut()
             .enumerate()
@@ -186,6 +193,7 @@ impl ArenaSetup {
             own: self.own.map(|(_, m)| m),
             maps,
             procs,
+            of_this,
             peers,
             spin,
             claimed: AtomicBool::new(false),
@@ -210,6 +218,10 @@ pub(crate) struct TcpArena {
     /// came through), by rank: what [`HostArena::read_direct`] reads, never the pid a peer's
     /// header says; held by a pidfd.
     procs: Vec<Option<PeerProcess>>,
+    /// Whether each peer's process (`procs`) was this process or a thread of it when the
+    /// arena was made ([`of_this_process`], a file lookup in `/proc`, asked once rather than on
+    /// every direct read).
+    of_this: Vec<bool>,
     peers: Vec<Arc<Peer>>,
     spin: Duration,
     /// A group has claimed the arena ([`HostArena::claim`]).
@@ -324,7 +336,7 @@ impl TcpArena {
                  came through is process {pid}'s (SO_PEERCRED): no direct reads of it"
             ));
         }
-        if of_this_process(pid) {
+        if self.of_this.get(q).copied().unwrap_or(true) {
             return Err(format!(
                 "rank {q} is a rank of this process (process {pid}, or a thread of it): no \
                  direct reads of this process's memory"
@@ -359,9 +371,11 @@ impl TcpArena {
         }
         // SAFETY: `pid` was checked by `direct_pid`: it is the process the kernel named for
         // the peer's socket (its pidfd held by this arena, taken from the socket where the
-        // kernel offers it), not this process nor a thread of it, and it does not share this
-        // process's memory (`kcmp`, asked while the pidfd was held). Its process had not exited
-        // when checked just now, so at that moment the pid named it and nothing else, and the
+        // kernel offers it), it was not this process nor a thread of it when the arena was made
+        // (`of_this`, asked while the pidfd was held), and it does not share this process's
+        // memory (`kcmp`, asked while the pidfd was held). Its process had not exited when
+        // checked just now, so it has kept its pid since those checks, at that moment the pid
+        // named it and nothing else, and the
         // kernel reads only the peer's memory, wherever `addr` points, and writes only `dst`:
         // `read_process`'s contract asks nothing more. One window remains, so this holds in
         // practice, not in every timing: `process_vm_readv` looks the pid up again inside the

@@ -12,28 +12,271 @@
 //! the atomics around each copy (a release store after a producer's copy, an acquire load
 //! before a consumer's): the compiler moves no memory access, volatile or not, across them.
 //!
-//! Speed: both ways copy 16-byte words (the widest that every x86-64 processor has; 8-byte
-//! words elsewhere), four to a turn, with the stores aligned and the loads not (a store that
-//! crosses a cache line costs more than such a load): a volatile unaligned load of shared memory
-//! into aligned private memory, or a plain unaligned load of private memory into an aligned
-//! volatile store. Volatile accesses are never merged or widened by the compiler, so the word
-//! width is what this routine chooses. Measured against `copy_nonoverlapping` on the 2-core
-//! development machine (best of many, 4 KiB to 4 MiB, aligned and misaligned sides): within
-//! its noise, except 65 KiB reads, about a tenth slower.
+//! Speed: volatile accesses are never merged or widened by the compiler, so the word width is
+//! what this file chooses, once per process, from what the processor has:
+//! - on x86-64 with fast string moves (`ERMS` in CPUID), a copy from [`Choice::string_min`]
+//!   bytes up (16 KiB where the processor has 64-byte words, 4 KiB otherwise) is one
+//!   `rep movsb`, as glibc's `memcpy` does at such sizes: the processor moves whole cache lines
+//!   and, writing whole lines, skips reading them first. The instruction's effect is defined
+//!   byte by byte (each byte read at `rsi`, written at `rdi`, ascending), so the asm block does
+//!   what a loop of volatile byte accesses does, and is sound for the same reason;
+//! - below that, or without fast strings, words of 64 bytes (AVX-512), 32 (AVX2) or 16 (every
+//!   x86-64 processor; 8-byte words elsewhere), four to a turn, the stores aligned and the loads
+//!   not, the first and last word of the range copied unaligned (overlapping the aligned
+//!   middle) so that no byte is copied alone once the range holds a word.
+//!
+//! Measured on a lent 16-core Xeon with AVX-512 and fast strings (2026-12-07,
+//! `docs/results/2026-12-07-1xH200-a9b6a28/`), one core, a hot buffer, against `memcpy`: 64-byte
+//! words 1.0-1.36x memcpy's rate from 2 to 16 KiB, and 0.76-0.91x at 1 MiB, where `rep movsb`
+//! matches memcpy (0.99-1.01x from 8 KiB to 32 MiB) but is 0.6x at 2 KiB; the 16-byte words
+//! this file used before were 0.4x at 2 KiB. Below 1 KiB every method pays a few nanoseconds
+//! over memcpy a call.
 
-use std::ptr::{read_unaligned, read_volatile, write_volatile};
+use std::ptr::{read_unaligned, read_volatile, write_unaligned, write_volatile};
 
-#[cfg(target_arch = "x86_64")]
-type Word = std::arch::x86_64::__m128i;
-#[cfg(not(target_arch = "x86_64"))]
-type Word = u64;
-
-/// A word read from any address: a volatile read of it is one unaligned load.
+/// A word read or written at any address: a volatile access to it is one unaligned access.
 #[derive(Clone, Copy)]
 #[repr(C, packed)]
-struct Unaligned(Word);
+struct Unaligned<T: Copy>(T);
 
-const W: usize = std::mem::size_of::<Word>();
+/// Defines a pair of copy routines (`$read`: shared to private, `$write`: private to shared)
+/// over words of type `$word`, compiled with the target feature `$feature`. Each takes a range
+/// of at least one word.
+macro_rules! word_copies {
+    ($read:ident, $write:ident, $word:ty, $feature:literal) => {
+        /// Copies `n >= size_of::<word>()` bytes from shared `src` to private `d`.
+        ///
+        /// # Safety
+        /// As for [`read_shared`](super::read_shared), with `d` valid for `n` bytes of writes
+        /// and `n` at least one word; the processor has `$feature`.
+        #[cfg_attr(target_arch = "x86_64", target_feature(enable = $feature))]
+        #[allow(unused_unsafe)]
+        pub(super) unsafe fn $read(src: *const u8, d: *mut u8, n: usize) {
+            const W: usize = std::mem::size_of::<$word>();
+            debug_assert!(n >= W);
+            // Bytes before `d`'s first `W`-aligned address.
+            let head = (W - d as usize % W) % W;
+            // SAFETY: every access lies within `src..src + n` (the mapping, caller's contract)
+            // or `d..d + n` (the caller's buffer): the first and last words start at 0 and
+            // `n - W` (`n >= W`), the loop's at `i` with `i + W <= n`. Shared-side accesses are
+            // volatile and unaligned (`Unaligned`, alignment 1); private-side stores in the
+            // loop are at `d + i`, `W`-aligned (`i` starts at `head` and moves by `W`), of
+            // plain bytes (every bit pattern is a valid word). The two ranges cannot overlap:
+            // the shared one is outside every Rust allocation. (Tests:
+            // `copy::tests::copies_every_alignment_and_length`, every ring and arena test.)
+            unsafe {
+                let first = read_volatile(src.cast::<Unaligned<$word>>());
+                write_unaligned(d.cast::<$word>(), first.0);
+                let mut i = if head == 0 { W } else { head };
+                while i + 4 * W <= n {
+                    let s = src.add(i).cast::<Unaligned<$word>>();
+                    let (a, b, c, e) = (
+                        read_volatile(s),
+                        read_volatile(s.add(1)),
+                        read_volatile(s.add(2)),
+                        read_volatile(s.add(3)),
+                    );
+                    let t = d.add(i).cast::<$word>();
+                    t.write(a.0);
+                    t.add(1).write(b.0);
+                    t.add(2).write(c.0);
+                    t.add(3).write(e.0);
+                    i += 4 * W;
+                }
+                while i + W <= n {
+                    let w = read_volatile(src.add(i).cast::<Unaligned<$word>>());
+                    d.add(i).cast::<$word>().write(w.0);
+                    i += W;
+                }
+                if i < n {
+                    let last = read_volatile(src.add(n - W).cast::<Unaligned<$word>>());
+                    write_unaligned(d.add(n - W).cast::<$word>(), last.0);
+                }
+            }
+        }
+
+        /// Copies `n >= size_of::<word>()` bytes from private `s` to shared `dst`.
+        ///
+        /// # Safety
+        /// As for [`write_shared`](super::write_shared), with `s` valid for `n` bytes of
+        /// reads and `n` at least one word; the processor has `$feature`.
+        #[cfg_attr(target_arch = "x86_64", target_feature(enable = $feature))]
+        #[allow(unused_unsafe)]
+        pub(super) unsafe fn $write(dst: *mut u8, s: *const u8, n: usize) {
+            const W: usize = std::mem::size_of::<$word>();
+            debug_assert!(n >= W);
+            let head = (W - dst as usize % W) % W;
+            // SAFETY: as in the read routine, the other way: the shared-side stores are
+            // volatile, the loop's at `W`-aligned addresses, the first and last unaligned
+            // (`Unaligned`); the private-side loads are plain and unaligned, within `s..s + n`.
+            unsafe {
+                write_volatile(
+                    dst.cast::<Unaligned<$word>>(),
+                    Unaligned(read_unaligned(s.cast::<$word>())),
+                );
+                let mut i = if head == 0 { W } else { head };
+                while i + 4 * W <= n {
+                    let f = s.add(i).cast::<$word>();
+                    let (a, b, c, e) = (
+                        read_unaligned(f),
+                        read_unaligned(f.add(1)),
+                        read_unaligned(f.add(2)),
+                        read_unaligned(f.add(3)),
+                    );
+                    let t = dst.add(i).cast::<$word>();
+                    write_volatile(t, a);
+                    write_volatile(t.add(1), b);
+                    write_volatile(t.add(2), c);
+                    write_volatile(t.add(3), e);
+                    i += 4 * W;
+                }
+                while i + W <= n {
+                    write_volatile(
+                        dst.add(i).cast::<$word>(),
+                        read_unaligned(s.add(i).cast::<$word>()),
+                    );
+                    i += W;
+                }
+                if i < n {
+                    write_volatile(
+                        dst.add(n - W).cast::<Unaligned<$word>>(),
+                        Unaligned(read_unaligned(s.add(n - W).cast::<$word>())),
+                    );
+                }
+            }
+        }
+    };
+}
+
+/// The word routines.
+mod words {
+    #[allow(unused_imports)]
+    use super::{Unaligned, read_unaligned, read_volatile, write_unaligned, write_volatile};
+
+    word_copies!(read8, write8, u64, "sse2");
+    #[cfg(target_arch = "x86_64")]
+    word_copies!(read16, write16, std::arch::x86_64::__m128i, "sse2");
+    #[cfg(target_arch = "x86_64")]
+    word_copies!(read32, write32, std::arch::x86_64::__m256i, "avx2");
+    #[cfg(target_arch = "x86_64")]
+    word_copies!(read64, write64, std::arch::x86_64::__m512i, "avx512f");
+}
+
+/// The smallest copy that is one `rep movsb` where the processor has fast string moves and
+/// 64-byte words: below it the words are faster (on the 16-core Xeon measured, 1.0-1.36x
+/// memcpy's rate from 2 to 16 KiB, where `rep movsb` starts up slower).
+pub(crate) const STRING_MIN_WIDE: usize = 16 << 10;
+/// The same with narrower words: glibc's `memcpy` switches to `rep movsb` at 2 KiB per
+/// 16 bytes of its vector width (4 KiB with 32-byte vectors).
+pub(crate) const STRING_MIN: usize = 4 << 10;
+
+/// How this process copies, chosen once from the processor's features.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Method {
+    /// 8-byte words (no 16-byte words on this architecture).
+    #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+    Words8,
+    /// 16-byte words.
+    Words16,
+    /// 32-byte words (AVX2).
+    Words32,
+    /// 64-byte words (AVX-512).
+    Words64,
+}
+
+/// The copy routines this process uses: the widest words the processor has, and whether
+/// long ranges are one `rep movsb`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Choice {
+    pub(crate) words: Method,
+    pub(crate) strings: bool,
+}
+
+impl Choice {
+    /// The shortest copy made with one `rep movsb` (none without fast strings).
+    pub(crate) fn string_min(self) -> Option<usize> {
+        match (self.strings, self.words) {
+            (false, _) => None,
+            (true, Method::Words64) => Some(STRING_MIN_WIDE),
+            (true, _) => Some(STRING_MIN),
+        }
+    }
+}
+
+/// This process's [`Choice`], found on first use.
+pub(crate) fn choice() -> Choice {
+    static CHOICE: std::sync::OnceLock<Choice> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(detect)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Choice {
+    let words = if std::arch::is_x86_feature_detected!("avx512f") {
+        Method::Words64
+    } else if std::arch::is_x86_feature_detected!("avx2") {
+        Method::Words32
+    } else {
+        Method::Words16
+    };
+    // CPUID leaf 7, EBX bit 9: enhanced REP MOVSB/STOSB.
+    let strings = std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 9) != 0;
+    Choice { words, strings }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Choice {
+    Choice {
+        words: Method::Words8,
+        strings: false,
+    }
+}
+
+/// Copies `n` bytes from `src` to `d` one by one, reading volatile (`n` below a word).
+///
+/// # Safety
+/// As for the word routines, for any `n`.
+unsafe fn read_bytes(src: *const u8, d: *mut u8, n: usize) {
+    for i in 0..n {
+        // SAFETY: `i < n`, within both ranges (caller's contract); a volatile byte load.
+        unsafe { *d.add(i) = read_volatile(src.add(i)) };
+    }
+}
+
+/// Copies `n` bytes from `s` to `dst` one by one, writing volatile (`n` below a word).
+///
+/// # Safety
+/// As for the word routines, for any `n`.
+unsafe fn write_bytes(dst: *mut u8, s: *const u8, n: usize) {
+    for i in 0..n {
+        // SAFETY: `i < n`, within both ranges (caller's contract); a volatile byte store.
+        unsafe { write_volatile(dst.add(i), *s.add(i)) };
+    }
+}
+
+/// One `rep movsb`: copies `n` bytes from `src` to `dst`, ascending.
+///
+/// # Safety
+/// `src..src + n` is readable and `dst..dst + n` writable; the ranges do not overlap; one of
+/// them lies in a shared mapping outside every Rust allocation, the other is not reached
+/// through a Rust reference other than the caller's exclusive one while the copy runs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn move_string(dst: *mut u8, src: *const u8, n: usize) {
+    // SAFETY: the instruction reads `src..src + n` and writes `dst..dst + n`, one byte at a
+    // time by its definition (the direction flag is clear on entry to every asm block, by
+    // Rust's rules, and this one leaves it so), which is what a loop of volatile byte accesses
+    // does; the ranges are valid (caller's contract). It touches no stack and no flags.
+    // (Tests: `copy::tests::copies_every_alignment_and_length` with strings forced,
+    // `copy::tests::long_copies_by_every_method`.)
+    unsafe {
+        std::arch::asm!(
+            "rep movsb",
+            inout("rcx") n => _,
+            inout("rdi") dst => _,
+            inout("rsi") src => _,
+            options(nostack, preserves_flags),
+        );
+    }
+}
 
 /// Copies `dst.len()` bytes from `src` (shared memory) into `dst`.
 ///
@@ -42,47 +285,9 @@ const W: usize = std::mem::size_of::<Word>();
 /// every Rust allocation) that this process may read; nothing of it is reached through a Rust
 /// reference while the copy runs.
 pub(crate) unsafe fn read_shared(src: *const u8, dst: &mut [u8]) {
-    let n = dst.len();
-    let d = dst.as_mut_ptr();
-    let head = d.align_offset(W).min(n);
-    let mut i = 0;
-    // SAFETY: every `src.add(i..i + k)` read stays below `src + n` (the loop bounds), within
-    // the mapping (caller's contract), read as bytes or `Unaligned` words (alignment 1). Every
-    // `d.add(..)` write stays within `dst`, a `&mut [u8]` of `n` bytes; the word writes are at
-    // `W`-aligned addresses (after `head` bytes `d + i` is aligned, and `i` moves by multiples
-    // of `W`), of plain bytes (any bit pattern is a valid `Word`). The shared side
-    // is outside every Rust allocation, so it cannot overlap `dst`. (Tests:
-    // `copy::tests::copies_every_alignment_and_length`, and every ring and arena test.)
-    unsafe {
-        while i < head {
-            *d.add(i) = read_volatile(src.add(i));
-            i += 1;
-        }
-        while i + 4 * W <= n {
-            let s = src.add(i).cast::<Unaligned>();
-            let (a, b, c, e) = (
-                read_volatile(s),
-                read_volatile(s.add(1)),
-                read_volatile(s.add(2)),
-                read_volatile(s.add(3)),
-            );
-            let t = d.add(i).cast::<Word>();
-            t.write(a.0);
-            t.add(1).write(b.0);
-            t.add(2).write(c.0);
-            t.add(3).write(e.0);
-            i += 4 * W;
-        }
-        while i + W <= n {
-            let w = read_volatile(src.add(i).cast::<Unaligned>());
-            d.add(i).cast::<Word>().write(w.0);
-            i += W;
-        }
-        while i < n {
-            *d.add(i) = read_volatile(src.add(i));
-            i += 1;
-        }
-    }
+    // SAFETY: the caller's contract, and `dst` is a buffer of `dst.len()` bytes that nothing
+    // else reaches while this `&mut` lives.
+    unsafe { read_with(choice(), src, dst.as_mut_ptr(), dst.len()) }
 }
 
 /// Copies `src` into shared memory at `dst`.
@@ -92,82 +297,75 @@ pub(crate) unsafe fn read_shared(src: *const u8, dst: &mut [u8]) {
 /// every Rust allocation) that this process may write; nothing of it is reached through a Rust
 /// reference while the copy runs.
 pub(crate) unsafe fn write_shared(dst: *mut u8, src: &[u8]) {
-    let n = src.len();
-    let s = src.as_ptr();
-    let head = dst.align_offset(W).min(n);
-    let mut i = 0;
-    // SAFETY: as in `read_shared`, the other way: the volatile word writes are at `W`-aligned
-    // addresses within the mapping (caller's contract), the unaligned plain reads within `src`.
-    // (Tests: `copy::tests::copies_every_alignment_and_length`, and every ring and arena test.)
+    // SAFETY: the caller's contract, and `src` is a buffer of `src.len()` bytes.
+    unsafe { write_with(choice(), dst, src.as_ptr(), src.len()) }
+}
+
+/// [`read_shared`] by the given method.
+///
+/// # Safety
+/// As for [`read_shared`], `d` valid for `n` bytes of writes; the processor has what `c`
+/// names (a [`choice`], or a narrower one).
+unsafe fn read_with(c: Choice, src: *const u8, d: *mut u8, n: usize) {
+    // SAFETY: the caller's contract; each routine is called only with `n` at least its word
+    // and only with a feature the choice found (or a narrower one, which every processor with
+    // the wider has).
     unsafe {
-        while i < head {
-            write_volatile(dst.add(i), *s.add(i));
-            i += 1;
+        #[cfg(target_arch = "x86_64")]
+        {
+            if c.string_min().is_some_and(|min| n >= min) {
+                return move_string(d, src, n);
+            }
+            if n >= 64 && c.words == Method::Words64 {
+                return words::read64(src, d, n);
+            }
+            if n >= 32 && matches!(c.words, Method::Words32 | Method::Words64) {
+                return words::read32(src, d, n);
+            }
+            if n >= 16 {
+                return words::read16(src, d, n);
+            }
         }
-        while i + 4 * W <= n {
-            let f = s.add(i).cast::<Word>();
-            let (a, b, c, e) = (
-                read_unaligned(f),
-                read_unaligned(f.add(1)),
-                read_unaligned(f.add(2)),
-                read_unaligned(f.add(3)),
-            );
-            let t = dst.add(i).cast::<Word>();
-            write_volatile(t, a);
-            write_volatile(t.add(1), b);
-            write_volatile(t.add(2), c);
-            write_volatile(t.add(3), e);
-            i += 4 * W;
+        let _ = c;
+        if n >= 8 {
+            words::read8(src, d, n)
+        } else {
+            read_bytes(src, d, n)
         }
-        while i + W <= n {
-            write_volatile(
-                dst.add(i).cast::<Word>(),
-                read_unaligned(s.add(i).cast::<Word>()),
-            );
-            i += W;
+    }
+}
+
+/// [`write_shared`] by the given method.
+///
+/// # Safety
+/// As for [`write_shared`], `s` valid for `n` bytes of reads; the processor has what `c`
+/// names.
+unsafe fn write_with(c: Choice, dst: *mut u8, s: *const u8, n: usize) {
+    // SAFETY: as in `read_with`.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if c.string_min().is_some_and(|min| n >= min) {
+                return move_string(dst, s, n);
+            }
+            if n >= 64 && c.words == Method::Words64 {
+                return words::write64(dst, s, n);
+            }
+            if n >= 32 && matches!(c.words, Method::Words32 | Method::Words64) {
+                return words::write32(dst, s, n);
+            }
+            if n >= 16 {
+                return words::write16(dst, s, n);
+            }
         }
-        while i < n {
-            write_volatile(dst.add(i), *s.add(i));
-            i += 1;
+        let _ = c;
+        if n >= 8 {
+            words::write8(dst, s, n)
+        } else {
+            write_bytes(dst, s, n)
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::{read_shared, write_shared};
-
-    /// Every length up to a few turns of four words, at every alignment of both sides, into and
-    /// out of a real shared mapping; the bytes around each copy stay untouched.
-    #[test]
-    fn copies_every_alignment_and_length() {
-        let fd =
-            rustix::fs::memfd_create("dist-copy-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&fd, 4096).unwrap();
-        // SAFETY: the file was just made 4096 bytes long and nothing resizes it.
-        let map = unsafe { super::super::shared_map::SharedMap::new(&fd, 4096, true).unwrap() };
-        let base = map.ptr();
-        let src: Vec<u8> = (0..300u32).map(|i| (i * 7 + 1) as u8).collect();
-        for len in 0..160 {
-            for at in 0..17 {
-                for from in 0..17 {
-                    let mut back = vec![0u8; len + 34];
-                    // SAFETY: `at + len + 1 <= 4096`, within the live mapping; the test
-                    // holds no reference into it.
-                    unsafe {
-                        std::ptr::write_bytes(base, 0xee, 512);
-                        write_shared(base.add(at), &src[from..from + len]);
-                        read_shared(base.add(at), &mut back[from..from + len]);
-                        assert_eq!(*base.add(at + len), 0xee, "len {len} at {at}");
-                        if at > 0 {
-                            assert_eq!(*base.add(at - 1), 0xee, "len {len} at {at}");
-                        }
-                    }
-                    assert_eq!(back[from..from + len], src[from..from + len]);
-                    assert!(back[..from].iter().all(|&b| b == 0));
-                    assert!(back[from + len..].iter().all(|&b| b == 0));
-                }
-            }
-        }
-    }
-}
+mod tests;
