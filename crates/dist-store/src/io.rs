@@ -35,6 +35,8 @@ impl From<io::Error> for Fail {
 
 /// Bytes read ahead of need: a few answers' worth.
 const READ_AHEAD: usize = 16 * 1024;
+/// The most of a value allocated before it arrives.
+const GROW: usize = 8 << 20;
 
 /// A connection's socket and what the client keeps beside it.
 #[derive(Debug)]
@@ -223,28 +225,31 @@ impl Io<'_> {
             )));
         }
         let len = len as usize;
-        // At most 8 MiB (the largest value PyTorch's libuv server takes) is trusted with an
-        // allocation before it arrives; a longer value grows as it comes.
-        let mut v = Vec::with_capacity(len.min(8 << 20));
         let buffered = len.min(self.s.rend - self.s.rpos);
+        let mut v = Vec::with_capacity(len.min(GROW));
         v.extend_from_slice(&self.s.rbuf[self.s.rpos..self.s.rpos + buffered]);
         self.s.rpos += buffered;
-        // The rest straight into the value, with as few reads as the socket allows.
+        // The rest straight into the value, as much a read as the socket holds. At most 8 MiB
+        // (the largest value PyTorch's libuv server takes) is trusted with an allocation before
+        // it arrives; a longer value grows by that much at a time.
         while v.len() < len {
-            self.arm_read()?;
-            let want = (len - v.len()) as u64;
-            let before = v.len();
-            match (&self.s.stream).take(want).read_to_end(&mut v) {
-                Ok(_) if v.len() == before + want as usize => {}
-                Ok(_) => {
-                    return Err(Fail::Io(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the server closed the connection",
-                    )));
+            let mut filled = v.len();
+            let end = len.min(filled + GROW);
+            v.resize(end, 0);
+            while filled < end {
+                self.arm_read()?;
+                match self.s.stream.read(&mut v[filled..end]) {
+                    Ok(0) => {
+                        return Err(Fail::Io(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "the server closed the connection",
+                        )));
+                    }
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if timed_out(&e) && Instant::now() < self.deadline => {}
+                    Err(e) => return Err(e.into()),
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if timed_out(&e) && Instant::now() < self.deadline => {}
-                Err(e) => return Err(e.into()),
             }
         }
         Ok(v)

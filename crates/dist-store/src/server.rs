@@ -387,28 +387,28 @@ impl EventLoop {
         let mut read = 0;
         while read < READ_BUDGET && conn.out_len < pause && conn.inbuf.len() <= max_req {
             let want = conn.need.saturating_sub(conn.inbuf.len());
+            #[cfg(target_os = "linux")]
             if want >= self.scratch.len() && conn.inbuf.capacity() - conn.inbuf.len() >= want {
                 // A large request whose room is reserved: straight into it, no scratch copy.
                 let before = conn.inbuf.len();
-                let r = (&conn.stream)
-                    .take(want as u64)
-                    .read_to_end(&mut conn.inbuf);
+                let room = rustix::buffer::spare_capacity(&mut conn.inbuf);
+                match rustix::io::read(&conn.stream, room) {
+                    Ok(0) => return Err(Close::Eof),
+                    Ok(_) => {}
+                    Err(rustix::io::Errno::AGAIN) => break,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(Close::Io(e.into())),
+                }
                 let n = conn.inbuf.len() - before;
                 self.total_in += n;
                 read += n;
                 if self.total_in > self.opts.max_total_in {
                     return Err(Close::InBudget);
                 }
-                match r {
-                    Ok(_) if n < want => return Err(Close::Eof),
-                    Ok(_) => break,
-                    Err(e) => match e.kind() {
-                        io::ErrorKind::WouldBlock => break,
-                        io::ErrorKind::Interrupted => continue,
-                        _ => return Err(Close::Io(e)),
-                    },
-                }
+                continue;
             }
+            #[cfg(not(target_os = "linux"))]
+            let _ = want;
             // Into the loop's one scratch buffer, then only what came into the client's: no
             // per-client 64 KiB buffer to allocate and clear for a request of a few bytes.
             match conn.stream.read(&mut self.scratch) {
