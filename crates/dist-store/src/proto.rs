@@ -439,7 +439,7 @@ pub fn encode_request(out: &mut Vec<u8>, req: &Request<'_>) {
 /// `COMPARE_SET`, `APPEND`, `QUEUE_PUSH`), which it returns rather than copies: the request on
 /// the wire is `out`'s new bytes, then the returned slice (a large value goes out with one
 /// vectored write, uncopied).
-pub fn encode_request_head<'a>(out: &mut Vec<u8>, req: &Request<'a>) -> &'a [u8] {
+pub(crate) fn encode_request_head<'a>(out: &mut Vec<u8>, req: &Request<'a>) -> &'a [u8] {
     let (q, head, tail): (u8, &[&[u8]], &'a [u8]) = match *req {
         Request::Set(k, v) => (query::SET, &[k], v),
         Request::Append(k, v) => (query::APPEND, &[k], v),
