@@ -94,7 +94,8 @@ enum Cmd {
     /// (their ranks set DIST_SERVE_STORE=0 and form through it).
     Store(store::Args),
     /// Prepare (or reuse) a venv with torch outside the repository, for dist-store's interop
-    /// tests, and print its python (`DIST_TORCH_PYTHON=$(cargo xtask torch-venv)`).
+    /// tests, and print its python (`DIST_TORCH_PYTHON=$(cargo xtask torch-venv)`; `--torch
+    /// newest` for the newest release tested, which the tests take from `DIST_TORCH_PYTHONS`).
     TorchVenv(torch_venv::Args),
     /// Put the test and bench binaries, this launcher and a manifest into one folder that runs
     /// on a host with no Rust toolchain: `FOLDER/run test-multirank --backend nccl`.

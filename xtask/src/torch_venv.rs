@@ -1,20 +1,30 @@
 //! `cargo xtask torch-venv`: prepares (or reuses) a Python virtual environment with PyTorch,
 //! outside the repository, for dist-store's interop tests and load benchmark, and prints its
 //! python's path (on stdout, alone, so that `DIST_TORCH_PYTHON=$(cargo xtask torch-venv)` works).
+//! Two releases are tested: [`DEFAULT`] and [`NEWEST`] (`--torch newest`), each in a venv of
+//! its own.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
+/// The release the interop tests and the torchrun tests use by default (the lent GPU hosts have
+/// it too).
+pub const DEFAULT: &str = "2.11.0";
+/// The newest release on the package registry that dist is tested against (`--torch newest`);
+/// CI runs the interop tests with it as well.
+pub const NEWEST: &str = "2.15.0";
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Where the environment lives (default: `$DIST_TORCH_VENV`, else
+    /// Where the environment lives (default: `$DIST_TORCH_VENV` for the default release, else
     /// `$XDG_CACHE_HOME/dist/torch-venv-VERSION`, else `~/.cache/dist/torch-venv-VERSION`).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// The torch release to install.
-    #[arg(long, default_value = "2.11.0")]
+    /// The torch release to install: a version, or `newest` (the newest release dist is
+    /// tested against).
+    #[arg(long, default_value = DEFAULT)]
     pub torch: String,
     /// The python that creates the environment.
     #[arg(long, default_value = "python3")]
@@ -22,7 +32,11 @@ pub struct Args {
 }
 
 fn default_dir(version: &str) -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("DIST_TORCH_VENV").filter(|d| !d.is_empty()) {
+    // `DIST_TORCH_VENV` names the default release's venv: another release installed there
+    // would replace it.
+    if let Some(d) = std::env::var_os("DIST_TORCH_VENV").filter(|d| !d.is_empty())
+        && version == DEFAULT
+    {
         return Ok(PathBuf::from(d));
     }
     let cache = match std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
@@ -49,6 +63,11 @@ fn torch_version(python: &Path) -> Option<String> {
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    let mut args = args.clone();
+    if args.torch == "newest" {
+        args.torch = NEWEST.to_string();
+    }
+    let args = &args;
     let dir = match &args.dir {
         Some(d) => d.clone(),
         None => default_dir(&args.torch)?,

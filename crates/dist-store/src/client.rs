@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::Store;
 use crate::error::{Result, StoreError};
-use crate::io::{Fail, Io, remaining};
+use crate::io::{Fail, Io, Sock, remaining};
 use crate::proto::{self, Request, VALIDATION_MAGIC};
 
 /// The prefix PyTorch's client puts before every user key.
@@ -46,7 +46,7 @@ pub struct TcpStore {
 
 #[derive(Debug)]
 struct Conn {
-    stream: TcpStream,
+    sock: Sock,
     /// An earlier failure left bytes of unknown meaning on the connection.
     broken: bool,
 }
@@ -83,12 +83,12 @@ impl TcpStore {
         loop {
             attempts += 1;
             let err = match Self::try_connect(&addr, deadline, &mut server) {
-                Ok(stream) => {
+                Ok(sock) => {
                     return Ok(TcpStore {
                         server,
                         opts,
                         conn: Mutex::new(Conn {
-                            stream,
+                            sock,
                             broken: false,
                         }),
                     });
@@ -113,7 +113,7 @@ impl TcpStore {
         addr: &impl ToSocketAddrs,
         deadline: Instant,
         server: &mut String,
-    ) -> io::Result<TcpStream> {
+    ) -> io::Result<Sock> {
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
         for a in addr.to_socket_addrs()? {
             *server = a.to_string();
@@ -125,9 +125,10 @@ impl TcpStore {
         Err(last)
     }
 
-    fn connect_one(a: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
-        let mut s = TcpStream::connect_timeout(&a, remaining(deadline)?)?;
+    fn connect_one(a: SocketAddr, deadline: Instant) -> io::Result<Sock> {
+        let s = TcpStream::connect_timeout(&a, remaining(deadline)?)?;
         s.set_nodelay(true)?;
+        let mut s = Sock::new(s);
         let mut io = Io {
             s: &mut s,
             deadline,
@@ -168,7 +169,7 @@ impl TcpStore {
     /// This end's address of the connection: the local interface that reaches the server.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        conn.stream.local_addr()
+        conn.sock.stream.local_addr()
     }
 
     /// Runs one exchange under the connection's lock, within `deadline`, giving any failure
@@ -189,7 +190,7 @@ impl TcpStore {
             });
         }
         let mut io = Io {
-            s: &mut conn.stream,
+            s: &mut conn.sock,
             deadline,
             max_reply_len: self.opts.max_reply_len,
         };

@@ -29,6 +29,7 @@
 mod client;
 mod error;
 mod io;
+mod poll;
 mod prefix;
 pub mod proto;
 mod server;

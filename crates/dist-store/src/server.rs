@@ -1,4 +1,4 @@
-//! [`StoreServer`]: one thread, one event loop (`polling`) over every connection, serving
+//! [`StoreServer`]: one thread, one event loop (epoll on Linux) over every connection, serving
 //! PyTorch's TCPStore protocol. Idle connections cost a socket and a few bytes, no thread; every
 //! buffer is bounded (see [`ServerOptions`]); a client that breaks a rule is closed, alone.
 
@@ -9,9 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use polling::{Event, Events, PollMode, Poller};
-
 use crate::error::{Result, StoreError};
+use crate::poll::{NOTIFY, Poll, Ready};
 use crate::proto::{self, ParseError, Request, VALIDATION_MAGIC, WireLimits};
 use crate::state::{Answer, ClientId, Outbox, Refusal, State, StoreLimits};
 
@@ -69,7 +68,7 @@ pub struct ServerStats {
 #[derive(Debug)]
 pub struct StoreServer {
     addr: SocketAddr,
-    poller: Arc<Poller>,
+    poller: Arc<Poll>,
     stop: Arc<AtomicBool>,
     stats: Arc<ServerStats>,
     thread: Option<JoinHandle<()>>,
@@ -104,13 +103,13 @@ impl StoreServer {
         };
         let listener = listen(want, opts.backlog).map_err(serve_err)?;
         let addr = listener.local_addr().map_err(serve_err)?;
-        let poller = Arc::new(Poller::new().map_err(serve_err)?);
+        let poller = Arc::new(Poll::new().map_err(serve_err)?);
         // SAFETY: the listener lives in the loop below until the loop deletes it from the poller
         // (its last act); should the loop unwind, the poller goes with it or outlives a closed
         // socket, which epoll drops from its set on close, so no event names a reused fd
-        // (`polling`'s contract). Shown by `server_stops_and_clients_see_it` in
+        // (`polling`'s contract off Linux). Shown by `server_stops_and_clients_see_it` in
         // crates/dist-store/tests/server.rs.
-        unsafe { poller.add(&listener, Event::readable(LISTENER)) }.map_err(serve_err)?;
+        unsafe { poller.add(&listener, LISTENER, true, false) }.map_err(serve_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ServerStats::default());
         let mut ev = EventLoop {
@@ -185,6 +184,8 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     inbuf: Vec<u8>,
+    /// Bytes the request at the front of `inbuf` needs in all, once its length is known.
+    need: usize,
     out: VecDeque<Answer>,
     /// Bytes of `out.front()` already sent.
     out_off: usize,
@@ -198,7 +199,7 @@ struct Conn {
 
 struct EventLoop {
     listener: TcpListener,
-    poller: Arc<Poller>,
+    poller: Arc<Poll>,
     conns: HashMap<ClientId, Conn>,
     next_id: ClientId,
     state: State,
@@ -251,23 +252,22 @@ impl std::fmt::Display for Close {
 
 impl EventLoop {
     fn run(&mut self) {
-        let mut events = Events::new();
+        let mut ready: Vec<Ready> = Vec::with_capacity(1024);
         while !self.stop.load(Ordering::SeqCst) {
-            events.clear();
-            if let Err(e) = self.poller.wait(&mut events, None) {
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
+            ready.clear();
+            if let Err(e) = self.poller.wait(&mut ready) {
                 tracing::error!(server = %self.addr, error = %e, "store server: poll failed, stopping");
                 break;
             }
-            for ev in events.iter() {
-                if ev.key == LISTENER {
-                    self.accept();
-                } else {
-                    self.service(ev.key, ev.readable);
+            for &(key, readable) in &ready {
+                match key {
+                    LISTENER => self.accept(),
+                    NOTIFY => {}
+                    _ => self.service(key, readable),
                 }
             }
+            self.stats.unsent.store(self.total_out, Ordering::Relaxed);
+            self.stats.unrun.store(self.total_in, Ordering::Relaxed);
         }
         let ids: Vec<ClientId> = self.conns.keys().copied().collect();
         for id in ids {
@@ -295,10 +295,7 @@ impl EventLoop {
                     self.next_id += 1;
                     // SAFETY: as for the listener: the stream stays in `conns` until `drop_conn`
                     // deletes it from the poller before dropping it.
-                    let added = unsafe {
-                        self.poller
-                            .add_with_mode(&stream, Event::readable(id), PollMode::Level)
-                    };
+                    let added = unsafe { self.poller.add(&stream, id, true, false) };
                     if added.is_err() {
                         continue;
                     }
@@ -308,6 +305,7 @@ impl EventLoop {
                             stream,
                             peer,
                             inbuf: Vec::new(),
+                            need: 0,
                             out: VecDeque::new(),
                             out_off: 0,
                             out_len: 0,
@@ -326,9 +324,6 @@ impl EventLoop {
                 }
             }
         }
-        let _ = self
-            .poller
-            .modify(&self.listener, Event::readable(LISTENER));
     }
 
     /// Serves `first` (reading from it if `readable`) and every client its requests answered.
@@ -354,8 +349,6 @@ impl EventLoop {
                 None => break,
             }
         }
-        self.stats.unsent.store(self.total_out, Ordering::Relaxed);
-        self.stats.unrun.store(self.total_in, Ordering::Relaxed);
     }
 
     /// Reads (if `readable`), runs complete requests, sends, and registers the interest left.
@@ -380,9 +373,8 @@ impl EventLoop {
         let want = (conn.out_len < self.opts.client_out_pause, conn.out_len > 0);
         if want != conn.armed {
             conn.armed = want;
-            let ev = Event::new(id, want.0, want.1);
             self.poller
-                .modify_with_mode(&conn.stream, ev, PollMode::Level)
+                .modify(&conn.stream, id, want.0, want.1)
                 .map_err(Close::Io)?;
         }
         Ok(())
@@ -394,6 +386,29 @@ impl EventLoop {
         let conn = self.conns.get_mut(&id).ok_or(Close::Eof)?;
         let mut read = 0;
         while read < READ_BUDGET && conn.out_len < pause && conn.inbuf.len() <= max_req {
+            let want = conn.need.saturating_sub(conn.inbuf.len());
+            #[cfg(target_os = "linux")]
+            if want >= self.scratch.len() && conn.inbuf.capacity() - conn.inbuf.len() >= want {
+                // A large request whose room is reserved: straight into it, no scratch copy.
+                let before = conn.inbuf.len();
+                let room = rustix::buffer::spare_capacity(&mut conn.inbuf);
+                match rustix::io::read(&conn.stream, room) {
+                    Ok(0) => return Err(Close::Eof),
+                    Ok(_) => {}
+                    Err(rustix::io::Errno::AGAIN) => break,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(Close::Io(e.into())),
+                }
+                let n = conn.inbuf.len() - before;
+                self.total_in += n;
+                read += n;
+                if self.total_in > self.opts.max_total_in {
+                    return Err(Close::InBudget);
+                }
+                continue;
+            }
+            #[cfg(not(target_os = "linux"))]
+            let _ = want;
             // Into the loop's one scratch buffer, then only what came into the client's: no
             // per-client 64 KiB buffer to allocate and clear for a request of a few bytes.
             match conn.stream.read(&mut self.scratch) {
@@ -476,6 +491,7 @@ impl EventLoop {
         }
         conn.inbuf.drain(..used);
         self.total_in -= used;
+        conn.need = need;
         if conn.inbuf.is_empty() && conn.inbuf.capacity() > 64 * 1024 {
             // An idle client keeps no large buffer.
             conn.inbuf = Vec::new();

@@ -1,9 +1,12 @@
 //! Interop with PyTorch itself: PyTorch's Python TCPStore client against dist's server, and
 //! dist's client against PyTorch's libuv and legacy servers. Runs where a python with torch is
-//! found (`DIST_TORCH_PYTHON`, else `python3`); elsewhere every case is reported ignored, with
-//! "skipped: <reason>" printed first. Never a pass. (A harness of its own, libtest-mimic's, as
-//! the multi-rank tests have: libtest cannot report a skip.)
+//! found (`DIST_TORCH_PYTHON`, else `python3`), and once more for each other torch version in
+//! `DIST_TORCH_PYTHONS` (pythons separated by `:`); each case is named `torch_<version>::<case>`.
+//! Elsewhere every case is reported ignored, with "skipped: <reason>" printed first, as is a
+//! case the version lacks the query for. Never a pass. (A harness of its own, libtest-mimic's,
+//! as the multi-rank tests have: libtest cannot report a skip.)
 
+mod barrier;
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -13,7 +16,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Caps, T, connect, exercise, torch_python};
+use common::{Caps, T, Torch, connect, exercise, torch_pythons};
 use dist_store::proto::{self, Request, query};
 use dist_store::{Store, StoreError, StoreServer};
 use libtest_mimic::{Arguments, Trial};
@@ -68,27 +71,27 @@ impl Drop for TorchServer {
     }
 }
 
-fn dists_client_against_pytorchs_libuv_server(py: &str) {
-    let server = TorchServer::start(py, "libuv");
-    // PyTorch 2.11's servers have no BARRIER (it came later); queues are libuv's alone.
+fn dists_client_against_pytorchs_libuv_server(t: &Torch) {
+    let server = TorchServer::start(&t.python, "libuv");
+    // BARRIER came with PyTorch 2.15; queues are libuv's alone.
     exercise(
         server.addr,
         "rs",
         Caps {
             queues: true,
-            server_barrier: false,
+            server_barrier: t.has_barrier(),
         },
     );
 }
 
-fn dists_client_against_pytorchs_legacy_server(py: &str) {
-    let server = TorchServer::start(py, "legacy");
+fn dists_client_against_pytorchs_legacy_server(t: &Torch) {
+    let server = TorchServer::start(&t.python, "legacy");
     exercise(
         server.addr,
         "rs",
         Caps {
             queues: false,
-            server_barrier: false,
+            server_barrier: t.has_barrier(),
         },
     );
     // The legacy server knows no queue queries: it closes the connection, and dist's client
@@ -99,9 +102,9 @@ fn dists_client_against_pytorchs_legacy_server(py: &str) {
     assert!(matches!(e, StoreError::Io { .. }), "{e:?}");
 }
 
-fn pytorchs_server_going_away_mid_wait_ends_the_wait(py: &str) {
+fn pytorchs_server_going_away_mid_wait_ends_the_wait(t: &Torch) {
     for backend in ["libuv", "legacy"] {
-        let mut server = TorchServer::start(py, backend);
+        let mut server = TorchServer::start(&t.python, backend);
         let c = connect(server.addr);
         let waiter = std::thread::spawn(move || {
             let t0 = Instant::now();
@@ -119,12 +122,12 @@ fn pytorchs_server_going_away_mid_wait_ends_the_wait(py: &str) {
     }
 }
 
-fn pytorchs_client_against_dists_server(py: &str) {
+fn pytorchs_client_against_dists_server(t: &Torch) {
     let server = StoreServer::bind("127.0.0.1:0").unwrap();
     let addr = server.local_addr();
     let rs = connect(addr);
     rs.set("from_rust", b"hello from rust").unwrap();
-    let out = Command::new(py)
+    let out = Command::new(&t.python)
         .arg(py_dir().join("torch_client.py"))
         .arg("127.0.0.1")
         .arg(addr.port().to_string())
@@ -140,13 +143,20 @@ fn pytorchs_client_against_dists_server(py: &str) {
         stdout.lines().filter(|l| l.starts_with("ok ")).count() >= 25,
         "{stdout}"
     );
+    // The script runs its barrier checks where its torch has `Store.barrier` (2.15 and later).
+    assert_eq!(
+        stdout.contains("ok barrier"),
+        t.has_barrier(),
+        "torch {}:\n{stdout}",
+        t.version
+    );
     assert_eq!(rs.get("from_python", T).unwrap(), b"hello from python");
     assert_eq!(rs.get("ctr", T).unwrap(), b"640");
 }
 
-fn dists_server_going_away_mid_wait_ends_pytorchs_wait(py: &str) {
+fn dists_server_going_away_mid_wait_ends_pytorchs_wait(t: &Torch) {
     let server = StoreServer::bind("127.0.0.1:0").unwrap();
-    let mut child = Command::new(py)
+    let mut child = Command::new(&t.python)
         .arg(py_dir().join("torch_wait.py"))
         .arg("127.0.0.1")
         .arg(server.local_addr().port().to_string())
@@ -199,20 +209,32 @@ fn recording_proxy(upstream: SocketAddr) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
 
 /// The bytes PyTorch's client sends, read back with dist's parser: VALIDATE with the magic,
 /// PING, keys under "/", a `get` as WAIT then GET, ADD's delta as an i64, a timed-out wait as
-/// CANCEL_WAIT.
-fn pytorchs_client_sends_what_dists_parser_reads(py: &str) {
+/// CANCEL_WAIT; from 2.15 on, `barrier` as BARRIER with the world size as an i64, and a
+/// timed-out one as BARRIER, then CANCEL_WAIT.
+fn pytorchs_client_sends_what_dists_parser_reads(t: &Torch) {
     let server = StoreServer::bind("127.0.0.1:0").unwrap();
     let (proxy, log) = recording_proxy(server.local_addr());
+    let barriers = if t.has_barrier() {
+        "s.barrier('b', 1)\n\
+         try:\n    s.barrier('tb', 2, datetime.timedelta(milliseconds=100))\n\
+         except Exception: pass\n"
+    } else {
+        ""
+    };
     let script = format!(
         "import datetime, torch.distributed as d\n\
          s = d.TCPStore('127.0.0.1', {}, is_master=False, timeout=datetime.timedelta(seconds=30))\n\
          s.set('k', 'v'); s.get('k'); s.add('n', 7)\n\
          try:\n    s.wait(['never'], datetime.timedelta(milliseconds=100))\n\
          except Exception: pass\n\
+         {barriers}\
          s.num_keys()\n",
         proxy.port()
     );
-    let out = Command::new(py).args(["-c", &script]).output().unwrap();
+    let out = Command::new(&t.python)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -228,7 +250,7 @@ fn pytorchs_client_sends_what_dists_parser_reads(py: &str) {
         at += n;
     }
     assert_eq!(at, bytes.len(), "every byte is part of a request");
-    let want = [
+    let mut want = vec![
         format!("{:?}", Request::Validate(proto::VALIDATION_MAGIC)),
         "Ping(".to_string(),
         format!("{:?}", Request::Set(b"/k", b"v")),
@@ -237,8 +259,15 @@ fn pytorchs_client_sends_what_dists_parser_reads(py: &str) {
         format!("{:?}", Request::Add(b"/n", 7)),
         format!("{:?}", Request::Wait(vec![b"/never"])),
         format!("{:?}", Request::CancelWait),
-        format!("{:?}", Request::NumKeys),
     ];
+    if t.has_barrier() {
+        want.extend([
+            format!("{:?}", Request::Barrier(b"/b", 1)),
+            format!("{:?}", Request::Barrier(b"/tb", 2)),
+            format!("{:?}", Request::CancelWait),
+        ]);
+    }
+    want.push(format!("{:?}", Request::NumKeys));
     assert_eq!(reqs.len(), want.len(), "{reqs:#?}");
     for (got, want) in reqs.iter().zip(&want) {
         assert!(got.starts_with(want.as_str()), "{got} is not {want}");
@@ -282,11 +311,11 @@ fn raw_exchange(
 }
 
 /// The servers' differences, checked with raw requests (docs/store.md lists them): a GET of a
-/// missing key, a client that skips VALIDATE, libuv's key and value caps, a query type 2.11
-/// does not know.
-fn pytorchs_servers_quirks_and_dists_choices(py: &str) {
-    let libuv = TorchServer::start(py, "libuv");
-    let legacy = TorchServer::start(py, "legacy");
+/// missing key, a client that skips VALIDATE, libuv's key and value caps, BARRIER (a query type
+/// 2.11 does not know).
+fn pytorchs_servers_quirks_and_dists_choices(t: &Torch) {
+    let libuv = TorchServer::start(&t.python, "libuv");
+    let legacy = TorchServer::start(&t.python, "legacy");
     let dist = StoreServer::bind("127.0.0.1:0").unwrap();
     let servers = [
         ("libuv", libuv.addr),
@@ -341,11 +370,12 @@ fn pytorchs_servers_quirks_and_dists_choices(py: &str) {
             "legacy" => assert!(got.is_some(), "{name}"),
             _ => assert_eq!(got, None, "{name}"),
         }
-        // BARRIER (query 18) is unknown to PyTorch 2.11's servers: they close the client.
+        // BARRIER (query 18) came with PyTorch 2.15: earlier servers close the client.
         let got = raw_exchange(addr, true, &[Request::Barrier(b"/b", 1)], 1);
-        match name {
-            "dist" => assert_eq!(got.as_deref(), Some(&[proto::STOP_WAITING][..]), "{name}"),
-            _ => assert_eq!(got, None, "{name}"),
+        if name == "dist" || t.has_barrier() {
+            assert_eq!(got.as_deref(), Some(&[proto::STOP_WAITING][..]), "{name}");
+        } else {
+            assert_eq!(got, None, "{name}");
         }
         // GETNUMKEYS counts values, not queues (legacy has no queues).
         if name != "legacy" {
@@ -373,13 +403,12 @@ fn pytorchs_servers_quirks_and_dists_choices(py: &str) {
     }
 }
 
-/// One interop case, given the python to run PyTorch with.
-type Case = fn(&str);
+/// One interop case, given the torch to run.
+type Case = fn(&Torch);
 
 fn main() -> std::process::ExitCode {
     let args = Arguments::from_args();
-    let py = torch_python();
-    let cases: [(&str, Case); 7] = [
+    let cases: [(&str, Case); 8] = [
         (
             "dists_client_against_pytorchs_libuv_server",
             dists_client_against_pytorchs_libuv_server,
@@ -408,23 +437,50 @@ fn main() -> std::process::ExitCode {
             "pytorchs_servers_quirks_and_dists_choices",
             pytorchs_servers_quirks_and_dists_choices,
         ),
+        (
+            "barrier_behaves_as_pytorchs_servers",
+            barrier::barrier_behaves_as_pytorchs_servers,
+        ),
     ];
-    if let Err(why) = &py
-        && !args.list
-    {
-        eprintln!("skipped: {why}: every interop case is ignored here");
-    }
-    let trials = cases
+    let (torches, bad) = torch_pythons();
+    // A python listed in DIST_TORCH_PYTHONS that imports no torch was asked for: a failure.
+    let mut trials: Vec<Trial> = bad
         .into_iter()
-        .map(|(name, case)| {
-            let py = py.clone().unwrap_or_default();
-            let skip = py.is_empty();
-            Trial::test(name, move || {
-                case(&py);
-                Ok(())
-            })
-            .with_ignored_flag(skip)
-        })
+        .map(|why| Trial::test("listed_pythons_import_torch", move || Err(why.into())))
         .collect();
+    let torches = match torches {
+        Ok(t) => t,
+        Err(why) => {
+            if !args.list {
+                eprintln!("skipped: {why}: every interop case is ignored here");
+            }
+            // Listed under a placeholder version, every one ignored.
+            trials.extend(cases.into_iter().map(|(name, _)| {
+                Trial::test(format!("torch_none::{name}"), || Ok(())).with_ignored_flag(true)
+            }));
+            return libtest_mimic::run(&args, trials).exit_code();
+        }
+    };
+    for t in torches {
+        for (name, case) in cases {
+            let needs_barrier = name.starts_with("barrier_");
+            let skip = needs_barrier && !t.has_barrier();
+            if skip && !args.list {
+                eprintln!(
+                    "skipped: torch_{}::{name}: torch {} has no BARRIER (it came with 2.15)",
+                    t.label(),
+                    t.version
+                );
+            }
+            let t = t.clone();
+            trials.push(
+                Trial::test(format!("torch_{}::{name}", t.label()), move || {
+                    case(&t);
+                    Ok(())
+                })
+                .with_ignored_flag(skip),
+            );
+        }
+    }
     libtest_mimic::run(&args, trials).exit_code()
 }

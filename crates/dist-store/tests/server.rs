@@ -274,6 +274,43 @@ fn a_stop_waiting_that_crosses_the_cancel_is_tolerated() {
 }
 
 #[test]
+fn a_trickling_answer_is_cut_at_the_deadline() {
+    // A server that answers GETNUMKEYS one byte every 150 ms (the last at 1.05 s): each read
+    // gets something, so only the operation's deadline (600 ms) can end the call, not the
+    // socket's per-read timeout.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; 10];
+        s.read_exact(&mut b).unwrap(); // VALIDATE + PING
+        s.write_all(&b[6..10]).unwrap();
+        let mut one = [0u8; 1];
+        s.read_exact(&mut one).unwrap();
+        assert_eq!(one[0], query::GETNUMKEYS);
+        for byte in 42i64.to_le_bytes() {
+            std::thread::sleep(Duration::from_millis(150));
+            if s.write_all(&[byte]).is_err() {
+                break;
+            }
+        }
+    });
+    let c = TcpStore::connect(addr, Duration::from_millis(600)).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = c.num_keys().unwrap_err();
+    assert!(
+        matches!(e, StoreError::Timeout { op: "num_keys", .. }),
+        "{e:?} after {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(550),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
 fn limits_in_total_close_the_client_that_passes_them() {
     let opts = ServerOptions {
         store: dist_store::StoreLimits {

@@ -13,6 +13,7 @@ mod failures;
 mod flow;
 mod groups;
 mod hostile;
+mod hostile_store;
 mod hosts;
 mod hybrid_groups;
 mod lazy_death;
@@ -213,6 +214,7 @@ const CASES: &[Case] = &[
     Case::new("hostile_peer", hostile::peer),
     Case::new("hostile_asks", hostile::asks).only_at(&[2, 3]),
     Case::new("hostile_doorbells", hostile::doorbells).only_at(&[2, 3]),
+    Case::new("hostile_store", hostile_store::store).only_at(&[2, 3]),
 ];
 
 fn main() -> ExitCode {

@@ -188,29 +188,103 @@ pub fn exercise(addr: SocketAddr, ns: &str, caps: Caps) {
     assert_eq!(s.add(&k("ctr"), 0).unwrap(), 1600);
 }
 
+/// A python that imports torch, and the torch it imports.
+#[derive(Debug, Clone)]
+pub struct Torch {
+    pub python: String,
+    /// `torch.__version__`, e.g. "2.15.0+cu132".
+    pub version: String,
+    /// Its release as (major, minor).
+    pub release: (u32, u32),
+}
+
+impl Torch {
+    /// Whether its servers and client know `BARRIER` (PyTorch 2.15 and later).
+    pub fn has_barrier(&self) -> bool {
+        self.release >= (2, 15)
+    }
+
+    /// "2.15.0" for "2.15.0+cu132": a name for the trials that run with it.
+    pub fn label(&self) -> &str {
+        self.version.split('+').next().unwrap_or(&self.version)
+    }
+}
+
+/// The torch `py` imports, or why it imports none.
+fn probe(py: &str) -> Result<Torch, String> {
+    let out = Command::new(py)
+        .args([
+            "-c",
+            "import torch, torch.distributed as d; d.TCPStore; print(torch.__version__)",
+        ])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {
+            let version = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .last()
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            let mut parts = version.split(['.', '+']).map(|p| p.parse::<u32>().ok());
+            match (parts.next().flatten(), parts.next().flatten()) {
+                (Some(major), Some(minor)) => Ok(Torch {
+                    python: py.to_string(),
+                    version,
+                    release: (major, minor),
+                }),
+                _ => Err(format!("{py} imports torch of version {version:?}")),
+            }
+        }
+        Ok(o) => Err(format!(
+            "{py} cannot import torch.distributed ({})",
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )),
+        Err(e) => Err(format!("{py} does not run: {e}")),
+    }
+}
+
 /// A python that imports torch: `DIST_TORCH_PYTHON`, else `python3`; `Err(reason)` if none.
 pub fn torch_python() -> Result<String, String> {
     let (py, from_env) = match std::env::var("DIST_TORCH_PYTHON") {
         Ok(p) if !p.is_empty() => (p, true),
         _ => ("python3".to_string(), false),
     };
-    let out = Command::new(&py)
-        .args(["-c", "import torch.distributed as d; print(d.TCPStore)"])
-        .output();
-    match out {
-        Ok(o) if o.status.success() => Ok(py),
-        Ok(o) => Err(format!(
-            "{py} cannot import torch.distributed ({}){}",
-            String::from_utf8_lossy(&o.stderr)
-                .lines()
-                .last()
-                .unwrap_or(""),
-            if from_env {
-                ""
-            } else {
-                "; set DIST_TORCH_PYTHON (`cargo xtask torch-venv` prints one)"
-            }
-        )),
-        Err(e) => Err(format!("{py} does not run: {e}")),
+    probe(&py).map(|t| t.python).map_err(|why| {
+        if from_env {
+            why
+        } else {
+            format!("{why}; set DIST_TORCH_PYTHON (`cargo xtask torch-venv` prints one)")
+        }
+    })
+}
+
+/// Every torch to test against: the python of [`torch_python`], then each python listed in
+/// `DIST_TORCH_PYTHONS` (separated by `:`, as `PATH`), one per torch version; and why a listed
+/// python was left out (it was asked for: the caller reports that as a failure). `Err(reason)`
+/// when none imports torch.
+pub fn torch_pythons() -> (Result<Vec<Torch>, String>, Vec<String>) {
+    let mut found: Vec<Torch> = Vec::new();
+    let mut why = String::new();
+    match torch_python() {
+        Ok(py) => found.extend(probe(&py)),
+        Err(e) => why = e,
+    }
+    let mut bad = Vec::new();
+    let listed = std::env::var("DIST_TORCH_PYTHONS").unwrap_or_default();
+    for py in listed.split(':').filter(|p| !p.is_empty()) {
+        match probe(py) {
+            Ok(t) if found.iter().any(|f| f.label() == t.label()) => {}
+            Ok(t) => found.push(t),
+            Err(e) => bad.push(format!("DIST_TORCH_PYTHONS: {e}")),
+        }
+    }
+    if found.is_empty() {
+        (Err(why), bad)
+    } else {
+        (Ok(found), bad)
     }
 }

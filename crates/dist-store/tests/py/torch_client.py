@@ -1,5 +1,6 @@
 """PyTorch's own TCPStore client against a server at HOST PORT: every query type, a cancelled
-wait, a blocking queue pop, 4 MiB values and 32 concurrent clients. Exits non-zero on the first
+wait, a blocking queue pop, 4 MiB values, 32 concurrent clients and (torch 2.15 and later) the
+server-side barrier, timed out too. Exits non-zero on the first
 failed check. The server side (a Rust test) has set "from_rust" first and reads "from_python"."""
 import datetime
 import sys
@@ -102,5 +103,20 @@ for t in ths:
 for t in ths:
     t.join()
 check(s.add("ctr", 0) == 640, "32 concurrent clients, 20 adds each, exact")
+if hasattr(s, "barrier"):  # BARRIER came with PyTorch 2.15
+    t = later(lambda: s2.barrier("bar", 2))
+    s.barrier("bar", 2, T)
+    t.join()
+    check(s.get("bar") == b"2", "barrier of two clients; its key holds the count")
+    t0 = time.monotonic()
+    try:
+        s.barrier("tbar", 2, datetime.timedelta(milliseconds=300))
+        check(False, "barrier short of its world size times out")
+    except Exception as e:  # noqa: BLE001
+        check("timeout" in str(e).lower(), f"barrier short of its world size times out ({type(e).__name__})")
+    check(time.monotonic() - t0 < 5, "the barrier's timeout is the one asked for")
+    check(s.get("n") == b"3", "the connection works after a cancelled barrier")
+    s2.barrier("tbar", 2, T)
+    check(True, "barrier: the timed-out arrival counts")
 s.set("from_python", "hello from python")
 print("done", flush=True)
