@@ -67,7 +67,7 @@ const DISMANTLE_LINGER: Duration = Duration::from_millis(500);
 
 /// How long a peer's end, seen before any revocation, waits for a revocation notice that may
 /// explain it ([`Shared::label`]).
-const NOTICE_GRACE: Duration = Duration::from_millis(100);
+pub(crate) const NOTICE_GRACE: Duration = Duration::from_millis(100);
 
 /// The shortest time a formation of a later epoch is given.
 const FORM_AT_LEAST: Duration = Duration::from_secs(2);
@@ -139,16 +139,15 @@ impl Shared {
         }
     }
 
-    /// Whether the end of `peer`'s connection, seen now, is a failure: not if, within
-    /// [`NOTICE_GRACE`], this backend is revoked or `peer` sends an abort notice (a rank that
+    /// Whether the end of `peer`'s connection, seen now, is a failure: not if, by `until` (a
+    /// [`NOTICE_GRACE`] from when it was seen), this backend is revoked or `peer` sends an abort notice (a rank that
     /// revokes, then closes its connections to recover, may have its notice still on the way
     /// over a shared-memory ring while the close comes over TCP).
-    fn failure_unexplained(&self, peer: usize) -> bool {
+    fn failure_unexplained(&self, peer: usize, until: Instant) -> bool {
         let explained = || {
             self.revoked.get().is_some()
                 || (self.aborts.raised() && self.aborts.notices().iter().any(|n| n.from == peer))
         };
-        let until = Instant::now() + NOTICE_GRACE;
         while !explained() && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -156,9 +155,9 @@ impl Shared {
     }
 
     /// On the liveness thread, after the hooks heard that `peer`'s connection ended (`why`):
-    /// noted failed unless a revocation explains it ([`Shared::failure_unexplained`]).
-    pub(crate) fn after_close(&self, peer: usize, why: String) {
-        if self.failure_unexplained(peer) {
+    /// noted failed unless a revocation explains it by `until` ([`Shared::failure_unexplained`]).
+    pub(crate) fn after_close(&self, peer: usize, why: String, until: Instant) {
+        if self.failure_unexplained(peer, until) {
             self.note_failed(peer, || why);
         }
     }
@@ -180,14 +179,14 @@ impl Shared {
     pub(crate) fn label(self: &Arc<Self>, e: DistError) -> DistError {
         if self.elastic && self.revoked.get().is_none() {
             match &e {
-                DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
-                    // A peer that revoked and then closed its connections (to recover) may
-                    // have its notice still on the way (over a shared-memory ring, while the
-                    // close comes over TCP): it gets a moment to land, and is then the cause.
-                    if self.failure_unexplained(*peer) {
-                        self.note_failed(*peer, || e.to_string());
-                        self.revoke(Some(*peer), e.to_string());
-                    }
+                // A peer that revoked and then closed its connections (to recover) may have
+                // its notice still on the way (over a shared-memory ring, while the close
+                // comes over TCP): it gets a moment to land, and is then the cause.
+                DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. }
+                    if self.failure_unexplained(*peer, Instant::now() + NOTICE_GRACE) =>
+                {
+                    self.note_failed(*peer, || e.to_string());
+                    self.revoke(Some(*peer), e.to_string());
                 }
                 DistError::Aborted { origin, reason, .. } => {
                     self.revoke(Some(*origin), reason.clone());

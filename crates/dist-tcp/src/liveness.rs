@@ -232,12 +232,15 @@ pub(crate) fn run(shared: Weak<Shared>, inbox: Arc<Inbox>, world: usize, interva
                     }
                 }
             }
+            // One grace for the batch: many connections ending at once hold this thread up
+            // for one grace at most.
+            let until = Instant::now() + crate::elastic::NOTICE_GRACE;
             for f in work.faults {
-                let closed = matches!(f.cause, FaultCause::Closed(_)).then(|| f.peer);
+                let closed = matches!(f.cause, FaultCause::Closed(_)).then_some(f.peer);
                 let why = f.to_string();
                 s.dispatch(f);
                 if let Some(peer) = closed {
-                    s.after_close(peer, why);
+                    s.after_close(peer, why, until);
                 }
             }
             s.revoke_if_failed();
