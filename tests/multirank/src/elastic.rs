@@ -151,8 +151,9 @@ fn checked_all_reduce(b: &TcpBackend) {
 
 /// SIGKILL of rank 3 mid-all_reduce: every survivor's all_reduce ends with "group epoch 0
 /// revoked: rank 3 failed"; so does a receive on a user tag that rank 1 waits on (from rank
-/// 2, which never sends) on another thread, long before its 30 s timeout; later operations
-/// fail at once with it; the revoked backend drops without waiting.
+/// 2, which never sends, and keeps its connections open until then) on another thread, long
+/// before its 30 s timeout; later operations fail at once with it; the revoked backend drops
+/// without waiting.
 pub fn revoke() -> Result<(), String> {
     let victim = 3;
     if stand_aside(victim) {
@@ -199,6 +200,16 @@ pub fn revoke() -> Result<(), String> {
         took < Duration::from_millis(500),
         "later operations took {took:?}"
     );
+    // Rank 2 stays (its connections open) until rank 1's pending receive has ended: a close
+    // must not be what ends it.
+    let store = b.store();
+    if me == 1 {
+        store.set("test/pending_ended", b"1").unwrap();
+    } else {
+        store
+            .wait(&["test/pending_ended"], Duration::from_secs(40))
+            .unwrap_or_else(|e| panic!("rank {me}: rank 1's pending receive: {e}"));
+    }
     let t = Instant::now();
     drop(b);
     let took = t.elapsed();
