@@ -18,18 +18,27 @@ use std::time::{Duration, Instant};
 
 use dist_core::collectives::Collectives;
 use dist_core::{Backend, DistError, ReduceOp, Tag};
-use dist_multirank::{Case, config};
+use dist_multirank::{Case, Variant, config};
 use dist_tcp::TcpBackend;
 use dist_tcp::dist_store::Store;
 
 /// The cases, registered in `main.rs`.
 pub const CASES: &[Case] = &[
     Case::new("elastic_revoke", revoke).only_at(&[4]),
-    Case::new("elastic_shrink", shrink).only_at(&[4, 8]),
+    Case::new("elastic_shrink", shrink)
+        .only_at(&[4, 8])
+        .variants(&[LAZY]),
     Case::new("elastic_excluded", excluded).only_at(&[4]),
     Case::new("elastic_partition", partition).only_at(&[4]),
     Case::new("elastic_failure_in_recovery", failure_in_recovery).only_at(&[4]),
 ];
+
+/// The job and every later epoch connected lazily (each pair on first use).
+const LAZY: Variant = Variant {
+    name: "lazy",
+    sizes: &[8],
+    env: &[("DIST_FORMATION", "lazy")],
+};
 
 /// The peer timeout these cases run with (also how long a recovery waits for check-ins).
 const PEER_TIMEOUT: Duration = Duration::from_secs(2);
