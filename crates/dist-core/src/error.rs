@@ -183,6 +183,44 @@ pub enum DistError {
         detail: String,
     },
 
+    /// The group was revoked after a failure (or by a rank that asked for it: dist-tcp's
+    /// `TcpBackend::revoke`): every pending and later operation of its epoch ends with this at
+    /// once. The survivors agree on the next epoch's members by recovering (dist-tcp's
+    /// `TcpBackend::recover`); this epoch's group stays revoked.
+    #[error(
+        "rank {rank}: {op}: group epoch {epoch} revoked: {}",
+        revoked_words(*culprit, reason)
+    )]
+    Revoked {
+        /// The rank reporting.
+        rank: usize,
+        /// This rank's operation.
+        op: String,
+        /// The epoch revoked (0 for a group formed at init, one more for each recovery).
+        epoch: u64,
+        /// The rank whose failure revoked it, where known (a rank of that epoch).
+        culprit: Option<usize>,
+        /// The first failure seen, or why the group was revoked.
+        reason: String,
+    },
+
+    /// The survivors of a failure agreed on the next epoch's members without this rank (they
+    /// judged it failed, or it came to the agreement too late): it must stop.
+    #[error(
+        "rank {rank}: left out of group epoch {epoch}, whose members (by job rank) are \
+         {members:?}: {reason}"
+    )]
+    Excluded {
+        /// The rank reporting (its rank in the epoch before).
+        rank: usize,
+        /// The epoch it is left out of.
+        epoch: u64,
+        /// The members agreed, by job rank (a rank's number in the epoch the job began with).
+        members: Vec<usize>,
+        /// Why, as far as this rank can tell.
+        reason: String,
+    },
+
     /// A configuration value or environment variable is missing or malformed.
     #[error("configuration error: {what}: {reason}")]
     Config {
@@ -215,6 +253,14 @@ fn origin_words(origin: usize, reason: &str) -> String {
     }
 }
 
+/// How a revocation names its cause.
+fn revoked_words(culprit: Option<usize>, reason: &str) -> String {
+    match culprit {
+        Some(c) => format!("rank {c} failed: {reason}"),
+        None => reason.to_string(),
+    }
+}
+
 impl DistError {
     /// How the reason of a sub-group's [`DistError::Aborted`] begins when the rank at fault is
     /// no member of the group: its `origin` is then a backend rank (and said so).
@@ -237,6 +283,23 @@ impl DistError {
         self
     }
 
+    /// The operation this error names, if it names one.
+    pub fn op(&self) -> Option<&str> {
+        match self {
+            DistError::Timeout { op, .. }
+            | DistError::PeerGone { op, .. }
+            | DistError::PeerUnresponsive { op, .. }
+            | DistError::SizeMismatch { op, .. }
+            | DistError::InvalidRank { op, .. }
+            | DistError::InvalidArgument { op, .. }
+            | DistError::CollectiveMismatch { op, .. }
+            | DistError::Aborted { op, .. }
+            | DistError::Revoked { op, .. }
+            | DistError::ConcurrentUse { op, .. } => Some(op),
+            _ => None,
+        }
+    }
+
     /// The operation this error names, if it names one (every variant says whether it does).
     fn op_mut(&mut self) -> Option<&mut String> {
         match self {
@@ -248,8 +311,10 @@ impl DistError {
             | DistError::InvalidArgument { op, .. }
             | DistError::CollectiveMismatch { op, .. }
             | DistError::Aborted { op, .. }
+            | DistError::Revoked { op, .. }
             | DistError::ConcurrentUse { op, .. } => Some(op),
             DistError::RendezvousFailed { .. }
+            | DistError::Excluded { .. }
             | DistError::HandshakeRefused { .. }
             | DistError::Config { .. }
             | DistError::Io { .. } => None,
@@ -265,6 +330,7 @@ impl DistError {
             | DistError::SizeMismatch { peer, .. }
             | DistError::CollectiveMismatch { peer, .. } => Some(*peer),
             DistError::Aborted { origin, .. } => Some(*origin),
+            DistError::Revoked { culprit, .. } => *culprit,
             _ => None,
         }
     }

@@ -79,6 +79,7 @@ pub struct TcpConfig {
     pub(crate) host_id: Option<String>,
     pub(crate) serve_store: bool,
     pub(crate) store_prefix: String,
+    pub(crate) elastic: bool,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -109,6 +110,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("host_id", &self.host_id)
             .field("serve_store", &self.serve_store)
             .field("store_prefix", &self.store_prefix)
+            .field("elastic", &self.elastic)
             .finish()
     }
 }
@@ -143,6 +145,7 @@ impl TcpConfig {
             host_id: None,
             serve_store: true,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
+            elastic: false,
         }
     }
 
@@ -231,6 +234,18 @@ impl TcpConfig {
                 _ => {
                     return Err(DistError::Config {
                         what: "DIST_SERVE_STORE".into(),
+                        reason: format!("{v:?} is neither 0 nor 1"),
+                    });
+                }
+            };
+        }
+        if let Some(v) = get("DIST_ELASTIC") {
+            cfg.elastic = match v.trim() {
+                "0" => false,
+                "1" => true,
+                _ => {
+                    return Err(DistError::Config {
+                        what: "DIST_ELASTIC".into(),
                         reason: format!("{v:?} is neither 0 nor 1"),
                     });
                 }
@@ -330,6 +345,20 @@ impl TcpConfig {
     /// DIR` prints a summary of the ranks' files: who was where, who is behind.
     pub fn trace_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.trace_dir = Some(dir.into());
+        self
+    }
+
+    /// Whether a failure revokes the backend's group (default off; `DIST_ELASTIC=1`): from
+    /// the first failure this rank sees or hears of (a peer gone or silent, an abort notice),
+    /// every pending and later operation of the backend, point-to-point ones on user tags
+    /// included, fails at once with [`DistError::Revoked`](dist_core::DistError::Revoked)
+    /// naming the epoch and the rank at fault, and the survivors go on with
+    /// [`TcpBackend::recover`](crate::TcpBackend::recover). Off, a failed group's collectives
+    /// fail as they always did (`PeerGone`, `Aborted`) and point-to-point messages between the
+    /// live ranks still work; [`TcpBackend::recover`](crate::TcpBackend::recover) revokes
+    /// either way.
+    pub fn elastic(mut self, on: bool) -> Self {
+        self.elastic = on;
         self
     }
 

@@ -34,13 +34,23 @@ use handshake::*;
 pub use links::OnIncoming;
 use mesh::MeshSpec;
 pub use mesh::{Dialed, Mesh};
-pub(crate) use store::Kept;
-use store::{JobStore, addr_key, ready_key};
+pub(crate) use store::{JobStore, Kept, LINGER as STORE_LINGER, full as store_error_text};
+use store::{addr_key, ready_key};
 
 /// Forms the job eagerly (whatever `cfg` says) and returns one handshaken stream per peer
 /// (`None` at this rank's index) and the job's store.
 pub(crate) fn form(cfg: &TcpConfig) -> Result<(Vec<Option<TcpStream>>, Kept)> {
-    form_with(cfg, None).map(|f| (f.streams, f.store))
+    form_with(cfg, None, None).map(|f| (f.streams, f.store))
+}
+
+/// [`form`] or [`form_lazy`] (with `lazy`) through `store` rather than a store this opens:
+/// a later epoch's formation ([`TcpBackend::recover`](crate::TcpBackend::recover)).
+pub(crate) fn form_in(
+    cfg: &TcpConfig,
+    store: JobStore,
+    lazy: Option<OnIncoming>,
+) -> Result<(Vec<Option<TcpStream>>, Option<Mesh>, Kept)> {
+    form_with(cfg, lazy, Some(store)).map(|f| (f.streams, f.mesh, f.store))
 }
 
 /// A job formed lazily: no connection yet, the means to make them, and the job's store.
@@ -59,7 +69,7 @@ pub struct Formed {
 /// connection a peer makes to this rank that no dialer of this rank waits for, from before
 /// this returns.
 pub(crate) fn form_lazy(cfg: &TcpConfig, on_incoming: OnIncoming) -> Result<Formed> {
-    let f = form_with(cfg, Some(on_incoming))?;
+    let f = form_with(cfg, Some(on_incoming), None)?;
     Ok(Formed {
         streams: f.streams,
         mesh: f.mesh.expect("a lazy formation makes a mesh"),
@@ -73,14 +83,18 @@ struct Made {
     store: Kept,
 }
 
-/// Forms the job: eagerly without `lazy`, lazily with the callback.
-fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>) -> Result<Made> {
+/// Forms the job: eagerly without `lazy`, lazily with the callback; through `store` where
+/// given, else through the store `cfg` names.
+fn form_with(cfg: &TcpConfig, lazy: Option<OnIncoming>, store: Option<JobStore>) -> Result<Made> {
     cfg.validate()?;
     let started = Instant::now();
     let (me, world) = (cfg.rank, cfg.world_size);
     let deadline =
         dist_core::transport::deadline_after(started, cfg.init_timeout, me, || "init".into())?;
-    let store = JobStore::open(cfg, started, deadline)?;
+    let store = match store {
+        Some(s) => s,
+        None => JobStore::open(cfg, started, deadline)?,
+    };
     let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     if world == 1 {
         let mesh = match lazy {

@@ -31,6 +31,7 @@
 #![deny(missing_docs)]
 
 mod config;
+mod elastic;
 mod init;
 pub mod launch;
 mod lazy;
@@ -139,6 +140,18 @@ struct Shared {
     arena: Option<shm::TcpArena>,
     /// A group runs over the link ([`dist_core::transport::Link::claim_group`]).
     group_claimed: AtomicBool,
+    /// This backend's epoch ([`TcpBackend::epoch`]).
+    epoch: u64,
+    /// Each rank's job rank ([`TcpBackend::members`]).
+    members: Vec<usize>,
+    /// A failure revokes the backend ([`TcpConfig::elastic`]).
+    elastic: bool,
+    /// Why the backend was revoked, once it is (`elastic.rs`).
+    revoked: OnceLock<elastic::Revocation>,
+    /// The ranks seen failed, for the next agreement (`elastic.rs`).
+    failed: std::sync::Mutex<std::collections::BTreeSet<usize>>,
+    /// The first rank noted failed, and how it failed.
+    first_failure: OnceLock<(usize, String)>,
 }
 
 /// Sends at least this large may run beside their receive on another thread.
@@ -160,6 +173,10 @@ pub struct TcpBackend {
     /// The job's store (and its server, on the rank that serves it): dropped after the
     /// connections have closed.
     store: init::Kept,
+    /// The configuration it formed with (a recovery forms the next epoch with it).
+    cfg: TcpConfig,
+    /// The job rank of the rank that serves the store, where one of the job's does.
+    keeper: Option<usize>,
 }
 
 /// The backend's threads (the I/O thread, which reads every connection, and the liveness
@@ -173,6 +190,8 @@ struct Threads {
     incoming: Arc<lazy::Incoming>,
     io: peer::IoThread,
     liveness: Option<JoinHandle<()>>,
+    /// The most a drop waits for the peers to close their side (a recovery's).
+    linger_cap: Option<Duration>,
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -205,18 +224,43 @@ impl TcpBackend {
 
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
+        let keeper = cfg.serve_store.then_some(0);
+        Self::build(cfg, None, keeper)
+    }
+
+    /// Forms epoch 0 of the job `cfg` describes, or, with `next`, a later epoch through its
+    /// store ([`TcpBackend::recover`]).
+    fn build(
+        cfg: TcpConfig,
+        next: Option<elastic::Next>,
+        keeper: Option<usize>,
+    ) -> Result<TcpBackend> {
         let parallel = config::parallel_for(&cfg);
         let me = cfg.rank;
         // Connections a peer makes to this rank after formation (lazy formation only).
         let incoming = Arc::new(lazy::Incoming::default());
-        let (streams, mesh, store) = match cfg.formation_mode() {
-            Formation::Lazy => {
+        let (epoch, members, reuse) = match next {
+            Some(n) => (n.epoch, n.members, Some(n.store)),
+            None => (0, (0..cfg.world_size).collect(), None),
+        };
+        let (streams, mesh, store) = match (cfg.formation_mode(), reuse) {
+            (Formation::Lazy, None) => {
                 let inc = incoming.clone();
                 let formed = init::form_lazy(&cfg, Box::new(move |r, s| inc.deliver(r, s)))?;
                 (formed.streams, Some(Arc::new(formed.mesh)), formed.store)
             }
-            _ => {
+            (Formation::Lazy, Some(js)) => {
+                let inc = incoming.clone();
+                let on_incoming: init::OnIncoming = Box::new(move |r, s| inc.deliver(r, s));
+                let (streams, mesh, store) = init::form_in(&cfg, js, Some(on_incoming))?;
+                (streams, mesh.map(Arc::new), store)
+            }
+            (_, None) => {
                 let (streams, store) = init::form(&cfg)?;
+                (streams, None, store)
+            }
+            (_, Some(js)) => {
+                let (streams, _, store) = init::form_in(&cfg, js, None)?;
                 (streams, None, store)
             }
         };
@@ -318,6 +362,12 @@ impl TcpBackend {
             beats: record::BeatWait::default(),
             arena,
             group_claimed: AtomicBool::new(false),
+            epoch,
+            members,
+            elastic: cfg.elastic,
+            revoked: OnceLock::new(),
+            failed: Default::default(),
+            first_failure: OnceLock::new(),
         });
         let io =
             peer::IoThread::spawn(format!("dist-io-{me}")).map_err(|source| DistError::Io {
@@ -331,6 +381,7 @@ impl TcpBackend {
             incoming: incoming.clone(),
             io,
             liveness: None,
+            linger_cap: None,
         };
         // One of each hook for every peer (each is told the peer's rank): a thousand ranks'
         // peers share three closures instead of holding three each.
@@ -342,6 +393,9 @@ impl TcpBackend {
                 if notice.culprit.is_some_and(|c| c >= s.world) {
                     notice.culprit = None;
                 }
+                // Noted for a recovery, and an elastic backend revoked, before the waiters
+                // are woken.
+                s.heard_abort(&notice);
                 // The hooks hear of it, and a rank that only hears of a failure writes its
                 // record too, once per notice (not per frame: see `liveness::Inbox`).
                 s.post_abort(&notice);
@@ -407,6 +461,8 @@ impl TcpBackend {
             group,
             _threads: threads,
             store,
+            cfg,
+            keeper,
         })
     }
 
@@ -497,10 +553,12 @@ impl Backend for TcpBackend {
     fn send_tagged(&self, data: &[u8], dst: usize, tag: Tag) -> Result<()> {
         self.recorded("send", data.len(), dst, || {
             let op = || format!("send to {dst} (tag {tag}, {} bytes)", data.len());
+            self.shared.refuse_if_revoked(op)?;
             let deadline = deadline_after(self.shared.rank, self.shared.timeout, op)?;
             self.group
                 .link()
                 .send(data, dst, tag, [0; 16], deadline, None)
+                .map_err(|e| self.shared.label(e))
         })
     }
 
@@ -517,11 +575,13 @@ impl Backend for TcpBackend {
         })?;
         self.recorded("recv", len, src, || {
             let op = || format!("recv from {src} (tag {tag}, {len} bytes)");
+            self.shared.refuse_if_revoked(op)?;
             self.group
                 .link()
                 .peer(src, &op)?
                 .recv(buf, tag.to_wire(), deadline, &op)
                 .map(|_| ())
+                .map_err(|e| self.shared.label(e))
         })
     }
 
@@ -563,9 +623,12 @@ impl Drop for Threads {
             p.shutdown(Shutdown::Write);
         }
         // `validate` bounds the linger; were it still too far out, wait as long as one can.
+        let linger = self
+            .linger_cap
+            .map_or(self.shared.linger, |c| c.min(self.shared.linger));
         let now = Instant::now();
         let deadline = now
-            .checked_add(self.shared.linger)
+            .checked_add(linger)
             .unwrap_or(now + dist_core::MAX_TIMEOUT);
         for p in &self.shared.peers {
             if !p.wait_closed(deadline) {

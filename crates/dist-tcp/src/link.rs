@@ -202,6 +202,12 @@ impl Link for TcpLink {
         Some(self.0.positions_text())
     }
 
+    /// On a revoked backend, [`DistError::Revoked`] naming the epoch and the rank at fault
+    /// (an elastic backend revokes itself on the failure an error names first; `elastic.rs`).
+    fn label_error(&self, e: DistError) -> DistError {
+        self.0.label(e)
+    }
+
     /// The host arena of a job formed at init (also where shared memory is off: it then
     /// says it is incomplete, and the group runs its collectives over messages).
     fn arena(&self) -> Option<&dyn dist_core::transport::HostArena> {

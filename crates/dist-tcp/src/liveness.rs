@@ -232,9 +232,18 @@ pub(crate) fn run(shared: Weak<Shared>, inbox: Arc<Inbox>, world: usize, interva
                     }
                 }
             }
+            // One grace for the batch: many connections ending at once hold this thread up
+            // for one grace at most.
+            let until = Instant::now() + crate::elastic::NOTICE_GRACE;
             for f in work.faults {
+                let closed = matches!(f.cause, FaultCause::Closed(_)).then_some(f.peer);
+                let why = f.to_string();
                 s.dispatch(f);
+                if let Some(peer) = closed {
+                    s.after_close(peer, why, until);
+                }
             }
+            s.revoke_if_failed();
             if work.trace {
                 s.write_trace();
             }
@@ -254,6 +263,7 @@ pub(crate) fn run(shared: Weak<Shared>, inbox: Arc<Inbox>, world: usize, interva
         prev = now;
         next = now + interval;
         s.tick(&mut last, now);
+        s.revoke_if_failed();
         let took = now.elapsed();
         if took > s.peer_timeout / 2 {
             // On a host with far more runnable threads than cores, a round of heartbeats to
@@ -304,6 +314,7 @@ impl Shared {
         let reason = p
             .unresponsive("the liveness check".into())
             .map_or_else(String::new, |e| e.to_string());
+        self.note_failed(p.rank, || reason.clone());
         self.note_abort(AbortNotice {
             from: self.rank,
             culprit: Some(p.rank),

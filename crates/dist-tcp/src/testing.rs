@@ -54,3 +54,17 @@ pub fn connected_peers(b: &crate::TcpBackend) -> usize {
 pub fn peer_socket(b: &crate::TcpBackend, peer: usize) -> Option<TcpStream> {
     b.shared.peers.get(peer)?.stream()?.try_clone().ok()
 }
+
+/// Makes this process exit (status 0, abruptly: no backend dropped) inside its next
+/// [`TcpBackend::recover`](crate::TcpBackend::recover), right after it checked in for the
+/// agreement: a rank that fails during the recovery itself, for the tests of that.
+pub fn die_in_recovery() {
+    DIE_IN_RECOVERY.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+static DIE_IN_RECOVERY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether [`die_in_recovery`] was called.
+pub(crate) fn dies_in_recovery() -> bool {
+    DIE_IN_RECOVERY.load(std::sync::atomic::Ordering::SeqCst)
+}

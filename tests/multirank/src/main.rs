@@ -9,6 +9,7 @@
 
 mod admission;
 mod coll;
+mod elastic;
 mod failures;
 mod flow;
 mod groups;
@@ -220,6 +221,7 @@ const CASES: &[Case] = &[
 fn main() -> ExitCode {
     let cases: Vec<Case> = CASES
         .iter()
+        .chain(elastic::CASES)
         .chain(hosts::CASES)
         .chain(shm::CASES)
         .chain(shm_arena::CASES)

@@ -473,6 +473,10 @@ pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError, number: Option<u64
             g.abort_call(COLLECTIVE_TAG, named, reason, Some(*origin))
         }
         DistError::Timeout { .. } => g.abort_call(COLLECTIVE_TAG, None, &e.to_string(), None),
+        // A revoked group's failure, passed on as the revocation came.
+        DistError::Revoked {
+            culprit, reason, ..
+        } => g.abort_call(COLLECTIVE_TAG, None, reason, *culprit),
         _ => g.abort_call(COLLECTIVE_TAG, number, &e.to_string(), None),
     }
 }

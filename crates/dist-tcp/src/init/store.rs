@@ -65,6 +65,22 @@ pub(crate) struct Kept {
 }
 
 impl Kept {
+    /// The connection, the prefix user keys lie under, and the server (the rank that serves
+    /// it hands it on to the backend of its next epoch).
+    pub(crate) fn into_parts(self) -> (Arc<TcpStore>, String, Option<StoreServer>) {
+        (self.client, self.prefix, self._server)
+    }
+
+    /// The same store, its user keys under `prefix` and holding `server` (a later epoch's
+    /// backend keeps the first epoch's prefix and server).
+    pub(crate) fn reparented(mut self, prefix: String, server: Option<StoreServer>) -> Kept {
+        self.prefix = prefix;
+        if server.is_some() {
+            self._server = server;
+        }
+        self
+    }
+
     /// The job's store under `<job prefix>/<part>`.
     pub(crate) fn under(&self, part: &str) -> PrefixStore<Arc<TcpStore>> {
         PrefixStore::new(format!("{}/{part}", self.prefix), self.client.clone())
@@ -169,6 +185,28 @@ impl JobStore {
             client,
             server,
             prefix: format!("{}/{count}", cfg.store_prefix),
+            me,
+        })
+    }
+
+    /// A new connection to the store at `server` (served already, by this process or
+    /// another), for a formation whose keys lie under `prefix`: a later epoch's
+    /// ([`TcpBackend::recover`](crate::TcpBackend::recover)).
+    pub(crate) fn reconnect(
+        server: &str,
+        prefix: String,
+        me: usize,
+        deadline: Instant,
+    ) -> Result<JobStore> {
+        let client = TcpStore::connect(server, left(deadline)).map_err(|e| DistError::Io {
+            rank: me,
+            context: format!("reconnect to the job's store at {server}"),
+            source: std::io::Error::other(full(&e)),
+        })?;
+        Ok(JobStore {
+            client,
+            server: None,
+            prefix,
             me,
         })
     }

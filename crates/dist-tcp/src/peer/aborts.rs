@@ -78,6 +78,8 @@ const GROUPS_TRACKED: usize = 64;
 #[derive(Debug, Default)]
 pub(crate) struct Aborts {
     raised: AtomicBool,
+    /// The backend's group was revoked: every wait ends, user tags' too.
+    revoked: AtomicBool,
     notices: Mutex<Vec<AbortNotice>>,
     /// The call the root group (tags' group bits 0) is in, 0 before its first: kept apart from
     /// `calls` so that a collective of the root group sets it with no lock.
@@ -152,6 +154,17 @@ impl Aborts {
             }
             _ => true,
         }
+    }
+
+    /// Marks the backend revoked: from now on every wait on its peers ends (the caller wakes
+    /// them).
+    pub(crate) fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the backend was revoked ([`Aborts::revoke`]).
+    pub(crate) fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::SeqCst)
     }
 
     pub(crate) fn raised(&self) -> bool {

@@ -253,7 +253,9 @@ impl Peer {
             }
             let open = matches!(st.posted[i].slot, Slot::Open);
             let wire_tag = Tag::from_wire(tag);
-            if open && wire_tag.is_system() && self.aborts.ending_now(wire_tag).is_some() {
+            let ended = self.aborts.revoked()
+                || (wire_tag.is_system() && self.aborts.ending_now(wire_tag).is_some());
+            if open && ended {
                 st.posted.remove(i);
                 return Err(self.aborts.error(self.me, op(), wire_tag));
             }
