@@ -130,7 +130,11 @@ pub(super) struct Host<'a, 'c, L: Link> {
 }
 
 impl<'a, 'c, L: Link> Host<'a, 'c, L> {
-    fn new(c: &'a Call<'c, L>, a: &'a dyn HostArena, local: &'a [usize]) -> Result<Self> {
+    pub(super) fn new(
+        c: &'a Call<'c, L>,
+        a: &'a dyn HostArena,
+        local: &'a [usize],
+    ) -> Result<Self> {
         let pos = local
             .iter()
             .position(|&r| r == c.me)

@@ -1,7 +1,9 @@
 //! all_reduce of a small buffer on the host arena (up to
 //! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) bytes, within the arena's small areas,
 //! [`HostArena::small_len`](crate::arena::HostArena::small_len)): the fewest cache lines a
-//! rank's input can travel in.
+//! rank's input can travel in. Its one round ([`Host::small_round`]: write, publish, wait for
+//! every peer, check) is also the barrier's, broadcast's, reduce's and all_gather's on the small
+//! areas (`collectives/small_ops.rs`), which differ only in what they write and read.
 //!
 //! For piece k (the count every arena collective of the group shares, `collectives/host.rs`)
 //! each rank writes its whole input, the call's descriptor and the word `k + 1` into its small
@@ -128,9 +130,30 @@ impl<L: Link> Host<'_, '_, L> {
     /// all_reduce of `data` (at most the small areas' bytes) through the small areas.
     pub(super) fn all_reduce_small<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let (c, a) = (self.c, self.a);
+        let (area, target) = self.small_round(bytes(data))?;
+        let len = std::mem::size_of_val(data);
+        self.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
+            a.read_small(q, area, off, dst)
+                .map_err(|e| e.map_op(|_| c.op_text()))
+        })?;
+        if self.whole {
+            finish(data, op, c.n);
+        }
+        a.publish(ArenaWord::Reduced, target);
+        Ok(())
+    }
+
+    /// One round on the small areas, every collective's that takes them: writes `data` (at
+    /// most the small areas' bytes, empty for a rank with nothing to give), the call's
+    /// descriptor and the piece's word into this rank's area for the next piece, publishes
+    /// `Input`, waits until every peer's area holds its part of the same piece and checks their
+    /// descriptors. Returns the area and the word (`k + 1`); the caller reads what it needs of
+    /// the peers' areas, then publishes `Reduced` with the word.
+    pub(super) fn small_round(&self, data: &[u8]) -> Result<(usize, u32)> {
+        let (c, a) = (self.c, self.a);
         let (k, area) = self.next_piece();
         let target = k.wrapping_add(1);
-        a.put_small(area, target, c.meta(), bytes(data))
+        a.put_small(area, target, c.meta(), data)
             .map_err(|e| e.map_op(|_| c.op_text()))?;
         // Beside the slot too, for a peer in a mismatched call on the pieces' path, which
         // looks there.
@@ -148,16 +171,7 @@ impl<L: Link> Host<'_, '_, L> {
         if !budget.is_zero() {
             SPIN_BACKOFF.spun(!spin.is_zero());
         }
-        let len = std::mem::size_of_val(data);
-        self.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
-            a.read_small(q, area, off, dst)
-                .map_err(|e| e.map_op(|_| c.op_text()))
-        })?;
-        if self.whole {
-            finish(data, op, c.n);
-        }
-        a.publish(ArenaWord::Reduced, target);
-        Ok(())
+        Ok((area, target))
     }
 
     /// Waits until peer `q`'s small area `area` holds its input for `target`, spinning for at

@@ -1,0 +1,158 @@
+//! barrier, broadcast, reduce and all_gather on the host arena's small areas, for a group whose
+//! ranks all share one host, with at most [`HOST_SMALL_MAX`] bytes a rank gives (and within
+//! the areas, [`HostArena::small_len`]): one round of the small all_reduce's
+//! (`collectives/small.rs`, [`Host::small_round`]) each, the same piece count, areas, waits and
+//! checks, and only what each rank reads afterwards differs:
+//!
+//! | collective | a rank writes into its area | then reads |
+//! | --- | --- | --- |
+//! | barrier | nothing (the word and descriptor) | nothing |
+//! | broadcast | the root its buffer, the others nothing | the others the root's area |
+//! | reduce | its input | the root every area, reduced in rank order; the others nothing |
+//! | all_gather | its input | every peer's area, into that peer's block |
+//!
+//! Every rank waits for every peer's word in every round, whatever it reads: that wait is what
+//! lets a rank write its area again two pieces later (every peer has started the piece between,
+//! so it is done reading), whichever collectives the pieces are and whichever rank was the
+//! root. A rank with nothing to give still writes its word and descriptor, so that a peer in
+//! another collective, or the same with other arguments, finds the mismatch in the round.
+//!
+//! The small areas are used once the group has agreed on the arena: a call that comes before
+//! the group's first all_reduce holds that vote itself (over messages, as the all_reduce would),
+//! on every rank alike, since what decides it (the size, the tuning) is the same everywhere.
+
+use crate::arena::{ArenaWord, HostArena};
+use crate::error::Result;
+use crate::group::Group;
+use crate::link::Link;
+use crate::types::{Element, ReduceOp};
+
+use super::call::{Call, finish};
+use super::consts::HOST_SMALL_MAX;
+use super::desc::Kind;
+use super::host::{Host, agreed};
+use super::scratch::{bytes, bytes_mut};
+
+/// The largest a rank's part may be for the small areas, before the arena is known: what every
+/// rank can decide alike (the tuning's arena limit, the path's); `None` where the tuning keeps
+/// the group off the arena (a limit of 0).
+fn small_limit<L: Link>(g: &Group<L>) -> Option<usize> {
+    let max = g.tuning().arena_max();
+    (max > 0).then(|| HOST_SMALL_MAX.min(max))
+}
+
+/// The arena, where a call whose ranks each give `bytes` goes through the small areas: the group
+/// has more than one rank, all on one host, has agreed on the arena (voting now if it has not
+/// yet, on every rank alike), and `bytes` fits the areas and the tuning's arena limit (none
+/// where that is 0).
+fn small_arena<'a, L: Link>(c: &'a Call<'_, L>, bytes: usize) -> Result<Option<&'a dyn HostArena>> {
+    let fits = small_limit(c.g).is_some_and(|max| bytes <= max);
+    if c.n == 1 || !fits || c.g.arena_in_use() == Some(false) {
+        return Ok(None);
+    }
+    let Some(a) = c.g.link().arena() else {
+        return Ok(None);
+    };
+    if !agreed(c, a)? || a.local().len() != c.n || bytes > a.small_len() {
+        return Ok(None);
+    }
+    Ok(Some(a))
+}
+
+/// Whether a call of `kind` whose ranks each give `bytes` goes through the small areas on group
+/// `g`, as it stands (known once the group has agreed on its arena: `false` before).
+pub(super) fn takes_small<L: Link>(g: &Group<L>, kind: Kind, bytes: usize) -> bool {
+    let smalls = [
+        Kind::AllReduce,
+        Kind::Barrier,
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::AllGather,
+    ];
+    g.link().world_size() > 1
+        && smalls.contains(&kind)
+        && small_limit(g).is_some_and(|max| bytes <= max)
+        && g.arena_in_use() == Some(true)
+        && g.link()
+            .arena()
+            .is_some_and(|a| a.local().len() == g.link().world_size() && bytes <= a.small_len())
+}
+
+/// The barrier on the small areas, if the call takes them (`Ok(false)`: it does not, and nothing
+/// was done).
+pub(super) fn barrier<L: Link>(c: &Call<'_, L>) -> Result<bool> {
+    let Some(a) = small_arena(c, 0)? else {
+        return Ok(false);
+    };
+    let h = Host::new(c, a, a.local())?;
+    let (_, target) = h.small_round(&[])?;
+    a.publish(ArenaWord::Reduced, target);
+    Ok(true)
+}
+
+/// The broadcast of the root's `data` on the small areas, if the call takes them.
+pub(super) fn broadcast<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    data: &mut [T],
+    root: usize,
+) -> Result<bool> {
+    let Some(a) = small_arena(c, std::mem::size_of_val(data))? else {
+        return Ok(false);
+    };
+    let h = Host::new(c, a, a.local())?;
+    let mine: &[u8] = if c.me == root { bytes(data) } else { &[] };
+    let (area, target) = h.small_round(mine)?;
+    if c.me != root {
+        a.read_small(root, area, 0, bytes_mut(data))
+            .map_err(|e| e.map_op(|_| c.op_text()))?;
+    }
+    a.publish(ArenaWord::Reduced, target);
+    Ok(true)
+}
+
+/// The reduce of every rank's `data` into the root's on the small areas, if the call takes
+/// them: the root reduces every input in rank order (the small all_reduce's reduction, so the
+/// result is bitwise the one an all_reduce gives).
+pub(super) fn reduce<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    data: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<bool> {
+    let Some(a) = small_arena(c, std::mem::size_of_val(data))? else {
+        return Ok(false);
+    };
+    let h = Host::new(c, a, a.local())?;
+    let (area, target) = h.small_round(bytes(data))?;
+    if c.me == root {
+        let len = std::mem::size_of_val(data);
+        h.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
+            a.read_small(q, area, off, dst)
+                .map_err(|e| e.map_op(|_| c.op_text()))
+        })?;
+        finish(data, op, c.n);
+    }
+    a.publish(ArenaWord::Reduced, target);
+    Ok(true)
+}
+
+/// The all_gather of every rank's `input` into `output` (this rank's block already there) on
+/// the small areas, if the call takes them.
+pub(super) fn all_gather<T: Element, L: Link>(
+    c: &Call<'_, L>,
+    input: &[T],
+    output: &mut [T],
+) -> Result<bool> {
+    let Some(a) = small_arena(c, std::mem::size_of_val(input))? else {
+        return Ok(false);
+    };
+    let h = Host::new(c, a, a.local())?;
+    let (area, target) = h.small_round(bytes(input))?;
+    let k = input.len();
+    for q in (0..c.n).filter(|&q| q != c.me) {
+        a.read_small(q, area, 0, bytes_mut(&mut output[q * k..(q + 1) * k]))
+            .map_err(|e| e.map_op(|_| c.op_text()))?;
+    }
+    a.publish(ArenaWord::Reduced, target);
+    Ok(true)
+}
