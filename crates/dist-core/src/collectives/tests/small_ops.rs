@@ -92,8 +92,10 @@ fn small_calls_take_one_round_on_the_small_areas() {
 fn an_arena_limit_of_zero_keeps_them_off_the_areas() {
     let links = MemLink::mesh_on_hosts(&[0; 3], SLOT);
     let results = run_links(links, |l| {
-        let mut t = Tuning::default();
-        t.arena_max_kb = 0;
+        let t = Tuning {
+            arena_max_kb: 0,
+            ..Tuning::default()
+        };
         let g = Group::form(l, t, TIMEOUT)?;
         g.barrier()?;
         g.broadcast(&mut [1u32; 2], 0)?;
