@@ -7,6 +7,7 @@ use super::consts::{
     ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, HOST_SMALL_MAX, HOST_SPLIT_EXTRA,
     HOST_SPLIT_MIN, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
 };
+use super::desc::Kind;
 use crate::group::Group;
 use crate::link::Link;
 
@@ -200,7 +201,7 @@ pub fn all_reduce_path<L: Link>(g: &Group<L>, count: usize, bytes: usize) -> Str
 /// a collective not named here.
 pub fn collective_path<L: Link>(
     g: &Group<L>,
-    kind: super::desc::Kind,
+    kind: Kind,
     count: usize,
     bytes: usize,
 ) -> String {
@@ -208,7 +209,6 @@ pub fn collective_path<L: Link>(
         ALL_GATHER_TWO_RINGS_MIN, BARRIER_DOUBLING_MIN, BROADCAST_CHAIN_MIN,
         BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,
     };
-    use super::desc::Kind;
     if kind == Kind::AllReduce {
         return all_reduce_path(g, count, bytes);
     }
