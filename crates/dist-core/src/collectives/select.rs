@@ -199,12 +199,7 @@ pub fn all_reduce_path<L: Link>(g: &Group<L>, count: usize, bytes: usize) -> Str
 /// arena's small areas (`collectives/small_ops.rs`), else their message algorithm ("tree",
 /// "chain", "two-chains", "halving", "ring", "two-rings", "doubling", "dissemination"); "-" for
 /// a collective not named here.
-pub fn collective_path<L: Link>(
-    g: &Group<L>,
-    kind: Kind,
-    count: usize,
-    bytes: usize,
-) -> String {
+pub fn collective_path<L: Link>(g: &Group<L>, kind: Kind, count: usize, bytes: usize) -> String {
     use super::consts::{
         ALL_GATHER_TWO_RINGS_MIN, BARRIER_DOUBLING_MIN, BROADCAST_CHAIN_MIN,
         BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,

@@ -1,21 +1,26 @@
 //! barrier, broadcast, reduce and all_gather on the host arena's small areas, for a group whose
 //! ranks all share one host, with at most [`HOST_SMALL_MAX`] bytes a rank gives (and within
-//! the areas, [`HostArena::small_len`]): one round of the small all_reduce's
-//! (`collectives/small.rs`, [`Host::small_round`]) each, the same piece count, areas, waits and
-//! checks, and only what each rank reads afterwards differs:
+//! the areas, [`HostArena::small_len`]): the small all_reduce's areas, piece count, waits and
+//! checks (`collectives/small.rs`); what each rank writes, waits for and reads differs:
 //!
-//! | collective | a rank writes into its area | then reads |
-//! | --- | --- | --- |
-//! | barrier | nothing (the word and descriptor) | nothing |
-//! | broadcast | the root its buffer, the others nothing | the others the root's area |
-//! | reduce | its input | the root every area, reduced in rank order; the others nothing |
-//! | all_gather | its input | every peer's area, into that peer's block |
+//! | collective | a rank writes into its area | waits for | then reads |
+//! | --- | --- | --- | --- |
+//! | barrier | nothing (the word and descriptor) | every peer's word | nothing |
+//! | broadcast | the root its buffer, the others nothing | the root: nobody; the others: the root's word | the others the root's area |
+//! | reduce | its input | every peer's word | the root every area, reduced in rank order |
+//! | all_gather | its input | every peer's word | every peer's area, into that peer's block |
 //!
-//! Every rank waits for every peer's word in every round, whatever it reads: that wait is what
-//! lets a rank write its area again two pieces later (every peer has started the piece between,
-//! so it is done reading), whichever collectives the pieces are and whichever rank was the
-//! root. A rank with nothing to give still writes its word and descriptor, so that a peer in
-//! another collective, or the same with other arguments, finds the mismatch in the round.
+//! A rank writes its area again two pieces later; it may only once every peer is done reading
+//! it, which a wait for every peer's word of the piece between says (a peer publishes it once it
+//! has finished the piece before). A broadcast does not wait so (its root leaves at once, as a
+//! root over messages does, and runs of broadcasts overlap), so the rank's next piece on the
+//! arena, whatever its collective, starts by waiting for every peer's `Input` word of the
+//! broadcast ([`Host::ready_to_write`]): usually there already. That wait also checks each
+//! peer's descriptor of the broadcast, so a broadcast whose ranks disagreed (on the root, say)
+//! is an error at the root's next call on the arena, as over messages.
+//!
+//! A rank with nothing to give still writes its word and descriptor, so that a peer in another
+//! collective, or the same with other arguments, finds the mismatch.
 //!
 //! The small areas are used once the group has agreed on the arena: a call that comes before
 //! the group's first all_reduce holds that vote itself (over messages, as the all_reduce would),
@@ -100,13 +105,17 @@ pub(super) fn broadcast<T: Element, L: Link>(
         return Ok(false);
     };
     let h = Host::new(c, a, a.local())?;
-    let mine: &[u8] = if c.me == root { bytes(data) } else { &[] };
-    let (area, target) = h.small_round(mine)?;
-    if c.me != root {
-        a.read_small(root, area, 0, bytes_mut(data))
-            .map_err(|e| e.map_op(|_| c.op_text()))?;
+    // No `Reduced` here: this rank publishes it at the start of its next piece on the arena,
+    // once every peer has started this one (`Host::ready_to_write`).
+    if c.me == root {
+        // Waits for nobody: the next call makes sure every peer is done reading.
+        h.small_put(bytes(data))?;
+        return Ok(true);
     }
-    a.publish(ArenaWord::Reduced, target);
+    let (area, target) = h.small_put(&[])?;
+    h.wait_root(root, area, target)?;
+    a.read_small(root, area, 0, bytes_mut(data))
+        .map_err(|e| e.map_op(|_| c.op_text()))?;
     Ok(true)
 }
 

@@ -335,7 +335,12 @@ fn mismatched_small_collectives_are_reported() {
     ];
     for (what, mine, odd) in cases {
         let t = Instant::now();
-        let results = errors_of(3, |g| if g.rank() == 1 { odd(g) } else { mine(g) });
+        // Then a barrier: a broadcast's root on the small areas waits for nobody, and finds a
+        // mismatch at its next call.
+        let results = errors_of(3, |g| {
+            let r = if g.rank() == 1 { odd(g) } else { mine(g) };
+            r.and_then(|()| g.barrier())
+        });
         assert!(
             t.elapsed() < Duration::from_secs(2),
             "{what}: {:?} {results:?}",
@@ -401,4 +406,67 @@ fn a_rank_that_never_comes_to_a_small_barrier_is_named() {
             .any(|r| matches!(r, Err(DistError::Timeout { peer: 2, .. }))),
         "{results:?}"
     );
+}
+
+/// A broadcast's root on the small areas waits for nobody: it leaves while a non-root has not
+/// even entered the call; the rank that comes late still gets the root's bytes.
+#[test]
+fn a_small_broadcasts_root_waits_for_nobody() {
+    let entered = std::sync::atomic::AtomicBool::new(false);
+    on_one_host(3, |g| {
+        g.barrier()?;
+        let mut x = [g.rank() as u32 + 7; 4];
+        if g.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(300));
+            entered.store(true, Ordering::SeqCst);
+        }
+        g.broadcast(&mut x, 0)?;
+        if g.rank() == 0 {
+            assert!(
+                !entered.load(Ordering::SeqCst),
+                "the root waited for rank 2"
+            );
+        }
+        assert_eq!(x, [7; 4], "rank {}", g.rank());
+        g.barrier()
+    });
+}
+
+/// Broadcasts from one root back to back (the root runs ahead as far as the protocol lets it),
+/// then an all_reduce whose pieces split into shares on the slots, a small one, and a broadcast
+/// from another root, one non-root stalling now and then: every value right on every rank, so
+/// no rank wrote an area or slot a peer was still reading after a broadcast.
+#[test]
+fn runs_of_broadcasts_then_the_slots_never_overwrite_unread_bytes() {
+    for n in [2, 3, 5] {
+        on_one_host(n, |g| {
+            let me = g.rank();
+            for round in 0..40usize {
+                let v = |r: usize, i: usize| ((r + 1) * 100_000 + round * 13 + i) as u32;
+                for b in 0..4 {
+                    let mut x: Vec<u32> = (0..9).map(|i| v(me, i + b)).collect();
+                    g.broadcast(&mut x, round % n)?;
+                    let want: Vec<u32> = (0..9).map(|i| v(round % n, i + b)).collect();
+                    assert_eq!(
+                        x, want,
+                        "{n} ranks, rank {me}, round {round}, broadcast {b}"
+                    );
+                }
+                let len = if round % 2 == 0 { 3 * SLOT / 4 } else { 5 };
+                let mut y: Vec<u32> = (0..len).map(|i| v(me, i)).collect();
+                g.all_reduce(&mut y, ReduceOp::Sum)?;
+                let want: Vec<u32> = (0..len).map(|i| (0..n).map(|r| v(r, i)).sum()).collect();
+                same(g, &format!("round {round}: all_reduce {len}"), &y, &want)?;
+                let mut z: Vec<u32> = (0..3).map(|i| v(me, i)).collect();
+                g.broadcast(&mut z, (round + 1) % n)?;
+                assert_eq!(z, (0..3).map(|i| v((round + 1) % n, i)).collect::<Vec<_>>());
+                if me == n - 1 && round % 5 == 2 {
+                    std::thread::sleep(Duration::from_millis(2));
+                } else if me == 1 {
+                    std::thread::yield_now();
+                }
+            }
+            Ok(())
+        });
+    }
 }
