@@ -207,7 +207,7 @@ pub fn collective_path<L: Link>(g: &Group<L>, kind: Kind, count: usize, bytes: u
     if kind == Kind::AllReduce {
         return all_reduce_path(g, count, bytes);
     }
-    if super::small_ops::takes_small(g, kind, bytes) {
+    if super::small_ops::kind_takes_small(g, kind, bytes) {
         return HostAllReducePath::Small.name().into();
     }
     let n = g.link().world_size();

@@ -22,9 +22,9 @@
 //! A rank with nothing to give still writes its word and descriptor, so that a peer in another
 //! collective, or the same with other arguments, finds the mismatch.
 //!
-//! The small areas are used once the group has agreed on the arena: a call that comes before
-//! the group's first all_reduce holds that vote itself (over messages, as the all_reduce would),
-//! on every rank alike, since what decides it (the size, the tuning) is the same everywhere.
+//! The small areas are used once the group has agreed on the arena, which it does on its first
+//! all_reduce: before it these collectives run over messages (a broadcast's root then only
+//! sends, as callers may count on), after it every rank knows the same answer.
 
 use crate::arena::{ArenaWord, HostArena};
 use crate::error::Result;
@@ -35,7 +35,7 @@ use crate::types::{Element, ReduceOp};
 use super::call::{Call, finish};
 use super::consts::HOST_SMALL_MAX;
 use super::desc::Kind;
-use super::host::{Host, agreed};
+use super::host::Host;
 use super::scratch::{bytes, bytes_mut};
 
 /// The largest a rank's part may be for the small areas, before the arena is known: what every
@@ -47,26 +47,17 @@ fn small_limit<L: Link>(g: &Group<L>) -> Option<usize> {
 }
 
 /// The arena, where a call whose ranks each give `bytes` goes through the small areas: the group
-/// has more than one rank, all on one host, has agreed on the arena (voting now if it has not
-/// yet, on every rank alike), and `bytes` fits the areas and the tuning's arena limit (none
-/// where that is 0).
+/// has more than one rank, all on one host, has agreed on the arena (on its first all_reduce),
+/// and `bytes` fits the areas and the tuning's arena limit (none where that is 0).
 fn small_arena<'a, L: Link>(c: &'a Call<'_, L>, bytes: usize) -> Result<Option<&'a dyn HostArena>> {
-    let fits = small_limit(c.g).is_some_and(|max| bytes <= max);
-    if c.n == 1 || !fits || c.g.arena_in_use() == Some(false) {
-        return Ok(None);
-    }
-    let Some(a) = c.g.link().arena() else {
-        return Ok(None);
-    };
-    if !agreed(c, a)? || a.local().len() != c.n || bytes > a.small_len() {
-        return Ok(None);
-    }
-    Ok(Some(a))
+    Ok(takes_small(c.g, bytes)
+        .then(|| c.g.link().arena())
+        .flatten())
 }
 
 /// Whether a call of `kind` whose ranks each give `bytes` goes through the small areas on group
-/// `g`, as it stands (known once the group has agreed on its arena: `false` before).
-pub(super) fn takes_small<L: Link>(g: &Group<L>, kind: Kind, bytes: usize) -> bool {
+/// `g`, as it stands (`false` before the group has agreed on its arena).
+pub(super) fn kind_takes_small<L: Link>(g: &Group<L>, kind: Kind, bytes: usize) -> bool {
     let smalls = [
         Kind::AllReduce,
         Kind::Barrier,
@@ -74,8 +65,12 @@ pub(super) fn takes_small<L: Link>(g: &Group<L>, kind: Kind, bytes: usize) -> bo
         Kind::Reduce,
         Kind::AllGather,
     ];
+    smalls.contains(&kind) && takes_small(g, bytes)
+}
+
+/// Whether a call whose ranks each give `bytes` takes the small areas on group `g` now.
+fn takes_small<L: Link>(g: &Group<L>, bytes: usize) -> bool {
     g.link().world_size() > 1
-        && smalls.contains(&kind)
         && small_limit(g).is_some_and(|max| bytes <= max)
         && g.arena_in_use() == Some(true)
         && g.link()

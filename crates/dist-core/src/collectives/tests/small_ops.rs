@@ -20,7 +20,17 @@ const SLOT: usize = 16 << 10;
 const SMALL: usize = SLOT / 4;
 const _: () = assert!(SMALL == HOST_SMALL_MAX);
 
+/// Runs `f` on every rank of a group of `n` ranks on one host, once it has agreed on its arena
+/// (on its first all_reduce: before it, the other collectives run over messages).
 fn on_one_host(n: usize, f: impl Fn(&Group<MemLink>) -> Result<()> + Sync) {
+    on_one_host_fresh(n, |g| {
+        g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+        f(g)
+    });
+}
+
+/// [`on_one_host`], `f` from the group's first call.
+fn on_one_host_fresh(n: usize, f: impl Fn(&Group<MemLink>) -> Result<()> + Sync) {
     let links = MemLink::mesh_on_hosts(&vec![3; n], SLOT);
     let results = run_links(links, |l| f(&Group::form(l, Tuning::default(), TIMEOUT)?));
     for (r, res) in results.into_iter().enumerate() {
@@ -47,15 +57,19 @@ fn rounds_of(g: &Group<MemLink>, f: impl FnOnce() -> Result<()>) -> Result<(u32,
 }
 
 /// Up to the small areas' bytes a rank, each collective is one round on the small areas; past
-/// them it goes over messages (no piece); the perf tool's path says the same. A barrier before
-/// the group's first all_reduce holds the arena's vote and takes the areas too.
+/// them it goes over messages (no piece); the perf tool's path says the same. Before the
+/// group's first all_reduce (which agrees on the arena) they all go over messages.
 #[test]
 fn small_calls_take_one_round_on_the_small_areas() {
     let n = 3;
-    on_one_host(n, |g| {
+    on_one_host_fresh(n, |g| {
         let me = g.rank();
-        // First call of the group: a barrier (the vote happens in it).
-        assert_eq!(rounds_of(g, || g.barrier())?, (1, true), "first barrier");
+        assert_eq!(rounds_of(g, || g.barrier())?, (0, false), "first barrier");
+        let mut x = [me as u8; 4];
+        assert_eq!(rounds_of(g, || g.broadcast(&mut x, 1))?, (0, false));
+        assert_eq!(collective_path(g, Kind::Barrier, 0, 0), "dissemination");
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        assert_eq!(rounds_of(g, || g.barrier())?, (1, true), "barrier");
         for bytes in [0, 1, 8, SMALL, SMALL + 1] {
             let small = bytes <= SMALL;
             let want = if small { (1, true) } else { (0, false) };
