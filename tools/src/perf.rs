@@ -90,10 +90,21 @@ fn one_size<T: Element>(b: &TcpBackend, o: &PerfOpts, size: usize) {
     for _ in 0..iters {
         call(&mut a, &mut out).unwrap_or_else(|e| panic!("{e}"));
     }
-    // The algorithm, as the group chose it (known once its first all_reduce agreed on the
-    // arena: the warm-up's calls have run).
-    let algorithm = matches!(o.op, PerfOp::Collective(Kind::AllReduce))
-        .then(|| dist_core::collectives::all_reduce_path(b.group(), count, bytes));
+    // The algorithm, as the group chose it (known once it agreed on the arena: the warm-up's
+    // calls have run), for the collectives whose choice `collective_path` names; the count and
+    // bytes in the call's terms (all_gather's are its input's, a rank's block).
+    let algorithm = match o.op {
+        PerfOp::Collective(kind @ (Kind::AllReduce | Kind::Broadcast | Kind::Reduce)) => Some(
+            dist_core::collectives::collective_path(b.group(), kind, count, bytes),
+        ),
+        PerfOp::Collective(Kind::AllGather) => Some(dist_core::collectives::collective_path(
+            b.group(),
+            Kind::AllGather,
+            k,
+            k * elt,
+        )),
+        _ => None,
+    };
     perf_row(
         b,
         o.op,
@@ -134,6 +145,10 @@ fn main() {
         });
     let b = dist_multirank::join();
     b.group().force_all_reduce(forced);
+    // The group agrees on its host arena on its first all_reduce; the other collectives take
+    // the arena's small areas only after it, so it comes before any timed loop.
+    b.all_reduce(&mut [0u8], ReduceOp::Sum)
+        .unwrap_or_else(|e| panic!("{e}"));
     if b.rank() == 0 {
         perf_header(&format!(
             "dist perf: {} over TCP, {} ranks, {} {}; ring pieces of {} KiB, {} lane(s), host \
@@ -151,8 +166,11 @@ fn main() {
             b.group().tuning().arena_max_kb,
             forced.map_or(String::new(), |a| format!("; all_reduce forced: {a:?}")),
         ));
-        if matches!(o.op, PerfOp::Collective(Kind::AllReduce)) {
-            println!("# last column: the algorithm (dist_core::collectives::all_reduce_path)");
+        if matches!(
+            o.op,
+            PerfOp::Collective(Kind::AllReduce | Kind::Broadcast | Kind::Reduce | Kind::AllGather)
+        ) {
+            println!("# last column: the algorithm (dist_core::collectives::collective_path)");
         }
     }
     match o.dtype {
@@ -168,5 +186,27 @@ fn main() {
         DType::U64 => sweep::<u64>(&b, &o),
         other => panic!("unsupported type {other}"),
     }
-    b.barrier().unwrap();
+    barrier_row(&b, &o);
+}
+
+/// After the table, the barrier's time (as the table's rows: the slowest rank's average) and
+/// its algorithm, on a comment line: `# barrier: N calls, T us (ALGORITHM)`.
+fn barrier_row(b: &TcpBackend, o: &PerfOpts) {
+    let iters = o.iters.unwrap_or(1000);
+    let warmup = o.warmup.unwrap_or((iters / 10).max(2));
+    for _ in 0..warmup {
+        b.barrier().unwrap_or_else(|e| panic!("{e}"));
+    }
+    let t = Instant::now();
+    for _ in 0..iters {
+        b.barrier().unwrap_or_else(|e| panic!("{e}"));
+    }
+    let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
+    b.all_reduce(&mut secs, ReduceOp::Max)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let path = dist_core::collectives::collective_path(b.group(), Kind::Barrier, 0, 0);
+    if b.rank() == 0 {
+        println!("# barrier: {iters} calls, {:.2} us ({path})", secs[0] * 1e6);
+    }
+    b.barrier().unwrap_or_else(|e| panic!("{e}"));
 }

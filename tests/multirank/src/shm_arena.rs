@@ -2,11 +2,12 @@
 //! 2 to 8 at counts around the small areas' limit, the split threshold and the slot's pieces,
 //! and in calls whose sizes alternate across them, with the group on the
 //! arena exactly when shared memory is on; a job of several hosts (simulated by
-//! `DIST_HOST_ID`) on the hierarchical all_reduce; and after a mismatch, an error on every
-//! rank rather than a hang.
+//! `DIST_HOST_ID`) on the hierarchical all_reduce; barrier, broadcast, reduce and all_gather
+//! interleaved with all_reduces (on the small areas where every rank shares the host); and
+//! after a mismatch, an error on every rank rather than a hang.
 
 use dist_core::collectives::{
-    Collectives, HOST_DIRECT_MIN, HOST_SMALL_MAX, Transport, host_split_min,
+    Collectives, HOST_DIRECT_MIN, HOST_SMALL_MAX, Kind, Transport, collective_path, host_split_min,
 };
 use dist_core::transport::Link;
 use dist_core::{Backend, DistError, ReduceOp};
@@ -195,12 +196,76 @@ fn check_alternating(b: &TcpBackend) {
     }
 }
 
+/// barrier, broadcast, reduce and all_gather, around the small areas' limit, interleaved with
+/// all_reduces, roots changing, inputs new every round, every element checked; where every rank
+/// shares the host and shared memory is on, the small ones take the small areas (as
+/// `collective_path` says), else messages.
+fn check_small_ops(b: &TcpBackend, one_host: bool) {
+    let (me, n) = (b.rank(), b.world_size());
+    let small = HOST_SMALL_MAX / 4;
+    let fail = |e: DistError| -> ! { panic!("{e}") };
+    for round in 0..150usize {
+        let v = |r: usize, i: usize| ((r + 1) * 1000 + round * 7 + i) as u32;
+        let root = (round / 5) % n;
+        let len = [2, 0, small, 5, small + 1, 1][round % 6];
+        let mine: Vec<u32> = (0..len).map(|i| v(me, i)).collect();
+        let what = format!("rank {me}: round {round}, {len} u32");
+        match round % 5 {
+            0 => b.barrier().unwrap_or_else(|e| fail(e)),
+            1 => {
+                let mut x = mine;
+                b.broadcast(&mut x, root).unwrap_or_else(|e| fail(e));
+                let want: Vec<u32> = (0..len).map(|i| v(root, i)).collect();
+                assert_eq!(x, want, "{what}: broadcast from {root}");
+            }
+            2 => {
+                let mut x = mine;
+                b.reduce(&mut x, ReduceOp::Max, root)
+                    .unwrap_or_else(|e| fail(e));
+                if me == root {
+                    let want: Vec<u32> = (0..len).map(|i| v(n - 1, i)).collect();
+                    assert_eq!(x, want, "{what}: reduce to {root}");
+                }
+            }
+            3 => {
+                let mut out = vec![0u32; n * len];
+                b.all_gather(&mine, &mut out).unwrap_or_else(|e| fail(e));
+                let want: Vec<u32> = (0..n)
+                    .flat_map(|r| (0..len).map(move |i| v(r, i)))
+                    .collect();
+                assert_eq!(out, want, "{what}: all_gather");
+            }
+            _ => {
+                let mut x = mine;
+                b.all_reduce(&mut x, ReduceOp::Sum)
+                    .unwrap_or_else(|e| fail(e));
+                let want: Vec<u32> = (0..len).map(|i| (0..n).map(|r| v(r, i)).sum()).collect();
+                assert_eq!(x, want, "{what}: all_reduce");
+            }
+        }
+    }
+    let small_path = one_host && shm_on();
+    for (kind, bytes) in [
+        (Kind::Barrier, 0),
+        (Kind::Broadcast, 8),
+        (Kind::AllGather, 8),
+    ] {
+        let path = collective_path(b.group(), kind, bytes, bytes);
+        assert_eq!(
+            path == "arena-small",
+            small_path,
+            "rank {me}: {kind:?} of {bytes} bytes on {path}"
+        );
+    }
+}
+
 /// Every rank on one host: the group runs on the arena (over messages with `DIST_SHM=0`).
 fn arena() -> Result<(), String> {
     let b = TcpBackend::with_config(config()).unwrap_or_else(|e| panic!("init failed: {e}"));
     check_limit(&b);
     check_sizes(&b);
     check_alternating(&b);
+    check_small_ops(&b, true);
     let unchecked = check_direct(&b);
     check_threads(&b);
     assert_eq!(
@@ -224,6 +289,7 @@ fn several_hosts() -> Result<(), String> {
     let b = TcpBackend::with_config(cfg).unwrap_or_else(|e| panic!("init failed: {e}"));
     check_limit(&b);
     check_sizes(&b);
+    check_small_ops(&b, false);
     assert_eq!(b.group().arena_in_use(), Some(true), "rank {me}");
     b.barrier().unwrap();
     Ok(())

@@ -32,6 +32,21 @@ pub(super) fn wait_word<L: Link>(
     word: ArenaWord,
     target: u32,
 ) -> Result<()> {
+    wait_word_after(c, a, owner, word, target, None)
+}
+
+/// [`wait_word`], which also finds a mismatch in this rank's previous call (descriptor
+/// `prior`, where given): a peer that says in the arena it is in a call of that number with
+/// another descriptor (a broadcast whose root on the small areas waited for nobody, met on
+/// this peer by a broadcast over messages, say).
+pub(super) fn wait_word_after<L: Link>(
+    c: &Call<'_, L>,
+    a: &dyn HostArena,
+    owner: usize,
+    word: ArenaWord,
+    target: u32,
+    prior: Option<&crate::backend::Meta>,
+) -> Result<()> {
     let (behind, ahead) = match word {
         ArenaWord::Input => (2, 1),
         ArenaWord::Reduced => (1, 0),
@@ -49,7 +64,7 @@ pub(super) fn wait_word<L: Link>(
     let mut v = a.load(owner, word);
     while !reached(v)? {
         if started.elapsed() >= until {
-            return sleep_until(c, a, owner, (word, target), v, started, &reached);
+            return sleep_until(c, a, owner, (word, target), v, (started, prior), &reached);
         }
         std::thread::yield_now();
         v = a.load(owner, word);
@@ -64,7 +79,7 @@ fn sleep_until<L: Link>(
     owner: usize,
     (word, target): (ArenaWord, u32),
     mut v: u32,
-    started: Instant,
+    (started, prior): (Instant, Option<&crate::backend::Meta>),
     reached: &dyn Fn(u32) -> Result<bool>,
 ) -> Result<()> {
     let link = c.g.link();
@@ -73,6 +88,22 @@ fn sleep_until<L: Link>(
             return Err(c.aborted(n));
         }
         a.check_peer(owner, &|| c.op_text())?;
+        if let Some(p) = prior {
+            let now = a.call(owner);
+            let was = Desc::decode(p);
+            if now != [0; 16] && Desc::decode(&now).seq == was.seq && now != *p {
+                return Err(DistError::CollectiveMismatch {
+                    rank: c.me,
+                    op: format!(
+                        "{} (found at the next call: {})",
+                        was.describe(),
+                        c.op_text()
+                    ),
+                    peer: owner,
+                    detail: was.differences(&Desc::decode(&now)),
+                });
+            }
+        }
         // A peer in another collective of the same number (which it says in the arena), or
         // one that sends that collective's messages: a mismatch. A peer still in an earlier
         // collective is late, not mismatched.

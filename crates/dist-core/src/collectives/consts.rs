@@ -52,7 +52,9 @@ pub const ALL_GATHER_TWO_RINGS_MIN: usize = 16 << 20;
 pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 /// An all_reduce on a host arena up to this many bytes (and within the arena's small areas)
 /// goes through the small areas: each rank's input, the call's descriptor and a sequence word
-/// in the fewest cache lines (`collectives/small.rs`).
+/// in the fewest cache lines (`collectives/small.rs`); so do a broadcast or reduce of up to this
+/// many bytes, an all_gather whose ranks each give up to this many, and every barrier, where
+/// every rank of the group shares the host (`collectives/small_ops.rs`).
 pub const HOST_SMALL_MAX: usize = 4 << 10;
 /// The largest all_reduce on a host arena whose every rank reduces the whole buffer (one wait
 /// per call), at any rank count; larger ones split each piece into one share per rank

@@ -130,7 +130,11 @@ pub(super) struct Host<'a, 'c, L: Link> {
 }
 
 impl<'a, 'c, L: Link> Host<'a, 'c, L> {
-    fn new(c: &'a Call<'c, L>, a: &'a dyn HostArena, local: &'a [usize]) -> Result<Self> {
+    pub(super) fn new(
+        c: &'a Call<'c, L>,
+        a: &'a dyn HostArena,
+        local: &'a [usize],
+    ) -> Result<Self> {
         let pos = local
             .iter()
             .position(|&r| r == c.me)
@@ -172,13 +176,19 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     let h = Host::new(c, a, local)?;
     let bytes = std::mem::size_of_val(data);
     let direct = direct_for(c, a, bytes);
-    let split =
-        match host_all_reduce_path(local.len(), bytes, (a.small_len(), a.slot_len()), direct) {
-            HostAllReducePath::Small => return h.all_reduce_small(data, op),
-            HostAllReducePath::Direct => return h.all_reduce_direct(data, op),
-            HostAllReducePath::Split => true,
-            HostAllReducePath::Whole => false,
-        };
+    let path = host_all_reduce_path(local.len(), bytes, (a.small_len(), a.slot_len()), direct);
+    if path == HostAllReducePath::Small {
+        return h.all_reduce_small(data, op);
+    }
+    // After a broadcast on the small areas, every peer must be done with what this rank's
+    // first piece overwrites (`collectives/small.rs`).
+    h.ready_to_write()?;
+    let split = match path {
+        HostAllReducePath::Small => return h.all_reduce_small(data, op),
+        HostAllReducePath::Direct => return h.all_reduce_direct(data, op),
+        HostAllReducePath::Split => true,
+        HostAllReducePath::Whole => false,
+    };
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {

@@ -22,6 +22,11 @@
 //! | all_gather_v | ring over blocks of the given sizes | ring |
 //! | gather_v, scatter_v | direct to / from the root | direct |
 //!
+//! Where every rank of the group shares one host and the group agreed on the host arena, the
+//! small calls take the arena's small areas instead: all_reduce, broadcast, reduce and
+//! all_gather up to [`HOST_SMALL_MAX`] bytes a rank (`small`, `small_ops`), and every barrier;
+//! larger all_reduces take the arena's slots or read the peers' buffers (`host`, `direct`).
+//!
 //! Within a step the receive is posted before the send starts, so both directions move at
 //! once and the payload lands in place. Every message carries a 16-byte descriptor of the call
 //! (collective, element type, count, reduce op, root, sequence number) in its header: a rank
@@ -54,6 +59,7 @@ mod ring;
 mod scratch;
 mod select;
 mod small;
+mod small_ops;
 mod tree;
 pub(crate) mod uneven;
 
@@ -64,7 +70,7 @@ pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
 pub use select::{
     AllReduceAlgorithm, HostAllReducePath, all_reduce_algorithm, all_reduce_path,
-    broadcast_by_halving, host_all_reduce_path, host_split_min, reduce_by_halving,
+    broadcast_by_halving, collective_path, host_all_reduce_path, host_split_min, reduce_by_halving,
 };
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the

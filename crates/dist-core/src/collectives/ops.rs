@@ -79,7 +79,8 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
     }
 }
 
-/// reduce in place, by size: binomial tree for small buffers; for large, the ring then a
+/// reduce in place: on the host arena's small areas where the group's ranks share one host and
+/// the buffer fits them (`collectives/small_ops.rs`); else by size: binomial tree for small buffers; for large, the ring then a
 /// gather at the root, or on many ranks ([`reduce_by_halving`]) recursive halving and doubling.
 fn reduce_on<T: Element, L: Link>(
     c: &Call<'_, L>,
@@ -90,7 +91,7 @@ fn reduce_on<T: Element, L: Link>(
     c.check_root(root)?;
     c.check_op::<T>(op)?;
     premul(data, op);
-    if c.n == 1 {
+    if c.n == 1 || super::small_ops::reduce(c, data, op, root)? {
         return Ok(());
     }
     if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
@@ -136,7 +137,7 @@ pub(crate) fn broadcast<T: Element, L: Link>(
     let w = what(Kind::Broadcast, data.len(), None, root);
     run::<_, T, _>(g, t, w, |c| {
         c.check_root(root)?;
-        if c.n == 1 {
+        if c.n == 1 || super::small_ops::broadcast(c, data, root)? {
             return Ok(());
         }
         let size = std::mem::size_of_val(data);
@@ -204,7 +205,7 @@ pub(crate) fn all_gather<T: Element, L: Link>(
         let k = input.len();
         c.check_len("output", output.len(), c.blocks("output", k)?)?;
         output[c.me * k..(c.me + 1) * k].copy_from_slice(input);
-        if c.n == 1 {
+        if c.n == 1 || super::small_ops::all_gather(c, input, output)? {
             return Ok(());
         }
         // Blocks of exactly k: `segment` of n*k over n is block i. With two rings, the first
@@ -333,7 +334,9 @@ pub(crate) fn all_to_all_v<T: Element, L: Link>(
     })
 }
 
-/// The barrier. Where the world is a power of two, or from [`BARRIER_DOUBLING_MIN`] ranks, by
+/// The barrier. Where the group's ranks share one host, on the host arena's small areas (each
+/// rank writes its word and waits for every other's: `collectives/small_ops.rs`); else where
+/// the world is a power of two, or from [`BARRIER_DOUBLING_MIN`] ranks, by
 /// recursive doubling of empty messages over the partners of all_reduce's recursive doubling
 /// and halving (`me XOR 2^k` among the largest power of two, the extra ranks folded in before
 /// and out after), so that a lazily connected job's barrier opens no connection its
@@ -342,6 +345,9 @@ pub(crate) fn all_to_all_v<T: Element, L: Link>(
 /// rank leaves only once every rank has entered.
 pub(crate) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
     run::<_, u8, ()>(g, t, what(Kind::Barrier, 0, None, 0), |c| {
+        if super::small_ops::barrier(c)? {
+            return Ok(());
+        }
         if c.n.is_power_of_two() || c.n >= BARRIER_DOUBLING_MIN {
             return barrier_doubling(c);
         }

@@ -7,6 +7,7 @@ use super::consts::{
     ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, HOST_SMALL_MAX, HOST_SPLIT_EXTRA,
     HOST_SPLIT_MIN, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
 };
+use super::desc::Kind;
 use crate::group::Group;
 use crate::link::Link;
 
@@ -187,6 +188,43 @@ pub fn all_reduce_path<L: Link>(g: &Group<L>, count: usize, bytes: usize) -> Str
         AllReduceAlgorithm::Doubling => "doubling",
         AllReduceAlgorithm::Ring => "ring",
         AllReduceAlgorithm::Halving => "halving",
+    }
+    .into()
+}
+
+/// The algorithm a call of `kind` runs on group `g`, by name, as the group chooses it once it
+/// has agreed on its arena: `count` elements and `bytes` in the call's own terms (the buffer of
+/// all_reduce, broadcast and reduce; all_gather's input, a rank's block; 0 for barrier).
+/// all_reduce as [`all_reduce_path`]; the others "arena-small" where they take the host
+/// arena's small areas (`collectives/small_ops.rs`), else their message algorithm ("tree",
+/// "chain", "two-chains", "halving", "ring", "two-rings", "doubling", "dissemination"); "-" for
+/// a collective not named here.
+pub fn collective_path<L: Link>(g: &Group<L>, kind: Kind, count: usize, bytes: usize) -> String {
+    use super::consts::{
+        ALL_GATHER_TWO_RINGS_MIN, BARRIER_DOUBLING_MIN, BROADCAST_CHAIN_MIN,
+        BROADCAST_TWO_CHAINS_MIN, REDUCE_RING_MIN,
+    };
+    if kind == Kind::AllReduce {
+        return all_reduce_path(g, count, bytes);
+    }
+    if super::small_ops::kind_takes_small(g, kind, bytes) {
+        return HostAllReducePath::Small.name().into();
+    }
+    let n = g.link().world_size();
+    let two = |size: usize, min: usize| g.tuning().lanes >= 2 && n >= 3 && size >= min;
+    match kind {
+        Kind::Broadcast if bytes <= BROADCAST_CHAIN_MIN => "tree",
+        Kind::Broadcast if broadcast_by_halving(n, bytes) => "halving",
+        Kind::Broadcast if two(bytes, BROADCAST_TWO_CHAINS_MIN) => "two-chains",
+        Kind::Broadcast => "chain",
+        Kind::Reduce if bytes <= REDUCE_RING_MIN || count < n => "tree",
+        Kind::Reduce if reduce_by_halving(n) => "halving",
+        Kind::Reduce => "ring",
+        Kind::AllGather if two(bytes.saturating_mul(n), ALL_GATHER_TWO_RINGS_MIN) => "two-rings",
+        Kind::AllGather => "ring",
+        Kind::Barrier if n.is_power_of_two() || n >= BARRIER_DOUBLING_MIN => "doubling",
+        Kind::Barrier => "dissemination",
+        _ => "-",
     }
     .into()
 }

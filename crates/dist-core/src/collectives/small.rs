@@ -1,7 +1,9 @@
 //! all_reduce of a small buffer on the host arena (up to
 //! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) bytes, within the arena's small areas,
 //! [`HostArena::small_len`](crate::arena::HostArena::small_len)): the fewest cache lines a
-//! rank's input can travel in.
+//! rank's input can travel in. Its one round ([`Host::small_round`]: write, publish, wait for
+//! every peer, check) is also the barrier's, broadcast's, reduce's and all_gather's on the small
+//! areas (`collectives/small_ops.rs`), which differ only in what they write and read.
 //!
 //! For piece k (the count every arena collective of the group shares, `collectives/host.rs`)
 //! each rank writes its whole input, the call's descriptor and the word `k + 1` into its small
@@ -41,8 +43,8 @@ use crate::error::{DistError, Result};
 use crate::link::Link;
 use crate::types::{Element, ReduceOp};
 
-use super::arena_wait::wait_word;
-use super::call::finish;
+use super::arena_wait::{wait_word, wait_word_after};
+use super::call::{abort_all, finish};
 use super::desc::Desc;
 use super::host::Host;
 use super::scratch::bytes;
@@ -128,26 +130,7 @@ impl<L: Link> Host<'_, '_, L> {
     /// all_reduce of `data` (at most the small areas' bytes) through the small areas.
     pub(super) fn all_reduce_small<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let (c, a) = (self.c, self.a);
-        let (k, area) = self.next_piece();
-        let target = k.wrapping_add(1);
-        a.put_small(area, target, c.meta(), bytes(data))
-            .map_err(|e| e.map_op(|_| c.op_text()))?;
-        // Beside the slot too, for a peer in a mismatched call on the pieces' path, which
-        // looks there.
-        a.set_meta(area, c.meta());
-        a.publish(ArenaWord::Input, target);
-        let budget = if crowded(self.local.len()) || SPIN_BACKOFF.skip() {
-            Duration::ZERO
-        } else {
-            a.spin().min(SMALL_SPIN)
-        };
-        let mut spin = budget;
-        for &q in self.local.iter().filter(|&&q| q != c.me) {
-            spin = spin.saturating_sub(self.wait_small(q, area, target, spin)?);
-        }
-        if !budget.is_zero() {
-            SPIN_BACKOFF.spun(!spin.is_zero());
-        }
+        let (area, target) = self.small_round(bytes(data))?;
         let len = std::mem::size_of_val(data);
         self.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
             a.read_small(q, area, off, dst)
@@ -160,9 +143,129 @@ impl<L: Link> Host<'_, '_, L> {
         Ok(())
     }
 
+    /// One round on the small areas, every collective's that takes them: writes `data` (at
+    /// most the small areas' bytes, empty for a rank with nothing to give), the call's
+    /// descriptor and the piece's word into this rank's area for the next piece, publishes
+    /// `Input`, waits until every peer's area holds its part of the same piece and checks their
+    /// descriptors. Returns the area and the word (`k + 1`); the caller reads what it needs of
+    /// the peers' areas, then publishes `Reduced` with the word.
+    pub(super) fn small_round(&self, data: &[u8]) -> Result<(usize, u32)> {
+        let c = self.c;
+        let (area, target) = self.small_put(data)?;
+        let budget = self.spin_budget();
+        let mut spin = budget;
+        for &q in self.local.iter().filter(|&&q| q != c.me) {
+            spin = spin.saturating_sub(self.wait_small(q, area, target, spin)?);
+        }
+        if !budget.is_zero() {
+            SPIN_BACKOFF.spun(!spin.is_zero());
+        }
+        Ok((area, target))
+    }
+
+    /// How long this call may spin on its peers' area words, in all: [`SMALL_SPIN`] (or the
+    /// arena's spin time, if less), none on a crowded host or in a backoff ([`SPIN_BACKOFF`]).
+    pub(super) fn spin_budget(&self) -> Duration {
+        if crowded(self.local.len()) || SPIN_BACKOFF.skip() {
+            Duration::ZERO
+        } else {
+            self.a.spin().min(SMALL_SPIN)
+        }
+    }
+
+    /// Waits for the root `root`'s area word of this piece only (a broadcast's non-root),
+    /// spinning as [`Host::small_round`] does, and checks its descriptor.
+    pub(super) fn wait_root(&self, root: usize, area: usize, target: u32) -> Result<()> {
+        let budget = self.spin_budget();
+        let spun = self.wait_small(root, area, target, budget)?;
+        if !budget.is_zero() {
+            SPIN_BACKOFF.spun(spun < budget);
+        }
+        Ok(())
+    }
+
+    /// Writes `data`, the call's descriptor and the next piece's word into this rank's small
+    /// area for it (once [`Host::ready_to_write`]), and publishes `Input`; returns the area and
+    /// the word.
+    pub(super) fn small_put(&self, data: &[u8]) -> Result<(usize, u32)> {
+        let (c, a) = (self.c, self.a);
+        self.ready_to_write()?;
+        let (k, area) = self.next_piece();
+        let target = k.wrapping_add(1);
+        a.put_small(area, target, c.meta(), data)
+            .map_err(|e| e.map_op(|_| c.op_text()))?;
+        // Beside the slot too, for a peer in a mismatched call on the pieces' path, which
+        // looks there.
+        a.set_meta(area, c.meta());
+        a.publish(ArenaWord::Input, target);
+        Ok((area, target))
+    }
+
+    /// Before this rank writes its small area or slot for its next piece k: where its piece
+    /// k − 1 was a broadcast on the small areas (its own area for k − 1 holds the word k and a
+    /// broadcast's descriptor), in which it waited for the root at most, waits until every peer
+    /// has published `Input` k (it has started piece k − 1, so it is done reading piece k − 2,
+    /// the last use of what this rank is about to write), and checks that peer's descriptor for
+    /// piece k − 1 against this rank's: a broadcast whose ranks disagreed (on its root, say) is
+    /// found here, at the next call, as a root over messages finds it. Where piece k − 1 was
+    /// anything else, this rank waited in it for every peer's word of k − 1: nothing to do.
+    ///
+    /// Then it publishes `Reduced` k, the broadcast's (which the broadcast leaves out): a peer
+    /// still in piece k − 2, splitting it into shares, waits for this rank's `Reduced` k − 1
+    /// and may not see k yet (the protocol allows no word ahead there); once every peer has
+    /// started piece k − 1, none is.
+    pub(super) fn ready_to_write(&self) -> Result<()> {
+        let (c, a) = (self.c, self.a);
+        let k = a.load(c.me, ArenaWord::Input);
+        let prev = (k.wrapping_sub(1) % 2) as usize;
+        if k == 0 || a.small_seq(c.me, prev) != k {
+            return Ok(());
+        }
+        let mine = a.small_meta(c.me, prev);
+        let was = Desc::decode(&mine);
+        if was.kind != super::desc::Kind::Broadcast as u8 {
+            return Ok(());
+        }
+        let checked = self
+            .local
+            .iter()
+            .filter(|&&q| q != c.me)
+            .try_for_each(|&q| {
+                wait_word_after(c, a, q, ArenaWord::Input, k, Some(&mine))?;
+                let theirs = a.small_meta(q, prev);
+                if theirs != mine {
+                    return Err(DistError::CollectiveMismatch {
+                        rank: c.me,
+                        op: format!(
+                            "{} (found at the next call: {})",
+                            was.describe(),
+                            c.op_text()
+                        ),
+                        peer: q,
+                        detail: was.differences(&Desc::decode(&theirs)),
+                    });
+                }
+                Ok(())
+            });
+        if let Err(e @ DistError::CollectiveMismatch { .. }) = &checked {
+            // The notice names the broadcast, not this call: a peer still in the broadcast
+            // (waiting for messages that will not come) must stop too.
+            abort_all(c.g, e, Some(c.number().saturating_sub(1)));
+        }
+        checked?;
+        a.publish(ArenaWord::Reduced, k);
+        Ok(())
+    }
+
     /// Waits until peer `q`'s small area `area` holds its input for `target`, spinning for at
     /// most `spin`, and checks its descriptor; returns how long it spun.
-    fn wait_small(&self, q: usize, area: usize, target: u32, spin: Duration) -> Result<Duration> {
+    pub(super) fn wait_small(
+        &self,
+        q: usize,
+        area: usize,
+        target: u32,
+        spin: Duration,
+    ) -> Result<Duration> {
         let (c, a) = (self.c, self.a);
         let started = Instant::now();
         loop {

@@ -16,6 +16,7 @@ mod halving;
 mod host;
 mod matrix;
 mod small;
+mod small_ops;
 mod uneven;
 
 /// Whether `e` names `rank` as its cause: the peer found gone, or the origin of an abort.
