@@ -10,6 +10,11 @@ median time as nccl-tests does for all_reduce: bytes / time x 2(n-1)/n.
 
     python3 tools/plot/plot.py [--out docs/plots] [--tables] [--only NAME]
 
+The store's figure (`store`) is of another shape: set + get round trips a second, dist's
+TCPStore server beside PyTorch's libuv server, for each number of clients and value size, the
+median of the rounds of `crates/dist-store/bench/compare.sh` (its `round I NAME: roundtrips
+...` lines).
+
 `cargo xtask plot` runs it. `--tables` prints each figure's markdown tables instead of drawing.
 """
 
@@ -214,6 +219,70 @@ FIGURES = [
 ]
 
 
+# The store's figure: round trips a second of each server, from one run of compare.sh.
+STORE = {
+    "name": "store",
+    "title": "TCPStore set + get round trips a second, dist's server beside PyTorch 2.15's libuv "
+    "server (dist's client, 2 cores)",
+    "run": "2026-12-07, a976c45",
+    "file": "2026-12-07-2core-a976c45/compare.txt",
+    "servers": [("dist", "dist's server"), ("libuv", "PyTorch libuv")],
+}
+ROUNDTRIP = re.compile(
+    r"^round \d+ (\S+):\s+roundtrips clients=(\d+) value_bytes=(\d+) .*set\+get_pairs_per_s=(\d+)"
+)
+
+
+def store_rates(path):
+    """{(clients, value bytes): {server: median pairs a second}} of compare.sh's rounds."""
+    seen = defaultdict(lambda: defaultdict(list))
+    with open(os.path.join(RESULTS, path)) as f:
+        for line in f:
+            m = ROUNDTRIP.match(line)
+            if m:
+                seen[(int(m.group(2)), int(m.group(3)))][m.group(1)].append(int(m.group(4)))
+    return {k: {s: statistics.median(v) for s, v in by.items()} for k, by in seen.items()}
+
+
+def store_table():
+    rates = store_rates(STORE["file"])
+    names = STORE["servers"]
+    print(f"\nstore: {STORE['run']} ({STORE['file']})\n")
+    print("| clients | value | " + " | ".join(label for _, label in names) + " | dist ÷ libuv |")
+    print("| ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |")
+    for (clients, value), by in sorted(rates.items()):
+        cells = " | ".join(f"{by[key]:,.0f}" for key, _ in names)
+        print(f"| {clients} | {human(value)} | {cells} | {by['dist'] / by['libuv']:.2f} |")
+
+
+def store_draw(out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = store_rates(STORE["file"])
+    keys = sorted(rates)
+    f, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.38
+    for i, ((key, label), color) in enumerate(zip(STORE["servers"], ["#1f77b4", "#7f7f7f"])):
+        xs = [j + (i - 0.5) * width for j in range(len(keys))]
+        ax.bar(xs, [rates[k][key] for k in keys], width, label=f"{label} ({STORE['run']})",
+               color=color)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([f"{c} client{'s' if c > 1 else ''}, {human(v)}" for c, v in keys])
+    ax.set_yscale("log")
+    ax.set_ylabel("set + get pairs a second (log)")
+    ax.grid(True, axis="y", alpha=0.35)
+    ax.legend(fontsize=9, frameon=False)
+    ax.set_title(STORE["title"] + "\nmedians of alternating rounds", fontsize=10)
+    f.tight_layout()
+    path = os.path.join(out, STORE["name"] + ".png")
+    f.savefig(path, dpi=110)
+    plt.close(f)
+    print(f"wrote {path}")
+
+
 def busbw(size, us, ranks):
     """All_reduce bus bandwidth in GB/s, as nccl-tests: bytes / time x 2(n-1)/n."""
     return size / (us * 1e3) * 2 * (ranks - 1) / ranks
@@ -326,11 +395,15 @@ def main():
     p.add_argument("--only", help="one figure by name")
     a = p.parse_args()
     figs = [f for f in FIGURES if not a.only or f["name"] == a.only]
-    if not figs:
-        raise SystemExit(f"no figure {a.only!r} (there: {', '.join(f['name'] for f in FIGURES)})")
+    store = not a.only or a.only == STORE["name"]
+    if not figs and not store:
+        names = [f["name"] for f in FIGURES] + [STORE["name"]]
+        raise SystemExit(f"no figure {a.only!r} (there: {', '.join(names)})")
     if a.tables:
         for fig in figs:
             tables(fig)
+        if store:
+            store_table()
         return
     try:
         import matplotlib  # noqa: F401
@@ -343,6 +416,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     for fig in figs:
         draw(fig, a.out)
+    if store:
+        store_draw(a.out)
 
 
 if __name__ == "__main__":

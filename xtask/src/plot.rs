@@ -16,7 +16,7 @@ pub struct Args {
     /// of drawing; needs no matplotlib.
     #[arg(long)]
     tables: bool,
-    /// One figure by name (gpu-nccl, openmpi-tcp, openmpi-shm, gloo, many-ranks).
+    /// One figure by name (gpu-nccl, openmpi-tcp, openmpi-shm, gloo, many-ranks, store).
     #[arg(long)]
     only: Option<String>,
 }
