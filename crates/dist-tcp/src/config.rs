@@ -351,7 +351,7 @@ impl TcpConfig {
     /// Whether a failure revokes the backend's group (default off; `DIST_ELASTIC=1`): from
     /// the first failure this rank sees or hears of (a peer gone or silent, an abort notice),
     /// every pending and later operation of the backend, point-to-point ones on user tags
-    /// included, fails at once with [`DistError::Revoked`](dist_core::DistError::Revoked)
+    /// included, fails at once with [`DistError::Revoked`]
     /// naming the epoch and the rank at fault, and the survivors go on with
     /// [`TcpBackend::recover`](crate::TcpBackend::recover). Off, a failed group's collectives
     /// fail as they always did (`PeerGone`, `Aborted`) and point-to-point messages between the
