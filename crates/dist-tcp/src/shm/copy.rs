@@ -18,8 +18,10 @@
 //!   bytes up (16 KiB where the processor has 64-byte words, 4 KiB otherwise) is one
 //!   `rep movsb`, as glibc's `memcpy` does at such sizes: the processor moves whole cache lines
 //!   and, writing whole lines, skips reading them first. The instruction's effect is defined
-//!   byte by byte (each byte read at `rsi`, written at `rdi`, ascending), so the asm block does
-//!   what a loop of volatile byte accesses does, and is sound for the same reason;
+//!   byte by byte (each byte of the source range read once and written once to the same offset
+//!   of the destination range; with fast strings other processors may see the stores in
+//!   another order, as they may a loop's), so the asm block does what a loop of volatile byte
+//!   accesses does, and is sound for the same reason;
 //! - below that, or without fast strings, words of 64 bytes (AVX-512), 32 (AVX2) or 16 (every
 //!   x86-64 processor; 8-byte words elsewhere), four to a turn, the stores aligned and the loads
 //!   not, the first and last word of the range copied unaligned (overlapping the aligned
@@ -211,7 +213,11 @@ pub(crate) fn choice() -> Choice {
 
 #[cfg(target_arch = "x86_64")]
 fn detect() -> Choice {
-    let words = if std::arch::is_x86_feature_detected!("avx512f") {
+    // 64-byte words only with AVX2 beside AVX-512: a copy of 32 to 63 bytes takes the
+    // 32-byte routine.
+    let words = if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx2")
+    {
         Method::Words64
     } else if std::arch::is_x86_feature_detected!("avx2") {
         Method::Words32
@@ -253,7 +259,7 @@ unsafe fn write_bytes(dst: *mut u8, s: *const u8, n: usize) {
     }
 }
 
-/// One `rep movsb`: copies `n` bytes from `src` to `dst`, ascending.
+/// One `rep movsb`: copies `n` bytes from `src` to `dst`.
 ///
 /// # Safety
 /// `src..src + n` is readable and `dst..dst + n` writable; the ranges do not overlap; one of
@@ -261,12 +267,12 @@ unsafe fn write_bytes(dst: *mut u8, s: *const u8, n: usize) {
 /// through a Rust reference other than the caller's exclusive one while the copy runs.
 #[cfg(target_arch = "x86_64")]
 unsafe fn move_string(dst: *mut u8, src: *const u8, n: usize) {
-    // SAFETY: the instruction reads `src..src + n` and writes `dst..dst + n`, one byte at a
-    // time by its definition (the direction flag is clear on entry to every asm block, by
-    // Rust's rules, and this one leaves it so), which is what a loop of volatile byte accesses
-    // does; the ranges are valid (caller's contract). It touches no stack and no flags.
-    // (Tests: `copy::tests::copies_every_alignment_and_length` with strings forced,
-    // `copy::tests::long_copies_by_every_method`.)
+    // SAFETY: the instruction reads `src..src + n` and writes `dst..dst + n` (the direction
+    // flag is clear on entry to every asm block, by Rust's rules, so the ranges run upwards
+    // from the pointers; this one leaves it so), each byte read once and written once by its
+    // definition, which is what a loop of volatile byte accesses does; the ranges are valid
+    // (caller's contract). It touches no stack and no flags. (Test:
+    // `copy::tests::long_copies_by_every_method`, whose lengths reach both thresholds.)
     unsafe {
         std::arch::asm!(
             "rep movsb",

@@ -17,10 +17,12 @@ fn methods() -> Vec<(String, Choice)> {
         } else {
             eprintln!("skipped: 32-byte words (this processor has no AVX2)");
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx2")
+        {
             widths.push(Method::Words64);
         } else {
-            eprintln!("skipped: 64-byte words (this processor has no AVX-512)");
+            eprintln!("skipped: 64-byte words (this processor has no AVX-512 with AVX2)");
         }
     }
     let strings: &[bool] = if cfg!(target_arch = "x86_64") {
