@@ -59,6 +59,9 @@ pub fn run() -> Result<()> {
     // are removed first (the third-party ones are kept).
     let verify = target.join("publish-check");
     forget_packaged_builds(&verify.join("debug"))?;
+    // Cargo also unpacks each package once into its registry source folder and, finding the
+    // folder there, never unpacks that version again: an earlier run's sources would be built.
+    forget_unpacked_sources(&cargo_home().join("registry").join("src"), &published)?;
     let verify_dir = verify.display().to_string();
     let mut args = vec!["publish", "--dry-run", "--allow-dirty", "--target-dir"];
     args.push(&verify_dir);
@@ -85,6 +88,33 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target"))
+}
+
+/// Cargo's home: `CARGO_HOME`, else `~/.cargo`.
+fn cargo_home() -> PathBuf {
+    std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .unwrap_or_else(|| PathBuf::from(".cargo"))
+}
+
+/// Removes the unpacked sources of the packages in `published` (`NAME-VERSION` folders) from
+/// every registry folder under `src` (cargo's `registry/src`), so that the dry run unpacks the
+/// packages it just made rather than building an earlier run's.
+fn forget_unpacked_sources(src: &Path, published: &[Published]) -> Result<()> {
+    let Ok(registries) = std::fs::read_dir(src) else {
+        return Ok(());
+    };
+    for registry in registries.flatten() {
+        for p in published {
+            let dir = registry.path().join(p.stem());
+            if dir.is_dir() {
+                std::fs::remove_dir_all(&dir)
+                    .with_context(|| format!("remove {}", dir.display()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Removes what a build in `profile_dir` made of the project's own crates (`dist-*`): their
@@ -348,4 +378,38 @@ fn readme_example(published: &[Published], target: &Path) -> Result<()> {
         "the README's example, built outside the workspace from the packages, ran as {RANKS} ranks"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Published, forget_unpacked_sources};
+
+    /// An earlier run's unpacked package (the same name and version) is removed from every
+    /// registry folder, so the dry run unpacks the new one; other crates stay. Without the
+    /// removal the dry run built a stale dist-store (a `use polling` its new sources no longer
+    /// have) and failed.
+    #[test]
+    fn earlier_unpacked_packages_are_forgotten() {
+        let src = std::env::temp_dir().join(format!("dist-xtask-src-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&src);
+        for dir in [
+            "-a1/dist-store-0.1.0/src",
+            "-b2/dist-store-0.1.0",
+            "-a1/other-1.0.0",
+        ] {
+            std::fs::create_dir_all(src.join(dir)).unwrap();
+        }
+        let published = [Published {
+            name: "dist-store".into(),
+            version: "0.1.0".into(),
+            deps: vec![],
+        }];
+        forget_unpacked_sources(&src, &published).unwrap();
+        assert!(!src.join("-a1/dist-store-0.1.0").exists());
+        assert!(!src.join("-b2/dist-store-0.1.0").exists());
+        assert!(src.join("-a1/other-1.0.0").is_dir());
+        // A missing registry folder is no error.
+        forget_unpacked_sources(&src.join("none"), &published).unwrap();
+        std::fs::remove_dir_all(&src).unwrap();
+    }
 }
