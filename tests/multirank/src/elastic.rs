@@ -265,8 +265,8 @@ pub fn shrink() -> Result<(), String> {
 }
 
 /// Rank 0 revokes the group blaming rank 2, which is alive; every other rank hears of it and
-/// judges rank 2 failed. Rank 2 comes to the recovery 1 s late (a condition made by a sleep):
-/// the others have agreed by then, without it, and it is told it was left out
+/// judges rank 2 failed. Rank 2 comes to the recovery only after the others have agreed
+/// (it waits for their decision in the store), without it, and it is told it was left out
 /// (`DistError::Excluded`, with the members); the others form epoch 1 of three ranks. Rank 0
 /// (which serves the store) collects every rank's view and compares them.
 pub fn excluded() -> Result<(), String> {
@@ -285,7 +285,13 @@ pub fn excluded() -> Result<(), String> {
         assert_revoked(me, &e, 0, 2);
     }
     if me == 2 {
-        std::thread::sleep(Duration::from_secs(1));
+        // Come to the recovery only once the others have agreed on epoch 1 (its members key,
+        // under `<job prefix>/elastic/1`, as `recover` writes it): late by construction, not
+        // by a guess at how long their agreement takes.
+        use dist_tcp::dist_store::Store;
+        b.store_under("elastic/1")
+            .wait(&["members"], Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("rank 2: the others' agreement on epoch 1: {e}"));
     }
     match b.recover(RECOVER) {
         Err(DistError::Excluded {
