@@ -2,7 +2,7 @@
 //! NCCL's `nccl.h`, or checks that the committed ones are current.
 //!
 //! The header is not committed. It comes from `--header`, `$NCCL_HEADER`, the PyPI wheel
-//! `nvidia-nccl-cu12==2.28.9` unpacked under `$DIST_NCCL_WHEEL_DIR` (what `.ci/run` does), or
+//! `nvidia-nccl-cu12==2.29.2` unpacked under `$DIST_NCCL_WHEEL_DIR` (what `.ci/run` does), or
 //! `/usr/include/nccl.h` (Debian's `libnccl-dev`). bindgen needs libclang
 //! (`apt-get install libclang-dev`). The CUDA headers nccl.h includes are replaced by the stubs
 //! in `crates/dist-nccl-sys/cuda-stub`, so no CUDA toolkit is needed.
@@ -80,7 +80,7 @@ pub fn run(args: &Args) -> Result<()> {
     let Some(header) = find_header(args.header.as_deref()) else {
         bail!(
             "no nccl.h found: pass --header, set NCCL_HEADER or DIST_NCCL_WHEEL_DIR (the unpacked \
-             nvidia-nccl-cu12==2.28.9 wheel), or install libnccl-dev"
+             nvidia-nccl-cu12==2.29.2 wheel), or install libnccl-dev"
         );
     };
     let text = generate(&header)?;

@@ -130,6 +130,20 @@ fn real_library_reports_version_errors_and_ids() {
     assert!(!p.is_null(), "ncclGetLastError returned null");
     // SAFETY: non-null and NUL-terminated, as above.
     let _ = unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy();
+    // Recovery's functions, each exported where its version promises it (nothing called).
+    let v = lib.version();
+    assert_eq!(
+        nccl_fn!(&lib, ncclCommShrink).is_ok(),
+        v >= version_code(2, 27, 0)
+    );
+    assert_eq!(
+        nccl_fn!(&lib, ncclCommRevoke).is_ok(),
+        v >= version_code(2, 28, 0)
+    );
+    assert_eq!(
+        nccl_fn!(&lib, ncclCommGrow).is_ok(),
+        v >= version_code(2, 29, 0)
+    );
     let get_id = nccl_fn!(&lib, ncclGetUniqueId).unwrap();
     let mut id = ncclUniqueId::default();
     // SAFETY: the pointer is valid for one ncclUniqueId.
@@ -157,4 +171,37 @@ fn enum_values_match_the_header() {
     assert_eq!(ncclDataType_t::ncclFloat8e5m2.0, 11);
     assert_eq!(ncclRedOp_t::ncclAvg.0, 4);
     assert_eq!(std::mem::size_of::<ncclUniqueId>(), 128);
+}
+
+/// The functions recovery uses are checked against the versions that introduced them: shrink
+/// from 2.27, revoke from 2.28, grow and its per-communicator id from 2.29 (the real library
+/// exports each one its version promises: `real_library_reports_version_errors_and_ids`).
+#[test]
+fn recovery_functions_need_their_versions() {
+    let before_shrink = without_nccl(version_code(2, 26, 5));
+    let e = nccl_fn!(&before_shrink, ncclCommShrink).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "ncclCommShrink needs NCCL 2.27.0 or newer; libc.so.6 is NCCL 2.26.5"
+    );
+    let before_grow = without_nccl(version_code(2, 28, 9));
+    assert!(matches!(
+        nccl_fn!(&before_grow, ncclCommGrow),
+        Err(LoadError::TooOld {
+            symbol: "ncclCommGrow",
+            ..
+        })
+    ));
+    assert!(matches!(
+        nccl_fn!(&before_grow, ncclCommGetUniqueId),
+        Err(LoadError::TooOld { .. })
+    ));
+    // Revoke is new enough there, but libc has no such symbol.
+    assert!(matches!(
+        nccl_fn!(&before_grow, ncclCommRevoke),
+        Err(LoadError::MissingSymbol {
+            symbol: "ncclCommRevoke",
+            ..
+        })
+    ));
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use dist_nccl_sys::{ncclConfig_t, version_code};
+use dist_nccl_sys::ncclConfig_t;
 
 /// Says once per process, at info level, when NCCL will connect collectives inside their first
 /// call (`NCCL_RUNTIME_CONNECT` not `0`): such a call waits inside NCCL for every peer, and a
@@ -117,6 +117,7 @@ pub(crate) fn nccl_name(name: &str) -> &'static CStr {
 /// pointer (`commName`, null without [`CommConfig::name`]) points at [`nccl_name`]'s copy,
 /// which outlives every communicator; `netName` stays null.
 pub(crate) fn config(version: i32, cfg: &CommConfig, blocking: bool) -> ncclConfig_t {
+    const HEADER: i32 = dist_nccl_sys::NCCL_VERSION_CODE as i32;
     const UNDEF: i32 = i32::MIN;
     let name = cfg.name.as_deref().map(nccl_name);
     ncclConfig_t {
@@ -124,7 +125,7 @@ pub(crate) fn config(version: i32, cfg: &CommConfig, blocking: bool) -> ncclConf
         magic: 0xcafe_beef,
         // The struct's version is the older of the header's and the library's, so that an
         // older NCCL reads only the fields it knows.
-        version: version.min(version_code(2, 28, 9)) as u32,
+        version: version.min(HEADER) as u32,
         blocking: i32::from(blocking),
         cgaClusterSize: UNDEF,
         minCTAs: cfg.min_ctas.unwrap_or(UNDEF),
@@ -139,12 +140,15 @@ pub(crate) fn config(version: i32, cfg: &CommConfig, blocking: bool) -> ncclConf
         nvlsCTAs: UNDEF,
         nChannelsPerNetPeer: UNDEF,
         nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dist_nccl_sys::version_code;
 
     /// The name a config points to outlives the `CommConfig` it came from and everything the
     /// caller built it with: NCCL keeps the pointer for the communicator's life (before, the
@@ -179,8 +183,11 @@ mod tests {
         assert_eq!(again.commName, conf.commName);
         assert_ne!(nccl_name("another").as_ptr(), conf.commName);
         // No name, no pointer; the version is capped at the header's.
-        let plain = config(version_code(2, 30, 0), &CommConfig::default(), true);
+        let plain = config(version_code(2, 31, 0), &CommConfig::default(), true);
         assert!(plain.commName.is_null() && plain.netName.is_null());
-        assert_eq!(plain.version, version_code(2, 28, 9) as u32);
+        assert_eq!(plain.version, version_code(2, 29, 2) as u32);
+        // An older library is told its own version, so that it reads only what it knows.
+        let older = config(version_code(2, 28, 9), &CommConfig::default(), true);
+        assert_eq!(older.version, version_code(2, 28, 9) as u32);
     }
 }

@@ -63,6 +63,7 @@ mod group;
 mod id;
 mod ops;
 mod shared;
+mod shrink;
 mod split;
 mod types;
 mod watchdog;

@@ -276,15 +276,39 @@ pub(crate) fn split_handle(
     if let Err(code) = NcclCode::check_started(r) {
         return Err((nccl_error(nccl, who, OP, code, Some(parent)), false));
     }
+    let none = color == dist_nccl_sys::NCCL_SPLIT_NOCOLOR;
+    await_child(nccl, parent, who, OP, slot, started, limit, none)
+}
+
+/// After a split or shrink of `parent` was issued into `slot`: waits (within `limit` of
+/// `started`) for NCCL to be done with the parent, then for the child's handle and its
+/// readiness. `none`: this rank joins no child (a split's `NCCL_SPLIT_NOCOLOR`), so the result
+/// is null. On an error the child (if NCCL made one) is aborted; the parent is the caller's to
+/// abort (`Err(_, true)`) when NCCL may still be using it. The slot is leaked if the parent
+/// never finishes, so that a late write by NCCL's thread lands in allocated memory.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one call per use, each argument named"
+)]
+pub(crate) fn await_child(
+    nccl: &Nccl,
+    parent: ncclComm_t,
+    who: &str,
+    op: &str,
+    slot: Box<AtomicPtr<dist_nccl_sys::ncclComm>>,
+    started: Instant,
+    limit: Duration,
+    none: bool,
+) -> std::result::Result<ncclComm_t, (NcclError, bool)> {
     // The parent first (NCCL's thread uses it until its part of the split is done), then the
     // child's handle and its readiness.
     let parent_done = loop {
-        match ready(nccl, parent, who, OP) {
+        match ready(nccl, parent, who, op) {
             Ok(true) => break Ok(()),
             Ok(false) if started.elapsed() > limit => {
                 break Err(NcclError::Timeout {
                     comm: who.to_string(),
-                    op: OP.to_string(),
+                    op: op.to_string(),
                     waited: started.elapsed(),
                 });
             }
@@ -297,7 +321,7 @@ pub(crate) fn split_handle(
         return Err((e, true));
     }
     let child = slot.load(Ordering::Acquire);
-    if color == dist_nccl_sys::NCCL_SPLIT_NOCOLOR {
+    if none {
         // This rank joins no new communicator: NCCL makes none for it.
         if !child.is_null() {
             abort_handle(nccl, child);
@@ -309,13 +333,13 @@ pub(crate) fn split_handle(
         return Err((
             NcclError::InvalidArgument {
                 comm: who.to_string(),
-                op: OP.to_string(),
-                reason: "NCCL returned no communicator for this color".into(),
+                op: op.to_string(),
+                reason: "NCCL returned no communicator".into(),
             },
             false,
         ));
     }
     drop(slot);
-    wait_handle(nccl, child, who, OP, started, limit).map_err(|e| (e, false))?;
+    wait_handle(nccl, child, who, op, started, limit).map_err(|e| (e, false))?;
     Ok(child)
 }

@@ -1,6 +1,6 @@
 //! dist-nccl on one GPU, one rank: every call on a stream the caller owns, between the
 //! caller's own kernels (`stream.rs`), and recorded into CUDA graphs and replayed
-//! (`graph.rs`). Each case runs twice where it matters: with cudarc's event tracking (the
+//! (`graph.rs`), and shrunk (`shrink.rs`). Each case runs twice where it matters: with cudarc's event tracking (the
 //! default) and without it, where only the stream orders the work. Where no CUDA device or no
 //! NCCL is found, every case is reported ignored after "skipped: <reason>", never passed.
 //!
@@ -14,6 +14,7 @@
 mod calls;
 mod graph;
 mod kernel;
+mod shrink;
 mod stream;
 
 use std::sync::{Arc, OnceLock};
@@ -93,6 +94,14 @@ fn main() -> std::process::ExitCode {
             graph::after_eager_calls,
         ),
         ("graph_replay_bounded_by_the_timeout", graph::bounded_replay),
+        (
+            "shrink_of_one_rank_forms_a_working_communicator",
+            shrink::one_rank,
+        ),
+        (
+            "shrink_refuses_bad_lists_leaving_the_communicator_working",
+            shrink::refusals,
+        ),
     ];
     let skip = unusable();
     if let Some(why) = &skip

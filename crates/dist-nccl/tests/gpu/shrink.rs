@@ -1,0 +1,83 @@
+//! `Communicator::shrink` on one rank: the only shrink one GPU can run (excluding nobody)
+//! forms a working communicator and ends the old one; the lists a shrink must refuse are
+//! refused before anything changes. Shrinks that leave out a dead rank need two GPUs (the
+//! multirank target's NCCL cases).
+
+use std::time::Duration;
+
+use dist_core::ReduceOp;
+use dist_nccl::{CommConfig, NcclError};
+
+use crate::calls::K;
+use crate::rig;
+
+fn e(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
+    move |err| format!("{what}: {err}")
+}
+
+/// An all_reduce of ones on `comm`'s stream, checked: a one-rank sum is the input.
+fn sum_of_ones(comm: &dist_nccl::Communicator, what: &str) -> Result<(), String> {
+    let s = comm.stream().clone();
+    let a = s.clone_htod(&[1.0f32; K]).map_err(e("a"))?;
+    let mut b = s.alloc_zeros::<f32>(K).map_err(e("b"))?;
+    comm.all_reduce(&a, &mut b, ReduceOp::Sum)
+        .map_err(|err| format!("{what}: all_reduce: {err}"))?;
+    comm.synchronize()
+        .map_err(|err| format!("{what}: synchronize: {err}"))?;
+    let got = s.clone_dtoh(&b).map_err(e("read"))?;
+    if got.iter().any(|&x| x != 1.0) {
+        return Err(format!("{what}: want ones, got {:?}", &got[..4]));
+    }
+    Ok(())
+}
+
+/// Excluding nobody: a new one-rank communicator that computes, numbered 0 of 1; the old one
+/// refuses every later call, naming the shrink.
+pub fn one_rank() -> Result<(), String> {
+    let r = rig(true, Duration::from_secs(30));
+    sum_of_ones(&r.comm, "before the shrink")?;
+    let new = r
+        .comm
+        .shrink(&[], CommConfig::default())
+        .map_err(|err| format!("shrink: {err}"))?;
+    if (new.rank(), new.size()) != (0, 1) {
+        return Err(format!("shrunk to rank {} of {}", new.rank(), new.size()));
+    }
+    sum_of_ones(&new, "on the shrunk communicator")?;
+    let s = r.comm.stream().clone();
+    let a = s.clone_htod(&[1.0f32; K]).map_err(e("a"))?;
+    let mut b = s.alloc_zeros::<f32>(K).map_err(e("b"))?;
+    match r.comm.all_reduce(&a, &mut b, ReduceOp::Sum) {
+        Err(NcclError::Aborted { reason, .. }) if reason.contains("shrunk") => {}
+        other => return Err(format!("the old communicator after the shrink: {other:?}")),
+    }
+    match r.comm.shrink(&[], CommConfig::default()) {
+        Err(NcclError::Aborted { .. }) => {}
+        other => {
+            return Err(format!(
+                "a second shrink of the old communicator: {other:?}"
+            ));
+        }
+    }
+    drop(new);
+    Ok(())
+}
+
+/// A rank out of range, one listed twice, and this rank itself: each refused with the reason,
+/// and the communicator still computes afterwards.
+pub fn refusals() -> Result<(), String> {
+    let r = rig(true, Duration::from_secs(30));
+    let cases: [(&[usize], &str); 3] = [
+        (&[1], "not in this communicator of 1"),
+        (&[0], "a rank left out does not call shrink"),
+        (&[3, 3], "not in this communicator"),
+    ];
+    for (list, needle) in cases {
+        match r.comm.shrink(list, CommConfig::default()) {
+            Err(NcclError::InvalidArgument { op, reason, .. })
+                if op == "shrink" && reason.contains(needle) => {}
+            other => return Err(format!("shrink({list:?}): want {needle:?}, got {other:?}")),
+        }
+    }
+    sum_of_ones(&r.comm, "after the refused shrinks")
+}
