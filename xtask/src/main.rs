@@ -78,6 +78,9 @@ enum Cmd {
         /// The example (of dist-hybrid) to run.
         #[arg(long)]
         example: String,
+        /// How many ranks may fail without failing the run (for `elastic_train`).
+        #[arg(long, default_value_t = 0)]
+        tolerate: usize,
     },
     /// docs/benchmarks.md's plots (docs/plots/*.png) from the raw files in docs/results/.
     Plot(plot::Args),
@@ -245,7 +248,11 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Plot(a) => plot::run(&a),
         Cmd::TorchVenv(a) => torch_venv::run(&a),
         Cmd::Store(a) => store::run(&a),
-        Cmd::Run { ranks, example } => run_example(&example, ranks),
+        Cmd::Run {
+            ranks,
+            example,
+            tolerate,
+        } => run_example(&example, ranks, tolerate),
         Cmd::BenchP2p { pin, latency_only } => {
             let mut args = Vec::new();
             if pin {
@@ -302,14 +309,15 @@ fn dispatch(cmd: Cmd) -> Result<()> {
     }
 }
 
-/// Builds `example` of dist-hybrid in release mode (unless in a bundle) and runs `ranks` ranks.
-fn run_example(example: &str, ranks: usize) -> Result<()> {
+/// Builds `example` of dist-hybrid in release mode (unless in a bundle) and runs `ranks` ranks,
+/// `tolerate` of which may fail.
+fn run_example(example: &str, ranks: usize, tolerate: usize) -> Result<()> {
     let program = bundled_or_built(
         example,
         &["-p", "dist-hybrid", "--example", example],
         || release_dir().join("examples").join(example),
     )?;
-    launch_ranks(program, ranks, Vec::new(), None)
+    launch_ranks(program, ranks, Vec::new(), None, tolerate)
 }
 
 /// Builds a release binary of dist-tools (unless in a bundle) and runs `ranks` ranks of it,
@@ -323,7 +331,7 @@ fn launch_release(
     let program = bundled_or_built(bin, &["-p", "dist-tools", "--bin", bin], || {
         release_dir().join(bin)
     })?;
-    launch_ranks(program, ranks, args, hosts)
+    launch_ranks(program, ranks, args, hosts, 0)
 }
 
 /// `name` from the bundle when running inside one (a host with no Rust toolchain), else built
@@ -347,6 +355,7 @@ fn launch_ranks(
     ranks: usize,
     args: Vec<String>,
     hosts: Option<&launch::Hosts>,
+    tolerate: usize,
 ) -> Result<()> {
     let name = program.display().to_string();
     let job = launch::Job {
@@ -358,6 +367,7 @@ fn launch_ranks(
         env: Vec::new(),
         plain_rank0: true,
         echo: true,
+        tolerate,
     };
     match launch::run_on(&job, hosts).map_err(anyhow::Error::msg)? {
         launch::Outcome::Passed => Ok(()),
@@ -408,7 +418,10 @@ fn test() -> Result<()> {
         ),
     }
     // The training example, as a test (on the CPU here; on GPUs where there are some).
-    run_example("train", 4)?;
+    run_example("train", 4, 0)?;
+    // The elastic example, as a test: one rank of four killed with SIGKILL at a random step,
+    // the survivors recover and must end where an undisturbed run ends.
+    run_example("elastic_train", 4, 1)?;
     // Every test, last, so that their counts close the run: the unit and integration tests,
     // the tidy tests, and the multi-rank cases (tests/multirank/tests/multirank.rs), each at
     // the world sizes it declares (2, 3, 4, 5, 8 for most TCP cases; the collectives again

@@ -21,6 +21,9 @@ options:
       --grace SECS      after the first failure or signal, how long the others may run before
                         they are killed (default 10)
       --timeout SECS    kill every rank after this long (default: no limit)
+      --tolerate K      up to K ranks may fail without ending the job (an elastic job, whose
+                        survivors recover): the grace period starts at the failure after the
+                        K-th, and the job passes when every other rank exits 0 (default 0)
       --hosts H         spread the ranks over H simulated hosts (network namespaces on this
                         machine, in blocks; needs root and iproute2)
       --delay-ms MS     with --hosts: add MS milliseconds to every frame between hosts
@@ -28,7 +31,7 @@ options:
   -h, --help            print this text
   -V, --version         print the version
 
-exit status: 0 when every rank exits 0; the first failed rank's exit status (128 + its signal
+exit status: 0 when every rank exits 0 (but the --tolerate failures); the first failed rank's exit status (128 + its signal
 if a signal ended it); 128 + the signal when dist-run was interrupted; 124 after --timeout;
 2 for a usage error; 127 when the program cannot be started; 1 for any other launch error.
 ";
@@ -41,6 +44,7 @@ pub(crate) struct Args {
     pub(crate) master_port: Option<u16>,
     pub(crate) grace: Duration,
     pub(crate) timeout: Option<Duration>,
+    pub(crate) tolerate: usize,
     pub(crate) hosts: Option<usize>,
     pub(crate) delay: Option<Duration>,
     pub(crate) label: String,
@@ -78,6 +82,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
         master_port: None,
         grace: Duration::from_secs(10),
         timeout: None,
+        tolerate: 0,
         hosts: None,
         delay: None,
         label: String::new(),
@@ -106,7 +111,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "-h" | "--help" => return Ok(Parsed::Help),
             "-V" | "--version" => return Ok(Parsed::Version),
             "-n" | "--nproc" | "--master-addr" | "--master-port" | "--grace" | "--timeout"
-            | "--hosts" | "--delay-ms" | "--label" => {}
+            | "--tolerate" | "--hosts" | "--delay-ms" | "--label" => {}
             _ => return Err(format!("unknown option {opt}")),
         }
         let value = match inline {
@@ -123,6 +128,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "--master-port" => a.master_port = Some(number(&opt, &value, "a port number")?),
             "--grace" => a.grace = seconds(&opt, &value)?,
             "--timeout" => a.timeout = Some(seconds(&opt, &value)?),
+            "--tolerate" => a.tolerate = number(&opt, &value, "a number of ranks")?,
             "--hosts" => a.hosts = Some(number(&opt, &value, "a number of hosts")?),
             "--delay-ms" => {
                 a.delay = Some(seconds(&opt, &value)? / 1000);
@@ -138,6 +144,12 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
     };
     if a.delay.is_some() && a.hosts.is_none() {
         return Err("--delay-ms needs --hosts".into());
+    }
+    if a.tolerate >= a.nproc {
+        return Err(format!(
+            "--tolerate {}: fewer than the {} ranks (one must survive)",
+            a.tolerate, a.nproc
+        ));
     }
     if a.hosts.is_some() && a.master_addr.is_some() {
         return Err(
@@ -173,6 +185,8 @@ mod tests {
         assert_eq!(a.nproc, 4);
         assert_eq!(a.grace, Duration::from_millis(2500));
         assert_eq!(a.timeout, Some(Duration::from_secs(60)));
+        assert_eq!(a.tolerate, 0);
+        assert_eq!(run(&["-n", "4", "--tolerate", "1", "p"]).tolerate, 1);
         assert_eq!((a.program.to_str(), a.args.len()), (Some("-weird"), 1));
         let a = run(&[
             "--nproc=2",
@@ -224,6 +238,11 @@ mod tests {
                 "not a number of seconds",
             ),
             (&["-n", "2", "--delay-ms", "5", "p"], "needs --hosts"),
+            (&["-n", "2", "--tolerate", "2", "p"], "one must survive"),
+            (
+                &["-n", "2", "--tolerate", "x", "p"],
+                "not a number of ranks",
+            ),
         ] {
             let e = p(args).unwrap_err();
             assert!(e.contains(says), "{args:?}: {e}");

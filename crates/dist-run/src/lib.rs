@@ -121,6 +121,10 @@ pub struct Launch {
     /// An exit status that is not a failure though not 0 (a test's "skipped"): it does not
     /// start the grace period.
     pub skip_status: Option<i32>,
+    /// How many ranks may fail without ending the job (an elastic job, whose survivors
+    /// recover; default 0): the grace period starts at the failure after this many, and the
+    /// launch passes when every other rank exits 0 (see [`Report::tolerated`]).
+    pub tolerate: usize,
     /// What a caught signal does.
     pub signals: Signals,
 }
@@ -142,6 +146,7 @@ impl Launch {
             plain_rank0: false,
             echo: true,
             skip_status: None,
+            tolerate: 0,
             signals: Signals::Forward,
         }
     }
@@ -178,8 +183,10 @@ pub struct Report {
     pub port: u16,
     /// Each rank's end, by rank.
     pub ranks: Vec<RankExit>,
-    /// The first rank seen to fail, if one did.
+    /// The first rank seen to fail beyond the [`Launch::tolerate`] allowance, if one did.
     pub first_failure: Option<usize>,
+    /// The ranks that failed within the [`Launch::tolerate`] allowance, in the order seen.
+    pub tolerated: Vec<usize>,
     /// The signal the launcher caught (and forwarded, with [`Signals::Forward`]), if one came.
     pub interrupted: Option<i32>,
     /// The timeout, if the ranks ran past it.
@@ -192,17 +199,26 @@ pub struct Report {
 }
 
 impl Report {
-    /// Whether the rank's exit is a failure (neither 0 nor the skip status).
+    /// Whether the rank's exit is a failure (neither 0 nor the skip status), tolerated or not.
     pub fn failed(&self, rank: usize) -> bool {
         let e = &self.ranks[rank];
-        !e.success() && (e.status.and_then(|s| s.code()) != self.skip_status || e.killed)
+        // A rank a signal ended has no exit code: never the skip status.
+        let code = e.status.and_then(|s| s.code());
+        !e.success() && (code.is_none() || code != self.skip_status || e.killed)
     }
 
-    /// Whether every rank exited with 0 (or the skip status), untimed and uninterrupted.
+    /// Whether the rank failed and its failure ends the job (it is not one of
+    /// [`Report::tolerated`]).
+    pub fn failed_untolerated(&self, rank: usize) -> bool {
+        self.failed(rank) && !self.tolerated.contains(&rank)
+    }
+
+    /// Whether every rank exited with 0 (or the skip status) but the tolerated failures,
+    /// untimed and uninterrupted.
     pub fn passed(&self) -> bool {
         self.interrupted.is_none()
             && self.timed_out.is_none()
-            && (0..self.ranks.len()).all(|r| !self.failed(r))
+            && (0..self.ranks.len()).all(|r| !self.failed_untolerated(r))
     }
 
     /// The ranks the launcher killed.
@@ -222,7 +238,7 @@ impl Report {
         if self.timed_out.is_some() {
             return 124;
         }
-        let Some(r) = (0..self.ranks.len()).find(|&r| self.failed(r)) else {
+        let Some(r) = (0..self.ranks.len()).find(|&r| self.failed_untolerated(r)) else {
             return 0;
         };
         let r = self.first_failure.unwrap_or(r);
@@ -250,6 +266,13 @@ impl Report {
         }
         if let Some(t) = self.timed_out {
             out.push(format!("timed out after {t:?}"));
+        }
+        if !self.tolerated.is_empty() {
+            out.push(format!(
+                "ranks {:?} failed within the allowance of {}",
+                self.tolerated,
+                self.tolerated.len()
+            ));
         }
         if let Some(r) = self.first_failure {
             out.push(format!(

@@ -55,11 +55,24 @@ fn launch(a: &Args) -> i32 {
     launch.master_port = a.master_port;
     launch.grace = a.grace;
     launch.timeout = a.timeout;
+    launch.tolerate = a.tolerate;
     launch.label = a.label.clone();
     let code = match dist_run::run(&launch, simulated.as_ref()) {
         Ok(report) => {
             for line in report.describe() {
                 eprintln!("dist-run: {line}");
+            }
+            if report.passed() {
+                for &r in &report.tolerated {
+                    let e = &report.ranks[r];
+                    let how = e
+                        .status
+                        .map_or("could not be waited for".into(), |s| s.to_string());
+                    eprintln!(
+                        "dist-run: rank {r} failed ({how}), within --tolerate {}",
+                        a.tolerate
+                    );
+                }
             }
             report.exit_code()
         }

@@ -107,6 +107,7 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
         port,
         ranks: Vec::new(),
         first_failure: None,
+        tolerated: Vec::new(),
         interrupted: None,
         timed_out: None,
         grace: launch.grace,
@@ -132,8 +133,14 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
                 killed: rank.killed,
                 after: started.elapsed(),
             });
-            let ok = status.is_some_and(|s| s.success() || s.code() == launch.skip_status);
-            if !ok && report.first_failure.is_none() {
+            // A rank a signal ended has no exit code: never the skip status.
+            let skipped =
+                |s: std::process::ExitStatus| s.code().is_some() && s.code() == launch.skip_status;
+            let ok = status.is_some_and(|s| s.success() || skipped(s));
+            if !ok && report.tolerated.len() < launch.tolerate {
+                // An elastic job's allowance: the others go on (and recover).
+                report.tolerated.push(r);
+            } else if !ok && report.first_failure.is_none() {
                 report.first_failure = Some(r);
                 kill_at.get_or_insert(Instant::now() + launch.grace);
             }

@@ -132,6 +132,75 @@ fn a_survivor_that_hangs_is_killed_after_the_grace_period() {
     assert!(took < Duration::from_secs(30), "{took:?}: not killed");
 }
 
+/// A rank ended by a signal has failed (it has no exit code, which once compared equal to
+/// the absent skip status): the job fails with 128 + the signal, naming the rank.
+#[test]
+fn a_rank_killed_by_a_signal_fails_the_job() {
+    let out = sh(
+        &["-n", "2", "--grace", "0.2"],
+        r#"[ "$RANK" = 1 ] && kill -KILL $$; exec sleep 50"#,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 9), "{err}");
+    assert!(
+        err.contains("dist-run: rank 1 failed first (signal: 9"),
+        "{err}"
+    );
+    assert!(err.contains("rank 0: killed by the launcher"), "{err}");
+}
+
+/// `--tolerate 1`: rank 2 dies by SIGKILL while the others wait for a marker it never writes
+/// past; they go on (no grace period starts: they are not killed though they outlive it), the
+/// job passes with a note naming rank 2, and a second failure ends it with its own status.
+#[test]
+fn tolerated_failures_leave_the_survivors_running() {
+    let dir = std::env::temp_dir().join(format!("dist-run-tolerate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = dir.join("gone");
+    let _ = std::fs::remove_file(&marker);
+    // The survivors outlive the grace period (0.2 s) by far after rank 2's death.
+    let script = format!(
+        r#"if [ "$RANK" = 2 ]; then touch {m}; kill -KILL $$; fi
+        while [ ! -e {m} ]; do sleep 0.01; done; sleep 1
+        echo "rank $RANK: done without rank 2""#,
+        m = marker.display()
+    );
+    let out = sh(&["-n", "3", "--grace", "0.2", "--tolerate", "1"], &script);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let stdout = text(&out.stdout);
+    for r in [0, 1] {
+        let want = format!("[r{r}] rank {r}: done without rank 2");
+        assert!(stdout.contains(&want), "no {want:?} in:\n{stdout}\n{err}");
+    }
+    assert!(
+        err.contains("dist-run: rank 2 failed (signal: 9 (SIGKILL)), within --tolerate 1"),
+        "{err}"
+    );
+    assert!(!err.contains("killed by the launcher"), "{err}");
+    let _ = std::fs::remove_file(&marker);
+
+    // Two failures with an allowance of one: the second ends the job, with its status.
+    let script = format!(
+        r#"if [ "$RANK" = 2 ]; then touch {m}; exit 5; fi
+        while [ ! -e {m} ]; do sleep 0.01; done
+        if [ "$RANK" = 1 ]; then sleep 0.3; exit 6; fi
+        exec sleep 50"#,
+        m = marker.display()
+    );
+    let out = sh(&["-n", "3", "--grace", "0.2", "--tolerate", "1"], &script);
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(6), "{err}");
+    for want in [
+        "dist-run: ranks [2] failed within the allowance of 1",
+        "dist-run: rank 1 failed first (exit status: 6",
+        "dist-run: rank 0: killed by the launcher",
+    ] {
+        assert!(err.contains(want), "no {want:?} in:\n{err}");
+    }
+}
+
 /// Starts `dist-run -n 2` on a script that says "ready" and then waits for `sig`, sends `sig`
 /// to the launcher (only: the ranks are in process groups of their own), and returns its
 /// output and exit status.

@@ -60,6 +60,7 @@ fn sh(script: &str, world: usize) -> Job {
         env: Vec::new(),
         plain_rank0: false,
         echo: false,
+        tolerate: 0,
     }
 }
 
@@ -152,6 +153,7 @@ pub(crate) fn a_delay_holds_every_frame() -> Result<(), Failed> {
         env: vec![(RTT.into(), "1".into())],
         plain_rank0: false,
         echo: false,
+        tolerate: 0,
     };
     let outcome = dist_launch::run_on(&job, Some(&hosts))?;
     drop(hosts);
