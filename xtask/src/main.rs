@@ -6,6 +6,7 @@
 
 mod bindgen;
 mod bundle;
+mod chaos;
 mod multirank;
 mod package;
 mod plot;
@@ -82,6 +83,9 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         tolerate: usize,
     },
+    /// A soak of recovery: N elastic ranks in a checked all_reduce loop while ranks are killed
+    /// and stopped at random.
+    Chaos(chaos::Args),
     /// docs/benchmarks.md's plots (docs/plots/*.png) from the raw files in docs/results/.
     Plot(plot::Args),
     /// Where each rank was when a job failed, from the flight records in DIST_TRACE_DIR.
@@ -248,6 +252,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Plot(a) => plot::run(&a),
         Cmd::TorchVenv(a) => torch_venv::run(&a),
         Cmd::Store(a) => store::run(&a),
+        Cmd::Chaos(a) => chaos::run(&a),
         Cmd::Run {
             ranks,
             example,
