@@ -45,12 +45,6 @@ impl Communicator {
         if crate::group::in_group() {
             return Err(self.invalid(OP, "not inside a group".into()));
         }
-        if self.shared.graphs.load(Ordering::Acquire) > 0 {
-            return Err(self.invalid(
-                OP,
-                "CUDA graphs hold this communicator's work: drop them before shrinking".into(),
-            ));
-        }
         let nccl = self.shared.nccl.clone();
         let f = nccl_fn!(&nccl, ncclCommShrink)?;
         let who = format!(
@@ -62,6 +56,14 @@ impl Communicator {
         );
         let mut conf = config(nccl.version(), &cfg, false);
         let mut st = self.shared.lock_for_call(OP)?;
+        // Asked under the lock: a graph records this communicator's work only inside a call,
+        // which takes the lock, so no graph can gain work between this check and the abort.
+        if self.shared.graphs.load(Ordering::Acquire) > 0 {
+            return Err(self.invalid(
+                OP,
+                "CUDA graphs hold this communicator's work: drop them before shrinking".into(),
+            ));
+        }
         // From here on this communicator is over, whatever the shrink's outcome: calls refuse
         // (`doomed`, then `aborted` below, under this lock).
         let why = Abort::Error(format!(
