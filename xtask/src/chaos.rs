@@ -42,6 +42,10 @@ pub struct Args {
     /// The ranks' peer timeout, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub peer_timeout_ms: u64,
+    /// The share of faults that stop a rank (SIGSTOP, then SIGCONT) rather than kill it, in
+    /// percent.
+    #[arg(long, default_value_t = 30)]
+    pub stops: u64,
     /// The seed of the faults' choices (default: the clock).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -318,7 +322,7 @@ pub fn run(a: &Args) -> Result<()> {
             && live.len() > a.min_ranks
         {
             let victim = live[dice.below(live.len())];
-            let stop = dice.below(10) < 3;
+            let stop = (dice.below(100) as u64) < a.stops;
             let pid = ranks[victim].child.id();
             faults.push(Fault {
                 what: if stop { "stop" } else { "kill" },
