@@ -8,8 +8,8 @@
 //!   as job ranks, comma-separated), with its thread, descriptor and shared-memory mapping
 //!   counts once the new epoch's first call completed;
 //! - `excluded EPOCH`: the agreement left it out (it exits with status 3);
-//! - `done EPOCH CALLS`: the driver's deadline passed on some rank, and every member stopped
-//!   at the same call.
+//! - `done EPOCH CALLS THREADS FDS MEMFDS`: the driver's deadline passed on some rank, and
+//!   every member stopped at the same call; its resources then.
 //!
 //! Every all_reduce sums each member's job rank + 1 over [`COUNT`] floats; a wrong sum ends
 //! the process with status 1 and a `wrong` line. `CHAOS_UNTIL` (seconds since the Unix epoch)
@@ -103,7 +103,11 @@ fn run() -> Result<u8, String> {
                     );
                 }
                 if x[COUNT - 1] > 0.0 {
-                    println!("done {} {calls}", b.epoch());
+                    // The earlier epochs' backends are dropped: their threads and mappings
+                    // must be gone by the end (the driver compares with the first epoch's).
+                    b.barrier().map_err(|e| format!("the last barrier: {e}"))?;
+                    let (threads, fds, memfds) = resources();
+                    println!("done {} {calls} {threads} {fds} {memfds}", b.epoch());
                     return Ok(0);
                 }
                 if last_beat.elapsed() >= Duration::from_millis(100) {

@@ -9,8 +9,9 @@
 //! It fails on a hang (a running rank with no completed call or event for longer than a
 //! failure's detection and recovery can take), a wrong sum, two ranks that report different
 //! members for one epoch, a rank that ends other than as its fault says (0 for survivors, 3
-//! for a rank left out), and a rank whose threads, descriptors or shared-memory mappings in a
-//! later epoch exceed its first epoch's (the group only shrinks, so more is a leak).
+//! for a rank left out), a survivor whose threads, descriptors or shared-memory mappings at
+//! the end exceed its first epoch's (the group only shrinks, so more is a leak), and a soak
+//! that injected no fault.
 //!
 //! Not yet: replacements (a rank joining a running job is not built), so a soak ends its
 //! faults once `--min-ranks` remain; network cuts between simulated hosts.
@@ -187,16 +188,41 @@ pub fn run(a: &Args) -> Result<()> {
     let end_by = started + soak + Duration::from_secs(60);
 
     loop {
-        // Events.
-        while let Ok((r, t, line)) = rx.recv_timeout(Duration::from_millis(20)) {
+        // Events: what came, or one wait of 20 ms when nothing did.
+        let mut batch: Vec<(usize, Instant, String)> = rx.try_iter().collect();
+        if batch.is_empty()
+            && let Ok(one) = rx.recv_timeout(Duration::from_millis(20))
+        {
+            batch.push(one);
+        }
+        for (r, t, line) in batch {
             ranks[r].heard = t;
             let mut f = line.split(' ');
             match f.next() {
-                Some("beat" | "done") => {}
+                Some("beat") => {}
+                Some("done") => {
+                    // Resources at the end, when threads and mappings of earlier epochs are
+                    // gone: no more than in the rank's first epoch (the group only shrank).
+                    let counts: Vec<u64> = f.skip(2).filter_map(|c| c.parse().ok()).collect();
+                    if let (Ok(end), Some(first)) =
+                        (<[u64; 3]>::try_from(counts.as_slice()), ranks[r].first)
+                        && end.iter().zip(first).any(|(n, f)| *n > f)
+                    {
+                        problems.push(format!(
+                            "rank {r}: ends holding threads/fds/memfds {end:?}, more than its \
+                             first epoch's {first:?} (a leak)"
+                        ));
+                    }
+                }
                 Some("failed") => {
+                    // Only a survivor's failure in the epoch the fault struck is its detection
+                    // (a continued victim's late line is not).
+                    let epoch: Option<u64> = f.next().and_then(|e| e.parse().ok());
                     if let Some(fault) = faults.last_mut()
                         && fault.detected.is_none()
                         && t >= fault.at
+                        && ranks[r].fate == Fate::Survive
+                        && epoch == Some(fault.epoch_before)
                     {
                         fault.detected = Some(t - fault.at);
                     }
@@ -224,17 +250,10 @@ pub fn run(a: &Args) -> Result<()> {
                     entry.0.push(r);
                     entry.1 = t;
                     let counts: Vec<u64> = v[4..].iter().filter_map(|c| c.parse().ok()).collect();
-                    if let Ok(now) = <[u64; 3]>::try_from(counts.as_slice()) {
-                        match ranks[r].first {
-                            None => ranks[r].first = Some(now),
-                            Some(first) if now.iter().zip(first).any(|(n, f)| *n > f) => {
-                                problems.push(format!(
-                                    "rank {r}: epoch {e} holds threads/fds/memfds {now:?}, more \
-                                     than its first epoch's {first:?} (a leak)"
-                                ));
-                            }
-                            Some(_) => {}
-                        }
+                    if ranks[r].first.is_none()
+                        && let Ok(now) = <[u64; 3]>::try_from(counts.as_slice())
+                    {
+                        ranks[r].first = Some(now);
                     }
                     // A fault is recovered when every survivor completed a call in an epoch
                     // after it.
@@ -312,7 +331,8 @@ pub fn run(a: &Args) -> Result<()> {
         let live: Vec<usize> = (0..ranks.len())
             .filter(|&r| ranks[r].exit.is_none() && ranks[r].fate == Fate::Survive)
             .collect();
-        let settled = faults.last().is_none_or(|f| f.recovered.is_some());
+        // The next fault waits for the last one's recovery and for a stopped rank's SIGCONT.
+        let settled = faults.last().is_none_or(|f| f.recovered.is_some()) && continue_at.is_none();
         if !problems.is_empty() || live.is_empty() || now > end_by {
             break;
         }
@@ -371,6 +391,9 @@ pub fn run(a: &Args) -> Result<()> {
     }
     if faults.iter().any(|f| f.recovered.is_none()) {
         bail!("a fault was never recovered from");
+    }
+    if faults.is_empty() {
+        bail!("no fault was injected: give the soak more --minutes");
     }
     let _ = std::fs::remove_dir_all(&logs);
     Ok(())

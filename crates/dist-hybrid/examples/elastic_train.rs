@@ -167,7 +167,8 @@ fn run() -> Result<(), String> {
             println!("rank {me}: SIGKILL at step {step}");
             let pid = std::process::id().to_string();
             let _ = Command::new("kill").args(["-KILL", &pid]).status();
-            return Err("still alive after SIGKILL".into());
+            // Without a `kill` program: die by a signal all the same (SIGABRT).
+            std::process::abort();
         }
         let mut sums = data.sums(&w, b.rank(), b.world_size());
         match b.all_reduce(&mut sums, ReduceOp::Sum) {

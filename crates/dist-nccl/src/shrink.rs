@@ -26,18 +26,28 @@ use crate::shared::{Abort, nccl_error};
 use crate::split::{abort_handle, await_child};
 
 impl Communicator {
-    /// Shrinks this communicator: every rank not in `exclude` (ranks of this communicator)
-    /// calls it with the same list, and gets a new communicator of the others, renumbered
-    /// densely in the old order. The excluded ranks (dead, stopped or cut off) take no part.
+    /// Shrinks this communicator: every rank not in `exclude` (ranks of this communicator, at
+    /// least one) calls it with the same list, and gets a new communicator of the others,
+    /// renumbered densely in the old order. The excluded ranks (dead, stopped or cut off) take
+    /// no part.
     ///
     /// This communicator ends at the call: its work in flight is cancelled and every later
-    /// call on it fails with [`NcclError::Aborted`](crate::NcclError::Aborted) ("shrunk"). The new one is formed within
-    /// `cfg`'s init deadline; where a survivor never calls, the shrink returns
-    /// [`NcclError::Timeout`](crate::NcclError::Timeout) at that deadline. A library older than 2.27 returns
-    /// [`NcclError::Load`](crate::NcclError::Load) (`TooOld`): form a new communicator from a fresh [`crate::UniqueId`]
-    /// instead. Refused, leaving this communicator as it was: a rank out of range, listed
-    /// twice, or this rank itself in `exclude`; a call inside a group; CUDA graphs that hold
-    /// this communicator's work (drop them first: aborting waits for them).
+    /// call on it fails with [`NcclError::Aborted`](crate::NcclError::Aborted) ("shrunk").
+    /// The shrink, and then each step of forming the new communicator (as for
+    /// [`Communicator::split`]), has `cfg`'s init timeout; where a survivor never calls, it
+    /// returns [`NcclError::Timeout`](crate::NcclError::Timeout). A library older than 2.27
+    /// returns [`NcclError::Load`](crate::NcclError::Load) (`TooOld`): form a new communicator
+    /// from a fresh [`crate::UniqueId`] instead.
+    ///
+    /// Refused, leaving this communicator as it was: an empty list (NCCL shrinks only by
+    /// leaving ranks out), a rank out of range or listed twice, this rank itself in `exclude`;
+    /// a call inside a group; CUDA graphs that hold this communicator's work (drop them first:
+    /// aborting waits for them). Refused as [`NcclError::Aborted`](crate::NcclError::Aborted):
+    /// a communicator already aborted, by the caller, its watchdog (an asynchronous NCCL error
+    /// such as a peer's death) or its timeout, since the abort frees the handle the shrink runs
+    /// on. Shrink as soon as the failure is known (e.g. from `dist-tcp`'s revocation), or form
+    /// a new communicator from a fresh unique id. Waiting for the communicator's lock is not
+    /// bounded: a thread inside an NCCL call on it (one NCCL itself blocks in) holds it.
     #[doc(alias = "ncclCommShrink")]
     pub fn shrink(&self, exclude: &[usize], cfg: CommConfig) -> Result<Communicator> {
         const OP: &str = "shrink";
@@ -85,18 +95,24 @@ impl Communicator {
         }
         let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
         let started = Instant::now();
+        // The calls' handles are over (aborted above, or the parent itself): no call may use
+        // them once the lock is released, whatever happens below.
+        st.aborted = Some(why.clone());
         let mut list = list;
         let flags = dist_nccl_sys::NCCL_SHRINK_ABORT as i32;
         // SAFETY: `parent` is live (`lock_for_call` refused an aborted communicator, and only
         // the calls' handles were aborted above when `parent` is the kept one) and used by
         // this thread alone: we hold the communicator's lock, no group is open over it (checked
         // above for this thread; `lock_for_call` waited out other threads' groups). `list`
-        // holds `list.len()` ints and outlives the call (NCCL reads it during the call). The
+        // holds `list.len()` ints, valid and writable for the call (NCCL sorts it in place and
+        // copies it before returning, so its drop after a timeout is sound). The
         // slot is valid, aligned memory for one handle that outlives any write NCCL makes
         // (leaked by `await_child` if NCCL is not done with it). The config is valid for the
-        // call and its only pointer is the interned name, which lives for the process. The GPU
-        // cases `shrink_of_one_rank_forms_a_working_communicator` and
-        // `shrink_refuses_bad_lists_leaving_the_communicator_working` reach it.
+        // call and its only pointer is the interned name, which lives for the process. One GPU
+        // cannot reach this call (NCCL refuses an empty list, and one device holds one rank of
+        // a communicator): a shrink that leaves a rank out needs two GPUs, and no case runs
+        // one yet; `shrink_refuses_bad_lists_leaving_the_communicator_working` checks the
+        // refusals before it.
         let r = unsafe {
             f(
                 parent,
@@ -122,10 +138,10 @@ impl Communicator {
             .map_err(|(e, _)| e),
         };
         // The parent is never used again: NCCL is done with it (or given up on, at the
-        // deadline), and the child does not share its resources (`shrinkShare` unset).
+        // deadline), and the child does not share its resources (NCCL shares none under
+        // `NCCL_SHRINK_ABORT`, whatever `shrinkShare` says).
         abort_handle(&nccl, parent);
         st.nb = std::ptr::null_mut();
-        st.aborted = Some(why);
         drop(st);
         let child = child?;
         Self::from_nonblocking(nccl, self.ctx.clone(), child, who, &cfg)
@@ -134,6 +150,10 @@ impl Communicator {
     /// `exclude` as NCCL takes it, after the checks `shrink` documents.
     fn exclude_list(&self, exclude: &[usize]) -> Result<Vec<i32>> {
         let (rank, size) = (self.rank(), self.size());
+        if exclude.is_empty() {
+            let reason = "no rank to leave out: NCCL shrinks only by excluding ranks".into();
+            return Err(self.invalid("shrink", reason));
+        }
         let mut list: Vec<i32> = Vec::with_capacity(exclude.len());
         for (i, &r) in exclude.iter().enumerate() {
             let reason = if r >= size {

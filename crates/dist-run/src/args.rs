@@ -21,9 +21,10 @@ options:
       --grace SECS      after the first failure or signal, how long the others may run before
                         they are killed (default 10)
       --timeout SECS    kill every rank after this long (default: no limit)
-      --tolerate K      up to K ranks may fail without ending the job (an elastic job, whose
-                        survivors recover): the grace period starts at the failure after the
-                        K-th, and the job passes when every other rank exits 0 (default 0)
+      --tolerate K      up to K ranks may die (a signal ends them) without ending the job (an
+                        elastic job, whose survivors recover): no grace period starts for them,
+                        and the job passes when every other rank exits 0; a rank that exits
+                        with a non-zero status still fails the job (default 0)
       --hosts H         spread the ranks over H simulated hosts (network namespaces on this
                         machine, in blocks; needs root and iproute2)
       --delay-ms MS     with --hosts: add MS milliseconds to every frame between hosts

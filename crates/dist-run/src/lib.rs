@@ -121,9 +121,10 @@ pub struct Launch {
     /// An exit status that is not a failure though not 0 (a test's "skipped"): it does not
     /// start the grace period.
     pub skip_status: Option<i32>,
-    /// How many ranks may fail without ending the job (an elastic job, whose survivors
-    /// recover; default 0): the grace period starts at the failure after this many, and the
-    /// launch passes when every other rank exits 0 (see [`Report::tolerated`]).
+    /// How many ranks may die without ending the job (an elastic job, whose survivors
+    /// recover; default 0): a rank ended by a signal (not by the launcher) within this count
+    /// starts no grace period, and the launch passes when every other rank exits 0 (see
+    /// [`Report::tolerated`]). A rank that exits with a non-zero status always fails the job.
     pub tolerate: usize,
     /// What a caught signal does.
     pub signals: Signals,
@@ -185,7 +186,8 @@ pub struct Report {
     pub ranks: Vec<RankExit>,
     /// The first rank seen to fail beyond the [`Launch::tolerate`] allowance, if one did.
     pub first_failure: Option<usize>,
-    /// The ranks that failed within the [`Launch::tolerate`] allowance, in the order seen.
+    /// The ranks that died (a signal ended them) within the [`Launch::tolerate`] allowance, in
+    /// the order seen.
     pub tolerated: Vec<usize>,
     /// The signal the launcher caught (and forwarded, with [`Signals::Forward`]), if one came.
     pub interrupted: Option<i32>,
@@ -269,14 +271,19 @@ impl Report {
         }
         if !self.tolerated.is_empty() {
             out.push(format!(
-                "ranks {:?} failed within the allowance of {}",
+                "ranks {:?} died within the allowance of {}",
                 self.tolerated,
                 self.tolerated.len()
             ));
         }
         if let Some(r) = self.first_failure {
             out.push(format!(
-                "rank {r} failed first ({}, after {:.2?})",
+                "rank {r} failed first{} ({}, after {:.2?})",
+                if self.tolerated.is_empty() {
+                    ""
+                } else {
+                    " beyond the allowance"
+                },
                 status_text(&self.ranks[r]),
                 self.ranks[r].after
             ));

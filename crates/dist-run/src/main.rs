@@ -69,7 +69,7 @@ fn launch(a: &Args) -> i32 {
                         .status
                         .map_or("could not be waited for".into(), |s| s.to_string());
                     eprintln!(
-                        "dist-run: rank {r} failed ({how}), within --tolerate {}",
+                        "dist-run: rank {r} died ({how}), within --tolerate {}",
                         a.tolerate
                     );
                 }

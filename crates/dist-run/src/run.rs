@@ -2,6 +2,7 @@
 //! them on the first failure (after the grace period), a caught signal or the timeout.
 
 use std::os::unix::process::CommandExt;
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -137,8 +138,11 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
             let skipped =
                 |s: std::process::ExitStatus| s.code().is_some() && s.code() == launch.skip_status;
             let ok = status.is_some_and(|s| s.success() || skipped(s));
-            if !ok && report.tolerated.len() < launch.tolerate {
-                // An elastic job's allowance: the others go on (and recover).
+            // An elastic job's allowance: a rank that dies (a signal ends it, not the
+            // launcher) while others go on and recover. A rank that exits with a status of its
+            // own (a failed check, a survivor left out) always counts.
+            let died = status.is_some_and(|s| s.signal().is_some()) && !rank.killed;
+            if !ok && died && report.tolerated.len() < launch.tolerate {
                 report.tolerated.push(r);
             } else if !ok && report.first_failure.is_none() {
                 report.first_failure = Some(r);

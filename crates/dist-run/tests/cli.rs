@@ -149,9 +149,9 @@ fn a_rank_killed_by_a_signal_fails_the_job() {
     assert!(err.contains("rank 0: killed by the launcher"), "{err}");
 }
 
-/// `--tolerate 1`: rank 2 dies by SIGKILL while the others wait for a marker it never writes
-/// past; they go on (no grace period starts: they are not killed though they outlive it), the
-/// job passes with a note naming rank 2, and a second failure ends it with its own status.
+/// `--tolerate 1`: rank 2 dies by SIGKILL; the others go on (no grace period starts: they are
+/// not killed though they outlive it) and the job passes with a note naming rank 2. A second
+/// death ends the job with its signal; a rank that exits 5 ends it at once.
 #[test]
 fn tolerated_failures_leave_the_survivors_running() {
     let dir = std::env::temp_dir().join(format!("dist-run-tolerate-{}", std::process::id()));
@@ -174,31 +174,44 @@ fn tolerated_failures_leave_the_survivors_running() {
         assert!(stdout.contains(&want), "no {want:?} in:\n{stdout}\n{err}");
     }
     assert!(
-        err.contains("dist-run: rank 2 failed (signal: 9 (SIGKILL)), within --tolerate 1"),
+        err.contains("dist-run: rank 2 died (signal: 9 (SIGKILL)), within --tolerate 1"),
         "{err}"
     );
     assert!(!err.contains("killed by the launcher"), "{err}");
     let _ = std::fs::remove_file(&marker);
 
-    // Two failures with an allowance of one: the second ends the job, with its status.
+    // Two deaths with an allowance of one: the second ends the job, with its signal.
     let script = format!(
-        r#"if [ "$RANK" = 2 ]; then touch {m}; exit 5; fi
+        r#"if [ "$RANK" = 2 ]; then touch {m}; kill -KILL $$; fi
         while [ ! -e {m} ]; do sleep 0.01; done
-        if [ "$RANK" = 1 ]; then sleep 0.3; exit 6; fi
+        if [ "$RANK" = 1 ]; then sleep 0.3; kill -TERM $$; fi
         exec sleep 50"#,
         m = marker.display()
     );
     let out = sh(&["-n", "3", "--grace", "0.2", "--tolerate", "1"], &script);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&marker);
     let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(6), "{err}");
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
     for want in [
-        "dist-run: ranks [2] failed within the allowance of 1",
-        "dist-run: rank 1 failed first (exit status: 6",
+        "dist-run: ranks [2] died within the allowance of 1",
+        "dist-run: rank 1 failed first beyond the allowance (signal: 15",
         "dist-run: rank 0: killed by the launcher",
     ] {
         assert!(err.contains(want), "no {want:?} in:\n{err}");
     }
+
+    // A rank that exits with a status of its own is no death: it fails the job at once.
+    let out = sh(
+        &["-n", "2", "--grace", "0.2", "--tolerate", "1"],
+        r#"[ "$RANK" = 1 ] && exit 5; exec sleep 50"#,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{err}");
+    assert!(
+        err.contains("dist-run: rank 1 failed first (exit status: 5"),
+        "{err}"
+    );
 }
 
 /// Starts `dist-run -n 2` on a script that says "ready" and then waits for `sig`, sends `sig`

@@ -95,10 +95,6 @@ fn main() -> std::process::ExitCode {
         ),
         ("graph_replay_bounded_by_the_timeout", graph::bounded_replay),
         (
-            "shrink_of_one_rank_forms_a_working_communicator",
-            shrink::one_rank,
-        ),
-        (
             "shrink_refuses_bad_lists_leaving_the_communicator_working",
             shrink::refusals,
         ),

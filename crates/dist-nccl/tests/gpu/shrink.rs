@@ -1,7 +1,7 @@
-//! `Communicator::shrink` on one rank: the only shrink one GPU can run (excluding nobody)
-//! forms a working communicator and ends the old one; the lists a shrink must refuse are
-//! refused before anything changes. Shrinks that leave out a dead rank need two GPUs (the
-//! multirank target's NCCL cases).
+//! `Communicator::shrink` on one rank: the lists a shrink must refuse are refused before
+//! anything changes, and the communicator still computes. One GPU cannot run a shrink itself
+//! (NCCL refuses an empty list, and a device holds one rank of a communicator): a shrink that
+//! leaves a rank out needs two GPUs.
 
 use std::time::Duration;
 
@@ -31,43 +31,12 @@ fn sum_of_ones(comm: &dist_nccl::Communicator, what: &str) -> Result<(), String>
     Ok(())
 }
 
-/// Excluding nobody: a new one-rank communicator that computes, numbered 0 of 1; the old one
-/// refuses every later call, naming the shrink.
-pub fn one_rank() -> Result<(), String> {
-    let r = rig(true, Duration::from_secs(30));
-    sum_of_ones(&r.comm, "before the shrink")?;
-    let new = r
-        .comm
-        .shrink(&[], CommConfig::default())
-        .map_err(|err| format!("shrink: {err}"))?;
-    if (new.rank(), new.size()) != (0, 1) {
-        return Err(format!("shrunk to rank {} of {}", new.rank(), new.size()));
-    }
-    sum_of_ones(&new, "on the shrunk communicator")?;
-    let s = r.comm.stream().clone();
-    let a = s.clone_htod(&[1.0f32; K]).map_err(e("a"))?;
-    let mut b = s.alloc_zeros::<f32>(K).map_err(e("b"))?;
-    match r.comm.all_reduce(&a, &mut b, ReduceOp::Sum) {
-        Err(NcclError::Aborted { reason, .. }) if reason.contains("shrunk") => {}
-        other => return Err(format!("the old communicator after the shrink: {other:?}")),
-    }
-    match r.comm.shrink(&[], CommConfig::default()) {
-        Err(NcclError::Aborted { .. }) => {}
-        other => {
-            return Err(format!(
-                "a second shrink of the old communicator: {other:?}"
-            ));
-        }
-    }
-    drop(new);
-    Ok(())
-}
-
-/// A rank out of range, one listed twice, and this rank itself: each refused with the reason,
-/// and the communicator still computes afterwards.
+/// An empty list, a rank out of range, one listed twice, and this rank itself: each refused
+/// with the reason, and the communicator still computes afterwards.
 pub fn refusals() -> Result<(), String> {
     let r = rig(true, Duration::from_secs(30));
-    let cases: [(&[usize], &str); 3] = [
+    let cases: [(&[usize], &str); 4] = [
+        (&[], "no rank to leave out"),
         (&[1], "not in this communicator of 1"),
         (&[0], "a rank left out does not call shrink"),
         (&[3, 3], "not in this communicator"),
