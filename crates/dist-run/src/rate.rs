@@ -101,7 +101,7 @@ impl fmt::Display for Rate {
             (1_000_000, "mbit"),
             (1_000, "kbit"),
         ] {
-            if b % scale == 0 {
+            if b.is_multiple_of(scale) {
                 return write!(f, "{}{unit}", b / scale);
             }
         }
