@@ -17,7 +17,9 @@
 #   no cap): dist alone at E, 10 calls, to find the highest rate this CPU sustains;
 # - latency-H4x1.txt: 8 B on 4 hosts 0.1 ms apart (the delay hub), capped at 1 Gbit/s,
 #   1000 calls.
-# Then prints the tables (benches/hosts_table.py OUTDIR).
+# PARTS (default "bw ceiling latency") picks which of the three run; NO_BUILD=1 takes the
+# binaries as they are. Then prints the tables
+# (benches/hosts_table.py OUTDIR).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -27,8 +29,10 @@ out="$(cd "$out" && pwd)"
 py="${PYTHON:-python3}"
 lo="${B:-1M}" hi="${E:-16M}"
 cd "$root"
-cargo build --release --quiet -p dist-tools --bin dist-perf || exit 1
-cargo build --quiet -p dist-run --bin dist-run || exit 1
+if [ -z "${NO_BUILD:-}" ]; then
+    cargo build --release --quiet -p dist-tools --bin dist-perf || exit 1
+    cargo build --quiet -p dist-run --bin dist-run || exit 1
+fi
 run="$root/target/debug/dist-run"
 perf="$root/target/release/dist-perf"
 torch="$here/peers/torch_allreduce.py"
@@ -38,7 +42,8 @@ mpi="$here/peers/openmpi-hosts.sh"
 r0="sed -u 's/^\[r0\] //'"
 export GLOO_SOCKET_IFNAME=eth0
 
-for rate in ${RATES:-100mbit 1gbit}; do
+parts="${PARTS:-bw ceiling latency}"
+[[ " $parts " == *" bw "* ]] && for rate in ${RATES:-100mbit 1gbit}; do
     case "$rate" in *kbit | [0-9]mbit | [0-9][0-9]mbit | [0-9][0-9][0-9]mbit) iters=3 ;; *) iters=10 ;; esac
     iters="${ITERS:-$iters}"
     for h in ${HOSTS:-2 4}; do
@@ -55,7 +60,7 @@ for rate in ${RATES:-100mbit 1gbit}; do
     done
 done
 
-for rate in ${CEILING:-2gbit 4gbit 8gbit none}; do
+[[ " $parts " == *" ceiling "* ]] && for rate in ${CEILING:-2gbit 4gbit 8gbit none}; do
     cap="--rate $rate"
     [ "$rate" = none ] && cap=""
     f="$out/ceiling-H2x1-$rate.txt"
@@ -65,9 +70,8 @@ for rate in ${CEILING:-2gbit 4gbit 8gbit none}; do
 done
 
 f="$out/latency-H4x1.txt"
-: >"$f"
 link="-n 4 --hosts 4 --rate 1gbit --delay-ms 0.1 --timeout 600"
-"$alt" "$f" \
+[[ " $parts " == *" latency "* ]] && : >"$f" && "$alt" "$f" \
     "dist=uptime; $run $link -- $perf --op all_reduce -b 8 -e 8 --iters 1000 --check | $r0" \
     "gloo=uptime; $run $link -- $py $torch --backend gloo -n 4 -b 8 -e 8 --iters 1000 | $r0" \
     "openmpi=uptime; $run -n 1 --hosts 4 --rate 1gbit --delay-ms 0.1 --timeout 600 -- $mpi 4 1 -b 8 -e 8 --iters 1000 | $r0"
