@@ -1,6 +1,7 @@
 /* Peer benchmark: Open MPI's MPI_Allreduce (f32 sum, in place), printing the same columns as
  * `cargo xtask perf`: bytes, count, time per call in microseconds (slowest rank's average),
- * algbw and busbw in GB/s (nccl-tests' definitions). Sizes from -b to -e by factor -f.
+ * algbw and busbw in GB/s (nccl-tests' definitions). Sizes from -b to -e by factor -f;
+ * --iters N timed calls per size (default: by size, 5 to 1000).
  * Built and run by run-openmpi.sh. */
 #include <mpi.h>
 #include <stdio.h>
@@ -24,10 +25,12 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     size_t lo = 8, hi = 64 << 20, factor = 4;
+    int fixed_iters = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "-b")) lo = parse_size(argv[i + 1]);
         else if (!strcmp(argv[i], "-e")) hi = parse_size(argv[i + 1]);
         else if (!strcmp(argv[i], "-f")) factor = (size_t)atol(argv[i + 1]);
+        else if (!strcmp(argv[i], "--iters")) fixed_iters = atoi(argv[i + 1]);
     }
     float *buf = malloc(hi);
     if (rank == 0) {
@@ -42,6 +45,7 @@ int main(int argc, char **argv) {
         int iters = (int)((1UL << 30) / (b + (64 << 10)));
         if (iters < 5) iters = 5;
         if (iters > 1000) iters = 1000;
+        if (fixed_iters > 0) iters = fixed_iters;
         int warmup = iters / 10 > 2 ? iters / 10 : 2;
         /* Inputs: small integers, so the sum is exact and can be checked. */
         for (int i = 0; i < count; i++) buf[i] = (float)((rank * 3 + i) % 7);

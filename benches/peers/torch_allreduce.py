@@ -6,6 +6,7 @@ root, time per call in microseconds (slowest rank's average), algbw and busbw in
 
     python3 benches/peers/torch_allreduce.py --backend gloo -n 4 -b 8 -e 64M -f 4
     python3 benches/peers/torch_allreduce.py --backend nccl -n 2 -b 8 -e 1G -f 4
+    dist-run -n 4 --hosts 2 --rate 1gbit -- python3 benches/peers/torch_allreduce.py -n 4 --iters 5
 
 Starts its own ranks (one process each, one GPU each for nccl) unless RANK is set, as under
 torchrun. NCCL_NVLS_ENABLE=0 is set in every process.
@@ -52,7 +53,7 @@ def run(rank, world, args, port):
         dist.all_reduce(x)
         want = sum(((r * 3 + idx) % 7).to(torch.float32) for r in range(world))
         wrong = torch.tensor([int((x != want).sum().item())], dtype=torch.float64, device=dev)
-        iters = max(5, min(1000, (1 << 30) // (count * 4 + (64 << 10))))
+        iters = args.iters or max(5, min(1000, (1 << 30) // (count * 4 + (64 << 10))))
         for _ in range(max(iters // 10, 2)):
             dist.all_reduce(x)
         sync()
@@ -79,6 +80,7 @@ def main():
     p.add_argument("-b", default="8")
     p.add_argument("-e", default="64M")
     p.add_argument("-f", type=int, default=4)
+    p.add_argument("--iters", type=int, default=0, help="timed calls per size (default: by size, 5 to 1000)")
     args = p.parse_args()
     if "RANK" in os.environ:
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, 0)

@@ -154,20 +154,27 @@ struct PerfArgs {
     /// launcher instead of the bridge).
     #[arg(long, requires = "hosts")]
     delay_ms: Option<f64>,
+    /// With hosts: cap what each host sends at this rate (1gbit, 100mbit; `tc tbf` on its
+    /// link, see `dist_launch::rate`).
+    #[arg(long, requires = "hosts")]
+    rate: Option<launch::rate::Rate>,
 }
 
-/// `count` simulated hosts (see `dist_launch::hosts`), with `delay_ms` added between them;
-/// deleted when dropped.
-pub fn simulated_hosts(count: usize, delay_ms: Option<f64>) -> Result<launch::Hosts> {
-    match delay_ms {
-        None => launch::Hosts::create(count),
-        Some(ms) => {
-            let d = std::time::Duration::try_from_secs_f64(ms / 1e3)
-                .map_err(|_| anyhow::anyhow!("bad --delay-ms {ms}"))?;
-            launch::Hosts::with_delay(count, d)
-        }
-    }
-    .map_err(anyhow::Error::msg)
+/// `count` simulated hosts (see `dist_launch::hosts`), with `delay_ms` added between them and
+/// each host's link capped at `rate`; deleted when dropped.
+pub fn simulated_hosts(
+    count: usize,
+    delay_ms: Option<f64>,
+    rate: Option<launch::rate::Rate>,
+) -> Result<launch::Hosts> {
+    let delay = match delay_ms {
+        None => None,
+        Some(ms) => Some(
+            std::time::Duration::try_from_secs_f64(ms / 1e3)
+                .map_err(|_| anyhow::anyhow!("bad --delay-ms {ms}"))?,
+        ),
+    };
+    launch::Hosts::with_link(count, launch::Link { delay, rate }).map_err(anyhow::Error::msg)
 }
 
 /// The workspace root.
@@ -306,7 +313,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 args.push("--bare".into());
             }
             let hosts = match a.hosts {
-                Some(h) => Some(simulated_hosts(h, a.delay_ms)?),
+                Some(h) => Some(simulated_hosts(h, a.delay_ms, a.rate)?),
                 None => None,
             };
             launch_release(bin, a.ranks, args, hosts.as_ref())

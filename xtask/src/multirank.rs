@@ -7,7 +7,8 @@
 //!
 //! `--hosts H` runs every trial on H simulated hosts: network namespaces joined by a bridge, made
 //! for the trial and deleted after it (`dist_launch::hosts`; needs root and iproute2, else every
-//! trial is reported skipped with the reason). Cases that declare hosts of their own
+//! trial is reported skipped with the reason; `--delay-ms` and `--rate` shape the links between
+//! them). Cases that declare hosts of their own
 //! (`hosts2_…`, `hosts3_…`) run on them without `--hosts`.
 
 use std::time::{Duration, Instant};
@@ -35,6 +36,10 @@ pub struct Args {
     /// launcher instead of the bridge).
     #[arg(long, requires = "hosts")]
     pub delay_ms: Option<f64>,
+    /// With hosts: cap what each host sends at this rate (1gbit, 100mbit; `tc tbf` on its
+    /// link; needs tc, else every trial is reported skipped with the reason).
+    #[arg(long, requires = "hosts")]
+    pub rate: Option<launch::rate::Rate>,
     /// Run only trials whose name (`CASE::nN`, `CASE::VARIANT::nN`) contains this.
     pub filter: Option<String>,
 }
@@ -80,14 +85,17 @@ pub fn run(args: &Args) -> Result<()> {
         let outcome = match hosts {
             None => launch::run(job).map_err(anyhow::Error::msg)?,
             Some(h) => {
-                let why = no_hosts.get_or_insert_with(launch::hosts::unavailable);
+                let why = no_hosts.get_or_insert_with(|| match args.rate {
+                    Some(_) => launch::rate::unavailable(),
+                    None => launch::hosts::unavailable(),
+                });
                 match why {
                     Some(why) => Outcome::Skipped(why.clone()),
                     None if job.world < *h => {
                         Outcome::Skipped(format!("{} ranks cannot fill {h} hosts", job.world))
                     }
                     None => {
-                        let hosts = crate::simulated_hosts(*h, args.delay_ms)?;
+                        let hosts = crate::simulated_hosts(*h, args.delay_ms, args.rate)?;
                         launch::run_on(job, Some(&hosts)).map_err(anyhow::Error::msg)?
                     }
                 }

@@ -28,6 +28,8 @@ options:
       --hosts H         spread the ranks over H simulated hosts (network namespaces on this
                         machine, in blocks; needs root and iproute2)
       --delay-ms MS     with --hosts: add MS milliseconds to every frame between hosts
+      --rate R          with --hosts: cap what each host sends at R (1gbit, 100mbit, 500kbit;
+                        tc's token bucket filter on its link; needs tc)
       --label TEXT      put TEXT before the rank in every prefix ([TEXTr3])
   -h, --help            print this text
   -V, --version         print the version
@@ -48,6 +50,7 @@ pub(crate) struct Args {
     pub(crate) tolerate: usize,
     pub(crate) hosts: Option<usize>,
     pub(crate) delay: Option<Duration>,
+    pub(crate) rate: Option<dist_run::rate::Rate>,
     pub(crate) label: String,
     pub(crate) program: OsString,
     pub(crate) args: Vec<OsString>,
@@ -86,6 +89,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
         tolerate: 0,
         hosts: None,
         delay: None,
+        rate: None,
         label: String::new(),
         program: OsString::new(),
         args: Vec::new(),
@@ -112,7 +116,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "-h" | "--help" => return Ok(Parsed::Help),
             "-V" | "--version" => return Ok(Parsed::Version),
             "-n" | "--nproc" | "--master-addr" | "--master-port" | "--grace" | "--timeout"
-            | "--tolerate" | "--hosts" | "--delay-ms" | "--label" => {}
+            | "--tolerate" | "--hosts" | "--delay-ms" | "--rate" | "--label" => {}
             _ => return Err(format!("unknown option {opt}")),
         }
         let value = match inline {
@@ -134,6 +138,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "--delay-ms" => {
                 a.delay = Some(seconds(&opt, &value)? / 1000);
             }
+            "--rate" => a.rate = Some(value.parse().map_err(|e| format!("{opt}: {e}"))?),
             "--label" => a.label = value,
             other => return Err(format!("unknown option {other}")),
         }
@@ -151,6 +156,9 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "--tolerate {}: fewer than the {} ranks (one must survive)",
             a.tolerate, a.nproc
         ));
+    }
+    if a.rate.is_some() && a.hosts.is_none() {
+        return Err("--rate needs --hosts".into());
     }
     if a.hosts.is_some() && a.master_addr.is_some() {
         return Err(
@@ -204,6 +212,21 @@ mod tests {
             (Some(2), Some(Duration::from_millis(20)))
         );
         assert_eq!(a.label, "x ");
+        assert_eq!(a.rate, None);
+        let a = run(&["-n", "4", "--hosts=2", "--rate", "1gbit", "p"]);
+        assert_eq!(a.rate.map(|r| r.bits_per_second()), Some(1_000_000_000));
+        assert_eq!(a.delay, None);
+        let a = run(&[
+            "-n4",
+            "--hosts",
+            "4",
+            "--rate=100mbit",
+            "--delay-ms",
+            "0.1",
+            "p",
+        ]);
+        assert_eq!(a.rate.map(|r| r.bits_per_second()), Some(100_000_000));
+        assert_eq!(a.delay, Some(Duration::from_micros(100)));
         let a = run(&[
             "-n",
             "1",
@@ -243,6 +266,15 @@ mod tests {
             (
                 &["-n", "2", "--tolerate", "x", "p"],
                 "not a number of ranks",
+            ),
+            (&["-n", "2", "--rate", "1gbit", "p"], "--rate needs --hosts"),
+            (
+                &["-n", "2", "--hosts", "2", "--rate", "1gbps", "p"],
+                "--rate: \"1gbps\" is not a rate",
+            ),
+            (
+                &["-n", "2", "--hosts", "2", "--rate"],
+                "--rate needs a value",
             ),
         ] {
             let e = p(args).unwrap_err();

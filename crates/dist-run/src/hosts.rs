@@ -1,6 +1,6 @@
 //! Simulated hosts: H network namespaces on this machine, each with its own address, joined by a
 //! bridge, so that ranks on different "hosts" talk over a real (virtual) link that a test can cut
-//! or slow down (`tc netem`), while ranks on one host talk over its loopback.
+//! or slow down (a delay, a rate cap), while ranks on one host talk over its loopback.
 //!
 //! Layout, for a run whose names start with `dist-PID-K-` (`PID` this process, `K` a counter, so
 //! concurrent runs and successive trials never collide):
@@ -12,6 +12,9 @@
 //!
 //! With a delay ([`Hosts::with_delay`]) there is no bridge: each host's `eth0` is a TAP device
 //! whose frames a hub in this process passes on to the other hosts after the delay.
+//!
+//! With a rate ([`Link::rate`], [`Hosts::with_link`]) each host's `eth0`, veth or TAP, sends
+//! through a token bucket filter at that rate (`tc tbf`, see [`crate::rate`]).
 //!
 //! Nothing is made in the root namespace: deleting the namespaces deletes the bridge and every
 //! veth with them (the TAP devices go with the hub's descriptors). [`Hosts`] deletes them when
@@ -42,6 +45,16 @@ pub fn interrupted() -> bool {
     crate::signals::received() > 0
 }
 
+/// How the simulated hosts are joined: by a bridge, or with a delay by the hub; and each host's
+/// link capped at a rate or not.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Link {
+    /// Added to every frame between two hosts (the hub instead of the bridge).
+    pub delay: Option<Duration>,
+    /// What each host may send, in bits per second (`tc tbf` on its `eth0`).
+    pub rate: Option<crate::rate::Rate>,
+}
+
 /// H simulated hosts; dropping it deletes them.
 #[derive(Debug)]
 pub struct Hosts {
@@ -57,6 +70,8 @@ pub struct Hosts {
     signals_before: usize,
     /// With a delay: the hub that links the hosts' TAP devices instead of the bridge.
     hub: Option<crate::delay::Hub>,
+    /// How the hosts are joined.
+    link: Link,
 }
 
 /// Runs `ip ARGS` (or `tc`), failing with its stderr.
@@ -137,7 +152,7 @@ impl Hosts {
     /// Makes `count` simulated hosts (see the module docs). On failure, whatever was made is
     /// deleted before the error returns.
     pub fn create(count: usize) -> Result<Hosts, String> {
-        Hosts::make(count, None)
+        Hosts::with_link(count, Link::default())
     }
 
     /// [`Hosts::create`], with `delay` added to every frame between two hosts: each host's
@@ -145,10 +160,18 @@ impl Hosts {
     /// `delay` (a round trip between hosts gains 2 × `delay`; loopback nothing). Not `tc
     /// netem`, which kernels without `CONFIG_NET_SCH_NETEM` (this project's) lack.
     pub fn with_delay(count: usize, delay: Duration) -> Result<Hosts, String> {
-        Hosts::make(count, Some(delay))
+        Hosts::with_link(
+            count,
+            Link {
+                delay: Some(delay),
+                rate: None,
+            },
+        )
     }
 
-    fn make(count: usize, delay: Option<Duration>) -> Result<Hosts, String> {
+    /// [`Hosts::create`] with the delay and the rate cap `link` asks for. A rate needs `tc` and
+    /// a kernel with the token bucket filter; without them this fails, saying so.
+    pub fn with_link(count: usize, link: Link) -> Result<Hosts, String> {
         if !(1..=MAX_HOSTS).contains(&count) {
             return Err(format!(
                 "{count} simulated hosts: from 1 to {MAX_HOSTS} are possible"
@@ -163,14 +186,16 @@ impl Hosts {
             signals_before: crate::signals::received(),
             caught: Some(crate::signals::catch()),
             hub: None,
+            link,
         };
-        if let Some(delay) = delay {
+        if let Some(delay) = link.delay {
             let mut taps = Vec::new();
             for h in 0..count {
                 let ns = hosts.netns(h);
                 hosts.add_namespace(&ns)?;
                 taps.push(crate::delay::tap_in(&ns, IFACE)?);
                 hosts.address(h)?;
+                hosts.shape(h)?;
             }
             hosts.hub = Some(crate::delay::Hub::start(taps, delay));
             return Ok(hosts);
@@ -190,6 +215,7 @@ impl Hosts {
             ])?;
             ip(&["-n", &br, "link", "set", &port, "master", "br0", "up"])?;
             hosts.address(h)?;
+            hosts.shape(h)?;
         }
         if interrupted() {
             return Err("interrupted".into());
@@ -204,6 +230,19 @@ impl Hosts {
         ip(&["-n", &ns, "addr", "add", &cidr, "dev", IFACE])?;
         ip(&["-n", &ns, "link", "set", IFACE, "up"])?;
         ip(&["-n", &ns, "link", "set", "lo", "up"])
+    }
+
+    /// Host `h`'s `eth0` capped at the link's rate, if it has one.
+    fn shape(&self, h: usize) -> Result<(), String> {
+        match self.link.rate {
+            Some(rate) => crate::rate::shape(&self.netns(h), IFACE, rate),
+            None => Ok(()),
+        }
+    }
+
+    /// How the hosts are joined.
+    pub fn link(&self) -> Link {
+        self.link
     }
 
     fn add_namespace(&mut self, name: &str) -> Result<(), String> {
@@ -307,6 +346,7 @@ mod tests {
             signals_before: 0,
             caught: None,
             hub: None,
+            link: Link::default(),
         }
     }
 

@@ -35,10 +35,11 @@ mod delay;
 pub mod hosts;
 pub mod output;
 pub mod port;
+pub mod rate;
 mod run;
 pub mod signals;
 
-pub use hosts::Hosts;
+pub use hosts::{Hosts, Link};
 pub use output::KEPT_LINES;
 pub use port::free_port;
 pub use run::run;

@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use dist_run::{Error, Hosts, Launch, hosts};
+use dist_run::{Error, Hosts, Launch, Link, hosts};
 
 mod args;
 
@@ -35,11 +35,11 @@ fn launch(a: &Args) -> i32 {
     let simulated: Option<Hosts> = match a.hosts {
         None => None,
         Some(count) => {
-            let made = match a.delay {
-                None => Hosts::create(count),
-                Some(d) => Hosts::with_delay(count, d),
+            let link = Link {
+                delay: a.delay,
+                rate: a.rate,
             };
-            match made {
+            match Hosts::with_link(count, link) {
                 Ok(h) => Some(h),
                 Err(e) => {
                     let why = hosts::unavailable().unwrap_or(e);

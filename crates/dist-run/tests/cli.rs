@@ -367,6 +367,32 @@ fn simulated_hosts_place_ranks_in_blocks() {
     }
 }
 
+/// `--rate` puts a token bucket filter at that rate on every host's `eth0`, on the bridge's veth
+/// and on the delay hub's TAP alike. (That the cap holds for traffic: the multirank target's
+/// `hosts_rate_holds_*` trials.)
+#[test]
+fn a_rate_caps_every_hosts_link() {
+    if let Some(why) = dist_run::rate::unavailable() {
+        println!("skipped: {why}");
+        return;
+    }
+    for extra in [&[][..], &["--delay-ms", "1"]] {
+        let mut args = vec!["-n", "3", "--hosts", "3", "--rate", "250mbit"];
+        args.extend(extra);
+        let out = sh(&args, "tc qdisc show dev eth0");
+        let stdout = text(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), 3, "{stdout}");
+        for l in lines {
+            assert!(
+                l.contains("qdisc tbf") && l.contains("rate 250Mbit") && l.contains("lat 50ms"),
+                "{extra:?}: {l}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_port_taken_after_the_check_is_explained() {
     // What dist's rank 0 prints when its bind fails.

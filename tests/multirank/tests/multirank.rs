@@ -125,24 +125,39 @@ fn main() -> ExitCode {
             }
         }
     }
-    // The simulated hosts' guard: nothing left after a failed or an interrupted run.
+    // The simulated hosts' guard: nothing left after a failed or an interrupted run; and the
+    // delay and the rate cap hold (the rate cap needs tc and the kernel's tbf besides).
     let why = host.netns.clone();
-    for (name, test) in [
+    let rate_why = why.clone().or_else(dist_launch::rate::unavailable);
+    for (name, test, why) in [
         (
             "hosts_failed_run_leaves_nothing",
             hosts::a_failed_run_leaves_nothing as fn() -> _,
+            &why,
         ),
         (
             "hosts_interrupted_run_leaves_nothing",
             hosts::an_interrupted_run_leaves_nothing,
+            &why,
         ),
         (
             "hosts_delay_holds_every_frame",
             hosts::a_delay_holds_every_frame,
+            &why,
+        ),
+        (
+            "hosts_rate_holds_through_the_bridge",
+            hosts::a_rate_holds_through_the_bridge,
+            &rate_why,
+        ),
+        (
+            "hosts_rate_holds_through_the_hub",
+            hosts::a_rate_holds_through_the_hub,
+            &rate_why,
         ),
     ] {
         let trial = Trial::test(name, test).with_ignored_flag(why.is_some());
-        if let Some(why) = &why
+        if let Some(why) = why
             && !args.is_filtered_out(&trial)
         {
             unmet.entry(why.clone()).or_default().push(name.into());

@@ -9,7 +9,8 @@ use std::process::Command;
 use std::time::Duration;
 
 pub use dist_run::hosts;
-pub use dist_run::{Hosts, KEPT_LINES};
+pub use dist_run::rate;
+pub use dist_run::{Hosts, KEPT_LINES, Link};
 
 /// One launch of `world` ranks of a program.
 #[derive(Debug, Clone)]

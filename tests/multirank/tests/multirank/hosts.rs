@@ -215,10 +215,137 @@ fn rtt_rank() -> Result<(), String> {
     Ok(())
 }
 
-/// The child of `an_interrupted_run_leaves_nothing` (or a rank of `a_delay_holds_every_frame`),
-/// when this program runs as one: makes 2
+/// Set in the environment of the two ranks of `a_rate_holds_*`: the bytes rank 0 sends.
+const RATE_SEND: &str = "DIST_TEST_HOSTS_RATE_SEND";
+/// The cap `a_rate_holds_*` asks for, in bits per second.
+const RATE: u64 = 100_000_000;
+/// What rank 0 sends through the cap: at 100 Mbit/s about 0.66 s.
+const RATE_BYTES: u64 = 8 << 20;
+
+/// Two hosts capped at 100 Mbit/s, joined by the bridge or (`delay`) by the hub: 8 MiB sent
+/// from host 0 to host 1 take at least (8 MiB − the bucket) · 8 / 100 Mbit/s (the cap's
+/// property: its bucket is all that may pass faster), and the run leaves nothing behind.
+/// (Ignored, with the reason, where `tc` or the kernel's tbf is missing.)
+fn a_rate_holds(delay: Option<Duration>) -> Result<(), Failed> {
+    let rate = dist_launch::rate::Rate::new(RATE)?;
+    let before = root_links()?;
+    let link = dist_launch::Link {
+        delay,
+        rate: Some(rate),
+    };
+    let hosts = Hosts::with_link(2, link)?;
+    let prefix = hosts.prefix().to_string();
+    let job = Job {
+        program: std::env::current_exe()?,
+        args: Vec::new(),
+        world: 2,
+        timeout: Duration::from_secs(60),
+        label: "rate ".into(),
+        env: vec![(RATE_SEND.into(), RATE_BYTES.to_string())],
+        plain_rank0: false,
+        echo: false,
+        tolerate: 0,
+    };
+    let outcome = dist_launch::run_on(&job, Some(&hosts))?;
+    drop(hosts);
+    if !matches!(outcome, Outcome::Passed) {
+        return Err(format!("{outcome:?}").into());
+    }
+    let left = leftovers(&prefix, &before)?;
+    if !left.is_empty() {
+        return Err(format!("a rate-capped run left {left:?}").into());
+    }
+    Ok(())
+}
+
+/// [`a_rate_holds`] on hosts joined by the bridge (the cap on each host's veth).
+pub(crate) fn a_rate_holds_through_the_bridge() -> Result<(), Failed> {
+    a_rate_holds(None)
+}
+
+/// [`a_rate_holds`] on hosts joined by the delay hub, 1 ms apart (the cap on each host's TAP).
+pub(crate) fn a_rate_holds_through_the_hub() -> Result<(), Failed> {
+    a_rate_holds(Some(Duration::from_millis(1)))
+}
+
+/// A rank of `a_rate_holds_*`: rank 1 reads the bytes on MASTER_PORT of its host and answers
+/// one byte; rank 0 connects from host 0, sends them and times until the answer, which must
+/// come no sooner than the cap allows.
+fn rate_rank(bytes: u64) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let var = |k: &str| std::env::var(k).map_err(|_| format!("{k} is not set"));
+    let port: u16 = var("MASTER_PORT")?.parse().map_err(|e| format!("{e}"))?;
+    let rate = dist_launch::rate::Rate::new(RATE)?;
+    let io = |e: std::io::Error| e.to_string();
+    if var("RANK")? == "1" {
+        let l = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(io)?;
+        let (mut s, _) = l.accept().map_err(io)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(io)?;
+        let mut buf = vec![0u8; 1 << 16];
+        let mut got = 0u64;
+        while got < bytes {
+            let n = s.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                return Err(format!("the sender closed after {got} of {bytes} bytes"));
+            }
+            got += n as u64;
+        }
+        return s.write_all(&[1]).map_err(io);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        // Retried until rank 1 listens, within the deadline.
+        match std::net::TcpStream::connect_timeout(
+            &format!("10.213.0.2:{port}").parse().expect("an address"),
+            Duration::from_secs(5),
+        ) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("connect: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(io)?;
+    s.set_write_timeout(Some(Duration::from_secs(30)))
+        .map_err(io)?;
+    let chunk = vec![7u8; 1 << 16];
+    let t = Instant::now();
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = chunk.len().min((bytes - sent) as usize);
+        s.write_all(&chunk[..n]).map_err(io)?;
+        sent += n as u64;
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).map_err(io)?;
+    let took = t.elapsed();
+    let least = rate.least_time(bytes);
+    let mbit = bytes as f64 * 8.0 / took.as_secs_f64() / 1e6;
+    println!(
+        "{bytes} bytes in {took:.3?} ({mbit:.1} Mbit/s), the cap {rate}: at least {least:.3?}"
+    );
+    if took < least {
+        return Err(format!(
+            "{bytes} bytes took {took:?} through a cap of {rate}, under the least {least:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The child of `an_interrupted_run_leaves_nothing` (or a rank of `a_delay_holds_every_frame`
+/// or of `a_rate_holds_*`), when this program runs as one: makes 2
 /// hosts, says their prefix, and runs 4 ranks that wait until killed.
 pub(crate) fn child() -> Option<std::process::ExitCode> {
+    if let Some(bytes) = std::env::var(RATE_SEND).ok().and_then(|b| b.parse().ok()) {
+        return Some(match rate_rank(bytes) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::ExitCode::FAILURE
+            }
+        });
+    }
     if std::env::var_os(RTT).is_some() {
         return Some(match rtt_rank() {
             Ok(()) => std::process::ExitCode::SUCCESS,
