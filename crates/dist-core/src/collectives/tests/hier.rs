@@ -333,3 +333,41 @@ fn every_element_type_reduces_alike() {
     let flat = outcomes(MemLink::mesh(hosts.len()), f);
     assert!(hier == flat, "results differ");
 }
+
+/// A rank whose count differs (a non-leader, then a leader) in an all_gather and a
+/// reduce_scatter across hosts: every rank returns an error naming a mismatch or the abort that
+/// followed it, well before the deadline, none hangs.
+#[test]
+fn a_mismatched_count_across_hosts_is_an_error_on_every_rank() {
+    use std::time::{Duration, Instant};
+    let hosts = [0, 1, 1, 2, 2, 2];
+    for odd in [4, 3] {
+        let t = Instant::now();
+        let results = run_links(MemLink::mesh_on_hosts(&hosts, SLOT), |l| {
+            let g = Group::form(l, Tuning::default(), Duration::from_secs(20))?;
+            g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+            let k = if g.rank() == odd { 4 } else { 3 };
+            let first = g.all_gather(&vec![1u32; k], &mut vec![0u32; k * hosts.len()]);
+            let second = g.reduce_scatter(
+                &vec![1u32; k * hosts.len()],
+                &mut vec![0u32; k],
+                ReduceOp::Sum,
+            );
+            Ok((first, second))
+        });
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        for (r, res) in results.into_iter().enumerate() {
+            let (first, second) = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            for e in [first.unwrap_err(), second.unwrap_err()] {
+                assert!(
+                    matches!(
+                        e,
+                        crate::DistError::CollectiveMismatch { .. }
+                            | crate::DistError::Aborted { .. }
+                    ),
+                    "odd rank {odd}, rank {r}: {e}"
+                );
+            }
+        }
+    }
+}
