@@ -49,6 +49,10 @@ pub const CASES: &[Case] = &[
     .sizes(&[3]),
     Case::new("hosts3_cut", cut).hosts(3).only_at(&[6]),
     Case::new("hosts2_late", late).hosts(2).sizes(&[4]),
+    Case::new("hosts3_hier", hierarchical)
+        .hosts(3)
+        .sizes(&[4, 5]),
+    Case::new("hosts2_hier", hierarchical).hosts(2).sizes(&[5]),
 ];
 
 /// Two lanes, as [`TWO_LANES`], at 4 ranks only.
@@ -183,5 +187,101 @@ pub fn late() -> Result<(), String> {
         assert_eq!(*v, base + (n * i) as u64, "element {i}");
     }
     b.barrier().unwrap();
+    Ok(())
+}
+
+/// Rank `r`'s element `i` in [`hierarchical`].
+fn own(r: usize, i: usize) -> u64 {
+    (r * 1_000_003 + i * 7) as u64
+}
+
+/// Ranks spread unevenly over the hosts (4 on 3 hosts: 2, 1 and 1; 5 on 3: 2, 2 and 1; 5 on 2:
+/// 3 and 2): the collectives take the hosts' path (`collectives/hier/`) from the first, which
+/// holds the group's arena vote, and broadcast, reduce, gather and scatter from every root,
+/// all_gather, reduce_scatter and the barrier give what a sequential reference says, at 0, 1,
+/// 1,000 and 70,001 elements (past the chain's and the ring's limits), and 70,001 bytes.
+pub fn hierarchical() -> Result<(), String> {
+    use dist_core::collectives::{Kind, Transport, collective_path};
+    let b = dist_multirank::join();
+    let (me, n) = (b.rank(), b.world_size());
+    let host = env("DIST_TEST_HOST");
+    let mut x = [0u64; 3];
+    b.broadcast(&mut x, n - 1).unwrap();
+    for kind in [
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::Gather,
+        Kind::Scatter,
+        Kind::AllGather,
+        Kind::ReduceScatter,
+        Kind::Barrier,
+    ] {
+        let path = collective_path(b.group(), kind, 1000, 8000);
+        assert_eq!(path, "hosts", "rank {me} (host {host}): {kind:?}");
+    }
+    for count in [0usize, 1, 1000, 70_001] {
+        let mine: Vec<u64> = (0..count).map(|i| own(me, i)).collect();
+        let sum = |i: usize| (0..n).map(|r| own(r, i)).sum::<u64>();
+        for root in 0..n {
+            let mut x = mine.clone();
+            b.broadcast(&mut x, root).unwrap();
+            assert!(
+                x.iter().enumerate().all(|(i, v)| *v == own(root, i)),
+                "broadcast {count} from {root}"
+            );
+            let mut x = mine.clone();
+            b.reduce(&mut x, ReduceOp::Sum, root).unwrap();
+            if me == root {
+                assert!(
+                    x.iter().enumerate().all(|(i, v)| *v == sum(i)),
+                    "reduce {count} to {root}"
+                );
+            }
+            let mut all = vec![0u64; count * n];
+            b.gather(&mine, (me == root).then_some(&mut all[..]), root)
+                .unwrap();
+            if me == root {
+                let want = |j: usize| own(j / count.max(1), j % count.max(1));
+                assert!(
+                    all.iter().enumerate().all(|(j, v)| *v == want(j)),
+                    "gather {count} to {root}"
+                );
+            }
+            let src: Vec<u64> = (0..count * n).map(|j| own(root, j)).collect();
+            let mut got = vec![0u64; count];
+            b.scatter((me == root).then_some(&src[..]), &mut got, root)
+                .unwrap();
+            assert_eq!(
+                got[..],
+                src[me * count..(me + 1) * count],
+                "scatter {count} from {root}"
+            );
+        }
+        let mut all = vec![0u64; count * n];
+        b.all_gather(&mine, &mut all).unwrap();
+        for r in 0..n {
+            let block = &all[r * count..(r + 1) * count];
+            assert!(
+                block.iter().enumerate().all(|(i, v)| *v == own(r, i)),
+                "all_gather {count}: block {r}"
+            );
+        }
+        let input: Vec<u64> = (0..count * n).map(|j| own(me, j)).collect();
+        let mut out = vec![0u64; count];
+        b.reduce_scatter(&input, &mut out, ReduceOp::Sum).unwrap();
+        let want: Vec<u64> = (0..count).map(|i| sum(me * count + i)).collect();
+        assert_eq!(out, want, "reduce_scatter {count}");
+        let bytes: Vec<u8> = (0..count).map(|i| (me * 31 + i) as u8).collect();
+        let mut all = vec![0u8; count * n];
+        b.all_gather(&bytes, &mut all).unwrap();
+        assert!(
+            all.iter()
+                .enumerate()
+                .all(|(j, v)| { *v == ((j / count.max(1)) * 31 + j % count.max(1)) as u8 }),
+            "all_gather of {count} bytes"
+        );
+        b.barrier().unwrap();
+    }
+    println!("rank {me} (host {host}): the hosts' collectives verified");
     Ok(())
 }

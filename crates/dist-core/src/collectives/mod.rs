@@ -26,6 +26,11 @@
 //! small calls take the arena's small areas instead: all_reduce, broadcast, reduce and
 //! all_gather up to [`HOST_SMALL_MAX`] bytes a rank (`small`, `small_ops`), and every barrier;
 //! larger all_reduces take the arena's slots or read the peers' buffers (`host`, `direct`).
+//! Where the group's ranks span several hosts, some sharing one, all_reduce reduces within each
+//! host on the arena and between one leader per host (`host`); broadcast, reduce, gather,
+//! scatter, all_gather, reduce_scatter and the barrier run in phases inside each host and
+//! between one rank per host, each byte crossing between hosts once per host that needs it
+//! (`hier`).
 //!
 //! Within a step the receive is posted before the send starts, so both directions move at
 //! once and the payload lands in place. Every message carries a 16-byte descriptor of the call
@@ -50,6 +55,7 @@ mod consts;
 mod desc;
 mod direct;
 mod halving;
+mod hier;
 mod host;
 mod lanes;
 pub(crate) mod ops;

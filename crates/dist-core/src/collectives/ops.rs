@@ -94,6 +94,9 @@ fn reduce_on<T: Element, L: Link>(
     if c.n == 1 || super::small_ops::reduce(c, data, op, root)? {
         return Ok(());
     }
+    if let Some(l) = super::hier::layout(c)? {
+        return super::hier::reduce(c, &l, data, op, root);
+    }
     if std::mem::size_of_val(data) <= REDUCE_RING_MIN || data.len() < c.n {
         reduce_tree(c, data, op, root)
     } else if reduce_by_halving(c.n) {
@@ -139,6 +142,9 @@ pub(crate) fn broadcast<T: Element, L: Link>(
         c.check_root(root)?;
         if c.n == 1 || super::small_ops::broadcast(c, data, root)? {
             return Ok(());
+        }
+        if let Some(l) = super::hier::layout(c)? {
+            return super::hier::broadcast(c, &l, data, root);
         }
         let size = std::mem::size_of_val(data);
         let fwd = Ring::forward(c.me, c.n);
@@ -208,6 +214,9 @@ pub(crate) fn all_gather<T: Element, L: Link>(
         if c.n == 1 || super::small_ops::all_gather(c, input, output)? {
             return Ok(());
         }
+        if let Some(l) = super::hier::layout(c)? {
+            return super::hier::all_gather(c, &l, input, output);
+        }
         // Blocks of exactly k: `segment` of n*k over n is block i. With two rings, the first
         // half of every block goes around one, the second half around the other, in the
         // opposite direction.
@@ -232,7 +241,13 @@ pub(crate) fn gather<T: Element, L: Link>(
     root: usize,
 ) -> Result<()> {
     let w = what(Kind::Gather, input.len(), None, root);
-    run::<_, T, _>(g, t, w, |c| super::pairwise::gather(c, input, output, root))
+    run::<_, T, _>(g, t, w, |c| {
+        c.check_root(root)?;
+        match super::hier::layout(c)? {
+            Some(l) => super::hier::gather(c, &l, input, output, root),
+            None => super::pairwise::gather(c, input, output, root),
+        }
+    })
 }
 
 pub(crate) fn scatter<T: Element, L: Link>(
@@ -244,7 +259,11 @@ pub(crate) fn scatter<T: Element, L: Link>(
 ) -> Result<()> {
     let w = what(Kind::Scatter, output.len(), None, root);
     run::<_, T, _>(g, t, w, |c| {
-        super::pairwise::scatter(c, input, output, root)
+        c.check_root(root)?;
+        match super::hier::layout(c)? {
+            Some(l) => super::hier::scatter(c, &l, input, output, root),
+            None => super::pairwise::scatter(c, input, output, root),
+        }
     })
 }
 
@@ -264,6 +283,9 @@ pub(crate) fn reduce_scatter<T: Element, L: Link>(
             output.copy_from_slice(input);
             premul(output, op);
             return Ok(());
+        }
+        if let Some(l) = super::hier::layout(c)? {
+            return super::hier::reduce_scatter(c, &l, input, output, op);
         }
         // Out of place: `input` is only read; `output` carries the partial sums between steps
         // and ends with block `me`. With two lanes, the first half of every block goes around
@@ -347,6 +369,9 @@ pub(crate) fn barrier<L: Link>(g: &Group<L>, t: Duration) -> Result<()> {
     run::<_, u8, ()>(g, t, what(Kind::Barrier, 0, None, 0), |c| {
         if super::small_ops::barrier(c)? {
             return Ok(());
+        }
+        if let Some(l) = super::hier::layout(c)? {
+            return super::hier::barrier(c, &l);
         }
         if c.n.is_power_of_two() || c.n >= BARRIER_DOUBLING_MIN {
             return barrier_doubling(c);

@@ -210,6 +210,9 @@ pub fn collective_path<L: Link>(g: &Group<L>, kind: Kind, count: usize, bytes: u
     if super::small_ops::kind_takes_small(g, kind, bytes) {
         return HostAllReducePath::Small.name().into();
     }
+    if super::hier::kind_spans_hosts(g, kind) {
+        return "hosts".into();
+    }
     let n = g.link().world_size();
     let two = |size: usize, min: usize| g.tuning().lanes >= 2 && n >= 3 && size >= min;
     match kind {

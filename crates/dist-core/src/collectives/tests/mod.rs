@@ -13,6 +13,7 @@ mod direct;
 mod faults;
 mod forming;
 mod halving;
+mod hier;
 mod host;
 mod matrix;
 mod small;
