@@ -177,18 +177,18 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     let bytes = std::mem::size_of_val(data);
     let direct = direct_for(c, a, bytes);
     let path = host_all_reduce_path(local.len(), bytes, (a.small_len(), a.slot_len()), direct);
-    if path == HostAllReducePath::Small {
-        return h.all_reduce_small(data, op);
-    }
+    let split = match path {
+        // It runs `ready_to_write` itself, before it writes its area.
+        HostAllReducePath::Small => return h.all_reduce_small(data, op),
+        HostAllReducePath::Split => true,
+        HostAllReducePath::Whole | HostAllReducePath::Direct => false,
+    };
     // After a broadcast on the small areas, every peer must be done with what this rank's
     // first piece overwrites (`collectives/small.rs`).
     h.ready_to_write()?;
-    let split = match path {
-        HostAllReducePath::Small => return h.all_reduce_small(data, op),
-        HostAllReducePath::Direct => return h.all_reduce_direct(data, op),
-        HostAllReducePath::Split => true,
-        HostAllReducePath::Whole => false,
-    };
+    if path == HostAllReducePath::Direct {
+        return h.all_reduce_direct(data, op);
+    }
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {
