@@ -1,5 +1,6 @@
 //! all_reduce of a small buffer on the host arena (up to
-//! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) bytes, within the arena's small areas,
+//! [`host_small_max`](super::host_small_max) bytes of the host's ranks, at most
+//! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX), within the arena's small areas,
 //! [`HostArena::small_len`](crate::arena::HostArena::small_len)): the fewest cache lines a
 //! rank's input can travel in. Its one round ([`Host::small_round`]: write, publish, wait for
 //! every peer, check) is also the barrier's, broadcast's, reduce's and all_gather's on the small
