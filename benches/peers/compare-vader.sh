@@ -20,7 +20,7 @@
 # arguments: MPIRUN_ARGS. Each command is stopped after LIMIT seconds (default 300).
 #
 # Last, for each dist and rank count, the sizes where a call took less time than the size before
-# it (beyond 5 %): a choice of algorithm made at the wrong size.
+# it (beyond 10 %): a choice of algorithm made at the wrong size.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/../.."
@@ -138,7 +138,7 @@ for v in ["dist"] + (["base"] if has_base else []):
             if not t:
                 continue
             m = statistics.median(t)
-            if last is not None and m < 0.95 * last[1]:
+            if last is not None and m < 0.9 * last[1]:
                 dips.append(f"{n} ranks: {size(last[0])} {us(last[1])} µs, {size(b)} {us(m)} µs")
             last = (b, m)
     print(f"{v}: time falls as the size rises at: " + ("; ".join(dips) if dips else "none"))
