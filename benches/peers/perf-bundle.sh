@@ -10,7 +10,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/../.."
 out="${1:-bundle/perf}"
-cargo build --release --quiet -p dist-tools --bin dist-perf -p xtask
+cargo build --release --quiet -p dist-tools --bin dist-perf
+cargo build --release --quiet -p xtask
 mkdir -p "$out"
 for bin in dist-perf xtask; do
     cp target/release/$bin "$out/$bin"
