@@ -58,14 +58,27 @@ pub const BROADCAST_TWO_CHAINS_MIN: usize = 32 << 20;
 pub const HOST_SMALL_MAX: usize = 4 << 10;
 /// The largest all_reduce on a host arena whose every rank reduces the whole buffer (one wait
 /// per call), at any rank count; larger ones split each piece into one share per rank
-/// (`collectives/host.rs`). From 5 ranks on a host the limit is lower:
+/// (`collectives/host.rs`). The cost model lowers it with the host's ranks:
 /// [`host_split_min`](super::host_split_min).
 pub const HOST_SPLIT_MIN: usize = 32 << 10;
-/// The bytes a rank may read and reduce beyond what the split path would have it do before a
-/// host arena all_reduce splits ([`host_split_min`](super::host_split_min)): what one extra
-/// wait on every peer (the split path's second) is worth. Set so that 4 ranks split from
-/// [`HOST_SPLIT_MIN`], as they did before the rule, where every rank count did.
-pub const HOST_SPLIT_EXTRA: usize = 48 << 10;
+/// The host arena's cost model ([`host_time_ns`](super::host_time_ns)): a wait on every peer
+/// costs this, plus [`HOST_WAIT_PER_RANK_NS`] a rank (16-core host, 8 B small all_reduces:
+/// 1.7, 2.8 and 4.4 µs at 4, 8 and 16 ranks).
+pub const HOST_WAIT_NS: u64 = 750;
+/// See [`HOST_WAIT_NS`].
+pub const HOST_WAIT_PER_RANK_NS: u64 = 230;
+/// The host arena's cost model: reading and reducing one byte of one peer's input, in
+/// picoseconds, where every rank reduces every input (the small areas, whole pieces).
+pub const HOST_READ_PS: u64 = 220;
+/// The host arena's cost model: the least a piece split into shares costs beyond its bytes is
+/// this a rank less [`HOST_SPLIT_BASE_NS`] (or two waits, if more).
+pub const HOST_SPLIT_PER_RANK_NS: u64 = 825;
+/// See [`HOST_SPLIT_PER_RANK_NS`].
+pub const HOST_SPLIT_BASE_NS: u64 = 1_700;
+/// The host arena's cost model: a byte of the buffer split into shares, in picoseconds, times
+/// (n − 1)/n (each rank writes its input for the others' shares, reduces its own and copies the
+/// others' out).
+pub const HOST_SPLIT_PS: u64 = 450;
 /// The default [`Tuning::arena_max`](crate::Tuning::arena_max), and the arena's limit where
 /// a host's ranks have a core each, but not two, and are fewer than
 /// [`HOST_ARENA_ALL_MIN_RANKS`]: larger all_reduces run the message algorithms (over the

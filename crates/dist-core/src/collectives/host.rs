@@ -1,14 +1,16 @@
 //! all_reduce over a host arena ([`HostArena`]), for a group whose ranks all share one host:
 //! peers' buffers are read in place, through the arena, instead of passing messages.
 //!
-//! A buffer that fits the arena's small areas (up to [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX))
-//! goes through them, in one piece (`collectives/small.rs`). Larger ones go in pieces of at
-//! most one slot. For piece k (counted over every arena
+//! A buffer that fits the arena's small areas (up to [`host_small_max`](super::host_small_max)
+//! of the host's ranks: [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) up to 4 ranks, less
+//! from 5) goes through them, in one piece (`collectives/small.rs`). Larger ones go in pieces
+//! of at most one slot. For piece k (counted over every arena
 //! collective of the group, the same on every rank) each rank copies its input (what of it
 //! its peers read) into its slot `k % 2` and publishes `Input = k + 1`, then waits for every
 //! peer's `Input`:
 //! - small buffers (up to [`host_split_min`](super::host_split_min) of the host's ranks: 32 KiB
-//!   up to 4 ranks, less from 5): every rank reduces all n inputs, in rank order,
+//!   at 2 ranks, about 10 KiB at 3; from 4 none past the small areas, as the cost model
+//!   [`host_time_ns`](super::host_time_ns) has it): every rank reduces all n inputs, in rank order,
 //!   into its buffer and publishes `Reduced = k + 1` (read done). One wait per call.
 //! - larger: a rank's slot takes only the shares its peers reduce (all but its own), and
 //!   rank i reduces share i of the piece (1/n of it) from its buffer and every
@@ -177,18 +179,18 @@ pub(super) fn all_reduce_host<T: Element, L: Link>(
     let bytes = std::mem::size_of_val(data);
     let direct = direct_for(c, a, bytes);
     let path = host_all_reduce_path(local.len(), bytes, (a.small_len(), a.slot_len()), direct);
-    if path == HostAllReducePath::Small {
-        return h.all_reduce_small(data, op);
-    }
+    let split = match path {
+        // It runs `ready_to_write` itself, before it writes its area.
+        HostAllReducePath::Small => return h.all_reduce_small(data, op),
+        HostAllReducePath::Split => true,
+        HostAllReducePath::Whole | HostAllReducePath::Direct => false,
+    };
     // After a broadcast on the small areas, every peer must be done with what this rank's
     // first piece overwrites (`collectives/small.rs`).
     h.ready_to_write()?;
-    let split = match path {
-        HostAllReducePath::Small => return h.all_reduce_small(data, op),
-        HostAllReducePath::Direct => return h.all_reduce_direct(data, op),
-        HostAllReducePath::Split => true,
-        HostAllReducePath::Whole => false,
-    };
+    if path == HostAllReducePath::Direct {
+        return h.all_reduce_direct(data, op);
+    }
     let size = std::mem::size_of::<T>();
     let per_piece = a.slot_len() / size;
     if per_piece == 0 {

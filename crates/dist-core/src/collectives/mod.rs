@@ -76,7 +76,8 @@ pub use consts::*;
 pub use desc::{Kind, position_from_wire, position_to_wire};
 pub use select::{
     AllReduceAlgorithm, HostAllReducePath, all_reduce_algorithm, all_reduce_path,
-    broadcast_by_halving, collective_path, host_all_reduce_path, host_split_min, reduce_by_halving,
+    broadcast_by_halving, collective_path, host_all_reduce_path, host_small_max, host_split_min,
+    host_time_ns, reduce_by_halving,
 };
 
 /// A backend whose ranks form a [`Group`]: it gets every collective ([`Collectives`]) on the

@@ -4,8 +4,9 @@
 //! large broadcast and reduce on many ranks.
 
 use super::consts::{
-    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, HOST_SMALL_MAX, HOST_SPLIT_EXTRA,
-    HOST_SPLIT_MIN, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
+    ALL_REDUCE_RING_MIN, CHAIN_CHUNK, HALVING_MIN_RANKS, HOST_READ_PS, HOST_SMALL_MAX,
+    HOST_SPLIT_BASE_NS, HOST_SPLIT_MIN, HOST_SPLIT_PER_RANK_NS, HOST_SPLIT_PS, HOST_WAIT_NS,
+    HOST_WAIT_PER_RANK_NS, RING_SHARE_MIN, TWO_RINGS_MAX_RANKS, TWO_RINGS_MIN,
 };
 use super::desc::Kind;
 use crate::group::Group;
@@ -117,35 +118,98 @@ impl HostAllReducePath {
     }
 }
 
-/// The largest all_reduce on a host arena of `local` ranks that every rank reduces whole.
-/// Whole, a rank reads and reduces (n − 1) × size bytes of its peers' inputs after one wait;
-/// split, it reduces (n − 1)/n × size for its share and copies as much of the others' shares
-/// out, after a second wait on every peer. So the whole path reads (n − 1)(n − 2)/n × size
-/// bytes more, and it pays while that is at most [`HOST_SPLIT_EXTRA`] (what the second wait
-/// costs, in bytes read): never more than [`HOST_SPLIT_MIN`] (2 to 4 ranks; the split's
-/// threads, from 512 KiB, want it there), about 20 KiB at 5 ranks, 9 KiB at 8, 3.7 KiB at 16
-/// (and 4 KiB and below take the small areas). Measured on 16 ranks of the 16-core host (before
-/// the rule, when 32 KiB was the limit at every rank count): 32 KiB whole 106.6 µs, 128 KiB
-/// split 89.8 µs (`docs/benchmarks.md`).
-pub fn host_split_min(local: usize) -> usize {
-    if local <= 4 {
-        return HOST_SPLIT_MIN;
+/// The predicted time, in nanoseconds, of an all_reduce of `bytes` on a host arena of `local`
+/// ranks, each with a core, by `path`: the cost model the host paths are chosen by (`None` for
+/// [`HostAllReducePath::Direct`], which the group's agreement chooses, not the model). Fitted to
+/// the 16-core Xeon host's all_reduce times at 4, 8 and 16 ranks
+/// (`docs/results/2026-12-07-1xH200-a9b6a28`, the copy methods of the code since):
+/// - small areas and whole pieces: one wait on every peer, [`HOST_WAIT_NS`] +
+///   [`HOST_WAIT_PER_RANK_NS`] × n (8 B: 1.7, 2.8, 4.4 µs at 4, 8, 16 ranks), then every rank
+///   reads and reduces every peer's input, [`HOST_READ_PS`] a byte of each
+///   ((n − 1) × size bytes: 2 KiB at 16 ranks 11.4–12.5 µs, 32 KiB whole at 4 ranks 22.9);
+/// - shares: two waits, and at least [`HOST_SPLIT_PER_RANK_NS`] × n −
+///   [`HOST_SPLIT_BASE_NS`] (setting up n shares: 4.9 µs at 8 ranks, 11.5 at 16), then
+///   [`HOST_SPLIT_PS`] × (n − 1)/n a byte of the buffer (each rank writes, reduces and copies out
+///   its part of each share: 8 and 32 KiB at 16 ranks 15.2 and 26.2 µs, 32 and 128 KiB at 8 ranks
+///   18.3 and 57.6).
+///
+/// A host whose ranks share cores waits longer (each wait a switch of threads), which favours
+/// the paths with one wait; the model does not see it (the choice must be the same on every
+/// rank, and the ranks need not agree on their cores).
+pub fn host_time_ns(path: HostAllReducePath, local: usize, bytes: usize) -> Option<u64> {
+    let n = local.max(1) as u64;
+    let b = bytes as u64;
+    let wait = HOST_WAIT_NS + HOST_WAIT_PER_RANK_NS * n;
+    match path {
+        HostAllReducePath::Small | HostAllReducePath::Whole => {
+            Some(wait + HOST_READ_PS * (n - 1) * b / 1000)
+        }
+        HostAllReducePath::Split => {
+            let fixed =
+                (2 * wait).max((HOST_SPLIT_PER_RANK_NS * n).saturating_sub(HOST_SPLIT_BASE_NS));
+            Some(fixed + HOST_SPLIT_PS * (n - 1) * b / (1000 * n))
+        }
+        HostAllReducePath::Direct => None,
     }
-    let n = local as u128;
-    let limit = HOST_SPLIT_EXTRA as u128 * n / ((n - 1) * (n - 2));
-    usize::try_from(limit).map_or(HOST_SPLIT_MIN, |l| l.min(HOST_SPLIT_MIN))
+}
+
+/// The size (bytes) from which the cost model ([`host_time_ns`]) has the shares faster than
+/// every rank reducing the whole buffer, on a host of `local` ranks (`usize::MAX`: never).
+fn host_crossover(local: usize) -> usize {
+    let n = local.max(1) as u64;
+    if n < 2 {
+        return usize::MAX;
+    }
+    let whole = |b: u64| host_time_ns(HostAllReducePath::Whole, local, b as usize).unwrap_or(0);
+    let split = |b: u64| host_time_ns(HostAllReducePath::Split, local, b as usize).unwrap_or(0);
+    // Whole's time grows faster with the size from 3 ranks (and as fast at 2): search the
+    // first size where the shares are faster, up to 1 GiB.
+    let (mut lo, mut hi) = (0u64, 1u64 << 30);
+    if whole(hi) <= split(hi) {
+        return usize::MAX;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if whole(mid) <= split(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    usize::try_from(hi).unwrap_or(usize::MAX)
+}
+
+/// The largest all_reduce on a host arena of `local` ranks that goes through the small areas:
+/// [`HOST_SMALL_MAX`], or less where the cost model ([`host_time_ns`]) has the shares faster
+/// from a smaller size (about 3.6 KiB at 5 ranks, 2.3 KiB at 8, 2.5 KiB at 16).
+pub fn host_small_max(local: usize) -> usize {
+    HOST_SMALL_MAX.min(host_crossover(local).saturating_sub(1))
+}
+
+/// The largest all_reduce on a host arena of `local` ranks that every rank reduces whole (one
+/// wait per call): below the size where the cost model ([`host_time_ns`]) has the shares
+/// faster, and never more than [`HOST_SPLIT_MIN`] (the split's threads, from 512 KiB, want it
+/// there): 32 KiB at 2 ranks, about 10 KiB at 3, 5 KiB at 4; from 5 ranks it is below the
+/// small areas' limit ([`host_small_max`]), so no size is reduced whole on the slots. Measured
+/// on 16 ranks of the 16-core host with 32 KiB whole at every
+/// rank count (before the rule): 32 KiB whole 106.6 µs, 128 KiB split 89.8 µs
+/// (`docs/benchmarks.md`).
+pub fn host_split_min(local: usize) -> usize {
+    HOST_SPLIT_MIN.min(host_crossover(local).saturating_sub(1))
 }
 
 /// How an all_reduce of `bytes` on a host arena of `local` ranks goes, given the arena's small
 /// areas and slots (bytes) and whether the call reads its peers' buffers directly (`direct`,
-/// as the group agreed: [`Group::arena_direct_min`]).
+/// as the group agreed: [`Group::arena_direct_min`]): the small areas up to
+/// [`host_small_max`], then direct reads where agreed, else whole pieces up to
+/// [`host_split_min`] (and within a slot), else shares.
 pub fn host_all_reduce_path(
     local: usize,
     bytes: usize,
     (small_len, slot_len): (usize, usize),
     direct: bool,
 ) -> HostAllReducePath {
-    if bytes <= HOST_SMALL_MAX.min(small_len) {
+    if bytes <= host_small_max(local).min(small_len) {
         HostAllReducePath::Small
     } else if direct {
         HostAllReducePath::Direct

@@ -1,5 +1,6 @@
 //! all_reduce of a small buffer on the host arena (up to
-//! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX) bytes, within the arena's small areas,
+//! [`host_small_max`](super::host_small_max) bytes of the host's ranks, at most
+//! [`HOST_SMALL_MAX`](super::consts::HOST_SMALL_MAX), within the arena's small areas,
 //! [`HostArena::small_len`](crate::arena::HostArena::small_len)): the fewest cache lines a
 //! rank's input can travel in. Its one round ([`Host::small_round`]: write, publish, wait for
 //! every peer, check) is also the barrier's, broadcast's, reduce's and all_gather's on the small
@@ -30,10 +31,14 @@
 //! word must be `k + 1`; if it is not, the peer published this piece elsewhere: a mismatched
 //! call on the pieces' path (its descriptor beside its slot says which), or a corrupt arena.
 //!
-//! **Checks.** While spinning, a peer's area word may hold `k + 1` or an earlier value of that
-//! area (`k + 1 − 2j`, or 0 for an area never written): anything else (a value ahead, or of the
-//! other area's parity) is a corrupt arena, an error naming the peer. A peer whose descriptor
-//! differs from this rank's is a mismatched call, named as every collective's is.
+//! **Checks.** While spinning, a peer's area word may hold `k + 1` or the area's word before
+//! this piece, which is the same on every rank: the word of the last piece that wrote that area
+//! (0 for none), however long ago, which this rank reads in its own area before writing it
+//! (every peer has finished writing it: each has published piece k − 2 at least). Anything else
+//! is a corrupt arena, an error naming the peer. Where the two are equal (the area last written
+//! exactly 2³² pieces ago) the spin accepts neither and the wait on the `Input` word decides. A
+//! peer whose descriptor differs from this rank's is a mismatched call, named as every
+//! collective's is.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -112,25 +117,35 @@ fn crowded(local: usize) -> bool {
     local > cores
 }
 
-/// Whether a peer's small-area word `v` says its input for `target` is there: `Some(true)` for
-/// `target`, `Some(false)` for an earlier value of the same area (`target − 2j`, j ≥ 1, less
-/// than 2³¹ behind) or 0 (never written), `None` for anything else (a corrupt arena).
-pub(super) fn small_reached(v: u32, target: u32) -> Option<bool> {
-    let behind = target.wrapping_sub(v);
-    if behind == 0 {
-        Some(true)
-    } else if v == 0 || (behind.is_multiple_of(2) && behind < 1 << 31) {
+/// Whether a peer's small-area word `v` says its input for `target` is there, where the area's
+/// word before this piece was `before` (on every rank alike: the last piece that wrote the
+/// area, or 0): `Some(true)` for `target`, `Some(false)` for `before` (not yet, however long
+/// ago that piece was; also where `before` is `target`, after exactly 2³² pieces, which only
+/// the peer's `Input` word can tell apart), `None` for anything else (a corrupt arena).
+pub(super) fn small_reached(v: u32, target: u32, before: u32) -> Option<bool> {
+    if v == before {
         Some(false)
+    } else if v == target {
+        Some(true)
     } else {
         None
     }
+}
+
+/// A round's place on the small areas: the area, the piece's word (`k + 1`), and the word the
+/// area held before it ([`small_reached`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Round {
+    pub(super) area: usize,
+    pub(super) target: u32,
+    pub(super) before: u32,
 }
 
 impl<L: Link> Host<'_, '_, L> {
     /// all_reduce of `data` (at most the small areas' bytes) through the small areas.
     pub(super) fn all_reduce_small<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         let (c, a) = (self.c, self.a);
-        let (area, target) = self.small_round(bytes(data))?;
+        let Round { area, target, .. } = self.small_round(bytes(data))?;
         let len = std::mem::size_of_val(data);
         self.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
             a.read_small(q, area, off, dst)
@@ -147,20 +162,20 @@ impl<L: Link> Host<'_, '_, L> {
     /// most the small areas' bytes, empty for a rank with nothing to give), the call's
     /// descriptor and the piece's word into this rank's area for the next piece, publishes
     /// `Input`, waits until every peer's area holds its part of the same piece and checks their
-    /// descriptors. Returns the area and the word (`k + 1`); the caller reads what it needs of
-    /// the peers' areas, then publishes `Reduced` with the word.
-    pub(super) fn small_round(&self, data: &[u8]) -> Result<(usize, u32)> {
+    /// descriptors. Returns the round (its area and word, `k + 1`); the caller reads what it
+    /// needs of the peers' areas, then publishes `Reduced` with the word.
+    pub(super) fn small_round(&self, data: &[u8]) -> Result<Round> {
         let c = self.c;
-        let (area, target) = self.small_put(data)?;
+        let round = self.small_put(data)?;
         let budget = self.spin_budget();
         let mut spin = budget;
         for &q in self.local.iter().filter(|&&q| q != c.me) {
-            spin = spin.saturating_sub(self.wait_small(q, area, target, spin)?);
+            spin = spin.saturating_sub(self.wait_small(q, round, spin)?);
         }
         if !budget.is_zero() {
             SPIN_BACKOFF.spun(!spin.is_zero());
         }
-        Ok((area, target))
+        Ok(round)
     }
 
     /// How long this call may spin on its peers' area words, in all: [`SMALL_SPIN`] (or the
@@ -175,9 +190,9 @@ impl<L: Link> Host<'_, '_, L> {
 
     /// Waits for the root `root`'s area word of this piece only (a broadcast's non-root),
     /// spinning as [`Host::small_round`] does, and checks its descriptor.
-    pub(super) fn wait_root(&self, root: usize, area: usize, target: u32) -> Result<()> {
+    pub(super) fn wait_root(&self, root: usize, round: Round) -> Result<()> {
         let budget = self.spin_budget();
-        let spun = self.wait_small(root, area, target, budget)?;
+        let spun = self.wait_small(root, round, budget)?;
         if !budget.is_zero() {
             SPIN_BACKOFF.spun(spun < budget);
         }
@@ -185,20 +200,24 @@ impl<L: Link> Host<'_, '_, L> {
     }
 
     /// Writes `data`, the call's descriptor and the next piece's word into this rank's small
-    /// area for it (once [`Host::ready_to_write`]), and publishes `Input`; returns the area and
-    /// the word.
-    pub(super) fn small_put(&self, data: &[u8]) -> Result<(usize, u32)> {
+    /// area for it (once [`Host::ready_to_write`]), and publishes `Input`; returns the round.
+    pub(super) fn small_put(&self, data: &[u8]) -> Result<Round> {
         let (c, a) = (self.c, self.a);
         self.ready_to_write()?;
         let (k, area) = self.next_piece();
         let target = k.wrapping_add(1);
+        let before = a.small_seq(c.me, area);
         a.put_small(area, target, c.meta(), data)
             .map_err(|e| e.map_op(|_| c.op_text()))?;
         // Beside the slot too, for a peer in a mismatched call on the pieces' path, which
         // looks there.
         a.set_meta(area, c.meta());
         a.publish(ArenaWord::Input, target);
-        Ok((area, target))
+        Ok(Round {
+            area,
+            target,
+            before,
+        })
     }
 
     /// Before this rank writes its small area or slot for its next piece k: where its piece
@@ -218,7 +237,9 @@ impl<L: Link> Host<'_, '_, L> {
         let (c, a) = (self.c, self.a);
         let k = a.load(c.me, ArenaWord::Input);
         let prev = (k.wrapping_sub(1) % 2) as usize;
-        if k == 0 || a.small_seq(c.me, prev) != k {
+        // At the very start (k = 0) area 1 holds nothing (word 0, descriptor zeros, no
+        // broadcast's); after the count wraps, k = 0 is a piece like any other.
+        if a.small_seq(c.me, prev) != k {
             return Ok(());
         }
         let mine = a.small_meta(c.me, prev);
@@ -249,31 +270,33 @@ impl<L: Link> Host<'_, '_, L> {
             });
         if let Err(e @ DistError::CollectiveMismatch { .. }) = &checked {
             // The notice names the broadcast, not this call: a peer still in the broadcast
-            // (waiting for messages that will not come) must stop too.
-            abort_all(c.g, e, Some(c.number().saturating_sub(1)));
+            // (waiting for messages that will not come) must stop too. Calls over messages only
+            // may have come between, so its number is not this call's less one but the
+            // descriptors' call numbers (the number less one, mod 2¹⁶) apart.
+            let since = c.desc().seq.wrapping_sub(was.seq);
+            abort_all(c.g, e, Some(c.number().saturating_sub(u64::from(since))));
         }
         checked?;
         a.publish(ArenaWord::Reduced, k);
         Ok(())
     }
 
-    /// Waits until peer `q`'s small area `area` holds its input for `target`, spinning for at
+    /// Waits until peer `q`'s small area of `round` holds its input for it, spinning for at
     /// most `spin`, and checks its descriptor; returns how long it spun.
-    pub(super) fn wait_small(
-        &self,
-        q: usize,
-        area: usize,
-        target: u32,
-        spin: Duration,
-    ) -> Result<Duration> {
+    pub(super) fn wait_small(&self, q: usize, round: Round, spin: Duration) -> Result<Duration> {
         let (c, a) = (self.c, self.a);
+        let Round {
+            area,
+            target,
+            before,
+        } = round;
         let started = Instant::now();
         loop {
             let v = a.small_seq(q, area);
-            match small_reached(v, target) {
+            match small_reached(v, target, before) {
                 Some(true) => break,
                 Some(false) => {}
-                None => return Err(self.corrupt(q, area, v, target)),
+                None => return Err(self.corrupt(q, round, v)),
             }
             if started.elapsed() >= spin {
                 // Late: wait as every arena wait does, on the peer's input word.
@@ -286,7 +309,7 @@ impl<L: Link> Host<'_, '_, L> {
                 if theirs != c.meta() {
                     return Err(self.mismatch(q, theirs));
                 }
-                return Err(self.corrupt(q, area, v, target));
+                return Err(self.corrupt(q, round, v));
             }
             std::hint::spin_loop();
         }
@@ -308,7 +331,12 @@ impl<L: Link> Host<'_, '_, L> {
         }
     }
 
-    fn corrupt(&self, q: usize, area: usize, v: u32, target: u32) -> DistError {
+    fn corrupt(&self, q: usize, round: Round, v: u32) -> DistError {
+        let Round {
+            area,
+            target,
+            before,
+        } = round;
         let c = self.c;
         DistError::PeerGone {
             rank: c.me,
@@ -316,9 +344,8 @@ impl<L: Link> Host<'_, '_, L> {
             op: c.op_text(),
             cause: format!(
                 "corrupt host arena: its small area {area}'s word is {v}, where this rank waits \
-                 for {target} (possible: {target}, or an earlier value of that area: {} or \
-                 before, or 0)",
-                target.wrapping_sub(2)
+                 for {target} (possible: {target}, or the area's word before this piece, \
+                 {before})"
             ),
         }
     }

@@ -37,6 +37,7 @@ use super::consts::HOST_SMALL_MAX;
 use super::desc::Kind;
 use super::host::Host;
 use super::scratch::{bytes, bytes_mut};
+use super::small::Round;
 
 /// The largest a rank's part may be for the small areas, before the arena is known: what every
 /// rank can decide alike (the tuning's arena limit, the path's); `None` where the tuning keeps
@@ -49,10 +50,10 @@ fn small_limit<L: Link>(g: &Group<L>) -> Option<usize> {
 /// The arena, where a call whose ranks each give `bytes` goes through the small areas: the group
 /// has more than one rank, all on one host, has agreed on the arena (on its first all_reduce),
 /// and `bytes` fits the areas and the tuning's arena limit (none where that is 0).
-fn small_arena<'a, L: Link>(c: &'a Call<'_, L>, bytes: usize) -> Result<Option<&'a dyn HostArena>> {
-    Ok(takes_small(c.g, bytes)
+fn small_arena<'a, L: Link>(c: &'a Call<'_, L>, bytes: usize) -> Option<&'a dyn HostArena> {
+    takes_small(c.g, bytes)
         .then(|| c.g.link().arena())
-        .flatten())
+        .flatten()
 }
 
 /// Whether a call of `kind` whose ranks each give `bytes` goes through the small areas on group
@@ -81,11 +82,11 @@ fn takes_small<L: Link>(g: &Group<L>, bytes: usize) -> bool {
 /// The barrier on the small areas, if the call takes them (`Ok(false)`: it does not, and nothing
 /// was done).
 pub(super) fn barrier<L: Link>(c: &Call<'_, L>) -> Result<bool> {
-    let Some(a) = small_arena(c, 0)? else {
+    let Some(a) = small_arena(c, 0) else {
         return Ok(false);
     };
     let h = Host::new(c, a, a.local())?;
-    let (_, target) = h.small_round(&[])?;
+    let target = h.small_round(&[])?.target;
     a.publish(ArenaWord::Reduced, target);
     Ok(true)
 }
@@ -96,7 +97,7 @@ pub(super) fn broadcast<T: Element, L: Link>(
     data: &mut [T],
     root: usize,
 ) -> Result<bool> {
-    let Some(a) = small_arena(c, std::mem::size_of_val(data))? else {
+    let Some(a) = small_arena(c, std::mem::size_of_val(data)) else {
         return Ok(false);
     };
     let h = Host::new(c, a, a.local())?;
@@ -107,9 +108,9 @@ pub(super) fn broadcast<T: Element, L: Link>(
         h.small_put(bytes(data))?;
         return Ok(true);
     }
-    let (area, target) = h.small_put(&[])?;
-    h.wait_root(root, area, target)?;
-    a.read_small(root, area, 0, bytes_mut(data))
+    let round = h.small_put(&[])?;
+    h.wait_root(root, round)?;
+    a.read_small(root, round.area, 0, bytes_mut(data))
         .map_err(|e| e.map_op(|_| c.op_text()))?;
     Ok(true)
 }
@@ -123,11 +124,11 @@ pub(super) fn reduce<T: Element, L: Link>(
     op: ReduceOp,
     root: usize,
 ) -> Result<bool> {
-    let Some(a) = small_arena(c, std::mem::size_of_val(data))? else {
+    let Some(a) = small_arena(c, std::mem::size_of_val(data)) else {
         return Ok(false);
     };
     let h = Host::new(c, a, a.local())?;
-    let (area, target) = h.small_round(bytes(data))?;
+    let Round { area, target, .. } = h.small_round(bytes(data))?;
     if c.me == root {
         let len = std::mem::size_of_val(data);
         h.reduce_from(data, 0, op, len.max(1), &|q, off, dst| {
@@ -147,11 +148,11 @@ pub(super) fn all_gather<T: Element, L: Link>(
     input: &[T],
     output: &mut [T],
 ) -> Result<bool> {
-    let Some(a) = small_arena(c, std::mem::size_of_val(input))? else {
+    let Some(a) = small_arena(c, std::mem::size_of_val(input)) else {
         return Ok(false);
     };
     let h = Host::new(c, a, a.local())?;
-    let (area, target) = h.small_round(bytes(input))?;
+    let Round { area, target, .. } = h.small_round(bytes(input))?;
     let k = input.len();
     for q in (0..c.n).filter(|&q| q != c.me) {
         a.read_small(q, area, 0, bytes_mut(&mut output[q * k..(q + 1) * k]))

@@ -253,33 +253,42 @@ fn mismatched_small_calls_are_reported() {
     }
 }
 
-/// The words a waiting rank accepts: its target, an earlier value of the same area, or 0.
+/// The words a waiting rank accepts: its target; the area's word before the piece (not yet),
+/// however far behind, and where it equals the target (2³² pieces ago), not as arrived; nothing
+/// else.
 #[test]
 fn small_words_allowed() {
-    assert_eq!(small_reached(7, 7), Some(true));
-    assert_eq!(small_reached(5, 7), Some(false));
-    assert_eq!(small_reached(1, 7), Some(false));
-    assert_eq!(small_reached(0, 7), Some(false));
-    assert_eq!(small_reached(0, 0), Some(true));
-    assert_eq!(small_reached(u32::MAX - 1, 0), Some(false));
-    assert_eq!(small_reached(6, 7), None);
-    assert_eq!(small_reached(8, 7), None);
-    assert_eq!(small_reached(9, 7), None);
-    assert_eq!(small_reached(1000, 7), None);
-    assert_eq!(small_reached(7u32.wrapping_sub(1 << 31), 7), None);
+    assert_eq!(small_reached(7, 7, 5), Some(true));
+    assert_eq!(small_reached(5, 7, 5), Some(false));
+    assert_eq!(small_reached(0, 7, 0), Some(false));
+    assert_eq!(small_reached(0, 0, u32::MAX - 1), Some(true));
+    assert_eq!(small_reached(u32::MAX - 1, 0, u32::MAX - 1), Some(false));
+    // An area left alone for 2³¹ pieces or more is late, not corrupt.
+    let far = 7u32.wrapping_sub(1 << 31);
+    assert_eq!(small_reached(far, 7, far), Some(false));
+    assert_eq!(
+        small_reached(far.wrapping_sub(2), 7, far.wrapping_sub(2)),
+        Some(false)
+    );
+    // Exactly 2³² pieces ago: the word alone cannot say it has arrived.
+    assert_eq!(small_reached(7, 7, 7), Some(false));
+    for v in [1, 3, 6, 8, 9, 1000, far] {
+        assert_eq!(small_reached(v, 7, 5), None, "{v}");
+    }
 }
 
-/// A rank whose small area word jumps ahead: the others report a corrupt arena naming it.
+/// A rank whose small area words jump ahead (once it is done with its last call): the others
+/// report a corrupt arena naming it.
 #[test]
 fn a_corrupt_small_word_is_an_error_naming_the_peer() {
     let done = crate::Tag::user(9);
     // Rank 1 plays the corrupt peer, out of the call, connected until rank 0 has its error.
     let results = errors_of(3, |g| {
         if g.rank() == 1 {
+            g.barrier()?;
             for area in 0..2 {
                 g.link().scribble_arena_small(area, 1001);
             }
-            g.barrier()?;
             return g.recv_tagged(&mut [0u8; 1], 0, done);
         }
         g.barrier()?;

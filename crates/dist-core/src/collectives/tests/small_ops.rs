@@ -484,3 +484,151 @@ fn runs_of_broadcasts_then_the_slots_never_overwrite_unread_bytes() {
         });
     }
 }
+
+/// Runs `f` on every rank of a group of `n` ranks on one host whose arena words start at
+/// `start` (as after that many pieces) and whose small areas' words start at `areas`, once it
+/// has agreed on its arena (its first all_reduce, the piece `start`).
+fn on_one_host_from(
+    n: usize,
+    start: u32,
+    areas: [u32; 2],
+    f: impl Fn(&Group<MemLink>) -> Result<()> + Sync,
+) {
+    on_one_host_fresh(n, |g| {
+        let l = g.link();
+        l.scribble_arena(ArenaWord::Input, start);
+        l.scribble_arena(ArenaWord::Reduced, start);
+        for (area, &word) in areas.iter().enumerate() {
+            l.scribble_arena_small(area, word);
+        }
+        g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+        f(g)
+    });
+}
+
+/// After a small broadcast, its root writes its area for the next piece only once every peer
+/// has started the broadcast (so is done reading the piece before it, which wrote that area),
+/// also where the broadcast is the last piece before the count wraps at 2³²: a non-root that
+/// comes 300 ms late still finds the root's area as the piece before left it.
+#[test]
+fn a_broadcasts_root_waits_before_its_next_piece_across_the_wrap() {
+    for start in [0, u32::MAX - 1] {
+        on_one_host_from(3, start, [0, 0], |g| {
+            let me = g.rank();
+            // Piece start: the first all_reduce (area start % 2, word start + 1); piece
+            // start + 1: the broadcast; piece start + 2 writes area start % 2 again.
+            let area = (start % 2) as usize;
+            let mut x = [me as u32 + 5; 3];
+            if me == 2 {
+                std::thread::sleep(Duration::from_millis(300));
+                let a = g.link().arena().expect("an arena");
+                assert_eq!(
+                    a.small_seq(0, area),
+                    start.wrapping_add(1),
+                    "from {start}: the root wrote its next piece before rank 2 started the broadcast"
+                );
+            }
+            g.broadcast(&mut x, 0)?;
+            assert_eq!(x, [5; 3]);
+            let mut out = [0u32; 3];
+            g.all_gather(&[me as u32], &mut out)?;
+            same(g, "all_gather", &out, &[0, 1, 2])?;
+            let mut y = vec![me as u32; 3 * SLOT / 8];
+            g.all_reduce(&mut y, ReduceOp::Sum)?;
+            same(g, "all_reduce", &y, &vec![3; 3 * SLOT / 8])?;
+            assert_eq!(pieces(g), start.wrapping_add(5));
+            Ok(())
+        });
+    }
+}
+
+/// Every small collective after every other across the wrap of the piece count at 2³².
+#[test]
+fn interleaved_small_collectives_across_the_wrap() {
+    for n in [2, 3, 5] {
+        let start = u32::MAX - 40;
+        on_one_host_from(n, start, [0, 0], |g| {
+            let me = g.rank();
+            for round in 0..90u32 {
+                let root = (round as usize) % n;
+                let mut x = [round + me as u32; 2];
+                match round % 4 {
+                    0 => {
+                        g.broadcast(&mut x, root)?;
+                        same(g, "broadcast", &x, &[round + root as u32; 2])?;
+                    }
+                    1 => {
+                        let mut y = vec![me as u32 + round; 3 * SLOT / 8];
+                        g.all_reduce(&mut y, ReduceOp::Sum)?;
+                        let want = (0..n as u32).map(|r| r + round).sum::<u32>();
+                        same(g, "split all_reduce", &y, &vec![want; 3 * SLOT / 8])?;
+                    }
+                    2 => {
+                        let mut out = vec![0u32; 2 * n];
+                        g.all_gather(&x, &mut out)?;
+                        let want: Vec<u32> = (0..n as u32).flat_map(|r| [round + r; 2]).collect();
+                        same(g, "all_gather", &out, &want)?;
+                    }
+                    _ => g.broadcast(&mut x, (root + 1) % n)?,
+                }
+                if me == n - 1 && round % 9 == 4 {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Small areas last written 2³¹ pieces ago or more (a long run of all_reduces on the slots, say)
+/// while a peer comes late: late, not corrupt.
+#[test]
+fn an_area_unwritten_for_long_is_late_not_corrupt() {
+    // As if pieces 0 and 1 took the small areas, then 2³¹ + 2 pieces the slots.
+    let start = (1u32 << 31) + 2;
+    on_one_host_from(3, start, [1, 2], |g| {
+        for late in [1, 2, 0] {
+            if g.rank() == late {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            g.barrier()?;
+        }
+        let mut x = [g.rank() as u32; 2];
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        same(g, "all_reduce", &x, &[3; 2])
+    });
+}
+
+/// A mismatched small broadcast (one rank's count past the areas' limit: it waits for messages
+/// that never come), then a collective over messages only whose root only sends, then a call on
+/// the arena, where the root finds the mismatch: its abort names the broadcast, so the rank
+/// still in the broadcast ends promptly too, not at its deadline.
+#[test]
+fn a_mismatched_broadcast_then_calls_over_messages_ends_every_rank() {
+    for n in [3, 4] {
+        let odd = n - 1;
+        let t = Instant::now();
+        let results = errors_of(n, |g| {
+            let count = if g.rank() == odd { SMALL + 1 } else { SMALL };
+            g.broadcast(&mut vec![1u8; count], 0)?;
+            let input = vec![1u32; n * (SMALL + 1)];
+            let mine = (g.rank() == 0).then_some(&input[..]);
+            g.scatter(mine, &mut vec![0u32; SMALL + 1], 0)?;
+            g.barrier()
+        });
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{n} ranks: {:?} {results:?}",
+            t.elapsed()
+        );
+        for (r, res) in results.iter().enumerate() {
+            assert!(
+                matches!(
+                    res,
+                    Err(DistError::CollectiveMismatch { .. } | DistError::Aborted { .. })
+                ),
+                "{n} ranks, rank {r}: {res:?}"
+            );
+        }
+    }
+}
