@@ -7,6 +7,7 @@ fn hello() -> Hello {
         version: PROTOCOL_VERSION,
         purpose: Purpose::Mesh,
         has_secret: true,
+        sealed: false,
         world_size: 5,
         rank: 3,
         listen_port: 29_501,
@@ -157,10 +158,11 @@ fn proofs_bind_secret_side_claim_and_listener() {
     assert!(!verify_proof(key, Side::Client, &h, 1, &sn, &p));
     assert!(!verify_proof(key, Side::Client, &h, 2, &[8; NONCE_LEN], &p));
     // Every field of the hello is inside the MAC, the listen port and version included.
-    let changed: [fn(&mut Hello); 8] = [
+    let changed: [fn(&mut Hello); 9] = [
         |h| h.version += 1,
         |h| h.purpose = Purpose::Rendezvous,
         |h| h.has_secret = false,
+        |h| h.sealed = true,
         |h| h.world_size += 1,
         |h| h.rank += 1,
         |h| h.listen_port += 1,
@@ -193,7 +195,7 @@ mod props {
         (
             any::<u16>(),
             prop_oneof![Just(Purpose::Rendezvous), Just(Purpose::Mesh)],
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
             any::<u32>(),
             any::<u32>(),
             any::<u16>(),
@@ -201,11 +203,14 @@ mod props {
             any::<[u8; NONCE_LEN]>(),
         )
             .prop_map(
-                |(version, purpose, has_secret, world_size, rank, listen_port, job_id, nonce)| {
+                |(version, purpose, flags, world_size, rank, listen_port, job_id, nonce)| {
+                    let (has_secret, seal) = flags;
                     Hello {
                         version,
                         purpose,
                         has_secret,
+                        // Sealing needs a secret: a hello may not say sealed without one.
+                        sealed: has_secret && seal,
                         world_size,
                         rank,
                         listen_port,
