@@ -135,7 +135,7 @@ fn a_forged_record_fails_the_receive_and_delivers_nothing() {
     assert!(!wire.windows(10).any(|w| w == b"plain text"));
     let mut o = crate::seal::Opener::new(&TX, 0);
     let mut at = 0;
-    let mut text = vec![0u8; FRAME_HEADER_LEN + 29];
+    let mut text = [0u8; FRAME_HEADER_LEN + 29];
     let mut read = |d: &mut [u8]| {
         let n = d.len().min(wire.len() - at);
         d[..n].copy_from_slice(&wire[at..at + n]);
