@@ -410,13 +410,19 @@ impl Peer {
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
         let r = loop {
-            if bufs.is_empty() {
-                // The sealed record the frame ends in, if any, goes out (blocking, by the
-                // deadline): the peer's read waits for it.
-                break write_all_vectored(&mut w, bufs, deadline, &mut sent);
+            // On a sealed connection the frame is written once the record it ends in is: that
+            // goes out in this loop too, reading `src` whenever the socket is full, as the
+            // frame's bytes do.
+            if bufs.is_empty() && !w.unflushed() {
+                break Ok(());
             }
             let mut moved = false;
-            match w.try_write(bufs) {
+            let wrote = if bufs.is_empty() {
+                w.flush_now().map(|()| 0)
+            } else {
+                w.try_write(bufs)
+            };
+            match wrote {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
                     sent += n;
