@@ -357,3 +357,32 @@ mod props {
         }
     }
 }
+
+/// The two keys of a sealed connection differ from each other, from every other connection's
+/// (another nonce of either side, another listener) and under another secret; the sealed flag
+/// rides in the hello's flags (bit 1, with the secret's bit 0) and is covered by the proofs.
+#[test]
+fn seal_keys_are_per_connection_and_direction() {
+    let mut h = hello();
+    h.sealed = true;
+    let b = h.encode();
+    assert_eq!(b[11], 3);
+    assert_eq!(Hello::decode(&b), Ok(h));
+    let key = b"0123456789abcdef";
+    let sn = [5; NONCE_LEN];
+    let (c2s, s2c) = seal_keys(key, &h, 2, &sn);
+    assert_ne!(c2s, s2c);
+    let mut other_client = h;
+    other_client.nonce[0] ^= 1;
+    for (k, what) in [
+        (seal_keys(key, &other_client, 2, &sn), "the client's nonce"),
+        (seal_keys(key, &h, 2, &[6; NONCE_LEN]), "the server's nonce"),
+        (seal_keys(key, &h, 1, &sn), "the listener's rank"),
+        (seal_keys(b"fedcba9876543210", &h, 2, &sn), "the secret"),
+    ] {
+        assert!(k.0 != c2s && k.1 != s2c, "{what} does not change the keys");
+    }
+    // Neither key is a proof seen on the wire.
+    assert_ne!(proof(key, Side::Client, &h, 2, &sn), c2s);
+    assert_ne!(proof(key, Side::Server, &h, 2, &sn), s2c);
+}
