@@ -46,6 +46,7 @@ impl TcpBackend {
         let limits = Limits {
             max_message: cfg.max_message,
             unexpected: cfg.unexpected_limit,
+            sealed: cfg.seal,
         };
         // Ranks of this job on this host: those listening on this rank's address (lazy), or
         // the peers whose connection comes from this host's own address (eager), or as the

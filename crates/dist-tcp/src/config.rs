@@ -80,6 +80,7 @@ pub struct TcpConfig {
     pub(crate) serve_store: bool,
     pub(crate) store_prefix: String,
     pub(crate) elastic: bool,
+    pub(crate) seal: bool,
 }
 
 impl std::fmt::Debug for TcpConfig {
@@ -111,6 +112,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("serve_store", &self.serve_store)
             .field("store_prefix", &self.store_prefix)
             .field("elastic", &self.elastic)
+            .field("seal", &self.seal)
             .finish()
     }
 }
@@ -146,6 +148,7 @@ impl TcpConfig {
             serve_store: true,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
             elastic: false,
+            seal: false,
         }
     }
 
@@ -205,6 +208,18 @@ impl TcpConfig {
         }
         if let Some(d) = get("DIST_TRACE_DIR").filter(|d| !d.is_empty()) {
             cfg.trace_dir = Some(d.into());
+        }
+        if let Some(v) = get("DIST_SEAL") {
+            cfg.seal = match v.trim() {
+                "0" => false,
+                "1" => true,
+                _ => {
+                    return Err(DistError::Config {
+                        what: "DIST_SEAL".into(),
+                        reason: format!("{v:?} is neither 0 nor 1"),
+                    });
+                }
+            };
         }
         if let Some(v) = get("DIST_SHM") {
             cfg.shm = match v.trim() {
@@ -362,6 +377,18 @@ impl TcpConfig {
         self
     }
 
+    /// Whether every TCP connection between ranks is sealed (default off; `DIST_SEAL=1`; needs
+    /// a [`TcpConfig::secret`], and every rank must agree): each frame after the handshake is
+    /// encrypted and authenticated with AES-256-GCM under keys of that connection and direction
+    /// that the handshake derives from both sides' nonces and the secret, numbered so that a
+    /// frame forged, replayed, reordered or cut short on the wire ends the connection with an
+    /// error naming the peer, and nothing of it is delivered. Frames through shared memory
+    /// inside a host ([`TcpConfig::shared_memory`]) are not sealed, nor is the store's traffic.
+    pub fn seal(mut self, on: bool) -> Self {
+        self.seal = on;
+        self
+    }
+
     /// Whether ranks of one host exchange frames through shared memory (default on;
     /// `DIST_SHM=0` turns it off): a ring per ordered pair of ranks in a sealed `memfd`, with
     /// the TCP connection kept for liveness. Both ranks of a pair must want it, and be on one
@@ -436,9 +463,10 @@ impl TcpConfig {
     /// secret never crosses the wire), at least 16 bytes: init refuses a shorter one.
     /// `DIST_SECRET` sets it from the environment.
     ///
-    /// The secret only admits ranks: the frames after the handshake are neither encrypted nor
-    /// authenticated, so someone who can read or change the traffic between ranks can read or
-    /// change the data. Run on a trusted network, or over WireGuard or IPsec.
+    /// The secret alone only admits ranks: unless [`TcpConfig::seal`] is on, the frames after
+    /// the handshake are neither encrypted nor authenticated, so someone who can read or change
+    /// the traffic between ranks can read or change the data. Seal the connections, or run on a
+    /// trusted network, or over WireGuard or IPsec.
     pub fn secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(secret.into());
         self
@@ -578,6 +606,12 @@ impl TcpConfig {
                      same on every rank (e.g. `openssl rand -hex 16`)",
                     s.len()
                 ),
+            });
+        }
+        if self.seal && self.secret.is_none() {
+            return Err(DistError::Config {
+                what: "sealed connections (DIST_SEAL)".into(),
+                reason: "need a shared secret (DIST_SECRET): the keys are derived from it".into(),
             });
         }
         for (what, t) in [

@@ -153,6 +153,7 @@ fn spec(cfg: &TcpConfig, job_id: u64, addrs: Vec<SocketAddr>) -> MeshSpec {
         world: cfg.world_size,
         job_id,
         secret: cfg.secret.clone(),
+        seal: cfg.seal,
         handshake_timeout: cfg.handshake_timeout,
         addrs,
     }
@@ -470,6 +471,7 @@ fn eager_acceptor(
             ranks: me + 1..world,
             job_id,
             secret: cfg.secret.clone(),
+            seal: cfg.seal,
             handshake_timeout: cfg.handshake_timeout,
             gate,
         },
@@ -505,6 +507,7 @@ fn mesh_eagerly(
                     version: PROTOCOL_VERSION,
                     purpose: Purpose::Mesh,
                     has_secret: cfg.secret.is_some(),
+                    sealed: cfg.seal,
                     world_size: world as u32,
                     rank: me as u32,
                     listen_port: 0,

@@ -143,6 +143,7 @@ mod tests {
         let limits = Limits {
             max_message: 1 << 20,
             unexpected: 1 << 20,
+            sealed: false,
         };
         let unconnected = |r| {
             Arc::new(Peer::unconnected(

@@ -40,6 +40,7 @@ mod link;
 mod liveness;
 mod peer;
 mod record;
+mod seal;
 mod shm;
 mod sys;
 #[doc(hidden)]

@@ -40,6 +40,8 @@ mod reader;
 mod recv;
 mod route;
 mod rx;
+#[cfg(test)]
+mod seal_tests;
 mod setup;
 #[cfg(test)]
 mod shm_tests;
@@ -90,6 +92,8 @@ pub(crate) struct Limits {
     pub(crate) max_message: u64,
     /// Bytes of unexpected messages queued per peer before the reader stops reading the socket.
     pub(crate) unexpected: usize,
+    /// Connections must be sealed (`crate::seal`): one whose handshake left no keys is refused.
+    pub(crate) sealed: bool,
 }
 
 /// Messages at least this long wait up to [`GRACE`] for a receive before being queued.

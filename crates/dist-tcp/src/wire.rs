@@ -5,9 +5,11 @@
 //! All integers are little-endian. Every handshake message has a fixed size, so a peer can make
 //! us read at most [`HELLO_LEN`] bytes before it has been checked, whatever it sends.
 //!
-//! The shared secret ([`proof`]) only admits ranks: the store's keys and the frames after the
-//! handshake are neither encrypted nor authenticated. Run dist on a trusted
-//! network, or over WireGuard or IPsec.
+//! The shared secret ([`proof`]) admits ranks. With sealing on ([`Hello::sealed`]), the
+//! handshake also yields one key per direction ([`seal_keys`]) under which every frame after it
+//! is encrypted and authenticated (`seal.rs`); without it those frames, like the store's keys,
+//! are neither encrypted nor authenticated: run dist on a trusted network, or over WireGuard or
+//! IPsec.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -59,6 +61,9 @@ pub struct Hello {
     pub purpose: Purpose,
     /// Whether the sender is configured with a shared secret.
     pub has_secret: bool,
+    /// Whether the sender seals the connection's frames (it then has a secret too): both sides
+    /// must agree, and the flag is covered by the proofs, so no one on the path can clear it.
+    pub sealed: bool,
     /// The world size the sender was started with.
     pub world_size: u32,
     /// The rank the sender claims.
@@ -143,7 +148,7 @@ impl Hello {
         b[..8].copy_from_slice(&MAGIC);
         b[8..10].copy_from_slice(&self.version.to_le_bytes());
         b[10] = self.purpose as u8;
-        b[11] = u8::from(self.has_secret);
+        b[11] = u8::from(self.has_secret) | (u8::from(self.sealed) << 1);
         b[12..16].copy_from_slice(&self.world_size.to_le_bytes());
         b[16..20].copy_from_slice(&self.rank.to_le_bytes());
         b[20..22].copy_from_slice(&self.listen_port.to_le_bytes());
@@ -162,9 +167,11 @@ impl Hello {
             2 => Purpose::Mesh,
             p => return Err(DecodeError::BadField("purpose", p.into())),
         };
-        let has_secret = match buf[11] {
-            0 => false,
-            1 => true,
+        // Bit 0: a secret; bit 1: sealed, which needs a secret.
+        let (has_secret, sealed) = match buf[11] {
+            0 => (false, false),
+            1 => (true, false),
+            3 => (true, true),
             f => return Err(DecodeError::BadField("flags", f.into())),
         };
         // Reserved bytes must be zero, so that every accepted hello is exactly what its fields
@@ -177,6 +184,7 @@ impl Hello {
             version: u16_at(buf, 8),
             purpose,
             has_secret,
+            sealed,
             world_size: u32_at(buf, 12),
             rank: u32_at(buf, 16),
             listen_port: u16_at(buf, 20),
@@ -214,6 +222,8 @@ pub enum Refusal {
     /// wins: the higher rank's is refused with this code, and that rank waits for the lower
     /// rank's connection instead of failing (protocol version 6).
     Crossed = 11,
+    /// One side seals its connections and the other does not.
+    SealConfig = 12,
 }
 
 impl Refusal {
@@ -231,6 +241,7 @@ impl Refusal {
             Protocol,
             Abort,
             Crossed,
+            SealConfig,
         ]
         .into_iter()
         .find(|r| *r as u32 == c)
@@ -476,6 +487,37 @@ pub fn verify_proof(
     keyed(secret, side, hello, server_rank, server_nonce)
         .verify_slice(got)
         .is_ok()
+}
+
+/// Length of a sealing key (AES-256).
+pub const SEAL_KEY_LEN: usize = 32;
+
+/// The keys of a sealed connection, one per direction: (client to server, server to client).
+/// An HMAC-SHA256 of the handshake (every field of the `hello`, the client's nonce among them,
+/// the listener's rank and its nonce) under the secret gives a key for this one connection
+/// (the extract step of HKDF, RFC 5869); one HMAC under that key per direction, each with its
+/// own label, gives the two keys (the expand step). Both nonces are fresh, so no two
+/// connections share a key, even between the same two ranks; the labels differ from the
+/// proofs', so a proof seen on the wire says nothing of a key.
+pub fn seal_keys(
+    secret: &[u8],
+    hello: &Hello,
+    server_rank: u32,
+    server_nonce: &[u8; NONCE_LEN],
+) -> ([u8; SEAL_KEY_LEN], [u8; SEAL_KEY_LEN]) {
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(b"dist/tcp seal keys v1");
+    mac.update(&hello.encode()[8..]);
+    mac.update(&server_rank.to_le_bytes());
+    mac.update(server_nonce);
+    let prk = mac.finalize().into_bytes();
+    let expand = |label: &[u8]| -> [u8; SEAL_KEY_LEN] {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&prk).expect("a 32-byte key");
+        m.update(label);
+        m.update(&[1]);
+        m.finalize().into_bytes().into()
+    };
+    (expand(b"client to server"), expand(b"server to client"))
 }
 
 #[cfg(test)]

@@ -121,6 +121,18 @@ pub const DIRECT: Variant = Variant {
     ],
 };
 
+/// Every TCP connection sealed (encrypted and authenticated per frame), shared memory off so
+/// that every frame between the ranks goes over a sealed connection.
+pub const SEALED: Variant = Variant {
+    name: "sealed",
+    sizes: &[2, 3, 5],
+    env: &[
+        ("DIST_SEAL", "1"),
+        ("DIST_SECRET", "multirank-sealed-variant-secret"),
+        ("DIST_SHM", "0"),
+    ],
+};
+
 impl Case {
     /// `run`, at [`SIZES`], needing nothing more.
     pub const fn new(name: &'static str, run: fn() -> Result<(), String>) -> Case {

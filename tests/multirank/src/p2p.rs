@@ -238,6 +238,7 @@ fn hello(rank: u32, world: u32) -> Hello {
         version: PROTOCOL_VERSION,
         purpose: Purpose::Mesh,
         has_secret: false,
+        sealed: false,
         world_size: world,
         rank,
         listen_port: 9,

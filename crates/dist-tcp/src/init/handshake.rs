@@ -96,6 +96,8 @@ pub(super) struct Rules {
     pub(super) ranks: Range<usize>,
     pub(super) job_id: u64,
     pub(super) secret: Option<Vec<u8>>,
+    /// Whether connections are sealed (`crate::seal`; with a secret only).
+    pub(super) seal: bool,
     pub(super) handshake_timeout: Duration,
     /// Who decides, at the verdict, whether a rank that passed every check is let in.
     pub(super) gate: Gate,
@@ -173,7 +175,7 @@ pub(super) fn serve_handshake(
         Err(e) => return Err(refuse(&mut stream, Refusal::Protocol, e.to_string())),
     };
     let rank = hello.rank as usize;
-    let checks: [(bool, Refusal, &dyn Fn() -> String); 6] = [
+    let checks: [(bool, Refusal, &dyn Fn() -> String); 7] = [
         (hello.version != PROTOCOL_VERSION, Refusal::Version, &|| {
             format!(
                 "protocol version {} is not this rank's {PROTOCOL_VERSION}",
@@ -229,6 +231,10 @@ pub(super) fn serve_handshake(
                 }
             },
         ),
+        (hello.sealed != r.seal, Refusal::SealConfig, &|| {
+            let (on, off) = if r.seal { (r.me, rank) } else { (rank, r.me) };
+            format!("rank {on} seals its connections (DIST_SEAL) and rank {off} does not")
+        }),
     ];
     if let Some((_, why, text)) = checks.iter().find(|c| c.0) {
         return Err(refuse(&mut stream, *why, format!("{} ({from})", text())));
@@ -319,6 +325,15 @@ pub(super) fn serve_handshake(
                 ));
             }
         },
+    }
+    // The other side proved the secret: the connection's keys wait for its peer.
+    if let (true, Some(s)) = (r.seal, &r.secret) {
+        let (to_server, to_client) = wire::seal_keys(s, &hello, me, &server_nonce);
+        let keys = crate::seal::Keys {
+            tx: to_client,
+            rx: to_server,
+        };
+        crate::seal::remember(&stream, keys).map_err(|e| format!("keeping the keys: {e}"))?;
     }
     // The other side proved the secret (or there is none): now, and only now, this side proves.
     let server_proof = match &r.secret {
@@ -476,6 +491,16 @@ pub(super) fn client_handshake(
                      secrets, or it is not a rank of this job"
                         .into(),
                 ))
+            }
+            Some(s) if hello.sealed => {
+                let (to_server, to_client) =
+                    wire::seal_keys(s, hello, server_rank, &challenge.nonce);
+                let keys = crate::seal::Keys {
+                    tx: to_server,
+                    rx: to_client,
+                };
+                crate::seal::remember(stream, keys)
+                    .map_err(|e| Failed::Final(io("keep the connection's keys")(e)))
             }
             _ => Ok(()),
         },

@@ -31,6 +31,7 @@ pub struct Mesh {
     world: usize,
     job_id: u64,
     secret: Option<Vec<u8>>,
+    seal: bool,
     addrs: Vec<SocketAddr>,
     /// How long a peer's acceptor may take over a handshake; a dial waits for the verdict up
     /// to this long past its caller's deadline (see `client_handshake`).
@@ -56,6 +57,8 @@ pub(crate) struct MeshSpec {
     pub(crate) world: usize,
     pub(crate) job_id: u64,
     pub(crate) secret: Option<Vec<u8>>,
+    /// Whether connections are sealed (`crate::seal`).
+    pub(crate) seal: bool,
     pub(crate) handshake_timeout: Duration,
     pub(crate) addrs: Vec<SocketAddr>,
 }
@@ -76,6 +79,7 @@ impl Mesh {
             world,
             job_id,
             secret,
+            seal,
             handshake_timeout,
             addrs,
         } = spec;
@@ -96,6 +100,7 @@ impl Mesh {
                     ranks: 0..world,
                     job_id,
                     secret: secret.clone(),
+                    seal,
                     handshake_timeout,
                     gate: Gate::Mesh(links.clone()),
                 },
@@ -106,6 +111,7 @@ impl Mesh {
             world,
             job_id,
             secret,
+            seal,
             addrs,
             handshake_timeout,
             links,
@@ -234,6 +240,7 @@ impl Mesh {
                 version: PROTOCOL_VERSION,
                 purpose: Purpose::Mesh,
                 has_secret: self.secret.is_some(),
+                sealed: self.seal,
                 world_size: self.world as u32,
                 rank: me as u32,
                 listen_port: 0,

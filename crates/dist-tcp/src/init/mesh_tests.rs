@@ -166,6 +166,7 @@ fn mesh_of_rank2(secret: Option<&[u8]>, timeout: Duration) -> (Mesh, SocketAddr)
         world: 4,
         job_id: 7,
         secret: secret.map(<[u8]>::to_vec),
+        seal: false,
         handshake_timeout: timeout,
         addrs: vec![addr; 4],
     };
@@ -178,6 +179,7 @@ fn hello(rank: u32, has_secret: bool) -> Hello {
         version: PROTOCOL_VERSION,
         purpose: Purpose::Mesh,
         has_secret,
+        sealed: false,
         world_size: 4,
         rank,
         listen_port: 0,
@@ -290,6 +292,7 @@ fn a_dial_to_a_gone_rank_fails_at_once() {
         world: 3,
         job_id: 7,
         secret: None,
+        seal: false,
         handshake_timeout: Duration::from_secs(1),
         addrs: vec![gone_addr, gone_addr, mute.local_addr().unwrap()],
     };

@@ -10,6 +10,7 @@ fn limits(unexpected: usize) -> Limits {
     Limits {
         max_message: 1 << 30,
         unexpected,
+        sealed: false,
     }
 }
 

@@ -15,6 +15,7 @@ fn limits() -> Limits {
     Limits {
         max_message: 1 << 20,
         unexpected: 1 << 20,
+        sealed: false,
     }
 }
 

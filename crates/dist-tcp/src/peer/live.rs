@@ -325,6 +325,7 @@ mod quiet_tests {
         let limits = Limits {
             max_message: 1 << 20,
             unexpected: 1 << 20,
+            sealed: false,
         };
         let peer =
             Peer::connected(0, 1, s, Duration::from_secs(10), Default::default(), limits).unwrap();

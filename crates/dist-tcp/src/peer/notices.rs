@@ -176,6 +176,12 @@ impl Out<'_> {
         IoSlice::advance_slices(&mut bufs, *sent);
         loop {
             if bufs.is_empty() {
+                // On a sealed connection, the record the frame ends in goes out too.
+                match g.flush_now() {
+                    Ok(()) => {}
+                    Err(e) if would_block(&e) => return Push::Blocked(g.room_fd()),
+                    Err(e) => return Push::Failed(e),
+                }
                 g.hb_left = g.hb_left.saturating_sub(*sent);
                 *w = None;
                 return Push::Done;

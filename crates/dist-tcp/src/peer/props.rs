@@ -238,7 +238,7 @@ proptest! {
     ) {
         let bytes = stream(&msgs);
         let total = bytes.len();
-        let peer = scripted(bytes, Limits { max_message: 1 << 30, unexpected: UNEXPECTED });
+        let peer = scripted(bytes, Limits { max_message: 1 << 30, unexpected: UNEXPECTED, sealed: false });
         let mut m = Model { peer: &peer, msgs: &msgs, tags: (0..3).map(|_| TagState::default()).collect() };
         for (i, &(tag, _)) in msgs.iter().enumerate() {
             m.tags[tag as usize].msgs.push(i);
@@ -289,7 +289,7 @@ proptest! {
     ) {
         let mut bytes = stream(&msgs);
         bytes.extend_from_slice(&garbage);
-        let peer = scripted(bytes, Limits { max_message: 1 << 20, unexpected: UNEXPECTED });
+        let peer = scripted(bytes, Limits { max_message: 1 << 20, unexpected: UNEXPECTED, sealed: false });
         for n in cuts {
             feed(&peer, n, false);
             step(&peer);
@@ -323,6 +323,7 @@ fn the_read_buffer_does_not_grow_for_large_frames() {
         Limits {
             max_message: 1 << 30,
             unexpected: 1 << 20,
+            sealed: false,
         },
     );
     let mut bufs: Vec<Vec<u8>> = msgs.iter().map(|&(_, len)| vec![0u8; len]).collect();
@@ -350,6 +351,7 @@ fn the_read_buffer_does_not_grow_for_large_frames() {
         Limits {
             max_message: 1 << 30,
             unexpected: 1 << 20,
+            sealed: false,
         },
     );
     feed(&p, usize::MAX / 2, false);

@@ -118,6 +118,12 @@ pub(super) enum Source {
         /// left: the read side has more to do although the read found nothing.
         bells_left: bool,
     },
+    /// A sealed connection (`crate::seal`): the records read from `inner` are checked and
+    /// opened, and only their text goes on.
+    Sealed {
+        inner: Box<Source>,
+        open: Box<crate::seal::Opener>,
+    },
     #[cfg(test)]
     Script(Script),
 }
@@ -139,6 +145,7 @@ impl Source {
             Source::Socket(s) | Source::Ring { sock: s, .. } => {
                 let _ = s.shutdown(Shutdown::Both);
             }
+            Source::Sealed { inner, .. } => inner.shutdown(),
             #[cfg(test)]
             Source::Script(s) => s.eof = true,
         }
@@ -155,6 +162,7 @@ pub(super) fn recv_now(sock: &mut Source, dst: &mut [u8]) -> std::io::Result<usi
             io_turn,
             bells_left,
         } => return ring_recv(sock, ring, *io_turn, bells_left, dst),
+        Source::Sealed { inner, open } => return open.read(&mut |b| recv_now(inner, b), dst),
         #[cfg(test)]
         Source::Script(s) => {
             let n = dst.len().min(s.available - s.read);
@@ -228,7 +236,8 @@ impl Rx {
     /// The last read stopped at its bound of frames ([`PROGRESS_TURNS`]) with bytes maybe left
     /// in the buffer: the socket's readiness does not tell of them.
     pub(super) fn buffered(&self) -> bool {
-        self.stopped_early && self.lo < self.hi
+        let opened = matches!(&self.sock, Source::Sealed { open, .. } if open.ready());
+        self.stopped_early && (self.lo < self.hi || opened)
     }
 
     /// Reads more of the stream into the buffer; `Ok(0)` at its end.
@@ -316,23 +325,8 @@ impl Peer {
     /// socket holds close to its receive buffer's size in unread bytes). A count that cannot
     /// be read proves it alive, as every hold did before.
     fn held_fed(&self, rx: &mut Rx, new: bool) -> bool {
-        use std::os::fd::AsRawFd;
-        let (unread, full) = match &rx.sock {
-            Source::Socket(s) => {
-                let unread = crate::sys::unread(s.as_raw_fd());
-                let room = s.recv_buffer_size();
-                match (unread, room) {
-                    (Ok(n), Ok(room)) => (n, room / 4),
-                    _ => return true,
-                }
-            }
-            // A ring's producer blocks once the ring is full, and it is larger than this.
-            Source::Ring { ring, .. } => match ring.available(&|| "checking a held frame".into()) {
-                Ok(n) => (usize::try_from(n).unwrap_or(usize::MAX), RX_BUF),
-                Err(_) => return true,
-            },
-            #[cfg(test)]
-            Source::Script(s) => (s.available - s.read, usize::MAX),
+        let Some((unread, full)) = unread_behind(&rx.sock) else {
+            return true;
         };
         let grew = unread > rx.held_unread;
         rx.held_unread = unread;
@@ -552,6 +546,31 @@ impl Peer {
                 }
             }
         }
+    }
+}
+
+/// The peer's bytes waiting unread in `sock` (for a held frame, see [`Peer::held_fed`]), and
+/// how many of them show that the peer may be blocked by this side's flow control; `None` when
+/// the count cannot be read.
+fn unread_behind(sock: &Source) -> Option<(usize, usize)> {
+    use std::os::fd::AsRawFd;
+    match sock {
+        Source::Socket(s) => {
+            let unread = crate::sys::unread(s.as_raw_fd()).ok()?;
+            let room = s.recv_buffer_size().ok()?;
+            Some((unread, room / 4))
+        }
+        // A ring's producer blocks once the ring is full, and it is larger than this.
+        Source::Ring { ring, .. } => {
+            let n = ring.available(&|| "checking a held frame".into()).ok()?;
+            Some((usize::try_from(n).unwrap_or(usize::MAX), RX_BUF))
+        }
+        // What the sealing layer read ahead counts as unread too.
+        Source::Sealed { inner, open } => {
+            unread_behind(inner).map(|(n, full)| (n.saturating_add(open.held()), full))
+        }
+        #[cfg(test)]
+        Source::Script(s) => Some((s.available - s.read, usize::MAX)),
     }
 }
 

@@ -100,6 +100,7 @@ impl Peer {
         let limits = Limits {
             max_message: u64::MAX,
             unexpected: usize::MAX,
+            sealed: false,
         };
         let mut p = Peer::bare(me, me, Duration::ZERO, aborts, limits, None);
         p.loopback = true;
@@ -128,19 +129,45 @@ impl Peer {
         crate::sys::prepare(&sock).map_err(|e| io("prepare socket", e))?;
         let r = socket2::Socket::from(stream.try_clone().map_err(|e| io("clone socket", e))?);
         let shm_ways = (shm.tx.is_some(), shm.rx.is_some());
+        // The keys its handshake derived, if it was sealed; a direction through shared memory
+        // is not sealed (it never leaves the host).
+        let keys = crate::seal::take(&stream);
+        if self.limits.sealed && keys.is_none() {
+            return Err(DistError::InvalidArgument {
+                rank: me,
+                op: format!("attach a connection to peer {rank}"),
+                reason: "connections must be sealed (DIST_SEAL) and this one's handshake \
+                         derived no keys"
+                    .into(),
+            });
+        }
+        let (sealer, opener) = match &keys {
+            Some(k) => (
+                Some(crate::seal::Sealer::new(&k.tx)),
+                Some(crate::seal::Opener::new(&k.rx, rank)),
+            ),
+            None => (None, None),
+        };
         let conn = Conn {
             shm: shm_ways,
             pollable: !shm_ways.1,
-            writer: WriterLock::new(Writer::new(sock, shm.tx.map(|t| t.for_rank(me)))),
+            writer: WriterLock::new(match shm.tx {
+                Some(t) => Writer::new(sock, Some(t.for_rank(me))),
+                None => Writer::sealed(sock, sealer),
+            }),
             rx: Mutex::new(Rx {
-                sock: match shm.rx {
-                    Some(ring) => Source::Ring {
+                sock: match (shm.rx, opener) {
+                    (Some(ring), _) => Source::Ring {
                         sock: r,
                         ring: ring.for_rank(me),
                         io_turn: false,
                         bells_left: false,
                     },
-                    None => Source::Socket(r),
+                    (None, Some(open)) => Source::Sealed {
+                        inner: Box::new(Source::Socket(r)),
+                        open: Box::new(open),
+                    },
+                    (None, None) => Source::Socket(r),
                 },
                 buf: vec![0u8; RX_BUF_MIN].into_boxed_slice(),
                 lo: 0,

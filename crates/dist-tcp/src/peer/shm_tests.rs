@@ -27,6 +27,7 @@ fn pair_unwatched() -> (Arc<Peer>, Arc<Peer>) {
     let limits = Limits {
         max_message: 1 << 30,
         unexpected: 64 << 20,
+        sealed: false,
     };
     let make = |me, rank, s| {
         let aborts = Arc::new(Aborts::default());

@@ -89,6 +89,7 @@ pub(super) fn limits(max_message: u64, unexpected: usize) -> Limits {
     Limits {
         max_message,
         unexpected,
+        sealed: false,
     }
 }
 

@@ -17,6 +17,10 @@ pub(super) struct Writer {
     /// Bytes went out since the last heartbeat was written: the peer heard from this rank, and
     /// the next periodic heartbeat is skipped ([`Peer::heartbeat_if_quiet`]).
     pub(super) wrote: bool,
+    /// On a sealed connection (`crate::seal`), what seals the bytes written to the socket, and
+    /// the record being written: bytes of a frame count as written once sealed into a record,
+    /// and the record goes out before anything after it ([`Writer::flush_now`]).
+    pub(super) seal: Option<crate::seal::Sealer>,
 }
 
 /// The longest a sender sleeps on a full ring before it looks at the connection again (a peer
@@ -39,12 +43,66 @@ impl Writer {
             hb: [0; FRAME_HEADER_LEN],
             hb_left: 0,
             wrote: false,
+            seal: None,
+        }
+    }
+
+    /// A writer over `sock` whose bytes are sealed by `seal`, if given.
+    pub(super) fn sealed(sock: socket2::Socket, seal: Option<crate::seal::Sealer>) -> Writer {
+        Writer {
+            seal,
+            ..Writer::new(sock, None)
+        }
+    }
+
+    /// Whether bytes taken as written are still to go out (a sealed record written in part).
+    pub(super) fn unflushed(&self) -> bool {
+        self.seal.as_ref().is_some_and(|s| !s.pending().is_empty())
+    }
+
+    /// Writes what is left of a sealed record without blocking: `WouldBlock` if some is left.
+    pub(super) fn flush_now(&mut self) -> std::io::Result<()> {
+        let Some(seal) = &mut self.seal else {
+            return Ok(());
+        };
+        while !seal.pending().is_empty() {
+            match self
+                .sock
+                .send_with_flags(seal.pending(), MSG_NOSIGNAL | MSG_DONTWAIT)
+            {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    seal.advance(n);
+                    self.wrote = true;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Writer::try_write`] on a sealed connection: the record before goes out first; then
+    /// the next bytes of `bufs` are sealed into a record (and taken as written), which goes
+    /// out as far as the socket takes it now.
+    fn try_write_sealed(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        self.flush_now()?;
+        let Some(seal) = &mut self.seal else {
+            return Ok(0);
+        };
+        let n = seal.seal(bufs)?;
+        match self.flush_now() {
+            Err(e) if !would_block(&e) => Err(e),
+            _ => Ok(n),
         }
     }
 
     /// Writes what fits of `bufs` now, without blocking: to the ring (ringing the peer's
     /// doorbell if it asked for one) or the socket. `WouldBlock` when nothing fits.
     pub(super) fn try_write(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        if self.seal.is_some() {
+            return self.try_write_sealed(bufs);
+        }
         let Some(ring) = &mut self.ring else {
             let n = self
                 .sock
@@ -98,6 +156,11 @@ impl Writer {
     /// Writes what is left of a heartbeat without blocking: `Ok` with some of it left when the
     /// socket is full (the next frame's write sends the rest first).
     pub(super) fn push_heartbeat(&mut self) -> std::io::Result<()> {
+        // A sealed record written in part goes first (it may be the last heartbeat's).
+        match self.flush_now() {
+            Err(e) if would_block(&e) => return Ok(()),
+            r => r?,
+        }
         while self.hb_left > 0 {
             let from = FRAME_HEADER_LEN - self.hb_left;
             let hb = self.hb;
@@ -113,17 +176,23 @@ impl Writer {
     }
 }
 
-/// Writes all of `bufs` by `deadline`: non-blocking writes, and a wait for room (at most until
-/// the deadline) whenever the socket or ring is full. `SO_SNDTIMEO` would bound each write, not
-/// the whole.
+/// Writes all of `bufs` by `deadline` (and, on a sealed connection, the record they end in):
+/// non-blocking writes, and a wait for room (at most until the deadline) whenever the socket or
+/// ring is full. `SO_SNDTIMEO` would bound each write, not the whole.
 pub(super) fn write_all_vectored(
     w: &mut Writer,
     mut bufs: &mut [IoSlice<'_>],
     deadline: Instant,
     sent: &mut usize,
 ) -> std::io::Result<()> {
-    while !bufs.is_empty() {
-        match w.try_write(bufs) {
+    while !bufs.is_empty() || w.unflushed() {
+        let wrote = if bufs.is_empty() {
+            w.flush_now().map(|()| 0)
+        } else {
+            w.try_write(bufs)
+        };
+        match wrote {
+            Ok(0) if bufs.is_empty() => {}
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => {
                 IoSlice::advance_slices(&mut bufs, n);
@@ -341,11 +410,19 @@ impl Peer {
         let mut idle_since: Option<Instant> = None;
         let mut received = false;
         let r = loop {
-            if bufs.is_empty() {
+            // On a sealed connection the frame is written once the record it ends in is: that
+            // goes out in this loop too, reading `src` whenever the socket is full, as the
+            // frame's bytes do.
+            if bufs.is_empty() && !w.unflushed() {
                 break Ok(());
             }
             let mut moved = false;
-            match w.try_write(bufs) {
+            let wrote = if bufs.is_empty() {
+                w.flush_now().map(|()| 0)
+            } else {
+                w.try_write(bufs)
+            };
+            match wrote {
                 Ok(n) => {
                     IoSlice::advance_slices(&mut bufs, n);
                     sent += n;

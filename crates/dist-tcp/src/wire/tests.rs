@@ -7,6 +7,7 @@ fn hello() -> Hello {
         version: PROTOCOL_VERSION,
         purpose: Purpose::Mesh,
         has_secret: true,
+        sealed: false,
         world_size: 5,
         rank: 3,
         listen_port: 29_501,
@@ -157,10 +158,11 @@ fn proofs_bind_secret_side_claim_and_listener() {
     assert!(!verify_proof(key, Side::Client, &h, 1, &sn, &p));
     assert!(!verify_proof(key, Side::Client, &h, 2, &[8; NONCE_LEN], &p));
     // Every field of the hello is inside the MAC, the listen port and version included.
-    let changed: [fn(&mut Hello); 8] = [
+    let changed: [fn(&mut Hello); 9] = [
         |h| h.version += 1,
         |h| h.purpose = Purpose::Rendezvous,
         |h| h.has_secret = false,
+        |h| h.sealed = true,
         |h| h.world_size += 1,
         |h| h.rank += 1,
         |h| h.listen_port += 1,
@@ -193,7 +195,7 @@ mod props {
         (
             any::<u16>(),
             prop_oneof![Just(Purpose::Rendezvous), Just(Purpose::Mesh)],
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
             any::<u32>(),
             any::<u32>(),
             any::<u16>(),
@@ -201,11 +203,14 @@ mod props {
             any::<[u8; NONCE_LEN]>(),
         )
             .prop_map(
-                |(version, purpose, has_secret, world_size, rank, listen_port, job_id, nonce)| {
+                |(version, purpose, flags, world_size, rank, listen_port, job_id, nonce)| {
+                    let (has_secret, seal) = flags;
                     Hello {
                         version,
                         purpose,
                         has_secret,
+                        // Sealing needs a secret: a hello may not say sealed without one.
+                        sealed: has_secret && seal,
                         world_size,
                         rank,
                         listen_port,
@@ -351,4 +356,33 @@ mod props {
             }
         }
     }
+}
+
+/// The two keys of a sealed connection differ from each other, from every other connection's
+/// (another nonce of either side, another listener) and under another secret; the sealed flag
+/// rides in the hello's flags (bit 1, with the secret's bit 0) and is covered by the proofs.
+#[test]
+fn seal_keys_are_per_connection_and_direction() {
+    let mut h = hello();
+    h.sealed = true;
+    let b = h.encode();
+    assert_eq!(b[11], 3);
+    assert_eq!(Hello::decode(&b), Ok(h));
+    let key = b"0123456789abcdef";
+    let sn = [5; NONCE_LEN];
+    let (c2s, s2c) = seal_keys(key, &h, 2, &sn);
+    assert_ne!(c2s, s2c);
+    let mut other_client = h;
+    other_client.nonce[0] ^= 1;
+    for (k, what) in [
+        (seal_keys(key, &other_client, 2, &sn), "the client's nonce"),
+        (seal_keys(key, &h, 2, &[6; NONCE_LEN]), "the server's nonce"),
+        (seal_keys(key, &h, 1, &sn), "the listener's rank"),
+        (seal_keys(b"fedcba9876543210", &h, 2, &sn), "the secret"),
+    ] {
+        assert!(k.0 != c2s && k.1 != s2c, "{what} does not change the keys");
+    }
+    // Neither key is a proof seen on the wire.
+    assert_ne!(proof(key, Side::Client, &h, 2, &sn), c2s);
+    assert_ne!(proof(key, Side::Server, &h, 2, &sn), s2c);
 }
