@@ -107,7 +107,9 @@ impl Shared {
             // A revocation's notice says the epoch already.
             let prefix = format!("group epoch {} revoked: ", self.epoch);
             let reason = n.reason.strip_prefix(&prefix).unwrap_or(&n.reason);
-            self.mark_revoked(Some(n.origin()), reason.to_string());
+            // The rank at fault is the one the notice names, if any: its sender (or a rank
+            // whose call failed first, passed on) only reports a failure, and may live.
+            self.mark_revoked(n.culprit, reason.to_string());
         }
     }
 
@@ -188,8 +190,10 @@ impl Shared {
                     self.note_failed(*peer, || e.to_string());
                     self.revoke(Some(*peer), e.to_string());
                 }
-                DistError::Aborted { origin, reason, .. } => {
-                    self.revoke(Some(*origin), reason.clone());
+                DistError::Aborted {
+                    culprit, reason, ..
+                } => {
+                    self.revoke(*culprit, reason.clone());
                 }
                 _ => {}
             }

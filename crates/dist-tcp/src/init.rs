@@ -183,6 +183,7 @@ fn published_failure(me: usize, text: &str) -> Option<DistError> {
         rank: me,
         op: "init".into(),
         origin: origin.parse().unwrap_or(0),
+        culprit: None,
         reason: reason.into(),
     })
 }
@@ -384,6 +385,7 @@ fn publish_table(
             rank: 0,
             op: "init".into(),
             origin: r,
+            culprit: None,
             reason: why,
         });
     }

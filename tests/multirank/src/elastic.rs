@@ -31,6 +31,8 @@ pub const CASES: &[Case] = &[
     Case::new("elastic_excluded", excluded).only_at(&[4]),
     Case::new("elastic_partition", partition).only_at(&[4]),
     Case::new("elastic_failure_in_recovery", failure_in_recovery).only_at(&[4]),
+    Case::new("elastic_revoke_naming_none", revoke_naming_none).only_at(&[4]),
+    Case::new("elastic_timeout", timeout).only_at(&[4]),
 ];
 
 /// The job and every later epoch connected lazily (each pair on first use).
@@ -52,13 +54,74 @@ const BEFORE: u64 = 20;
 const COUNT: usize = 1 << 18;
 
 fn join() -> TcpBackend {
+    join_with(Duration::from_secs(30))
+}
+
+/// [`join`] with operations bounded by `timeout`.
+fn join_with(timeout: Duration) -> TcpBackend {
     TcpBackend::with_config(
         config()
-            .timeout(Duration::from_secs(30))
+            .timeout(timeout)
             .peer_timeout(PEER_TIMEOUT)
             .elastic(true),
     )
     .unwrap_or_else(|e| panic!("init failed: {e}"))
+}
+
+/// A barrier, and then every rank says through the store that it has left it, and waits until
+/// every rank has: a rank that revokes after this cannot fail another's barrier.
+fn past_barrier(b: &TcpBackend) {
+    let me = b.rank();
+    b.barrier().unwrap();
+    let store = b.store();
+    store.set(&format!("test/past/{me}"), b"1").unwrap();
+    let keys: Vec<String> = (0..b.world_size())
+        .map(|r| format!("test/past/{r}"))
+        .collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store
+        .wait(&refs, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank {me}: the others past the barrier: {e}"));
+}
+
+/// Waits (at most 20 s) until the job ranks `ids` have checked in to the recovery into
+/// `epoch` (their `here` keys, as `recover` writes them under `<job prefix>/elastic/<epoch>`).
+fn wait_for_check_ins(b: &TcpBackend, epoch: u64, ids: &[usize]) {
+    let keys: Vec<String> = ids.iter().map(|id| format!("here/{id}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    b.store_under(&format!("elastic/{epoch}"))
+        .wait(&refs, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank {}: the others' check-ins: {e}", b.rank()));
+}
+
+/// Waits (at most 20 s) until an abort notice has come from each of `ranks`.
+fn wait_for_notices(b: &TcpBackend, ranks: &[usize]) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while !ranks
+        .iter()
+        .all(|&r| b.abort_notices().iter().any(|n| n.from == r))
+    {
+        assert!(
+            Instant::now() < until,
+            "rank {}: no notice from each of {ranks:?}: {:?}",
+            b.rank(),
+            b.abort_notices()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Recovers, and asserts that every rank of the job is a member of epoch 1, through a checked
+/// all_reduce.
+fn recover_all_four(b: TcpBackend) {
+    let me = b.rank();
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: recover: {e}"));
+    println!("rank {me}: epoch {}, members {:?}", b.epoch(), b.members());
+    assert_eq!((b.epoch(), b.members()), (1, &[0, 1, 2, 3][..]));
+    checked_all_reduce(&b);
+    b.barrier().unwrap();
 }
 
 fn env_usize(k: &str) -> usize {
@@ -273,7 +336,7 @@ pub fn excluded() -> Result<(), String> {
     let b = join();
     let me = b.rank();
     let store = b.store();
-    b.barrier().unwrap();
+    past_barrier(&b);
     if me == 0 {
         b.revoke(Some(2), "rank 2 is too slow (the test says so)")
             .unwrap();
@@ -434,5 +497,73 @@ pub fn failure_in_recovery() -> Result<(), String> {
     );
     assert_eq!((b.epoch(), b.members()), (2, &[0, 1][..]));
     checked_all_reduce(&b);
+    Ok(())
+}
+
+/// Rank 1 revokes the group naming nobody at fault, while the others wait in a barrier; their
+/// barriers fail with the revocation, which they pass on to each other. Rank 1 names no rank,
+/// and nobody names rank 1: it comes to the recovery last (once the others have checked in),
+/// and every rank is a member of epoch 1.
+pub fn revoke_naming_none() -> Result<(), String> {
+    let b = join();
+    let me = b.rank();
+    past_barrier(&b);
+    if me == 1 {
+        b.revoke(None, "the test revokes it naming nobody").unwrap();
+        wait_for_check_ins(&b, 1, &[0, 2, 3]);
+    } else {
+        let e = b.barrier().unwrap_err();
+        println!("rank {me}: {e}");
+        match &e {
+            DistError::Revoked {
+                epoch: 0,
+                culprit: None,
+                ..
+            } => {}
+            other => panic!("rank {me}: expected the revocation naming nobody, got: {other}"),
+        }
+    }
+    recover_all_four(b);
+    Ok(())
+}
+
+/// Rank 1 stays out of a barrier; rank 2's operations are bounded by 2 s, the others' by 30 s:
+/// rank 2's barrier times out, and ranks 0 and 3 fail theirs with rank 2's notice and pass it
+/// on to each other. Rank 2 failed its own call and lives: nobody names it at fault. Once each
+/// rank has the others' notices (rank 1: once the others checked in), all recover, and every
+/// rank is a member of epoch 1.
+pub fn timeout() -> Result<(), String> {
+    let me = env_usize("RANK");
+    let b = join_with(Duration::from_secs(if me == 2 { 2 } else { 30 }));
+    past_barrier(&b);
+    match me {
+        1 => {
+            wait_for_notices(&b, &[2]);
+            wait_for_check_ins(&b, 1, &[0, 2, 3]);
+        }
+        2 => {
+            let e = b.barrier().unwrap_err();
+            println!("rank 2: {e}");
+            assert!(matches!(e, DistError::Timeout { .. }), "rank 2: {e}");
+            wait_for_notices(&b, &[0, 3]);
+        }
+        _ => {
+            let e = b.barrier().unwrap_err();
+            println!("rank {me}: {e}");
+            assert!(
+                matches!(
+                    e,
+                    DistError::Revoked {
+                        epoch: 0,
+                        culprit: None,
+                        ..
+                    }
+                ),
+                "rank {me}: {e}"
+            );
+            wait_for_notices(&b, &[2, 3 - me]);
+        }
+    }
+    recover_all_four(b);
     Ok(())
 }

@@ -420,6 +420,7 @@ fn a_dial_that_keeps_failing_stops_when_abandoned() {
                 rank: 2,
                 op: "init".into(),
                 origin: 1,
+                culprit: None,
                 reason: "rank 1 failed".into(),
             })
         },
