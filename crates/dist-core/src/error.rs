@@ -162,6 +162,11 @@ pub enum DistError {
         op: String,
         /// The rank that failed first.
         origin: usize,
+        /// The rank known failed (it died, went silent, or was named at fault), where the
+        /// abort names one: then `origin` too. `None` where `origin` reported a failure of its
+        /// own call (a timeout, a mismatch, a revocation naming nobody), which says nothing of
+        /// whether it lives.
+        culprit: Option<usize>,
         /// Its error.
         reason: String,
     },

@@ -484,6 +484,14 @@ impl<L: Link> Group<L> {
         }
     }
 
+    /// [`Group::abort_call`] passing on an abort whose first failure was rank `origin`'s own
+    /// call, naming no rank at fault ([`Link::pass_on_abort`]).
+    pub(crate) fn pass_on_call(&self, tag: Tag, call: Option<u64>, reason: &str, origin: usize) {
+        if !self.state.abort_sent.swap(true, Ordering::AcqRel) {
+            self.state.link.pass_on_abort(tag, call, reason, origin);
+        }
+    }
+
     /// Runs `first` on this thread and `second` on the group's lane thread at once, and
     /// returns once both have run. The lane thread is a one-thread rayon pool, started on first
     /// use; where it cannot start, or the caller is itself a rayon worker, a thread started for

@@ -79,6 +79,14 @@ pub trait Link: Send + Sync {
     /// earlier call undone) ends every wait.
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>);
 
+    /// [`Link::abort`] passing on an abort heard of whose first failure was rank `origin`'s own
+    /// call (a timeout, a mismatch), not a rank known failed: the other ranks' errors name
+    /// `origin`, but their notices name no rank at fault. A link that keeps no such
+    /// distinction names `origin` at fault (the default).
+    fn pass_on_abort(&self, tag: Tag, call: Option<u64>, reason: &str, origin: usize) {
+        self.abort(tag, call, reason, Some(origin))
+    }
+
     /// The first abort notice this rank has (received, or its own), as `(origin, reason)`:
     /// the origin is the culprit the notice names, else the rank that sent it.
     fn abort_notice(&self) -> Option<(usize, String)>;
@@ -91,6 +99,7 @@ pub trait Link: Send + Sync {
         let _ = (tag, call);
         self.abort_notice().map(|(origin, reason)| Notice {
             origin,
+            culprit: None,
             reason,
             call: None,
         })
@@ -147,6 +156,9 @@ pub trait Link: Send + Sync {
 pub struct Notice {
     /// The rank the failure is due to: the culprit the notice names, else its sender.
     pub origin: usize,
+    /// The rank the notice names at fault (known failed: it died, went silent, or was named),
+    /// where it names one: then `origin` too.
+    pub culprit: Option<usize>,
     /// Its error.
     pub reason: String,
     /// The call it failed, where it names one of the group asked about ([`Link::abort`]).
@@ -233,6 +245,10 @@ impl<L: Link + ?Sized> Link for std::sync::Arc<L> {
 
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         (**self).abort(tag, call, reason, culprit)
+    }
+
+    fn pass_on_abort(&self, tag: Tag, call: Option<u64>, reason: &str, origin: usize) {
+        (**self).pass_on_abort(tag, call, reason, origin)
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {

@@ -162,6 +162,38 @@ impl std::fmt::Debug for MemLink {
 }
 
 impl MemLink {
+    /// Puts an abort notice in every live rank's inbox (this one's too): `origin` is whom the
+    /// failure is due to, `culprit` the rank named at fault, if any.
+    fn notify(
+        &self,
+        tag: Tag,
+        call: Option<u64>,
+        reason: &str,
+        origin: usize,
+        culprit: Option<usize>,
+    ) {
+        if self.dead(self.me) {
+            return;
+        }
+        let lost = self.mesh.ranks[self.me].aborts_lost.load(Ordering::Acquire);
+        for (r, rank) in self.mesh.ranks.iter().enumerate() {
+            if self.dead(r) || (lost && r != self.me) {
+                continue;
+            }
+            let mut inbox = self.mesh.lock(r);
+            inbox.aborts.push(MemNotice {
+                tag,
+                notice: crate::link::Notice {
+                    origin,
+                    culprit,
+                    reason: reason.to_string(),
+                    call,
+                },
+            });
+            rank.cond.notify_all();
+        }
+    }
+
     /// The `n` ends of one new link, rank `r` at index `r`.
     pub fn mesh(n: usize) -> Vec<MemLink> {
         let mesh = Arc::new(Mesh {
@@ -326,6 +358,7 @@ impl PostedRecv for MemRecv<'_> {
                     rank: me,
                     op: op(),
                     origin: n.origin,
+                    culprit: n.culprit,
                     reason: n.reason.clone(),
                 });
             }
@@ -449,28 +482,12 @@ impl Link for MemLink {
     /// A dead rank's notice reaches nobody, and no notice reaches a dead rank (a process that
     /// died sends and hears nothing).
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
-        if self.dead(self.me) {
-            return;
-        }
-        let origin = culprit.unwrap_or(self.me);
-        let lost = self.mesh.ranks[self.me].aborts_lost.load(Ordering::Acquire);
-        for (r, rank) in self.mesh.ranks.iter().enumerate() {
-            if self.dead(r) || (lost && r != self.me) {
-                continue;
-            }
-            let mut inbox = self.mesh.lock(r);
-            inbox.aborts.push(MemNotice {
-                tag,
-                notice: crate::link::Notice {
-                    origin,
-                    reason: reason.to_string(),
-                    call,
-                },
-            });
-            rank.cond.notify_all();
-        }
+        self.notify(tag, call, reason, culprit.unwrap_or(self.me), culprit);
     }
 
+    fn pass_on_abort(&self, tag: Tag, call: Option<u64>, reason: &str, origin: usize) {
+        self.notify(tag, call, reason, origin, None);
+    }
     fn abort_notice(&self) -> Option<(usize, String)> {
         let inbox = self.mesh.lock(self.me);
         let n = &inbox.aborts.first()?.notice;

@@ -172,6 +172,9 @@ impl TcpBackend {
                 if notice.culprit.is_some_and(|c| c >= s.world) {
                     notice.culprit = None;
                 }
+                if notice.first.is_some_and(|c| c >= s.world) {
+                    notice.first = None;
+                }
                 // Noted for a recovery, and an elastic backend revoked, before the waiters
                 // are woken.
                 s.heard_abort(&notice);

@@ -22,7 +22,7 @@
 //! included. Whatever its proposal, every rank takes the value `members` holds: one decision
 //! per epoch, so two ranks that saw different failures never form two groups. A rank not in
 //! it fails with [`DistError::Excluded`]. The rank that serves the store (job rank 0 where rank
-//! 0 serves it) is never judged failed: the store answering is proof that it lives.
+//! 0 serves it) is never judged failed, and its check-in is waited for until the deadline.
 //!
 //! **Form.** The members form a new backend through the same store under
 //! `<job prefix>/elastic/<e>/form`, with new connections (and new shared memory) and a new job
@@ -107,7 +107,9 @@ impl Shared {
             // A revocation's notice says the epoch already.
             let prefix = format!("group epoch {} revoked: ", self.epoch);
             let reason = n.reason.strip_prefix(&prefix).unwrap_or(&n.reason);
-            self.mark_revoked(Some(n.origin()), reason.to_string());
+            // The rank at fault is the one the notice names, if any: its sender (or a rank
+            // whose call failed first, passed on) only reports a failure, and may live.
+            self.mark_revoked(n.culprit, reason.to_string());
         }
     }
 
@@ -188,8 +190,10 @@ impl Shared {
                     self.note_failed(*peer, || e.to_string());
                     self.revoke(Some(*peer), e.to_string());
                 }
-                DistError::Aborted { origin, reason, .. } => {
-                    self.revoke(Some(*origin), reason.clone());
+                DistError::Aborted {
+                    culprit, reason, ..
+                } => {
+                    self.revoke(*culprit, reason.clone());
                 }
                 _ => {}
             }
@@ -283,6 +287,7 @@ fn agree(
     me: usize,
     current: &[usize],
     failed: &BTreeSet<usize>,
+    keeper: Option<usize>,
     window: Duration,
     deadline: Instant,
 ) -> Result<Vec<usize>> {
@@ -309,6 +314,15 @@ fn agree(
         match keys.wait(&refs, left(until)) {
             Ok(()) | Err(StoreError::Timeout { .. }) => {}
             Err(e) => return Err(err(e)),
+        }
+        // The rank that serves the store lives while the store answers: its check-in is
+        // waited for until the deadline, not the window, so that it is always a member (a
+        // survivor left without it would have no store).
+        if let Some(k) = keeper.filter(|&k| k != me && current.contains(&k)) {
+            match keys.wait(&[&here_key(k)], left(deadline)) {
+                Ok(()) | Err(StoreError::Timeout { .. }) => {}
+                Err(e) => return Err(err(e)),
+            }
         }
         let mut checks = Ok(());
         let mine = proposal(current, me, failed, |id| {
@@ -429,11 +443,17 @@ impl TcpBackend {
             if let Some(k) = keeper {
                 failed.remove(&k);
             }
-            let keys = PrefixStore::new(format!("{base}/elastic/{epoch}"), &*client);
-            let agreed = agree(&keys, me, epoch, my_id, &current, &failed, window, deadline)
-                .inspect_err(|_| linger(server.take()))?;
+            // Over a connection of its own, each operation bounded by the time left: not
+            // behind a user's wait on the backend's connection, nor past `timeout` while the
+            // store is slow or cut off.
+            let agreed = agree_through(client.server(), &base, me, epoch, deadline, |keys| {
+                agree(
+                    keys, me, epoch, my_id, &current, &failed, keeper, window, deadline,
+                )
+            })
+            .inspect_err(|_| keep_serving(server.take()))?;
             let Some(rank) = agreed.iter().position(|&id| id == my_id) else {
-                linger(server.take());
+                keep_serving(server.take());
                 return Err(DistError::Excluded {
                     rank: me,
                     epoch,
@@ -453,7 +473,7 @@ impl TcpBackend {
                 rank,
                 form_by,
             )
-            .inspect_err(|_| linger(server.take()))?;
+            .inspect_err(|_| keep_serving(server.take()))?;
             let next = Next {
                 store,
                 epoch,
@@ -480,7 +500,7 @@ impl TcpBackend {
                     epoch += 1;
                 }
                 Err(e) => {
-                    linger(server.take());
+                    keep_serving(server.take());
                     return Err(e);
                 }
             }
@@ -507,16 +527,45 @@ impl TcpBackend {
     }
 }
 
-/// A store server a failed or excluded recovery holds stays up a while for the others.
-fn linger(server: Option<dist_store::StoreServer>) {
+/// Store servers whose rank failed or was left out of a recovery: they serve the job's
+/// other ranks (their next epochs, and recoveries after) until the process exits.
+static SERVING: std::sync::Mutex<Vec<dist_store::StoreServer>> = std::sync::Mutex::new(Vec::new());
+
+/// A store server a failed or excluded recovery holds keeps serving the others until the
+/// process exits ([`SERVING`]).
+fn keep_serving(server: Option<dist_store::StoreServer>) {
     if let Some(s) = server {
-        let _ = std::thread::Builder::new()
-            .name("dist-store-linger".into())
-            .spawn(move || {
-                std::thread::sleep(crate::init::STORE_LINGER);
-                drop(s);
-            });
+        tracing::warn!(
+            at = %s.local_addr(),
+            "this rank is out of the job; it serves the job's store until it exits"
+        );
+        SERVING.lock().unwrap_or_else(|p| p.into_inner()).push(s);
     }
+}
+
+/// Runs `f` on the keys of epoch `epoch` (`<base>/elastic/<epoch>`) through a new connection to
+/// the store at `server`, its operations bounded by the time left to `deadline`.
+fn agree_through<T>(
+    server: &str,
+    base: &str,
+    rank: usize,
+    epoch: u64,
+    deadline: Instant,
+    f: impl FnOnce(&PrefixStore<&TcpStore>) -> Result<T>,
+) -> Result<T> {
+    let client = TcpStore::connect(server, left(deadline))
+        .map_err(|e| DistError::Io {
+            rank,
+            context: format!(
+                "connect to the job's store at {server} to agree on group epoch {epoch}"
+            ),
+            source: std::io::Error::other(crate::init::store_error_text(&e)),
+        })?
+        .with_timeout(left(deadline));
+    f(&PrefixStore::new(
+        format!("{base}/elastic/{epoch}"),
+        &client,
+    ))
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use handshake::*;
 pub use links::OnIncoming;
 use mesh::MeshSpec;
 pub use mesh::{Dialed, Mesh};
-pub(crate) use store::{JobStore, Kept, LINGER as STORE_LINGER, full as store_error_text};
+pub(crate) use store::{JobStore, Kept, full as store_error_text};
 use store::{addr_key, ready_key};
 
 /// Forms the job eagerly (whatever `cfg` says) and returns one handshaken stream per peer
@@ -184,6 +184,7 @@ fn published_failure(me: usize, text: &str) -> Option<DistError> {
         rank: me,
         op: "init".into(),
         origin: origin.parse().unwrap_or(0),
+        culprit: None,
         reason: reason.into(),
     })
 }
@@ -311,9 +312,9 @@ fn form_through(
         keys.compare_set("init/go", b"", b"go")
             .map_err(|e| store.err(e))?;
     }
-    match keys.get("init/go", store::left(deadline)) {
-        Ok(v) if v == b"go" => Ok(mesh),
-        Ok(v) => {
+    match decide_go(&keys, me, deadline) {
+        Ok(Some(v)) if v == b"go" => Ok(mesh),
+        Ok(Some(v)) => {
             let text = String::from_utf8_lossy(&v);
             Err(
                 published_failure(me, &text).unwrap_or_else(|| DistError::HandshakeRefused {
@@ -323,13 +324,34 @@ fn form_through(
                 }),
             )
         }
-        Err(dist_store::StoreError::Timeout { .. }) => Err(store.missing(
+        Ok(None) | Err(dist_store::StoreError::Timeout { .. }) => Err(store.missing(
             ready_key,
             world,
             started,
             "ranks did not say they were ready before the init deadline",
         )),
         Err(e) => Err(store.err(e)),
+    }
+}
+
+/// The outcome of the formation, one decision in the store: `init/go` as the last rank ready
+/// (`go`) or the first to fail set it, waited for until `deadline`. A rank whose deadline
+/// passes first sets it to its failure, unless it is set already (`compare_set` from empty),
+/// and takes whatever the key then holds: every rank acts on the same value, so no rank
+/// fails a formation that the others completed (it would form an epoch of its own after).
+/// `None`: this rank's failure is the decision.
+pub(crate) fn decide_go(
+    keys: &dist_store::PrefixStore<&dist_store::TcpStore>,
+    me: usize,
+    deadline: Instant,
+) -> std::result::Result<Option<Vec<u8>>, dist_store::StoreError> {
+    match keys.get("init/go", store::left(deadline)) {
+        Err(dist_store::StoreError::Timeout { .. }) => {
+            let mine = format!("failed {me}: ranks did not say they were ready in time");
+            let v = keys.compare_set("init/go", b"", mine.as_bytes())?;
+            Ok((v != mine.as_bytes()).then_some(v))
+        }
+        other => other.map(Some),
     }
 }
 
@@ -385,6 +407,7 @@ fn publish_table(
             rank: 0,
             op: "init".into(),
             origin: r,
+            culprit: None,
             reason: why,
         });
     }

@@ -44,6 +44,53 @@ impl TcpLink {
     }
 }
 
+impl TcpLink {
+    /// [`Link::abort`] naming `culprit` at fault, or `first` as the origin only.
+    fn abort_naming(
+        &self,
+        tag: Tag,
+        call: Option<u64>,
+        reason: &str,
+        culprit: Option<usize>,
+        first: Option<usize>,
+    ) {
+        let shared = &self.0;
+        // A rank that is no rank of the job names none ([`dist_core::Group::abort`] refuses
+        // one; a caller of the link itself gets the abort without it), decided before anything
+        // is recorded or sent.
+        let in_job = |named: Option<usize>| match named {
+            Some(c) if c >= shared.world => {
+                tracing::warn!(
+                    rank = shared.rank,
+                    named = c,
+                    world = shared.world,
+                    "abort naming no rank of the job: sent naming none"
+                );
+                None
+            }
+            c => c,
+        };
+        let (culprit, first) = (in_job(culprit), in_job(first));
+        // Kept here too (the list is bounded), so that this rank's other waits in this call
+        // end with it whatever notices came before.
+        shared.note_abort(AbortNotice {
+            from: shared.rank,
+            culprit,
+            first,
+            tag,
+            call,
+            reason: reason.to_string(),
+        });
+        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
+        let mut cut = reason.len().min(peer::ABORT_MAX);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        shared.send_abort_notices(tag, call, &reason[..cut], culprit, first);
+        shared.write_trace();
+    }
+}
+
 impl Link for TcpLink {
     type Recv<'a> = TcpRecv<'a>;
 
@@ -110,45 +157,18 @@ impl Link for TcpLink {
     /// Remembers the abort here (this rank's later collectives, and other threads' waits on
     /// system tags, fail at once with it, as they do on the ranks that hear of it), sends an
     /// abort frame naming `culprit` (meta bytes 0..8, rank + 1) and `call` (bytes 8..16, 0 for
-    /// none) to every peer, and writes the
-    /// flight record (`DIST_TRACE_DIR`). The notices go out from one thread, in one loop of
-    /// non-blocking writes; this waits for it 500 ms at most, so a peer that does not read
-    /// (stopped, or its buffers full) holds nobody up. The other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
+    /// none) to every peer, and writes the flight record (`DIST_TRACE_DIR`). The notices go
+    /// out from one thread, in one loop of non-blocking writes; this waits for it 500 ms at
+    /// most, so a peer that does not read (stopped, or its buffers full) holds nobody up. The
+    /// other ranks see it in [`TcpBackend::abort_notices`](crate::TcpBackend::abort_notices).
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
-        let shared = &self.0;
-        // A culprit that is no rank of the job names none ([`dist_core::Group::abort`] refuses
-        // one; a caller of the link itself gets the abort without it), decided before anything
-        // is recorded or sent.
-        let culprit = match culprit {
-            Some(c) if c >= shared.world => {
-                tracing::warn!(
-                    rank = shared.rank,
-                    culprit = c,
-                    world = shared.world,
-                    "abort naming no rank of the job at fault: sent naming none"
-                );
-                None
-            }
-            c => c,
-        };
-        // Kept here too (the list is bounded), so that this rank's other waits in this call
-        // end with it whatever notices came before.
-        {
-            shared.note_abort(AbortNotice {
-                from: shared.rank,
-                culprit,
-                tag,
-                call,
-                reason: reason.to_string(),
-            });
-        }
-        // Receivers refuse a longer notice (a protocol error): send at most that much of it.
-        let mut cut = reason.len().min(peer::ABORT_MAX);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        shared.send_abort_notices(tag, call, &reason[..cut], culprit);
-        shared.write_trace();
+        self.abort_naming(tag, call, reason, culprit, None);
+    }
+
+    /// As [`TcpLink::abort`], the frame naming `origin` with `peer::ORIGIN_ONLY` set: the
+    /// receivers' errors name it, and nobody notes it failed.
+    fn pass_on_abort(&self, tag: Tag, call: Option<u64>, reason: &str, origin: usize) {
+        self.abort_naming(tag, call, reason, None, Some(origin));
     }
 
     fn abort_notice(&self) -> Option<(usize, String)> {
@@ -163,6 +183,7 @@ impl Link for TcpLink {
         let n = self.0.aborts.ending(tag, Some(call))?;
         Some(dist_core::transport::Notice {
             origin: n.origin(),
+            culprit: n.culprit,
             call: dist_core::transport::call_in_group(n.tag, n.call, tag),
             reason: n.reason,
         })

@@ -318,6 +318,7 @@ impl Shared {
         self.note_abort(AbortNotice {
             from: self.rank,
             culprit: Some(p.rank),
+            first: None,
             tag: COLLECTIVE_TAG,
             call: None,
             reason,
@@ -419,13 +420,21 @@ impl Shared {
         call: Option<u64>,
         reason: &str,
         culprit: Option<usize>,
+        first: Option<usize>,
     ) {
         let mut meta = [0u8; 16];
-        // Rank + 1 (0: none). The link passes only ranks of the job; a number with no
-        // successor in 64 bits names none rather than wrapping.
-        let named = culprit
+        // Rank + 1 (0: none), with `crate::peer::ORIGIN_ONLY` set for a rank not at fault. The link
+        // passes only ranks of the job; a number that does not fit below the flag names none
+        // rather than wrapping.
+        let (rank, flag) = match (culprit, first) {
+            (Some(c), _) => (Some(c), 0),
+            (None, f) => (f, crate::peer::ORIGIN_ONLY),
+        };
+        let named = rank
             .and_then(|c| u64::try_from(c).ok())
-            .and_then(|c| c.checked_add(1));
+            .and_then(|c| c.checked_add(1))
+            .filter(|&c| c < crate::peer::ORIGIN_ONLY)
+            .map(|c| c | flag);
         meta[..8].copy_from_slice(&named.unwrap_or(0).to_le_bytes());
         // Call numbers start at 1: 0 says the notice names none.
         meta[8..].copy_from_slice(&call.unwrap_or(0).to_le_bytes());

@@ -66,6 +66,11 @@ use writer::*;
 
 /// The longest abort notice a peer may send (its error text); a longer one is a protocol error.
 pub(crate) const ABORT_MAX: usize = 64 << 10;
+
+/// Set in an abort frame's named rank (meta bytes 0..8, rank + 1) where the rank is not named
+/// at fault but is the one whose own call failed first, passed on
+/// ([`AbortNotice::first`]).
+pub(crate) const ORIGIN_ONLY: u64 = 1 << 63;
 /// How many abort notices a backend keeps from each sender (this rank's own included): a peer
 /// flooding abort frames pushes out no other rank's notices, and holds at most this many of
 /// [`ABORT_MAX`] bytes here (its text as kept, invalid UTF-8 replaced, is cut back to that

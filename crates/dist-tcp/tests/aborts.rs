@@ -65,3 +65,73 @@ fn an_abort_for_a_later_call_lets_an_earlier_one_finish() {
         }
     }
 }
+
+/// Rank 1 fails a call on its own (a root out of range); ranks 0 and 2, once its notice is
+/// here, fail that call with rank 1 as the origin and pass the abort on to each other. The passed-on notices name rank 1
+/// as the origin of the failure but not at fault: rank 1 failed its own call and lives (a
+/// rank named at fault is judged failed by a recovery). Before, the pass-on named its origin
+/// at fault.
+#[test]
+fn an_abort_passed_on_names_its_origin_but_no_rank_at_fault() {
+    let results = common::job_with(3, cfg, move |b| {
+        let me = b.rank();
+        let store = b.store();
+        if me == 1 {
+            let e = b.broadcast(&mut [0u8; 4], 5).unwrap_err();
+            use dist_tcp::dist_store::Store;
+            store
+                .wait(&["test/seen/0", "test/seen/2"], Duration::from_secs(20))
+                .unwrap();
+            store.set("test/seen/1", b"1").unwrap();
+            return (e.to_string(), Vec::new());
+        }
+        let until = Instant::now() + Duration::from_secs(20);
+        while b.abort_notices().is_empty() {
+            assert!(Instant::now() < until, "rank {me}: no abort notice came");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let e = b.broadcast(&mut [0u8; 4], 0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DistError::Aborted {
+                    origin: 1,
+                    culprit: None,
+                    ..
+                }
+            ),
+            "rank {me}: {e:?}"
+        );
+        // The other survivor's notice, passed on.
+        let other = 2 - me;
+        let until = Instant::now() + Duration::from_secs(20);
+        let passed = loop {
+            if let Some(n) = b.abort_notices().into_iter().find(|n| n.from == other) {
+                break n;
+            }
+            assert!(
+                Instant::now() < until,
+                "rank {me}: rank {other} passed nothing on"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        use dist_tcp::dist_store::Store;
+        store.set(&format!("test/seen/{me}"), b"1").unwrap();
+        if me == 0 {
+            // Rank 0 serves the store: it stays until the others are done with it.
+            store
+                .wait(&["test/seen/1", "test/seen/2"], Duration::from_secs(20))
+                .unwrap();
+        }
+        (e.to_string(), vec![passed])
+    });
+    for (r, (e, passed)) in results.into_iter().enumerate() {
+        for n in passed {
+            assert_eq!(
+                (n.origin(), n.culprit, n.first),
+                (1, None, Some(1)),
+                "rank {r} ({e}): {n:?}"
+            );
+        }
+    }
+}

@@ -462,6 +462,7 @@ pub fn mismatch_root() {
             op,
             origin,
             reason,
+            ..
         } => {
             assert!(*rank == me && *origin != me, "{text}");
             assert!(*op == bcast(mine) || *op == next, "{text}");

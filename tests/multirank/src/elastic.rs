@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dist_core::collectives::Collectives;
-use dist_core::{Backend, DistError, ReduceOp, Tag};
+use dist_core::{Backend, DistError, ReduceOp, Subgroups, Tag};
 use dist_multirank::{Case, Variant, config};
 use dist_tcp::TcpBackend;
 use dist_tcp::dist_store::Store;
@@ -31,6 +31,11 @@ pub const CASES: &[Case] = &[
     Case::new("elastic_excluded", excluded).only_at(&[4]),
     Case::new("elastic_partition", partition).only_at(&[4]),
     Case::new("elastic_failure_in_recovery", failure_in_recovery).only_at(&[4]),
+    Case::new("elastic_revoke_naming_none", revoke_naming_none).only_at(&[4]),
+    Case::new("elastic_timeout", timeout).only_at(&[4]),
+    Case::new("elastic_store_busy", store_busy).only_at(&[4]),
+    Case::new("elastic_two_failures", two_failures).only_at(&[4]),
+    Case::new("elastic_subgroup", subgroup).only_at(&[4]),
 ];
 
 /// The job and every later epoch connected lazily (each pair on first use).
@@ -52,13 +57,74 @@ const BEFORE: u64 = 20;
 const COUNT: usize = 1 << 18;
 
 fn join() -> TcpBackend {
+    join_with(Duration::from_secs(30))
+}
+
+/// [`join`] with operations bounded by `timeout`.
+fn join_with(timeout: Duration) -> TcpBackend {
     TcpBackend::with_config(
         config()
-            .timeout(Duration::from_secs(30))
+            .timeout(timeout)
             .peer_timeout(PEER_TIMEOUT)
             .elastic(true),
     )
     .unwrap_or_else(|e| panic!("init failed: {e}"))
+}
+
+/// A barrier, and then every rank says through the store that it has left it, and waits until
+/// every rank has: a rank that revokes after this cannot fail another's barrier.
+fn past_barrier(b: &TcpBackend) {
+    let me = b.rank();
+    b.barrier().unwrap();
+    let store = b.store();
+    store.set(&format!("test/past/{me}"), b"1").unwrap();
+    let keys: Vec<String> = (0..b.world_size())
+        .map(|r| format!("test/past/{r}"))
+        .collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store
+        .wait(&refs, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank {me}: the others past the barrier: {e}"));
+}
+
+/// Waits (at most 20 s) until the job ranks `ids` have checked in to the recovery into
+/// `epoch` (their `here` keys, as `recover` writes them under `<job prefix>/elastic/<epoch>`).
+fn wait_for_check_ins(b: &TcpBackend, epoch: u64, ids: &[usize]) {
+    let keys: Vec<String> = ids.iter().map(|id| format!("here/{id}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    b.store_under(&format!("elastic/{epoch}"))
+        .wait(&refs, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank {}: the others' check-ins: {e}", b.rank()));
+}
+
+/// Waits (at most 20 s) until an abort notice has come from each of `ranks`.
+fn wait_for_notices(b: &TcpBackend, ranks: &[usize]) {
+    let until = Instant::now() + Duration::from_secs(20);
+    while !ranks
+        .iter()
+        .all(|&r| b.abort_notices().iter().any(|n| n.from == r))
+    {
+        assert!(
+            Instant::now() < until,
+            "rank {}: no notice from each of {ranks:?}: {:?}",
+            b.rank(),
+            b.abort_notices()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Recovers, and asserts that every rank of the job is a member of epoch 1, through a checked
+/// all_reduce.
+fn recover_all_four(b: TcpBackend) {
+    let me = b.rank();
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: recover: {e}"));
+    println!("rank {me}: epoch {}, members {:?}", b.epoch(), b.members());
+    assert_eq!((b.epoch(), b.members()), (1, &[0, 1, 2, 3][..]));
+    checked_all_reduce(&b);
+    b.barrier().unwrap();
 }
 
 fn env_usize(k: &str) -> usize {
@@ -273,7 +339,7 @@ pub fn excluded() -> Result<(), String> {
     let b = join();
     let me = b.rank();
     let store = b.store();
-    b.barrier().unwrap();
+    past_barrier(&b);
     if me == 0 {
         b.revoke(Some(2), "rank 2 is too slow (the test says so)")
             .unwrap();
@@ -414,7 +480,15 @@ pub fn failure_in_recovery() -> Result<(), String> {
     if stand_aside(victim) {
         return Ok(());
     }
-    let b = join();
+    // A longer peer timeout than the others: epoch 2 waits that long for the check-ins of
+    // ranks 0 and 1, which come after the failed formation of epoch 1 and a dismantle.
+    let b = TcpBackend::with_config(
+        config()
+            .timeout(Duration::from_secs(30))
+            .peer_timeout(Duration::from_secs(6))
+            .elastic(true),
+    )
+    .unwrap_or_else(|e| panic!("init failed: {e}"));
     let me = b.rank();
     b.barrier().unwrap();
     let e = loop_until_failure(&b, victim);
@@ -433,6 +507,215 @@ pub fn failure_in_recovery() -> Result<(), String> {
         b.members()
     );
     assert_eq!((b.epoch(), b.members()), (2, &[0, 1][..]));
+    checked_all_reduce(&b);
+    Ok(())
+}
+
+/// Rank 1 revokes the group naming nobody at fault, while the others wait in a barrier; their
+/// barriers fail with the revocation, which they pass on to each other. Rank 1 names no rank,
+/// and nobody names rank 1: it comes to the recovery last (once the others have checked in),
+/// and every rank is a member of epoch 1.
+pub fn revoke_naming_none() -> Result<(), String> {
+    let b = join();
+    let me = b.rank();
+    past_barrier(&b);
+    if me == 1 {
+        b.revoke(None, "the test revokes it naming nobody").unwrap();
+        wait_for_check_ins(&b, 1, &[0, 2, 3]);
+    } else {
+        let e = b.barrier().unwrap_err();
+        println!("rank {me}: {e}");
+        match &e {
+            DistError::Revoked {
+                epoch: 0,
+                culprit: None,
+                ..
+            } => {}
+            other => panic!("rank {me}: expected the revocation naming nobody, got: {other}"),
+        }
+    }
+    recover_all_four(b);
+    Ok(())
+}
+
+/// Rank 1 stays out of a barrier; rank 2's operations are bounded by 2 s, the others' by 30 s:
+/// rank 2's barrier times out, and ranks 0 and 3 fail theirs with rank 2's notice and pass it
+/// on to each other. Rank 2 failed its own call and lives: nobody names it at fault. Once each
+/// rank has the others' notices (rank 1: once the others checked in), all recover, and every
+/// rank is a member of epoch 1.
+pub fn timeout() -> Result<(), String> {
+    let me = env_usize("RANK");
+    let b = join_with(Duration::from_secs(if me == 2 { 2 } else { 30 }));
+    past_barrier(&b);
+    match me {
+        1 => {
+            wait_for_notices(&b, &[2]);
+            wait_for_check_ins(&b, 1, &[0, 2, 3]);
+        }
+        2 => {
+            let e = b.barrier().unwrap_err();
+            println!("rank 2: {e}");
+            assert!(matches!(e, DistError::Timeout { .. }), "rank 2: {e}");
+            wait_for_notices(&b, &[0, 3]);
+        }
+        _ => {
+            let e = b.barrier().unwrap_err();
+            println!("rank {me}: {e}");
+            assert!(
+                matches!(
+                    e,
+                    DistError::Revoked {
+                        epoch: 0,
+                        culprit: None,
+                        ..
+                    }
+                ),
+                "rank {me}: {e}"
+            );
+            wait_for_notices(&b, &[2, 3 - me]);
+        }
+    }
+    recover_all_four(b);
+    Ok(())
+}
+
+/// A thread of rank 0 waits on the job's store, for a key set only after the recovery, while
+/// rank 0 recovers (rank 1 revoked the group): the recovery agrees over a connection of its
+/// own, not behind that wait (which holds the backend's connection), and every rank is a
+/// member of epoch 1. The waiter then ends with the key.
+pub fn store_busy() -> Result<(), String> {
+    let b = join();
+    let me = b.rank();
+    past_barrier(&b);
+    let waiter = (me == 0).then(|| {
+        let store = b.store();
+        std::thread::spawn(move || store.wait(&["test/recovered"], Duration::from_secs(60)))
+    });
+    if me == 0 {
+        // Long enough for the waiter to be in its wait (the case checks the recovery, and
+        // passes either way only if rank 0 is in epoch 1 before the key is set).
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    if me == 1 {
+        b.revoke(None, "the test revokes it").unwrap();
+    } else {
+        let e = b
+            .recv_tagged_timeout(&mut [0u8; 1], 1, Tag::user(9), Duration::from_secs(20))
+            .unwrap_err();
+        assert!(matches!(e, DistError::Revoked { epoch: 0, .. }), "{e}");
+    }
+    let t = Instant::now();
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: recover: {e}"));
+    println!(
+        "rank {me}: recovered in {:.2?}: members {:?}",
+        t.elapsed(),
+        b.members()
+    );
+    assert_eq!((b.epoch(), b.members()), (1, &[0, 1, 2, 3][..]));
+    checked_all_reduce(&b);
+    if me == 1 {
+        b.store().set("test/recovered", b"1").unwrap();
+    }
+    if let Some(w) = waiter {
+        w.join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank 0's waiter: {e}"));
+    }
+    b.barrier().unwrap();
+    Ok(())
+}
+
+/// Two failures, one after the other: SIGKILL of rank 3 mid-all_reduce, recovery into epoch 1
+/// (ranks 0, 1, 2), then SIGKILL of rank 2 mid-all_reduce there, recovery into epoch 2 (ranks
+/// 0 and 1). After each, a checked all_reduce; after the second, the store answers a set and
+/// a get made after a wait longer than the second formation took, with operations bounded by
+/// the job's timeout (30 s), not by what was left of a formation.
+pub fn two_failures() -> Result<(), String> {
+    let me = env_usize("RANK");
+    if stand_aside(3) || stand_aside(2) {
+        return Ok(());
+    }
+    let b = join();
+    past_barrier(&b);
+    let e = loop_until_failure(&b, 3);
+    assert_revoked(me, &e, 0, 3);
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: the first recovery: {e}"));
+    assert_eq!((b.epoch(), b.members()), (1, &[0, 1, 2][..]));
+    checked_all_reduce(&b);
+    b.barrier().unwrap();
+    let e = loop_until_failure(&b, 2);
+    assert_revoked(me, &e, 1, 2);
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: the second recovery: {e}"));
+    println!("rank {me}: epoch {}, members {:?}", b.epoch(), b.members());
+    assert_eq!((b.epoch(), b.members()), (2, &[0, 1][..]));
+    checked_all_reduce(&b);
+    let store = b.store();
+    assert_eq!(store.inner().timeout(), Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(500));
+    store.set(&format!("test/after/{me}"), b"1").unwrap();
+    let other = 1 - me;
+    store
+        .get(&format!("test/after/{other}"), Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("rank {me}: the store after two recoveries: {e}"));
+    b.barrier().unwrap();
+    Ok(())
+}
+
+/// SIGKILL of rank 3 in the middle of an all_reduce of a sub-group of every rank in reverse
+/// order (group rank `3 - r` is backend rank `r`): the sub-group's error is the revocation of
+/// epoch 0 naming backend rank 3 (a failure first seen in a sub-group revokes the backend),
+/// and so is every later call, on the sub-group and on the backend; the survivors recover.
+pub fn subgroup() -> Result<(), String> {
+    let victim = 3;
+    if stand_aside(victim) {
+        return Ok(());
+    }
+    let b = join();
+    let me = b.rank();
+    let g = b
+        .split(Some(0), -(me as i64))
+        .unwrap_or_else(|e| panic!("rank {me}: split: {e}"))
+        .expect("every rank is in the group");
+    assert_eq!(g.rank(), 3 - me);
+    past_barrier(&b);
+    let done = Arc::new(AtomicU64::new(0));
+    if me == victim {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while done.load(Ordering::Acquire) < BEFORE {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            let pid = std::process::id().to_string();
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+        });
+    }
+    let mut x = vec![1.0f32; COUNT];
+    let e = loop {
+        x.fill(1.0);
+        match g.all_reduce(&mut x, ReduceOp::Sum) {
+            Ok(()) => {
+                done.fetch_add(1, Ordering::AcqRel);
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(me != victim, "the victim failed before its end: {e}");
+    println!("rank {me}: the sub-group's all_reduce: {e}");
+    assert_revoked(me, &e, 0, victim);
+    let e = g.barrier().unwrap_err();
+    assert_revoked(me, &e, 0, victim);
+    drop(g);
+    let b = b
+        .recover(RECOVER)
+        .unwrap_or_else(|e| panic!("rank {me}: recover: {e}"));
+    assert_eq!((b.epoch(), b.members()), (1, &[0, 1, 2][..]));
     checked_all_reduce(&b);
     Ok(())
 }

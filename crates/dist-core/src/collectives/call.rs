@@ -71,6 +71,7 @@ impl<L: Link> Call<'_, L> {
             rank: self.me,
             op: self.op_text(),
             origin: n.origin,
+            culprit: n.culprit,
             reason: n.reason,
         }
     }
@@ -466,11 +467,21 @@ pub(crate) fn abort_all<L: Link>(g: &Group<L>, e: &DistError, number: Option<u64
         DistError::PeerGone { peer, .. } | DistError::PeerUnresponsive { peer, .. } => {
             g.abort_call(COLLECTIVE_TAG, None, &e.to_string(), Some(*peer))
         }
-        DistError::Aborted { origin, reason, .. } => {
+        // Its culprit stays the only rank named at fault: an origin that failed its own call
+        // is passed on as the origin, not as a rank known failed.
+        DistError::Aborted {
+            origin,
+            culprit,
+            reason,
+            ..
+        } => {
             let named = number
                 .and_then(|n| g.link().abort_notice_for(COLLECTIVE_TAG, n))
                 .and_then(|n| n.call);
-            g.abort_call(COLLECTIVE_TAG, named, reason, Some(*origin))
+            match culprit {
+                Some(c) => g.abort_call(COLLECTIVE_TAG, named, reason, Some(*c)),
+                None => g.pass_on_call(COLLECTIVE_TAG, named, reason, *origin),
+            }
         }
         DistError::Timeout { .. } => g.abort_call(COLLECTIVE_TAG, None, &e.to_string(), None),
         // A revoked group's failure, passed on as the revocation came.

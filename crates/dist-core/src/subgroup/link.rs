@@ -285,6 +285,61 @@ impl<R: Link> SubLink<R> {
         }
     }
 
+    /// A failure `e` (in this group's ranks) names in the root's ranks, where it names one: a
+    /// peer gone or silent, or an abort's origin and culprit.
+    fn in_root_ranks(&self, e: &DistError) -> Option<DistError> {
+        let root = |r: usize| self.members.get(r).copied().unwrap_or(r);
+        Some(match e {
+            DistError::PeerGone {
+                rank,
+                peer,
+                op,
+                cause,
+            } => DistError::PeerGone {
+                rank: root(*rank),
+                peer: root(*peer),
+                op: op.clone(),
+                cause: cause.clone(),
+            },
+            DistError::PeerUnresponsive {
+                rank,
+                peer,
+                op,
+                silent,
+                position,
+            } => DistError::PeerUnresponsive {
+                rank: root(*rank),
+                peer: root(*peer),
+                op: op.clone(),
+                silent: *silent,
+                position: position.clone(),
+            },
+            DistError::Aborted {
+                rank,
+                op,
+                origin,
+                culprit,
+                reason,
+            } => match reason.strip_prefix(DistError::OUTSIDE_GROUP) {
+                Some(r) => DistError::Aborted {
+                    rank: root(*rank),
+                    op: op.clone(),
+                    origin: *origin,
+                    culprit: *culprit,
+                    reason: r.to_string(),
+                },
+                None => DistError::Aborted {
+                    rank: root(*rank),
+                    op: op.clone(),
+                    origin: root(*origin),
+                    culprit: culprit.map(root),
+                    reason: reason.clone(),
+                },
+            },
+            _ => return None,
+        })
+    }
+
     /// `e`, an error in this group's ranks, with its operation naming the group and the
     /// backend ranks of the group ranks it names (unless it does already).
     fn label_in_group(&self, e: DistError) -> DistError {
@@ -378,6 +433,7 @@ impl<R: Link> SubLink<R> {
             DistError::Aborted {
                 op: o,
                 origin,
+                culprit,
                 reason,
                 ..
             } => {
@@ -386,6 +442,7 @@ impl<R: Link> SubLink<R> {
                     rank: me,
                     op: op(o),
                     origin,
+                    culprit: culprit.map(|_| origin),
                     reason,
                 }
             }
@@ -501,14 +558,19 @@ impl<R: Link> Link for SubLink<R> {
     fn abort(&self, tag: Tag, call: Option<u64>, reason: &str, culprit: Option<usize>) {
         let wire = self.tag(tag, String::new).unwrap_or(tag);
         let heard = match call {
-            Some(c) => self
+            Some(c) => self.root.abort_notice_for(wire, c),
+            // The first notice (every notice ends a wait in the last call there could be).
+            None => self
                 .root
-                .abort_notice_for(wire, c)
-                .map(|n| (n.origin, n.reason, n.call)),
-            None => self.root.abort_notice().map(|(o, r)| (o, r, None)),
+                .abort_notice_for(wire, u64::MAX)
+                .map(|n| crate::link::Notice { call: None, ..n }),
         };
         match heard {
-            Some((origin, first, named)) => self.root.abort(wire, named, &first, Some(origin)),
+            // Passed on naming at fault only the rank the first notice did.
+            Some(n) => match n.culprit {
+                Some(c) => self.root.abort(wire, n.call, &n.reason, Some(c)),
+                None => self.root.pass_on_abort(wire, n.call, &n.reason, n.origin),
+            },
             None => {
                 let culprit = culprit.and_then(|c| self.members.get(c).copied());
                 // The reason names this group (the collectives' errors do already).
@@ -534,6 +596,7 @@ impl<R: Link> Link for SubLink<R> {
         let (origin, reason) = self.origin(n.origin, n.reason);
         Some(crate::link::Notice {
             origin,
+            culprit: n.culprit.map(|_| origin),
             reason,
             call: n.call,
         })
@@ -560,8 +623,35 @@ impl<R: Link> Link for SubLink<R> {
         Some(&self.flight)
     }
 
+    /// The root says it first, in its own ranks (an elastic backend revokes itself on the
+    /// failure the error names): where that makes it [`DistError::Revoked`], so is this
+    /// group's error (its culprit a backend rank); else the group's own error, named in the
+    /// group.
     fn label_error(&self, e: DistError) -> DistError {
-        self.label_in_group(e)
+        let op = e.op().unwrap_or("an operation").to_string();
+        let said = match self.in_root_ranks(&e) {
+            Some(root) => match self.root.label_error(root) {
+                r @ DistError::Revoked { .. } => r,
+                _ => e,
+            },
+            // An error that names no rank: the root's ranks do not matter.
+            None => self.root.label_error(e),
+        };
+        match said {
+            DistError::Revoked {
+                epoch,
+                culprit,
+                reason,
+                ..
+            } => self.label_in_group(DistError::Revoked {
+                rank: self.me,
+                op,
+                epoch,
+                culprit,
+                reason,
+            }),
+            e => self.label_in_group(e),
+        }
     }
 }
 

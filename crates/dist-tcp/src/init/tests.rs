@@ -422,6 +422,7 @@ fn a_dial_that_keeps_failing_stops_when_abandoned() {
                 rank: 2,
                 op: "init".into(),
                 origin: 1,
+                culprit: None,
                 reason: "rank 1 failed".into(),
             })
         },
@@ -430,4 +431,24 @@ fn a_dial_that_keeps_failing_stops_when_abandoned() {
     assert!(matches!(e, DistError::Aborted { origin: 1, .. }), "{e}");
     assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 2);
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+/// The formation's outcome is decided once, in the store: a rank whose deadline passes while
+/// `init/go` is unset sets it to its failure (and fails the rendezvous), so that the last rank
+/// ready, setting `go` after, reads that failure instead of completing a formation without it;
+/// a rank that finds `go` goes.
+#[test]
+fn a_rank_out_of_time_decides_the_formation_failed_for_everyone() {
+    let server = dist_store::StoreServer::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+    let client =
+        dist_store::TcpStore::connect(server.local_addr(), Duration::from_secs(10)).unwrap();
+    let late = dist_store::PrefixStore::new("job/0", &client);
+    let soon = Instant::now() + Duration::from_millis(50);
+    assert_eq!(decide_go(&late, 2, soon).unwrap(), None);
+    let last = late.compare_set("init/go", b"", b"go").unwrap();
+    let text = String::from_utf8_lossy(&last);
+    assert!(text.starts_with("failed 2: "), "{text}");
+    let formed = dist_store::PrefixStore::new("job/1", &client);
+    formed.compare_set("init/go", b"", b"go").unwrap();
+    assert_eq!(decide_go(&formed, 2, soon).unwrap(), Some(b"go".to_vec()));
 }

@@ -11,6 +11,10 @@ pub struct AbortNotice {
     /// The rank at fault, where the notice names one (a peer that died or went silent, or the
     /// origin of an abort passed on); else the failure is `from`'s own.
     pub culprit: Option<usize>,
+    /// The rank whose own call failed first, where the notice passes on such a failure
+    /// ([`dist_core::transport::Link::pass_on_abort`]): the origin of the errors it ends, yet
+    /// no rank known failed.
+    pub first: Option<usize>,
     /// The tag of the operation it aborted.
     pub tag: Tag,
     /// The number of the collective call of `tag`'s group that failed, where the notice names
@@ -21,9 +25,10 @@ pub struct AbortNotice {
 }
 
 impl AbortNotice {
-    /// The rank the failure is due to: the culprit it names, else its sender.
+    /// The rank the failure is due to: the culprit it names, else the rank whose call failed
+    /// first that it passes on, else its sender.
     pub fn origin(&self) -> usize {
-        self.culprit.unwrap_or(self.from)
+        self.culprit.or(self.first).unwrap_or(self.from)
     }
 
     /// Whether it ends a wait on `tag` while `tag`'s group is in call `current` (where known):
@@ -256,6 +261,7 @@ impl Aborts {
             rank: me,
             op,
             origin: first.as_ref().map_or(me, AbortNotice::origin),
+            culprit: first.as_ref().and_then(|n| n.culprit),
             reason: first.map_or_else(|| "aborted".into(), |n| n.reason),
         }
     }
@@ -272,6 +278,7 @@ mod tests {
         AbortNotice {
             from,
             culprit,
+            first: None,
             tag: Tag::system(2),
             call: None,
             reason: reason.into(),
@@ -291,6 +298,7 @@ mod tests {
                 rank: 0,
                 op,
                 origin: 1,
+                culprit: Some(1),
                 reason,
             } => assert_eq!(
                 (op.as_str(), reason.as_str()),
@@ -299,6 +307,25 @@ mod tests {
             other => panic!("{other}"),
         }
         assert_eq!(notice(4, None, "x").origin(), 4);
+    }
+
+    /// A notice that passes on another rank's own failure (a timeout) names that rank as the
+    /// origin of the errors it ends, and no rank at fault: neither its sender nor the origin.
+    #[test]
+    fn a_passed_on_failure_names_its_origin_but_no_culprit() {
+        let a = Aborts::default();
+        assert!(a.raise(AbortNotice {
+            first: Some(1),
+            ..notice(3, None, "rank 1 timed out")
+        }));
+        match a.error(0, "barrier".into(), Tag::system(2)) {
+            DistError::Aborted {
+                origin: 1,
+                culprit: None,
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A notice of `from` naming call `call` of sub-group `group` (its id).

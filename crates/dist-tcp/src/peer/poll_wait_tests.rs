@@ -67,6 +67,7 @@ fn a_receiver_waiting_on_the_socket_is_woken_by_an_abort() {
     pair.peer.aborts.raise(AbortNotice {
         from: 2,
         culprit: None,
+        first: None,
         tag,
         call: None,
         reason: "rank 2 failed".into(),

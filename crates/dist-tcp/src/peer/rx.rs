@@ -39,6 +39,9 @@ pub(super) enum Frame {
         left: usize,
         /// The rank at fault that the notice names (meta bytes 0..8: rank + 1, 0 for none).
         culprit: Option<usize>,
+        /// The rank whose own call failed first, where the notice passes that on (meta bytes
+        /// 0..8 as for the culprit, with [`ORIGIN_ONLY`] set).
+        first: Option<usize>,
         /// The call it names (meta bytes 8..16: the call's number, from 1; 0 for none).
         call: Option<u64>,
     },
@@ -388,20 +391,25 @@ impl Peer {
                             self.heard_position(&h.meta);
                             continue;
                         }
-                        FrameKind::Abort => Frame::Abort {
-                            tag: h.tag,
-                            text: Vec::with_capacity(len),
-                            left: len,
-                            culprit: u64::from_le_bytes(
-                                h.meta[..8].try_into().expect("eight bytes"),
-                            )
-                            .checked_sub(1)
-                            .and_then(|c| usize::try_from(c).ok()),
-                            call: Some(u64::from_le_bytes(
-                                h.meta[8..].try_into().expect("eight bytes"),
-                            ))
-                            .filter(|&c| c != 0),
-                        },
+                        FrameKind::Abort => {
+                            let named =
+                                u64::from_le_bytes(h.meta[..8].try_into().expect("eight bytes"));
+                            let rank = (named & !ORIGIN_ONLY)
+                                .checked_sub(1)
+                                .and_then(|c| usize::try_from(c).ok());
+                            let first = named & ORIGIN_ONLY != 0;
+                            Frame::Abort {
+                                tag: h.tag,
+                                text: Vec::with_capacity(len),
+                                left: len,
+                                culprit: rank.filter(|_| !first),
+                                first: rank.filter(|_| first),
+                                call: Some(u64::from_le_bytes(
+                                    h.meta[8..].try_into().expect("eight bytes"),
+                                ))
+                                .filter(|&c| c != 0),
+                            }
+                        }
                         FrameKind::Data => self.route(h, len, None),
                     };
                     if let Frame::Held { until, seen, .. } = rx.frame {
@@ -507,6 +515,7 @@ impl Peer {
                     text,
                     left,
                     culprit,
+                    first,
                     call,
                 } => {
                     if *left > 0 {
@@ -532,6 +541,7 @@ impl Peer {
                     let notice = AbortNotice {
                         from: self.rank,
                         culprit: *culprit,
+                        first: *first,
                         tag: Tag::from_wire(*tag),
                         call: *call,
                         reason: bounded_text(text),
