@@ -10,7 +10,7 @@ rounds="${1:-3}"
 py="${DIST_TORCH_PYTHON:-python3}"
 torchrun="$(dirname "$py")/torchrun"
 [ -x "$torchrun" ] || { echo "skipped: no torchrun beside $py"; exit 0; }
-cargo build --release --quiet -p dist-tools --bin dist-chaos -p xtask || exit 1
+cargo build --release --quiet -p dist-tools --bin dist-chaos && cargo build --quiet -p xtask || exit 1
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 for i in $(seq "$rounds"); do
@@ -32,7 +32,7 @@ for line in open(sys.argv[1]):
 print(f"  torchrun --max-restarts: kill to next completed step {1e3 * (after - kill):.0f} ms"
       if kill and after else "  torchrun: no kill or no step after it")
 PY
-    timeout 300 target/release/xtask chaos -n 4 --minutes 0.25 --min-ranks 3 --stops 0 \
+    timeout 300 target/debug/xtask chaos -n 4 --minutes 0.25 --min-ranks 3 --stops 0 \
         --seed "$i" >"$tmp/dist.out" 2>&1
     echo "dist round $i: exit $? $(uptime | sed 's/.*load/load/')"
     grep -E "^fault" "$tmp/dist.out" | sed 's/^/  /'
