@@ -155,7 +155,31 @@ pub fn host_time_ns(path: HostAllReducePath, local: usize, bytes: usize) -> Opti
 
 /// The size (bytes) from which the cost model ([`host_time_ns`]) has the shares faster than
 /// every rank reducing the whole buffer, on a host of `local` ranks (`usize::MAX`: never).
+/// Searched once per rank count up to [`CROSSOVERS_KEPT`] and kept (every small all_reduce asks).
 fn host_crossover(local: usize) -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Each entry is 0 until searched, then the crossover plus one, or `usize::MAX` for never
+    // (a crossover is at most 1 GiB). Relaxed: threads racing on an entry store the same value.
+    static KEPT: [AtomicUsize; CROSSOVERS_KEPT] = [const { AtomicUsize::new(0) }; CROSSOVERS_KEPT];
+    let Some(entry) = KEPT.get(local) else {
+        return search_crossover(local);
+    };
+    match entry.load(Ordering::Relaxed) {
+        0 => {
+            let found = search_crossover(local);
+            entry.store(found.saturating_add(1), Ordering::Relaxed);
+            found
+        }
+        usize::MAX => usize::MAX,
+        kept => kept - 1,
+    }
+}
+
+/// The rank counts whose crossover [`host_crossover`] keeps once searched.
+const CROSSOVERS_KEPT: usize = 1024;
+
+/// [`host_crossover`]'s search.
+fn search_crossover(local: usize) -> usize {
     let n = local.max(1) as u64;
     if n < 2 {
         return usize::MAX;
@@ -294,4 +318,21 @@ pub fn collective_path<L: Link>(g: &Group<L>, kind: Kind, count: usize, bytes: u
         _ => "-",
     }
     .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CROSSOVERS_KEPT, host_crossover, search_crossover};
+
+    /// The crossover kept is the one searched, asked once or again, "never" included (one
+    /// rank), and past the counts kept.
+    #[test]
+    fn kept_crossovers_are_the_searched_ones() {
+        for n in (0..40).chain([CROSSOVERS_KEPT - 1, CROSSOVERS_KEPT, CROSSOVERS_KEPT + 7]) {
+            let searched = search_crossover(n);
+            assert_eq!(host_crossover(n), searched, "{n} ranks, first ask");
+            assert_eq!(host_crossover(n), searched, "{n} ranks, kept");
+        }
+        assert_eq!(host_crossover(1), usize::MAX);
+    }
 }
