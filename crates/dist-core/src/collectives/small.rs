@@ -327,7 +327,7 @@ impl<L: Link> Host<'_, '_, L> {
         let mut looks = 0u32;
         loop {
             looks = looks.wrapping_add(1);
-            if looks % LOOKS_PER_CLOCK == 0 || spin.is_zero() {
+            if looks.is_multiple_of(LOOKS_PER_CLOCK) || spin.is_zero() {
                 let spun = started.elapsed();
                 if spun >= spin {
                     // Late: wait as every arena wait does, on the peer's input word.
