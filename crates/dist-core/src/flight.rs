@@ -142,7 +142,14 @@ impl FlightRecorder {
     /// Records an operation in `state` (usually [`OpState::Started`], or [`OpState::Queued`]
     /// for work handed to a device), evicting the oldest when full.
     pub fn begin(&self, info: OpInfo, state: OpState) -> Entry {
-        let now = self.made.elapsed();
+        self.begin_at(info, state, Instant::now())
+    }
+
+    /// [`FlightRecorder::begin`] with the time it began, read by the caller (which reads the
+    /// clock once for this and its own use: a read costs tens of ns, a call on the host arena
+    /// a few hundred).
+    pub fn begin_at(&self, info: OpInfo, state: OpState, at: Instant) -> Entry {
+        let now = at.saturating_duration_since(self.made);
         let mut r = self.lock();
         if r.records.len() == self.capacity {
             r.records.pop_front();

@@ -372,6 +372,8 @@ fn run_entered<L: Link, T: Element, R>(
     } = what;
     let seq = g.next_seq();
     let desc = described(seq);
+    // One read of the clock for the record and the deadline.
+    let started = Instant::now();
     // Numbered from 1 in the record (0 marks point-to-point operations there).
     let entry = g.link().flight().map(|f| {
         let info = OpInfo {
@@ -385,11 +387,11 @@ fn run_entered<L: Link, T: Element, R>(
             count,
             peer: kind.has_root().then_some(root),
         };
-        (f, f.begin(info, OpState::Started))
+        (f, f.begin_at(info, OpState::Started, started))
     });
     // Said the way the link says its errors (a sub-group names itself) before anything else
     // sees them: the record, the abort sent to the other ranks, the caller.
-    let r = run_call(g, desc, seq + 1, timeout, f).map_err(|e| g.link().label_error(e));
+    let r = run_call(g, desc, seq + 1, (started, timeout), f).map_err(|e| g.link().label_error(e));
     if let Some((f, e)) = entry {
         f.finish(
             e,
@@ -406,17 +408,17 @@ fn run_entered<L: Link, T: Element, R>(
     r
 }
 
-/// The body of [`run`]: the call's deadline, its run, and its error.
+/// The body of [`run`]: the call's deadline (`timeout` from `started`), its run, and its error.
 fn run_call<L: Link, R>(
     g: &Group<L>,
     desc: Desc,
     number: u64,
-    timeout: Duration,
+    (started, timeout): (Instant, Duration),
     f: impl FnOnce(&Call<'_, L>) -> Result<R>,
 ) -> Result<R> {
     let link = g.link();
     let deadline =
-        crate::transport::deadline_after(Instant::now(), timeout, link.rank(), || desc.describe())?;
+        crate::transport::deadline_after(started, timeout, link.rank(), || desc.describe())?;
     let call = Call {
         g,
         me: link.rank(),
