@@ -76,7 +76,8 @@ pub(crate) struct Used {
 
 /// The state behind the lock.
 pub(crate) struct State {
-    /// The NCCL handle; valid while `aborted` is `None`.
+    /// The NCCL handle of the calls; valid while `aborted` is `None`, and while `revoked`
+    /// (then only for a shrink, or to be freed); null once shrunk.
     pub(crate) comm: ncclComm_t,
     /// The nonblocking communicator `comm` was split from (null if none): only splits and
     /// shrinks run on it (`split.rs`, `shrink.rs`), under this same lock. It has no work of the

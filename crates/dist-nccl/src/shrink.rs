@@ -131,9 +131,10 @@ impl Communicator {
                     if st.comm.is_null() {
                         "it was shrunk already"
                     } else {
-                        "the calls' handle is the only one (CommConfig::nonblocking_calls, or \
-                         init_all) and the abort freed it (revoke() keeps it, on NCCL 2.28 or \
-                         newer)"
+                        "the abort freed the calls' handle and there is no other (none is \
+                         kept with CommConfig::nonblocking_calls or init_all, where revoke() \
+                         keeps the calls' one, on NCCL 2.28 or newer; a split that failed \
+                         midway frees the kept one)"
                     }
                 );
                 return Err(NcclError::Aborted {

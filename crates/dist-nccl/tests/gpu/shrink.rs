@@ -174,8 +174,8 @@ pub fn after_abort_without_kept_handle() -> Result<(), String> {
             Err(NcclError::Aborted { op, reason, .. })
                 if op == "shrink"
                     && reason.contains("rank 1 died")
-                    && reason.contains("the calls' handle is the only one")
-                    && reason.contains("revoke() keeps it") => {}
+                    && reason.contains("the abort freed the calls' handle")
+                    && reason.contains("revoke() keeps the calls' one") => {}
             other => return Err(format!("shrink after the {how}: {other:?}")),
         }
     }
