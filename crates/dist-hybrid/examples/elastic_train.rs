@@ -18,7 +18,8 @@
 //!
 //! `ELASTIC_KILL=R:S` kills rank R at step S instead of the random choice (which follows
 //! `MASTER_PORT`, so every rank computes the same); `ELASTIC_KILL=none` kills no one. TCP and
-//! shared memory only: the NCCL side of a recovery is not built yet.
+//! shared memory only: `HybridBackend::recover` recovers an NCCL side too, but this example
+//! does not use it yet.
 
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};

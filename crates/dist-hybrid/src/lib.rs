@@ -36,6 +36,7 @@ mod device;
 mod gpu_work;
 mod groups;
 mod host;
+mod recover;
 mod setup;
 mod watch;
 
@@ -306,17 +307,7 @@ impl HybridBackend {
             if !matches!(gpu, GpuChoice::None) {
                 tracing::warn!(rank = me, why = %why, "NCCL off, TCP only");
             }
-            let tcp = Arc::new(tcp);
-            return Ok(HybridBackend {
-                root: tcp.clone(),
-                whole_job: true,
-                tcp,
-                nccl: None,
-                why_no_nccl: why,
-                watch: None,
-                checker: None,
-                check_calls: false,
-            });
+            return Ok(Self::tcp_only(tcp, why));
         };
         // This rank's setup (the library, the device, rank 0's unique id where none was given),
         // agreed by every rank before NCCL init: a rank that failed is named, with its reason,
@@ -366,28 +357,7 @@ impl HybridBackend {
             }
         };
         let comm = Communicator::init_rank(nccl, &ctx, me, n, &id, cfg)?;
-        let tcp = Arc::new(tcp);
-        let trace = tcp.trace_dir().map(|d| (d.to_path_buf(), n));
-        let watch = Arc::new(watch::Watch::new(me, comm.abort_handle(), trace));
-        {
-            // The heartbeats of the TCP mesh say where this rank's NCCL calls are, so that a
-            // rank whose NCCL call times out can say where every rank's are.
-            let w = watch.clone();
-            tcp.report_beside(move || w.flight.position());
-        }
-        let (fail, peer) = watch::sinks(&watch);
-        let peer = watch::watch_peer_faults(&tcp, peer);
-        let checker = check::Checker::start(tcp.clone(), fail, peer);
-        Ok(HybridBackend {
-            root: tcp.clone(),
-            whole_job: true,
-            tcp,
-            nccl: Some(comm),
-            why_no_nccl: String::new(),
-            watch: Some(watch),
-            checker: Some(checker),
-            check_calls: check_from_env(),
-        })
+        Ok(Self::with_comm(tcp, comm, check_from_env()))
     }
 }
 

@@ -2,7 +2,8 @@
 //! `unique_id` under the job's `nccl` prefix), then every rank says over TCP whether its setup
 //! (the library, its device, rank 0's unique id) worked and, if not, why, in one all_gather.
 //! Every rank then goes on, taking the id from the store, or fails naming each rank that failed
-//! and its reason.
+//! and its reason. And the job's backend put together from its TCP side and its communicator
+//! (at formation and after a recovery).
 
 use std::time::Duration;
 
@@ -11,7 +12,11 @@ use dist_core::{Backend, Collectives};
 use dist_tcp::TcpBackend;
 use dist_tcp::dist_store::Store;
 
-use crate::{HybridError, Result};
+use std::sync::Arc;
+
+use dist_nccl::Communicator;
+
+use crate::{HybridBackend, HybridError, Result, check, watch};
 
 /// The length of one rank's record: flags, the reason's length (u16, little-endian), the
 /// reason.
@@ -146,6 +151,56 @@ pub(crate) fn describe(failed: &[(usize, String)]) -> String {
         ));
     }
     parts.join("; ")
+}
+
+impl HybridBackend {
+    /// The job's backend without NCCL (`why` says why not).
+    pub(crate) fn tcp_only(tcp: TcpBackend, why: String) -> HybridBackend {
+        let tcp = Arc::new(tcp);
+        HybridBackend {
+            root: tcp.clone(),
+            whole_job: true,
+            tcp,
+            nccl: None,
+            why_no_nccl: why,
+            watch: None,
+            checker: None,
+            check_calls: false,
+        }
+    }
+
+    /// The job's backend of `tcp` and `comm` (the same ranks), with the record of its NCCL
+    /// calls, the heartbeats that carry their position, and the call check (`check_calls`:
+    /// whether calls are compared).
+    pub(crate) fn with_comm(
+        tcp: TcpBackend,
+        comm: Communicator,
+        check_calls: bool,
+    ) -> HybridBackend {
+        let (me, n) = (tcp.rank(), tcp.world_size());
+        let tcp = Arc::new(tcp);
+        let trace = tcp.trace_dir().map(|d| (d.to_path_buf(), n));
+        let watch = Arc::new(watch::Watch::new(me, comm.abort_handle(), trace));
+        {
+            // The heartbeats of the TCP mesh say where this rank's NCCL calls are, so that a
+            // rank whose NCCL call times out can say where every rank's are.
+            let w = watch.clone();
+            tcp.report_beside(move || w.flight.position());
+        }
+        let (fail, peer) = watch::sinks(&watch);
+        let peer = watch::watch_peer_faults(&tcp, peer);
+        let checker = check::Checker::start(tcp.clone(), fail, peer);
+        HybridBackend {
+            root: tcp.clone(),
+            whole_job: true,
+            tcp,
+            nccl: Some(comm),
+            why_no_nccl: String::new(),
+            watch: Some(watch),
+            checker: Some(checker),
+            check_calls,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -343,6 +343,28 @@ impl Library {
         self.version
     }
 
+    /// This library, treated as NCCL `version` where that is older than what it reports:
+    /// every function introduced after `version` is then refused ([`LoadError::TooOld`]), as an
+    /// older library would refuse it, and configs are built for `version`. For testing the
+    /// fallbacks and refusals of older libraries on a newer one. A `version` at or above the
+    /// library's own changes nothing: a library is never taken for newer than it says.
+    /// The path shown in errors says the version was limited.
+    pub fn limited_to(self, version: i32) -> Library {
+        if version >= self.version {
+            return self;
+        }
+        Library {
+            path: format!(
+                "{} (NCCL {} limited to {})",
+                self.path,
+                version_string(self.version),
+                version_string(version)
+            ),
+            version,
+            raw: self.raw,
+        }
+    }
+
     /// The path the library was loaded from (as given to the loader).
     pub fn path(&self) -> &str {
         &self.path

@@ -150,10 +150,11 @@ fn real_library_reports_version_errors_and_ids() {
     let r = unsafe { get_id(&mut id) };
     assert_eq!(r, ncclResult_t::ncclSuccess);
     assert!(id.internal.iter().any(|b| *b != 0), "an all-zero unique id");
-    let too_new = Library {
-        version: version_code(2, 18, 0),
-        ..lib
-    };
+    let too_new = lib.limited_to(version_code(2, 18, 0));
+    assert!(
+        too_new.path().ends_with("limited to 2.18.0)"),
+        "{too_new:?}"
+    );
     let e = nccl_fn!(&too_new, ncclAlltoAll).unwrap_err();
     assert_eq!(
         e.to_string(),
@@ -162,6 +163,13 @@ fn real_library_reports_version_errors_and_ids() {
             too_new.path()
         )
     );
+    assert!(matches!(
+        nccl_fn!(&too_new, ncclCommRevoke),
+        Err(LoadError::TooOld {
+            symbol: "ncclCommRevoke",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -203,5 +211,41 @@ fn recovery_functions_need_their_versions() {
             symbol: "ncclCommRevoke",
             ..
         })
+    ));
+}
+
+/// A library limited to an older version refuses what that version lacks, naming both
+/// versions, and is never taken for newer than it says.
+#[test]
+fn a_limited_library_refuses_what_the_older_version_lacks() {
+    let lib = without_nccl(version_code(2, 29, 2)).limited_to(version_code(2, 27, 3));
+    assert_eq!(lib.version(), version_code(2, 27, 3));
+    let e = nccl_fn!(&lib, ncclCommRevoke).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "ncclCommRevoke needs NCCL 2.28.0 or newer; libc.so.6 (NCCL 2.29.2 limited to 2.27.3) \
+         is NCCL 2.27.3"
+    );
+    let e = nccl_fn!(&lib, ncclCommGrow).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("ncclCommGrow needs NCCL 2.29.0 or newer; "),
+        "{e}"
+    );
+    // Shrink is new enough at 2.27.3: the check goes on to the symbol (libc has none).
+    assert!(matches!(
+        nccl_fn!(&lib, ncclCommShrink),
+        Err(LoadError::MissingSymbol {
+            symbol: "ncclCommShrink",
+            ..
+        })
+    ));
+    // Never newer than it says: a higher limit changes nothing.
+    let same = without_nccl(version_code(2, 26, 0)).limited_to(version_code(2, 29, 0));
+    assert_eq!(same.version(), version_code(2, 26, 0));
+    assert_eq!(same.path(), "libc.so.6");
+    assert!(matches!(
+        nccl_fn!(&same, ncclCommShrink),
+        Err(LoadError::TooOld { .. })
     ));
 }

@@ -190,12 +190,12 @@ impl Communicator {
             st.nb = nb.unwrap_or(std::ptr::null_mut());
             st.sharing = sharing;
             if let Err(e) = shared.wait_ready(&mut st, "init", cfg.init_timeout) {
-                shared.abort_locked(&mut st, Abort::Error(e.to_string()));
+                shared.abort_all_locked(&mut st, Abort::Error(e.to_string()));
                 return Err(e);
             }
         }
         let abort_with = |e: NcclError| {
-            shared.abort_locked(&mut shared.lock(), Abort::Error(e.to_string()));
+            shared.abort_all_locked(&mut shared.lock(), Abort::Error(e.to_string()));
             e
         };
         let sync_event = ctx
@@ -534,6 +534,7 @@ impl Drop for Communicator {
         // thread) is applied now rather than after draining work it has given up on.
         if let Some(why) = self.shared.doomed.get().cloned() {
             self.shared.abort_waiting(why);
+            self.shared.release_kept(&mut self.shared.lock());
             return;
         }
         let limit = self.shared.timeout.min(Duration::from_secs(30));
@@ -541,7 +542,8 @@ impl Drop for Communicator {
         tracing::debug!(comm = %self.shared.who, drained, took = ?t0.elapsed(), "drop: drained");
         let mut st = self.shared.lock();
         if st.aborted.is_some() {
-            tracing::debug!(comm = %self.shared.who, "drop: was aborted; releasing the streams");
+            tracing::debug!(comm = %self.shared.who, "drop: was aborted; freeing what it kept");
+            self.shared.release_kept(&mut st);
             return;
         }
         if !drained {
@@ -551,6 +553,7 @@ impl Drop for Communicator {
                 waited: limit,
             };
             self.shared.abort_locked(&mut st, why);
+            self.shared.release_kept(&mut st);
             return;
         }
         let nccl = self.shared.nccl.clone();
@@ -571,9 +574,11 @@ impl Drop for Communicator {
             tracing::warn!(comm = %self.shared.who, error = %e, "finalize failed; aborting");
             self.shared
                 .abort_locked(&mut st, Abort::Error(e.to_string()));
+            self.shared.release_kept(&mut st);
             return;
         }
         if st.aborted.is_some() {
+            self.shared.release_kept(&mut st);
             return;
         }
         if let Ok(f) = nccl_fn!(&nccl, ncclCommDestroy) {
@@ -586,10 +591,6 @@ impl Drop for Communicator {
         // The nonblocking communicators kept (the one whose resources `comm` shared, and the
         // one for splits) have no work left: aborting them (under the lock, never used again)
         // only frees them.
-        split::abort_handle(
-            &nccl,
-            std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
-        );
-        split::abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
+        self.shared.release_kept(&mut st);
     }
 }

@@ -62,6 +62,7 @@ mod error;
 mod group;
 mod id;
 mod ops;
+mod revoke;
 mod shared;
 mod shrink;
 mod split;

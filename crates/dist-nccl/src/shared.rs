@@ -46,9 +46,15 @@ pub(crate) fn mark_abort_thread() {
 /// Why a communicator was aborted.
 #[derive(Clone, Debug)]
 pub(crate) enum Abort {
-    Timeout { op: String, waited: Duration },
+    Timeout {
+        op: String,
+        waited: Duration,
+    },
     Error(String),
     User,
+    /// [`crate::Communicator::revoke`]: the calls' handle is revoked (`ncclCommRevoke`) where
+    /// the library has it, not aborted.
+    Revoked(String),
 }
 
 impl Abort {
@@ -57,6 +63,7 @@ impl Abort {
             Abort::Timeout { op, waited } => format!("{op} made no progress for {waited:.1?}"),
             Abort::Error(e) => e.clone(),
             Abort::User => "abort() was called".into(),
+            Abort::Revoked(r) => format!("revoked: {r}"),
         }
     }
 }
@@ -69,16 +76,23 @@ pub(crate) struct Used {
 
 /// The state behind the lock.
 pub(crate) struct State {
-    /// The NCCL handle; valid while `aborted` is `None`.
+    /// The NCCL handle of the calls; valid while `aborted` is `None`, and while `revoked`
+    /// (then only for a shrink, or to be freed); null once shrunk.
     pub(crate) comm: ncclComm_t,
-    /// The nonblocking communicator `comm` was split from (null if none): only splits run on
-    /// it (`split.rs`), under this same lock; aborted and destroyed with `comm`.
+    /// The nonblocking communicator `comm` was split from (null if none): only splits and
+    /// shrinks run on it (`split.rs`, `shrink.rs`), under this same lock. It has no work of the
+    /// calls, so it outlives their abort, for a shrink; freed by [`Shared::release_kept`]
+    /// (at the drop or the shrink).
     pub(crate) nb: ncclComm_t,
     /// The nonblocking communicator whose resources `comm` shares (it connected every pair of
     /// ranks when the communicator formed, see `connect.rs`; null if none); never used after
     /// that, and aborted after `comm`.
     pub(crate) sharing: ncclComm_t,
     pub(crate) aborted: Option<Abort>,
+    /// `comm` was revoked (`ncclCommRevoke`), not aborted: its work is stopped and it is never
+    /// used for a call again, but it is still allocated (a shrink may run on it where `nb` is
+    /// null), until [`Shared::release_kept`] aborts it.
+    pub(crate) revoked: bool,
     /// The thread whose open group holds the communicator: other threads' calls wait for the
     /// group to end, and an abort meanwhile is deferred into `deferred`.
     pub(crate) owner: Option<ThreadId>,
@@ -158,6 +172,7 @@ impl Shared {
                 nb: std::ptr::null_mut(),
                 sharing: std::ptr::null_mut(),
                 aborted: None,
+                revoked: false,
                 owner: None,
                 deferred: None,
                 waiters: 0,
@@ -264,6 +279,17 @@ impl Shared {
         if let Some(why) = self.doomed.get() {
             return Err(self.aborted_error(op, why));
         }
+        let st = self.lock_between_groups(op)?;
+        if let Some(why) = &st.aborted {
+            return Err(self.aborted_error(op, why));
+        }
+        Ok(st)
+    }
+
+    /// The lock, with an abort asked for meanwhile applied and no other thread's group open
+    /// (waited for within the timeout); an aborted communicator is not refused (a shrink runs
+    /// on the handles its abort kept).
+    pub(crate) fn lock_between_groups(&self, op: &str) -> Result<MutexGuard<'_, State>> {
         let mut st = if self.graphs.load(Ordering::Acquire) == 0 {
             self.lock()
         } else {
@@ -291,9 +317,6 @@ impl Shared {
                     .0;
                 st.waiters -= 1;
             }
-        }
-        if let Some(why) = &st.aborted {
-            return Err(self.aborted_error(op, why));
         }
         Ok(st)
     }
@@ -408,30 +431,40 @@ impl Shared {
         }
         tracing::warn!(comm = %self.who, reason = %why.reason(), "aborting NCCL communicator");
         let t0 = Instant::now();
-        // The communicator whose resources `comm` shares (its connections) first, then `comm`,
-        // then the one kept for splits: each is aborted once, under the lock, and never used
-        // again. (On 2 x H200 both orders ended within 1.1 s:
-        // docs/results/2026-11-30-2xH200-efd5e41/diagnostic-transcript.txt.)
-        crate::split::abort_handle(
-            &self.nccl,
-            std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
-        );
-        if let Ok(f) = dist_nccl_sys::nccl_fn!(&self.nccl, ncclCommAbort) {
-            // SAFETY: the communicator is live (`aborted` is None); we hold its lock, so no other
-            // thread is inside an NCCL call on it, and no group is open over it (`owner` is
-            // None). After this the handle is never used again: `aborted` is set below, under
-            // the same lock, and every use checks it first. The multirank trials
-            // `nccl_split_absent` (an explicit abort), `nccl_connect_absent` and
-            // `nccl_two_stalled` (aborts at the timeout, then calls refused and the drop) run it.
-            let _ = unsafe { f(st.comm) };
+        if matches!(why, Abort::Revoked(_)) && self.revoke_calls(st) {
+            st.revoked = true;
+        } else {
+            // The communicator whose resources `comm` shares (its connections) first, then
+            // `comm`: each is aborted once, under the lock, and never used again. (On 2 x H200
+            // both orders ended within 1.1 s:
+            // docs/results/2026-11-30-2xH200-efd5e41/diagnostic-transcript.txt.)
+            crate::split::abort_handle(
+                &self.nccl,
+                std::mem::replace(&mut st.sharing, std::ptr::null_mut()),
+            );
+            if let Ok(f) = dist_nccl_sys::nccl_fn!(&self.nccl, ncclCommAbort) {
+                // SAFETY: the communicator is live (`aborted` is None); we hold its lock, so no
+                // other thread is inside an NCCL call on it, and no group is open over it
+                // (`owner` is None). After this the handle is never used again: `aborted` is
+                // set below, under the same lock, and every use checks it first. The multirank
+                // trials `nccl_split_absent` (an explicit abort), `nccl_connect_absent` and
+                // `nccl_two_stalled` (aborts at the timeout, then calls refused and the drop)
+                // run it, and the GPU case `shrink_after_a_timeout` on one rank.
+                let _ = unsafe { f(st.comm) };
+            }
         }
-        tracing::debug!(comm = %self.who, took = ?t0.elapsed(), "abort: sharing and comm aborted");
-        crate::split::abort_handle(
-            &self.nccl,
-            std::mem::replace(&mut st.nb, std::ptr::null_mut()),
-        );
-        tracing::debug!(comm = %self.who, took = ?t0.elapsed(), "abort: done");
+        // The nonblocking handle kept for splits (`nb`) has none of the calls' work: it stays,
+        // so that the survivors can still shrink (`shrink.rs`), and is freed with the rest of
+        // what was kept by `release_kept` (at the drop or the shrink).
+        tracing::debug!(comm = %self.who, took = ?t0.elapsed(), revoked = st.revoked, "abort: done");
         st.aborted = Some(why);
+    }
+
+    /// [`Shared::abort_locked`], then [`Shared::release_kept`]: nothing is kept, for a
+    /// communicator that will never be shrunk (one that failed to form).
+    pub(crate) fn abort_all_locked(&self, st: &mut State, why: Abort) {
+        self.abort_locked(st, why);
+        self.release_kept(st);
     }
 }
 

@@ -96,6 +96,11 @@ impl Communicator {
             Ok(c) => Ok(c),
             Err((e, poisoned)) => {
                 if poisoned {
+                    // NCCL's thread may still be using the parent for the half-done split: it
+                    // is aborted now, and no shrink may run on it later.
+                    if parent == st.nb {
+                        abort_handle(&nccl, std::mem::replace(&mut st.nb, std::ptr::null_mut()));
+                    }
                     self.shared
                         .abort_locked(&mut st, Abort::Error(e.to_string()));
                 }

@@ -1,7 +1,8 @@
 //! `HybridBackend`'s CUDA graphs on one GPU, one rank (`HybridBackend::capture`): every
 //! device collective and a send/receive pair captured and replayed with the right result after
 //! each replay, the record of the captured calls and of each replay, what a capture refuses,
-//! and a replay that hangs, ended by the NCCL timeout with the hybrid's timeout error. Where no
+//! and a replay that hangs, ended by the NCCL timeout with the hybrid's timeout error; and a
+//! recovery of the one rank, whose NCCL side is shrunk (`recover.rs`). Where no
 //! CUDA device or no NCCL is found, every case is reported ignored after "skipped: <reason>",
 //! never passed.
 //!
@@ -18,6 +19,7 @@
 )]
 #[path = "../../../dist-nccl/tests/gpu/kernel.rs"]
 mod kernel;
+mod recover;
 
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -291,6 +293,10 @@ fn main() -> std::process::ExitCode {
         ("hybrid_graph_replays_every_call", replays_every_call),
         ("hybrid_graph_refusals", refusals),
         ("hybrid_graph_replay_bounded_by_the_timeout", bounded_replay),
+        (
+            "hybrid_recover_of_one_rank_shrinks_its_nccl_side",
+            recover::one_rank_recovers_twice,
+        ),
     ];
     let skip = unusable();
     if let Some(why) = &skip
