@@ -69,6 +69,14 @@ pub trait HostArena: Send + Sync {
     /// ranks a core, then zero).
     fn spin(&self) -> Duration;
 
+    /// The longest a collective on the small areas spins on its peers' words, in all, before
+    /// its waits give the core away (`collectives/small.rs`): by default
+    /// [`SMALL_SPIN`](crate::collectives::SMALL_SPIN) or the arena's spin, if less (dist-tcp:
+    /// `DIST_SMALL_SPIN_US` where set).
+    fn small_spin(&self) -> Duration {
+        self.spin().min(crate::collectives::SMALL_SPIN)
+    }
+
     /// Copies `data` into this rank's slot `slot` (0 or 1) at byte `offset`. Any thread may
     /// call it and [`HostArena::read`] at once: an implementation never lets two of this
     /// process's copies of overlapping bytes race, one of them a write (it takes them in turn,

@@ -312,6 +312,7 @@ impl TcpConfig {
         // Read by the backend itself (`peer::spin_env`); checked here so that a value
         // that would spin a core for long is an error at init, not a silent busy loop.
         number("DIST_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
+        number("DIST_SMALL_SPIN_US", 0..=crate::peer::SPIN_MAX_US)?;
         cfg = crate::limits_from_env(cfg, &get)?;
         cfg.validate()?;
         Ok(cfg)

@@ -174,6 +174,8 @@ fn names_missing_and_malformed_variables() {
         ("DIST_SPIN_US", "1e12"),
         ("DIST_ARENA_MAX_KB", "1048577"),
         ("DIST_SPIN_US", "10001"),
+        ("DIST_SMALL_SPIN_US", "10001"),
+        ("DIST_SMALL_SPIN_US", "two"),
         ("DIST_DIRECT", "yes"),
         ("DIST_DIRECT_MIN_KB", "-1"),
     ] {

@@ -59,7 +59,7 @@ pub(crate) use io::IoThread;
 use poll_wait::SocketWait;
 use recv::Spinning;
 pub use recv::TcpRecv;
-pub(crate) use recv::spin_env;
+pub(crate) use recv::{small_spin_env, spin_env};
 use rx::*;
 use slots::*;
 use writer::*;

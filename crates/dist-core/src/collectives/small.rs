@@ -22,7 +22,7 @@
 //! area still being read.
 //!
 //! **Waiting.** A rank spins on a peer's area word (the CPU's pause between looks) for at most
-//! [`SMALL_SPIN`] a call (none where the arena's spin time is zero, a host crowded with ranks,
+//! [`SMALL_SPIN`](super::consts::SMALL_SPIN) a call (none where the arena's spin time is zero, a host crowded with ranks,
 //! where the host's ranks outnumber the cores this process may run on, or in a backoff after
 //! spins that ran out, [`SPIN_BACKOFF`]),
 //! then waits on the peer's `Input` word as every arena wait does (`collectives/arena_wait.rs`:
@@ -53,14 +53,6 @@ use super::call::{abort_all, finish};
 use super::desc::Desc;
 use super::host::Host;
 use super::scratch::bytes;
-
-/// The longest a call spins on its peers' area words (in all, over every peer), where the
-/// arena's spin time is not zero and the host's ranks do not outnumber the cores, before its
-/// waits give the core away: a peer on a core of its own publishes within a few cache-line
-/// transfers, and a yield costs more than that. (On 4 ranks of the 2-core machine, with the
-/// spin, every small all_reduce up to 2 KiB took about 22 µs where the slots' path took 15,
-/// medians of five rounds under heavy load; without it, level within the noise.)
-pub(super) const SMALL_SPIN: Duration = Duration::from_micros(2);
 
 /// Looks at a peer's area word between two reads of the clock while spinning
 /// ([`Host::wait_small`]): a look is one load (a few ns while the line stays put), a read of
@@ -199,13 +191,14 @@ impl<L: Link> Host<'_, '_, L> {
         Ok(round)
     }
 
-    /// How long this call may spin on its peers' area words, in all: [`SMALL_SPIN`] (or the
-    /// arena's spin time, if less), none on a crowded host or in a backoff ([`SPIN_BACKOFF`]).
+    /// How long this call may spin on its peers' area words, in all: the arena's
+    /// [`HostArena::small_spin`](crate::arena::HostArena::small_spin) ([`SMALL_SPIN`](super::consts::SMALL_SPIN) by
+    /// default), none on a crowded host or in a backoff ([`SPIN_BACKOFF`]).
     pub(super) fn spin_budget(&self) -> Duration {
         if crowded(self.local.len()) || SPIN_BACKOFF.skip() {
             Duration::ZERO
         } else {
-            self.a.spin().min(SMALL_SPIN)
+            self.a.small_spin()
         }
     }
 

@@ -396,3 +396,15 @@ pub(crate) fn spin_env() -> Option<Duration> {
             .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
     })
 }
+
+/// The small areas' spin `DIST_SMALL_SPIN_US` asks for (at most [`SPIN_MAX_US`]), if it is set
+/// to a number ([`dist_core::arena::HostArena::small_spin`]).
+pub(crate) fn small_spin_env() -> Option<Duration> {
+    static S: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *S.get_or_init(|| {
+        std::env::var("DIST_SMALL_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map(|us: u64| Duration::from_micros(us.min(SPIN_MAX_US.into())))
+    })
+}

@@ -493,6 +493,14 @@ impl HostArena for TcpArena {
         self.spin
     }
 
+    fn small_spin(&self) -> Duration {
+        // Zero where the arena does not spin at all (a crowded host), whatever is asked.
+        match crate::peer::small_spin_env() {
+            Some(s) if !self.spin.is_zero() => s,
+            _ => self.spin.min(dist_core::collectives::SMALL_SPIN),
+        }
+    }
+
     fn write(&self, slot: usize, offset: usize, data: &[u8]) -> Result<()> {
         let done = match &self.own {
             Some(m) => m.write(slot, offset, data),
