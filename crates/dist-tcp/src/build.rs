@@ -120,7 +120,11 @@ impl TcpBackend {
             threads,
             "direct reads proposed from (bytes); threads on the arena"
         );
-        let arena = arena_setup.map(|s| s.finish(peers.clone(), spin, direct, threads));
+        let small_spin = config::default_small_spin(local, cores);
+        let arena = arena_setup.map(|s| {
+            s.finish(peers.clone(), spin, direct, threads)
+                .with_small_spin(small_spin)
+        });
         let (events, inbox) = liveness::channel();
         let shared = Arc::new(Shared {
             rank: me,

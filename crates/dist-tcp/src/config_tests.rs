@@ -284,6 +284,19 @@ fn debug_hides_the_secret() {
     assert!(!format!("{c:?}").contains("hunter2"));
 }
 
+/// The small areas' spin: 10 µs with two cores or more a rank, else 2 µs.
+#[test]
+fn the_small_spin_is_longer_with_cores_to_spare() {
+    let spare = Duration::from_micros(10);
+    let tight = dist_core::collectives::SMALL_SPIN;
+    assert_eq!(default_small_spin(8, 16), spare);
+    assert_eq!(default_small_spin(1, 2), spare);
+    assert_eq!(default_small_spin(16, 16), tight);
+    assert_eq!(default_small_spin(2, 2), tight);
+    assert_eq!(default_small_spin(9, 16), tight);
+    assert_eq!(default_small_spin(3, 0), tight);
+}
+
 /// The spin's default: 50 µs up to 16 ranks of the job per core of the host, none beyond
 /// (measured: `docs/benchmarks.md`, "Spinning and oversubscription"); `LOCAL_WORLD_SIZE`
 /// counts the ranks when set to a positive number.

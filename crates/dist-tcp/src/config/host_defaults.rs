@@ -27,6 +27,25 @@ pub(crate) fn default_spin(local: usize, cores: usize) -> Duration {
     }
 }
 
+/// How long a collective on the host arena's small areas spins on its peers' words
+/// (`DIST_SMALL_SPIN_US` unset; never more than the arena's spin, [`default_spin`]): 10 µs where
+/// this host has at least two cores for each of the job's ranks on it, else
+/// [`SMALL_SPIN`](dist_core::collectives::SMALL_SPIN) (2 µs). With cores to spare a peer late by
+/// a few µs is worth the spin; where the ranks have a core each or less, a rank that spins takes
+/// the core a late peer, or other work, needs. Measured (`docs/benchmarks.md`, "Defaults and
+/// why"): 8 ranks on the 16-core host, 8 B-2 KiB, 10 µs 1.95-5.56 µs a call against 2.00-10.53
+/// at 2 µs; 2 ranks on the 2-core machine under other load, 10 µs 14-43 µs against 8-18.
+pub(crate) fn default_small_spin(local: usize, cores: usize) -> Duration {
+    if cores >= local.saturating_mul(2) {
+        SPARE_CORES_SMALL_SPIN
+    } else {
+        dist_core::collectives::SMALL_SPIN
+    }
+}
+
+/// The small areas' spin where the host has cores to spare ([`default_small_spin`]).
+pub(crate) const SPARE_CORES_SMALL_SPIN: Duration = Duration::from_micros(10);
+
 /// Whether the job's ranks on this host (`local`) are more than [`SPIN_RANKS_PER_CORE`] per core
 /// (`cores`): a crowded host, where ranks take turns on the cores and every page a rank touches
 /// is cleared once per rank.

@@ -196,6 +196,7 @@ impl ArenaSetup {
             of_this,
             peers,
             spin,
+            small_spin: spin.min(dist_core::collectives::SMALL_SPIN),
             claimed: AtomicBool::new(false),
             probe: self.probe,
             direct,
@@ -224,6 +225,8 @@ pub(crate) struct TcpArena {
     of_this: Vec<bool>,
     peers: Vec<Arc<Peer>>,
     spin: Duration,
+    /// The small areas' spin ([`HostArena::small_spin`]): the arena's spin or less.
+    small_spin: Duration,
     /// A group has claimed the arena ([`HostArena::claim`]).
     claimed: AtomicBool,
     /// What the header says peers find at its probe address (kept alive with the arena).
@@ -246,6 +249,13 @@ impl std::fmt::Debug for TcpArena {
 }
 
 impl TcpArena {
+    /// The arena with its small areas' spin set to `spin` (at most the arena's own spin; see
+    /// `config::default_small_spin`).
+    pub(crate) fn with_small_spin(mut self, spin: Duration) -> TcpArena {
+        self.small_spin = spin.min(self.spin);
+        self
+    }
+
     fn mapping(&self, owner: usize) -> Option<&Mapping> {
         if owner == self.me {
             self.own.as_ref()
@@ -497,7 +507,7 @@ impl HostArena for TcpArena {
         // Zero where the arena does not spin at all (a crowded host), whatever is asked.
         match crate::peer::small_spin_env() {
             Some(s) if !self.spin.is_zero() => s,
-            _ => self.spin.min(dist_core::collectives::SMALL_SPIN),
+            _ => self.small_spin,
         }
     }
 
