@@ -1,5 +1,6 @@
-//! Revoking a backend after a failure, and recovering: the survivors agree through the job's
-//! store on the next epoch's members, then form that epoch's backend.
+//! Revoking a backend after a failure, recovering (the survivors agree through the job's store
+//! on the next epoch's members, then form that epoch's backend), and growing (a new process
+//! joins, and is taken in at the next epoch).
 //!
 //! **Revoke.** A backend is revoked by [`TcpBackend::revoke`], by [`TcpBackend::recover`], or,
 //! with [`TcpConfig::elastic`](crate::TcpConfig::elastic), by the first failure it sees or
@@ -29,10 +30,37 @@
 //! id, so no frame of an older epoch can reach it: its handshakes refuse a rank of another
 //! epoch. Should forming fail (a member died meanwhile), the survivors agree on epoch `e + 1`,
 //! until the deadline.
+//!
+//! **Grow.** A process joins a running job with [`TcpBackend::join`], through keys under
+//! `<job prefix>/elastic`:
+//!
+//! | key | set by | value |
+//! | --- | --- | --- |
+//! | `job` | rank 0 of an elastic job's epoch 0 | the job's size at epoch 0 and the job rank serving the store (`-`: none) |
+//! | `epoch` | rank 0 of each epoch, once formed | the epoch and its members |
+//! | `joiners` | each joiner (`add`) | how many registered: the k-th takes job rank `size at epoch 0 + k - 1` |
+//! | `join/<id>` | joiner `id` | its ticket: `open <nonce>`, or `proof <nonce> <HMAC-SHA256 of prefix, id, nonce under the secret>` |
+//! | `join/<id>/verdict` | `compare_set` from empty, the first stands: the members after an agreement that took it in, a member that found its proof wrong, or the joiner at its deadline | the epoch, `refused: <why>`, or `withdrawn` |
+//!
+//! The members never look for joiners on their own. They look when they move to a new epoch:
+//! at [`TcpBackend::admit`] (a collective between steps: rank 0 looks, and a broadcast tells
+//! the others whether to move) and at [`TcpBackend::recover`]; the proposer of an agreement
+//! adds the joiners waiting (those with a ticket that passes and no verdict) after the
+//! survivors, as the policy ([`Admission`]) says. After the agreement every member sets each
+//! new member's verdict to the epoch; a joiner that withdrew first is read as such by every
+//! member, and all agree again without it. The joiner reads the members of its epoch and
+//! forms it with them; from then on it is a member like any other.
 
+mod admission;
 mod agree;
+mod join;
+mod joiners;
 mod recover;
 mod revoke;
+
+pub use admission::Admission;
+pub use join::{JOIN_ENV, joining};
+pub(crate) use joiners::announce;
 
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,6 @@
 //! The agreement on an epoch's members through the job's store (the keys under
-//! `<job prefix>/elastic/<epoch>`; see the parent module's text).
+//! `<job prefix>/elastic/<epoch>`; see the parent module's text): the survivors of the last
+//! epoch, and the joiners the proposer found waiting.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ fn here_key(id: usize) -> String {
 }
 
 /// The members as the `members` key holds them.
-fn encode(members: &[usize]) -> String {
+pub(super) fn encode(members: &[usize]) -> String {
     members
         .iter()
         .map(usize::to_string)
@@ -23,16 +24,17 @@ fn encode(members: &[usize]) -> String {
         .join(",")
 }
 
-/// The members a `members` value names: ranks of `current`, ascending, none twice, at least
-/// one; `None` for anything else.
-fn decode(v: &[u8], current: &[usize]) -> Option<Vec<usize>> {
+/// The members a `members` value names: job ranks of `current` or joiners' (from
+/// `first_new`), ascending, none twice, at least one; `None` for anything else.
+pub(super) fn decode(v: &[u8], current: &[usize], first_new: usize) -> Option<Vec<usize>> {
     let text = std::str::from_utf8(v).ok()?;
     let ids = text
         .split(',')
         .map(|t| t.parse::<usize>().ok())
         .collect::<Option<Vec<usize>>>()?;
     let ascending = ids.windows(2).all(|w| w[0] < w[1]);
-    (!ids.is_empty() && ascending && ids.iter().all(|i| current.contains(i))).then_some(ids)
+    let known = |i: &usize| current.contains(i) || *i >= first_new;
+    (!ids.is_empty() && ascending && ids.iter().all(known)).then_some(ids)
 }
 
 /// What this rank proposes: itself, and every rank of `current` that checked in (`here`) and
@@ -63,6 +65,8 @@ pub(super) fn agree(
     keeper: Option<usize>,
     window: Duration,
     deadline: Instant,
+    first_new: usize,
+    waiting: &mut dyn FnMut() -> std::result::Result<Vec<usize>, StoreError>,
 ) -> Result<Vec<usize>> {
     let err = |e: StoreError| DistError::Io {
         rank,
@@ -108,22 +112,28 @@ pub(super) fn agree(
             }
         });
         checks.map_err(err)?;
+        // The joiners waiting, after every survivor: their job ranks are above all others'.
+        let mut mine = mine;
+        mine.extend(waiting().map_err(err)?);
+        mine.sort_unstable();
+        mine.dedup();
         tracing::debug!(rank, epoch, ?mine, ?failed, "proposing");
         keys.compare_set("members", b"", encode(&mine).as_bytes())
             .map_err(err)?
     };
-    decode(&decided, current).ok_or_else(|| DistError::InvalidArgument {
+    decode(&decided, current, first_new).ok_or_else(|| DistError::InvalidArgument {
         rank,
         op: format!("agree on group epoch {epoch}"),
         reason: format!(
             "the store's members key holds {:?}, not ascending job ranks of the last epoch \
-             {current:?}",
+             {current:?} or of joiners (from {first_new})",
             String::from_utf8_lossy(&decided)
         ),
     })
 }
 
-/// Runs `f` on the keys of epoch `epoch` (`<base>/elastic/<epoch>`) through a new connection to
+/// Runs `f` on the keys of epoch `epoch` (`<base>/elastic/<epoch>`), and on the joiners'
+/// (`<base>/elastic`), through a new connection to
 /// the store at `server`, its operations bounded by the time left to `deadline`.
 pub(super) fn agree_through<T>(
     server: &str,
@@ -131,7 +141,7 @@ pub(super) fn agree_through<T>(
     rank: usize,
     epoch: u64,
     deadline: Instant,
-    f: impl FnOnce(&PrefixStore<&TcpStore>) -> Result<T>,
+    f: impl FnOnce(&PrefixStore<&TcpStore>, &PrefixStore<&TcpStore>) -> Result<T>,
 ) -> Result<T> {
     let client = TcpStore::connect(server, left(deadline))
         .map_err(|e| DistError::Io {
@@ -142,10 +152,10 @@ pub(super) fn agree_through<T>(
             source: std::io::Error::other(crate::init::store_error_text(&e)),
         })?
         .with_timeout(left(deadline));
-    f(&PrefixStore::new(
-        format!("{base}/elastic/{epoch}"),
-        &client,
-    ))
+    f(
+        &PrefixStore::new(format!("{base}/elastic/{epoch}"), &client),
+        &PrefixStore::new(format!("{base}/elastic"), &client),
+    )
 }
 
 #[cfg(test)]
@@ -156,11 +166,16 @@ mod tests {
     fn members_round_trip_and_bad_values_are_refused() {
         let current = [0, 2, 3, 5];
         assert_eq!(
-            decode(encode(&[0, 3]).as_bytes(), &current),
+            decode(encode(&[0, 3]).as_bytes(), &current, 6),
             Some(vec![0, 3])
         );
-        for bad in ["", "3,0", "0,0", "0,1", "x", "0,,3", "-1"] {
-            assert_eq!(decode(bad.as_bytes(), &current), None, "{bad:?}");
+        // Joiners' job ranks come from 6 (the job began with 6 ranks), after the others.
+        assert_eq!(
+            decode(encode(&[0, 3, 6, 7]).as_bytes(), &current, 6),
+            Some(vec![0, 3, 6, 7])
+        );
+        for bad in ["", "3,0", "0,0", "0,1", "x", "0,,3", "-1", "7,6", "0,4"] {
+            assert_eq!(decode(bad.as_bytes(), &current, 6), None, "{bad:?}");
         }
     }
 
