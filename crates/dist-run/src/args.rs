@@ -64,7 +64,7 @@ pub(crate) struct Args {
 /// What the command line asks for instead of a launch.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Parsed {
-    Run(Args),
+    Run(Box<Args>),
     Help,
     Version,
 }
@@ -174,7 +174,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
     }
     a.program = program;
     a.args = it.collect();
-    Ok(Parsed::Run(a))
+    Ok(Parsed::Run(Box::new(a)))
 }
 
 #[cfg(test)]
@@ -187,7 +187,7 @@ mod tests {
 
     fn run(args: &[&str]) -> Args {
         match p(args) {
-            Ok(Parsed::Run(a)) => a,
+            Ok(Parsed::Run(a)) => *a,
             other => panic!("{args:?}: {other:?}"),
         }
     }

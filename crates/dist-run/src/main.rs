@@ -12,7 +12,7 @@ use args::{Args, Parsed, USAGE};
 
 fn main() -> ExitCode {
     let a = match args::parse(std::env::args_os().skip(1)) {
-        Ok(Parsed::Run(a)) => a,
+        Ok(Parsed::Run(a)) => *a,
         Ok(Parsed::Help) => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;
