@@ -11,7 +11,8 @@ use dist_store::{PrefixStore, Store, StoreError, TcpStore};
 use super::admission::Moment;
 use super::agree::decode;
 use super::joiners::{
-    EPOCH, Facts, Intake, JOINERS, REFUSED, WITHDRAWN, store_err, ticket, ticket_key, verdict_key,
+    EPOCH, Facts, Intake, JOINERS, PRESENT, REFUSED, WITHDRAWN, store_err, ticket, ticket_key,
+    verdict_key,
 };
 use super::recover::{Mover, deadline_in};
 use super::{FORM_AT_LEAST, left};
@@ -101,7 +102,7 @@ impl TcpBackend {
                 .check(&[EPOCH])
                 .ok()
                 .filter(|&there| there)
-                .and_then(|_| root.get(EPOCH, Duration::from_millis(1)).ok())
+                .and_then(|_| root.get(EPOCH, PRESENT).ok())
                 .map(|v| String::from_utf8_lossy(&v).into_owned());
             let last = match last.as_deref().and_then(|l| l.split_once(' ')) {
                 Some((e, m)) => format!("the last epoch formed is {e}, members {m}"),

@@ -19,6 +19,10 @@ pub(super) const EPOCH: &str = "epoch";
 pub(super) const WITHDRAWN: &str = "withdrawn";
 /// The start of a refusal's verdict.
 pub(super) const REFUSED: &str = "refused: ";
+/// How long a read of a key seen present may wait for it: a get waits for its key first, and
+/// that wait, however short the key's presence makes it, takes a round trip to a store that
+/// may be busy (a 1 ms bound timed out at 64 ranks on 2 cores).
+pub(super) const PRESENT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Joiner `id`'s ticket.
 pub(super) fn ticket_key(id: usize) -> String {
@@ -67,7 +71,7 @@ impl Facts {
         if !root.check(&[JOB])? {
             return Ok(None);
         }
-        let v = root.get(JOB, std::time::Duration::from_millis(1))?;
+        let v = root.get(JOB, PRESENT)?;
         Ok(Facts::decode(&v))
     }
 }
@@ -168,9 +172,7 @@ impl Intake<'_> {
             {
                 continue;
             }
-            let t = self
-                .root
-                .get(&ticket_key(id), std::time::Duration::from_millis(1))?;
+            let t = self.root.get(&ticket_key(id), PRESENT)?;
             match refusal(&t, self.secret, self.base, id) {
                 None => out.push(id),
                 Some(why) => {
