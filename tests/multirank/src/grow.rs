@@ -5,7 +5,8 @@
 //! another job, or with another secret, is refused with an error that says so; a joiner no
 //! member takes in withdraws at its deadline, and the members do not take it in after.
 //!
-//! A joiner is a process the launcher did not start: rank 0 starts copies of this program
+//! `grow_admit` runs again with every pair connected lazily. A joiner is a process the
+//! launcher did not start: rank 0 starts copies of this program
 //! with `DIST_TEST_JOINER` set, which join the running job (the launcher's environment gives
 //! them the master address), and checks that they exit 0.
 
@@ -14,18 +15,27 @@ use std::time::{Duration, Instant};
 
 use dist_core::collectives::Collectives;
 use dist_core::{Backend, DistError, ReduceOp, Tag};
-use dist_multirank::{Case, config};
+use dist_multirank::{Case, Variant, config};
 use dist_tcp::dist_store::Store;
 use dist_tcp::{Admission, TcpBackend, TcpConfig};
 
 /// The cases, registered in `main.rs`.
 pub const CASES: &[Case] = &[
-    Case::new("grow_admit", admit).only_at(&[3]),
+    Case::new("grow_admit", admit)
+        .only_at(&[3])
+        .variants(&[LAZY]),
     Case::new("grow_two_joiners", two_joiners).only_at(&[3]),
     Case::new("grow_at_recovery", at_recovery).only_at(&[3]),
     Case::new("grow_refused", refused).only_at(&[3]),
     Case::new("grow_timeout", timeout).only_at(&[3]),
 ];
+
+/// The job, the joiner and every later epoch connected lazily (each pair on first use).
+const LAZY: Variant = Variant {
+    name: "lazy",
+    sizes: &[3],
+    env: &[("DIST_FORMATION", "lazy")],
+};
 
 /// Set (to the joiner's role) in the environment of the copies that join.
 const JOINER: &str = "DIST_TEST_JOINER";
