@@ -82,6 +82,10 @@ enum Cmd {
         /// How many ranks may fail without failing the run (for `elastic_train`).
         #[arg(long, default_value_t = 0)]
         tolerate: usize,
+        /// How many replacements the launcher may start for ranks that die (dist-run's
+        /// `--replace`; for `elastic_train`).
+        #[arg(long, default_value_t = 0)]
+        replace: usize,
     },
     /// A soak of recovery: N elastic ranks in a checked all_reduce loop while ranks are killed
     /// and stopped at random.
@@ -264,7 +268,16 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             ranks,
             example,
             tolerate,
-        } => run_example(&example, ranks, tolerate),
+            replace,
+        } => {
+            // elastic_train waits for the replacement (and checks the group is whole again)
+            // when told one comes.
+            let env = (replace > 0)
+                .then(|| ("ELASTIC_REPLACED".to_string(), "1".to_string()))
+                .into_iter()
+                .collect();
+            run_example(&example, ranks, tolerate, replace, env)
+        }
         Cmd::BenchP2p { pin, latency_only } => {
             let mut args = Vec::new();
             if pin {
@@ -322,14 +335,20 @@ fn dispatch(cmd: Cmd) -> Result<()> {
 }
 
 /// Builds `example` of dist-hybrid in release mode (unless in a bundle) and runs `ranks` ranks,
-/// `tolerate` of which may fail.
-fn run_example(example: &str, ranks: usize, tolerate: usize) -> Result<()> {
+/// `tolerate` of which may fail, with up to `replace` replacements and `env` besides.
+fn run_example(
+    example: &str,
+    ranks: usize,
+    tolerate: usize,
+    replace: usize,
+    env: Vec<(String, String)>,
+) -> Result<()> {
     let program = bundled_or_built(
         example,
         &["-p", "dist-hybrid", "--example", example],
         || release_dir().join("examples").join(example),
     )?;
-    launch_ranks(program, ranks, Vec::new(), None, tolerate)
+    launch_ranks(program, ranks, Vec::new(), None, (tolerate, replace), env)
 }
 
 /// Builds a release binary of dist-tools (unless in a bundle) and runs `ranks` ranks of it,
@@ -343,7 +362,7 @@ fn launch_release(
     let program = bundled_or_built(bin, &["-p", "dist-tools", "--bin", bin], || {
         release_dir().join(bin)
     })?;
-    launch_ranks(program, ranks, args, hosts, 0)
+    launch_ranks(program, ranks, args, hosts, (0, 0), Vec::new())
 }
 
 /// `name` from the bundle when running inside one (a host with no Rust toolchain), else built
@@ -367,7 +386,8 @@ fn launch_ranks(
     ranks: usize,
     args: Vec<String>,
     hosts: Option<&launch::Hosts>,
-    tolerate: usize,
+    (tolerate, replace): (usize, usize),
+    env: Vec<(String, String)>,
 ) -> Result<()> {
     let name = program.display().to_string();
     let job = launch::Job {
@@ -376,10 +396,11 @@ fn launch_ranks(
         world: ranks,
         timeout: std::time::Duration::from_secs(600),
         label: String::new(),
-        env: Vec::new(),
+        env,
         plain_rank0: true,
         echo: true,
         tolerate,
+        replace,
     };
     match launch::run_on(&job, hosts).map_err(anyhow::Error::msg)? {
         launch::Outcome::Passed => Ok(()),
@@ -430,10 +451,18 @@ fn test() -> Result<()> {
         ),
     }
     // The training example, as a test (on the CPU here; on GPUs where there are some).
-    run_example("train", 4, 0)?;
+    run_example("train", 4, 0, 0, Vec::new())?;
     // The elastic example, as a test: one rank of four killed with SIGKILL at a random step,
-    // the survivors recover and must end where an undisturbed run ends.
-    run_example("elastic_train", 4, 1)?;
+    // the survivors recover and must end where an undisturbed run ends; then again with a
+    // replacement started by the launcher, which the group takes in (it must end at four).
+    run_example("elastic_train", 4, 1, 0, Vec::new())?;
+    run_example(
+        "elastic_train",
+        4,
+        1,
+        1,
+        vec![("ELASTIC_REPLACED".into(), "1".into())],
+    )?;
     // Every test, last, so that their counts close the run: the unit and integration tests,
     // the tidy tests, and the multi-rank cases (tests/multirank/tests/multirank.rs), each at
     // the world sizes it declares (2, 3, 4, 5, 8 for most TCP cases; the collectives again

@@ -13,8 +13,18 @@
 //! a serial run of the same data on this rank (relative error below 1e-9), that the loss fell,
 //! and, when a rank was killed, that the job went on without it; it fails otherwise.
 //!
+//! Between steps every member calls `admit`, which takes in a process waiting to join: a
+//! replacement the launcher starts for the killed rank (`dist-run --replace 1`, which starts
+//! it with `DIST_JOIN=1`). The replacement joins through the store (`TcpBackend::join`),
+//! receives the step and the weights from rank 0 by the same broadcast a recovery ends with,
+//! and trains on; it may come in at the survivors' recovery itself, or at a later step. With
+//! `ELASTIC_REPLACED=1` the members wait for it after the last step (at most 30 s), and every
+//! rank checks that the job ends as large as it began, the killed rank replaced.
+//!
 //!     cargo xtask run -n 4 --tolerate 1 --example elastic_train
 //!     dist-run -n 4 --tolerate 1 target/release/examples/elastic_train
+//!     cargo xtask run -n 4 --replace 1 --example elastic_train
+//!     ELASTIC_REPLACED=1 dist-run -n 4 --replace 1 target/release/examples/elastic_train
 //!
 //! `ELASTIC_KILL=R:S` kills rank R at step S instead of the random choice (which follows
 //! `MASTER_PORT`, so every rank computes the same); `ELASTIC_KILL=none` kills no one. TCP and
@@ -32,8 +42,10 @@ const SAMPLES: usize = 4096;
 const STEPS: usize = 60;
 /// The step size: the data are scaled so that XᵀX/N is close to the identity.
 const LR: f64 = 0.5;
-/// How long one recovery may take.
+/// How long one recovery, one admission or one join may take.
 const RECOVER: Duration = Duration::from_secs(30);
+/// How long the members wait for an expected replacement after the last step.
+const AWAIT_REPLACEMENT: Duration = Duration::from_secs(30);
 /// How long a rank may go silent before the others judge it failed.
 const PEER_TIMEOUT: Duration = Duration::from_secs(2);
 /// The largest relative difference from the serial run that is floating-point reordering.
@@ -146,23 +158,43 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<(), String> {
+    let started = Instant::now();
     let cfg = TcpConfig::from_env()
         .map_err(|e| e.to_string())?
         .peer_timeout(PEER_TIMEOUT)
         .elastic(true);
-    let mut b = TcpBackend::with_config(cfg).map_err(|e| format!("init: {e}"))?;
-    let (me, world) = (b.rank(), b.world_size());
-    let kill = victim(world)?;
+    let expect_replacement = std::env::var("ELASTIC_REPLACED").is_ok_and(|v| v == "1");
+    let data = Data::new();
+    let mut w = vec![0f64; FEATURES];
+    let mut step = 0;
+    let joiner = dist_tcp::joining();
+    let mut b = if joiner {
+        let b = TcpBackend::join(cfg, RECOVER).map_err(|e| format!("join: {e}"))?;
+        println!(
+            "joiner: taken in {:.2?} after it started: epoch {}, rank {} of {}, members {:?}",
+            started.elapsed(),
+            b.epoch(),
+            b.rank(),
+            b.world_size(),
+            b.members()
+        );
+        // Its first collective: the members' state, as after every change of epoch.
+        sync_state(&b, &mut step, &mut w)?;
+        b
+    } else {
+        TcpBackend::with_config(cfg).map_err(|e| format!("init: {e}"))?
+    };
+    // The job rank: the rank it had at epoch 0 (a joiner's comes after all of those).
+    let me = b.members()[b.rank()];
+    let world = if joiner { 0 } else { b.world_size() };
+    let kill = if joiner { None } else { victim(world)? };
     if me == 0 {
         match kill {
             Some((r, s)) => println!("{world} ranks, {STEPS} steps; rank {r} dies at step {s}"),
             None => println!("{world} ranks, {STEPS} steps; no rank dies"),
         }
     }
-    let data = Data::new();
-    let mut w = vec![0f64; FEATURES];
     let mut first_loss = None;
-    let mut step = 0;
     while step < STEPS {
         if kill == Some((me, step)) {
             println!("rank {me}: SIGKILL at step {step}");
@@ -177,6 +209,19 @@ fn run() -> Result<(), String> {
                 first_loss.get_or_insert(sums[FEATURES] / SAMPLES as f64);
                 update(&mut w, &sums);
                 step += 1;
+                // Between steps: take in whoever waits to join.
+                let epoch = b.epoch();
+                b = b
+                    .admit(RECOVER)
+                    .map_err(|e| format!("rank {me}: admit: {e}"))?;
+                if b.epoch() != epoch {
+                    println!(
+                        "rank {me}: epoch {} after step {step}: members {:?}",
+                        b.epoch(),
+                        b.members()
+                    );
+                    sync_state(&b, &mut step, &mut w)?;
+                }
             }
             Err(e) => {
                 println!("rank {me}: step {step}: {e}");
@@ -195,28 +240,77 @@ fn run() -> Result<(), String> {
                     b.rank(),
                     b.members()
                 );
-                // One state for all: the new rank 0's step and weights.
-                let mut state = Vec::with_capacity(FEATURES + 1);
-                state.push(step as f64);
-                state.extend_from_slice(&w);
-                b.broadcast(&mut state, 0)
-                    .map_err(|e| format!("rank {me}: the state's broadcast: {e}"))?;
-                step = state[0] as usize;
-                w.copy_from_slice(&state[1..]);
+                sync_state(&b, &mut step, &mut w)?;
             }
         }
     }
-    check(&b, &data, &w, first_loss, kill.map(|(r, _)| (r, world)))
+    if expect_replacement && !joiner && kill.is_some() {
+        b = await_replacement(b, world, &mut step, &mut w)?;
+    }
+    check(
+        &b,
+        &data,
+        &w,
+        first_loss,
+        kill.map(|(r, _)| (r, world)),
+        expect_replacement,
+    )
+}
+
+/// One state for all, after a change of epoch: the new rank 0's step and weights (a survivor
+/// may have finished the failed step where another had not; a joiner has neither).
+fn sync_state(b: &TcpBackend, step: &mut usize, w: &mut [f64]) -> Result<(), String> {
+    let mut state = Vec::with_capacity(FEATURES + 1);
+    state.push(*step as f64);
+    state.extend_from_slice(w);
+    b.broadcast(&mut state, 0)
+        .map_err(|e| format!("rank {}: the state's broadcast: {e}", b.rank()))?;
+    *step = state[0] as usize;
+    w.copy_from_slice(&state[1..]);
+    Ok(())
+}
+
+/// After the last step, on the members: `admit` until the group is back at `world` ranks (a
+/// replacement the launcher started has been taken in), at most [`AWAIT_REPLACEMENT`].
+fn await_replacement(
+    mut b: TcpBackend,
+    world: usize,
+    step: &mut usize,
+    w: &mut [f64],
+) -> Result<TcpBackend, String> {
+    let until = Instant::now() + AWAIT_REPLACEMENT;
+    while b.world_size() < world {
+        if Instant::now() > until {
+            return Err(format!(
+                "no replacement taken in within {AWAIT_REPLACEMENT:?} of the last step: \
+                 epoch {}, members {:?}",
+                b.epoch(),
+                b.members()
+            ));
+        }
+        let epoch = b.epoch();
+        b = b.admit(RECOVER).map_err(|e| format!("admit: {e}"))?;
+        if b.epoch() == epoch {
+            // Nobody waiting yet: look again shortly (the look is a broadcast and one store
+            // read on rank 0).
+            std::thread::sleep(Duration::from_millis(20));
+        } else {
+            sync_state(&b, step, w)?;
+        }
+    }
+    Ok(b)
 }
 
 /// The end state: identical weights everywhere, the serial run's result, a falling loss, and
-/// the job one rank smaller when one died (`killed`: the victim and the job's first size).
+/// the job one rank smaller when one died (`killed`: the victim and the job's first size), or
+/// as large as it began with the victim replaced (`replaced`).
 fn check(
     b: &TcpBackend,
     data: &Data,
     w: &[f64],
     first_loss: Option<f64>,
     killed: Option<(usize, usize)>,
+    replaced: bool,
 ) -> Result<(), String> {
     let me = b.members()[b.rank()];
     let e = |what: &'static str| move |err: DistError| format!("rank {me}: {what}: {err}");
@@ -243,17 +337,30 @@ fn check(
              {loss_err:.1e}), weights {w_err:.1e} apart"
         ));
     }
-    let first = first_loss.ok_or("no step completed")?;
+    // A joiner taken in after the last step completed none: the first loss is the members'.
+    let mut first = [first_loss.unwrap_or(f64::MIN)];
+    b.all_reduce(&mut first, ReduceOp::Max)
+        .map_err(e("first loss"))?;
+    let first = first[0];
+    if first == f64::MIN {
+        return Err(format!("rank {me}: no step completed"));
+    }
     if loss >= first {
         return Err(format!(
             "rank {me}: the loss did not fall ({first} -> {loss})"
         ));
     }
-    if let Some((victim, world)) = killed
-        && (b.epoch() == 0 || b.members().contains(&victim) || b.world_size() + 1 != world)
+    let size = if replaced {
+        world_of(killed)
+    } else {
+        world_of(killed).saturating_sub(1)
+    };
+    if let Some((victim, _)) = killed
+        && (b.epoch() == 0 || b.members().contains(&victim) || b.world_size() != size)
     {
         return Err(format!(
-            "rank {me}: rank {victim} was to die, but the job ends at epoch {} with members {:?}",
+            "rank {me}: rank {victim} was to die{}, but the job ends at epoch {} with members {:?}",
+            if replaced { " and be replaced" } else { "" },
             b.epoch(),
             b.members()
         ));
@@ -267,4 +374,10 @@ fn check(
         );
     }
     Ok(())
+}
+
+/// The job's first size, from the members' `killed` (the joiner's is 0: it checks nothing of
+/// it, the members do).
+fn world_of(killed: Option<(usize, usize)>) -> usize {
+    killed.map_or(0, |(_, w)| w)
 }

@@ -25,6 +25,10 @@ options:
                         elastic job, whose survivors recover): no grace period starts for them,
                         and the job passes when every other rank exits 0; a rank that exits
                         with a non-zero status still fails the job (default 0)
+      --replace N       start up to N replacements for ranks that die within the allowance
+                        (which is then at least N): the same command with the same RANK and
+                        DIST_JOIN=1, so that it joins the running job (dist-tcp's
+                        TcpBackend::join); its lines are prefixed [r3+1] (default 0)
       --hosts H         spread the ranks over H simulated hosts (network namespaces on this
                         machine, in blocks; needs root and iproute2)
       --delay-ms MS     with --hosts: add MS milliseconds to every frame between hosts
@@ -48,6 +52,7 @@ pub(crate) struct Args {
     pub(crate) grace: Duration,
     pub(crate) timeout: Option<Duration>,
     pub(crate) tolerate: usize,
+    pub(crate) replace: usize,
     pub(crate) hosts: Option<usize>,
     pub(crate) delay: Option<Duration>,
     pub(crate) rate: Option<dist_run::rate::Rate>,
@@ -59,7 +64,7 @@ pub(crate) struct Args {
 /// What the command line asks for instead of a launch.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Parsed {
-    Run(Args),
+    Run(Box<Args>),
     Help,
     Version,
 }
@@ -87,6 +92,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
         grace: Duration::from_secs(10),
         timeout: None,
         tolerate: 0,
+        replace: 0,
         hosts: None,
         delay: None,
         rate: None,
@@ -116,7 +122,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "-h" | "--help" => return Ok(Parsed::Help),
             "-V" | "--version" => return Ok(Parsed::Version),
             "-n" | "--nproc" | "--master-addr" | "--master-port" | "--grace" | "--timeout"
-            | "--tolerate" | "--hosts" | "--delay-ms" | "--rate" | "--label" => {}
+            | "--tolerate" | "--replace" | "--hosts" | "--delay-ms" | "--rate" | "--label" => {}
             _ => return Err(format!("unknown option {opt}")),
         }
         let value = match inline {
@@ -134,6 +140,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
             "--grace" => a.grace = seconds(&opt, &value)?,
             "--timeout" => a.timeout = Some(seconds(&opt, &value)?),
             "--tolerate" => a.tolerate = number(&opt, &value, "a number of ranks")?,
+            "--replace" => a.replace = number(&opt, &value, "a number of replacements")?,
             "--hosts" => a.hosts = Some(number(&opt, &value, "a number of hosts")?),
             "--delay-ms" => {
                 a.delay = Some(seconds(&opt, &value)? / 1000);
@@ -167,7 +174,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, 
     }
     a.program = program;
     a.args = it.collect();
-    Ok(Parsed::Run(a))
+    Ok(Parsed::Run(Box::new(a)))
 }
 
 #[cfg(test)]
@@ -180,7 +187,7 @@ mod tests {
 
     fn run(args: &[&str]) -> Args {
         match p(args) {
-            Ok(Parsed::Run(a)) => a,
+            Ok(Parsed::Run(a)) => *a,
             other => panic!("{args:?}: {other:?}"),
         }
     }
@@ -196,6 +203,8 @@ mod tests {
         assert_eq!(a.timeout, Some(Duration::from_secs(60)));
         assert_eq!(a.tolerate, 0);
         assert_eq!(run(&["-n", "4", "--tolerate", "1", "p"]).tolerate, 1);
+        assert_eq!(a.replace, 0);
+        assert_eq!(run(&["-n", "4", "--replace", "2", "p"]).replace, 2);
         assert_eq!((a.program.to_str(), a.args.len()), (Some("-weird"), 1));
         let a = run(&[
             "--nproc=2",
@@ -263,6 +272,10 @@ mod tests {
             ),
             (&["-n", "2", "--delay-ms", "5", "p"], "needs --hosts"),
             (&["-n", "2", "--tolerate", "2", "p"], "one must survive"),
+            (
+                &["-n", "2", "--replace", "x", "p"],
+                "not a number of replacements",
+            ),
             (
                 &["-n", "2", "--tolerate", "x", "p"],
                 "not a number of ranks",

@@ -127,6 +127,13 @@ pub struct Launch {
     /// starts no grace period, and the launch passes when every other rank exits 0 (see
     /// [`Report::tolerated`]). A rank that exits with a non-zero status always fails the job.
     pub tolerate: usize,
+    /// How many replacements the launcher may start (default 0): when a rank dies within the
+    /// allowance (see [`Launch::tolerate`], which is taken to be at least this), the launcher
+    /// starts the same command again with the same `RANK` and `DIST_JOIN=1` in its
+    /// environment, so that it joins the running job (dist-tcp's `TcpBackend::join`) rather
+    /// than form one. A replacement that dies may be replaced in turn, while any are left.
+    /// Replacements are reported after the ranks ([`Report::replaced`]).
+    pub replace: usize,
     /// What a caught signal does.
     pub signals: Signals,
 }
@@ -149,6 +156,7 @@ impl Launch {
             echo: true,
             skip_status: None,
             tolerate: 0,
+            replace: 0,
             signals: Signals::Forward,
         }
     }
@@ -156,6 +164,12 @@ impl Launch {
     /// The prefix of rank `rank`'s lines.
     pub fn prefix(&self, rank: usize) -> String {
         format!("[{}r{rank}] ", self.label)
+    }
+
+    /// The prefix of the lines of the `k`-th replacement (from 1) started in rank `rank`'s
+    /// place.
+    pub fn replacement_prefix(&self, rank: usize, k: usize) -> String {
+        format!("[{}r{rank}+{k}] ", self.label)
     }
 }
 
@@ -183,8 +197,12 @@ impl RankExit {
 pub struct Report {
     /// Rank 0's port.
     pub port: u16,
-    /// Each rank's end, by rank.
+    /// Each rank's end, by rank, then each replacement's, in the order started (see
+    /// [`Report::replaced`]).
     pub ranks: Vec<RankExit>,
+    /// For each replacement, in the order started: the rank it took the place of (its entry in
+    /// [`Report::ranks`] is the world size plus its place in this list).
+    pub replaced: Vec<usize>,
     /// The first rank seen to fail beyond the [`Launch::tolerate`] allowance, if one did.
     pub first_failure: Option<usize>,
     /// The ranks that died (a signal ended them) within the [`Launch::tolerate`] allowance, in
@@ -279,7 +297,8 @@ impl Report {
         }
         if let Some(r) = self.first_failure {
             out.push(format!(
-                "rank {r} failed first{} ({}, after {:.2?})",
+                "{} failed first{} ({}, after {:.2?})",
+                self.who(r),
                 if self.tolerated.is_empty() {
                     ""
                 } else {
@@ -293,6 +312,7 @@ impl Report {
             out.push(hint);
         }
         for (r, e) in self.ranks.iter().enumerate() {
+            let who = self.who(r);
             let how = if e.killed {
                 "killed by the launcher: still running after the grace period, the timeout or a \
                  second signal"
@@ -300,13 +320,24 @@ impl Report {
             } else {
                 status_text(e)
             };
-            out.push(format!("rank {r}: {how} (after {:.2?})", e.after));
+            out.push(format!("{who}: {how} (after {:.2?})", e.after));
         }
         out
     }
 }
 
 impl Report {
+    /// Entry `r` of [`Report::ranks`] in words: `rank R`, or `replacement K of rank R`.
+    pub fn who(&self, r: usize) -> String {
+        let world = self.ranks.len().saturating_sub(self.replaced.len());
+        match r.checked_sub(world) {
+            Some(k) if k < self.replaced.len() => {
+                format!("replacement {} of rank {}", k + 1, self.replaced[k])
+            }
+            _ => format!("rank {r}"),
+        }
+    }
+
     /// When a rank said that rank 0's port was in use: the port was free when the launcher
     /// checked it, and another program bound it before rank 0 did.
     fn port_hint(&self) -> Option<String> {

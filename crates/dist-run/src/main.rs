@@ -12,7 +12,7 @@ use args::{Args, Parsed, USAGE};
 
 fn main() -> ExitCode {
     let a = match args::parse(std::env::args_os().skip(1)) {
-        Ok(Parsed::Run(a)) => a,
+        Ok(Parsed::Run(a)) => *a,
         Ok(Parsed::Help) => {
             print!("{USAGE}");
             return ExitCode::SUCCESS;
@@ -56,6 +56,7 @@ fn launch(a: &Args) -> i32 {
     launch.grace = a.grace;
     launch.timeout = a.timeout;
     launch.tolerate = a.tolerate;
+    launch.replace = a.replace;
     launch.label = a.label.clone();
     let code = match dist_run::run(&launch, simulated.as_ref()) {
         Ok(report) => {
@@ -68,10 +69,14 @@ fn launch(a: &Args) -> i32 {
                     let how = e
                         .status
                         .map_or("could not be waited for".into(), |s| s.to_string());
+                    let who = report.who(r);
                     eprintln!(
-                        "dist-run: rank {r} died ({how}), within --tolerate {}",
-                        a.tolerate
+                        "dist-run: {who} died ({how}), within --tolerate {}",
+                        a.tolerate.max(a.replace)
                     );
+                }
+                for (k, of) in report.replaced.iter().enumerate() {
+                    eprintln!("dist-run: replacement {} started for rank {of}", k + 1);
                 }
             }
             report.exit_code()

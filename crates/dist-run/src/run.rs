@@ -66,13 +66,8 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
     let mut ranks: Vec<Rank> = Vec::with_capacity(launch.world);
     let started = Instant::now();
     for rank in 0..launch.world {
-        let mut cmd = command(launch, hosts, rank, &master, port);
-        if forward {
-            cmd.process_group(0);
-        }
-        die_with_launcher(&mut cmd);
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
+        match start(launch, hosts, rank, None, &master, port, &mut pipes) {
+            Ok(r) => ranks.push(r),
             Err(source) => {
                 for r in &mut ranks {
                     signal(r, libc::SIGKILL, forward);
@@ -84,29 +79,12 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
                     source,
                 });
             }
-        };
-        let prefix = launch.prefix(rank);
-        let out_prefix = if launch.plain_rank0 && rank == 0 {
-            String::new()
-        } else {
-            prefix.clone()
-        };
-        let echo = |s| launch.echo.then_some(s);
-        if let Some(out) = child.stdout.take() {
-            pipes.forward(out, out_prefix, echo(Stream::Out));
         }
-        if let Some(err) = child.stderr.take() {
-            pipes.forward(err, prefix, echo(Stream::Err));
-        }
-        ranks.push(Rank {
-            child,
-            exit: None,
-            killed: false,
-        });
     }
     let mut report = Report {
         port,
         ranks: Vec::new(),
+        replaced: Vec::new(),
         first_failure: None,
         tolerated: Vec::new(),
         interrupted: None,
@@ -116,7 +94,10 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
         skip_status: launch.skip_status,
     };
     let mut kill_at: Option<Instant> = None;
+    // A replacement needs its rank's death tolerated.
+    let tolerate = launch.tolerate.max(launch.replace);
     loop {
+        let mut to_replace = Vec::new();
         for (r, rank) in ranks.iter_mut().enumerate() {
             if rank.exit.is_some() {
                 continue;
@@ -142,11 +123,32 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
             // launcher) while others go on and recover. A rank that exits with a status of its
             // own (a failed check, a survivor left out) always counts.
             let died = status.is_some_and(|s| s.signal().is_some()) && !rank.killed;
-            if !ok && died && report.tolerated.len() < launch.tolerate {
+            if !ok && died && report.tolerated.len() < tolerate {
                 report.tolerated.push(r);
+                if report.replaced.len() + to_replace.len() < launch.replace && kill_at.is_none() {
+                    // The rank it stands for: a replacement's own, if it was one.
+                    let of = r
+                        .checked_sub(launch.world)
+                        .map_or(r, |k| report.replaced[k]);
+                    to_replace.push(of);
+                }
             } else if !ok && report.first_failure.is_none() {
                 report.first_failure = Some(r);
                 kill_at.get_or_insert(Instant::now() + launch.grace);
+            }
+        }
+        for of in to_replace {
+            let k = report.replaced.len() + 1;
+            match start(launch, hosts, of, Some(k), &master, port, &mut pipes) {
+                Ok(r) => {
+                    ranks.push(r);
+                    report.replaced.push(of);
+                }
+                // Not started: the job goes on without it (its rank's death was tolerated).
+                Err(e) => eprintln!(
+                    "{}dist-run: cannot start replacement {k} of rank {of}: {e}",
+                    launch.prefix(of)
+                ),
             }
         }
         if ranks.iter().all(|r| r.exit.is_some()) {
@@ -187,6 +189,51 @@ pub fn run(launch: &Launch, hosts: Option<&Hosts>) -> Result<Report, Error> {
     report.ranks = ranks.into_iter().filter_map(|r| r.exit).collect();
     report.lines = pipes.finish(DRAIN);
     Ok(report)
+}
+
+/// Starts rank `rank`, or (with `replacement`, counted from 1) a replacement in its place
+/// (`DIST_JOIN=1` in its environment: dist-tcp's `JOIN_ENV`), its output forwarded.
+#[allow(clippy::too_many_arguments)] // Each is one fact about the process to start.
+fn start(
+    launch: &Launch,
+    hosts: Option<&Hosts>,
+    rank: usize,
+    replacement: Option<usize>,
+    master: &str,
+    port: u16,
+    pipes: &mut Pipes,
+) -> std::io::Result<Rank> {
+    let forward = launch.signals == Signals::Forward;
+    let mut cmd = command(launch, hosts, rank, master, port);
+    if replacement.is_some() {
+        cmd.env("DIST_JOIN", "1");
+    }
+    if forward {
+        cmd.process_group(0);
+    }
+    die_with_launcher(&mut cmd);
+    let mut child = cmd.spawn()?;
+    let prefix = match replacement {
+        Some(k) => launch.replacement_prefix(rank, k),
+        None => launch.prefix(rank),
+    };
+    let out_prefix = if launch.plain_rank0 && rank == 0 && replacement.is_none() {
+        String::new()
+    } else {
+        prefix.clone()
+    };
+    let echo = |s| launch.echo.then_some(s);
+    if let Some(out) = child.stdout.take() {
+        pipes.forward(out, out_prefix, echo(Stream::Out));
+    }
+    if let Some(err) = child.stderr.take() {
+        pipes.forward(err, prefix, echo(Stream::Err));
+    }
+    Ok(Rank {
+        child,
+        exit: None,
+        killed: false,
+    })
 }
 
 /// Rank `rank`'s command: the program (under `ip netns exec` on simulated hosts), its

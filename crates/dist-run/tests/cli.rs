@@ -149,6 +149,59 @@ fn a_rank_killed_by_a_signal_fails_the_job() {
     assert!(err.contains("rank 0: killed by the launcher"), "{err}");
 }
 
+/// `--replace 1`: rank 1 dies by SIGKILL; the launcher starts one replacement with the same
+/// RANK and DIST_JOIN=1, prefixed `[r1+1]`, and the job passes once it and the others exit 0.
+/// The replacement dying too is a second death beyond the allowance of one: the job fails, and
+/// no second replacement starts.
+#[test]
+fn a_rank_that_dies_is_replaced_up_to_the_bound() {
+    let dir = std::env::temp_dir().join(format!("dist-run-replace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = dir.join("replaced");
+    let _ = std::fs::remove_file(&marker);
+    // The others wait until the replacement has said it is there.
+    let script = format!(
+        r#"if [ "${{DIST_JOIN:-0}}" = 1 ]; then echo "replacement of $RANK"; touch {m}; exit 0; fi
+        if [ "$RANK" = 1 ]; then kill -KILL $$; fi
+        while [ ! -e {m} ]; do sleep 0.01; done
+        echo "rank $RANK: done""#,
+        m = marker.display()
+    );
+    let out = sh(&["-n", "3", "--grace", "0.2", "--replace", "1"], &script);
+    let err = text(&out.stderr);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        stdout.contains("[r1+1] replacement of 1"),
+        "{stdout}\n{err}"
+    );
+    for r in [0, 2] {
+        let want = format!("[r{r}] rank {r}: done");
+        assert!(stdout.contains(&want), "no {want:?} in:\n{stdout}\n{err}");
+    }
+    assert!(
+        err.contains("dist-run: replacement 1 started for rank 1"),
+        "{err}"
+    );
+    let _ = std::fs::remove_file(&marker);
+
+    // Every process of rank 1 dies: the replacement's death is the second.
+    let out = sh(
+        &["-n", "2", "--grace", "0.2", "--replace", "1"],
+        r#"[ "$RANK" = 1 ] && kill -KILL $$; exec sleep 50"#,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 9), "{err}");
+    for want in [
+        "dist-run: replacement 1 of rank 1 failed first beyond the allowance (signal: 9",
+        "dist-run: replacement 1 of rank 1: signal: 9",
+    ] {
+        assert!(err.contains(want), "no {want:?} in:\n{err}");
+    }
+    assert!(!err.contains("replacement 2"), "{err}");
+}
+
 /// `--tolerate 1`: rank 2 dies by SIGKILL; the others go on (no grace period starts: they are
 /// not killed though they outlive it) and the job passes with a note naming rank 2. A second
 /// death ends the job with its signal; a rank that exits 5 ends it at once.

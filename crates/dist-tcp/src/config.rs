@@ -80,6 +80,7 @@ pub struct TcpConfig {
     pub(crate) serve_store: bool,
     pub(crate) store_prefix: String,
     pub(crate) elastic: bool,
+    pub(crate) admission: crate::Admission,
     pub(crate) seal: bool,
 }
 
@@ -112,6 +113,7 @@ impl std::fmt::Debug for TcpConfig {
             .field("serve_store", &self.serve_store)
             .field("store_prefix", &self.store_prefix)
             .field("elastic", &self.elastic)
+            .field("admission", &self.admission)
             .field("seal", &self.seal)
             .finish()
     }
@@ -148,6 +150,7 @@ impl TcpConfig {
             serve_store: true,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
             elastic: false,
+            admission: crate::Admission::AtAdmit,
             seal: false,
         }
     }
@@ -266,6 +269,9 @@ impl TcpConfig {
                 }
             };
         }
+        if let Some(v) = get("DIST_ADMIT") {
+            cfg.admission = crate::Admission::parse(&v)?;
+        }
         if let Some(p) = get("DIST_STORE_PREFIX") {
             cfg.store_prefix = p;
         }
@@ -375,6 +381,14 @@ impl TcpConfig {
     /// either way.
     pub fn elastic(mut self, on: bool) -> Self {
         self.elastic = on;
+        self
+    }
+
+    /// When the members take in processes waiting to join ([`TcpBackend::join`](crate::TcpBackend::join)):
+    /// see [`Admission`](crate::Admission) (default [`Admission::AtAdmit`](crate::Admission::AtAdmit);
+    /// `DIST_ADMIT`: `admit`, `recovery` or `at-least:N`). Every member must have the same.
+    pub fn admission(mut self, policy: crate::Admission) -> Self {
+        self.admission = policy;
         self
     }
 

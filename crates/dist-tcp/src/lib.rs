@@ -64,6 +64,7 @@ pub use config::{
 /// The store crate, whose [`Store`](dist_store::Store) trait [`TcpBackend::store`]'s
 /// operations come from.
 pub use dist_store;
+pub use elastic::{Admission, JOIN_ENV, joining};
 pub use launch::{LaunchEnv, Launcher};
 pub use link::TcpLink;
 
@@ -227,7 +228,13 @@ impl TcpBackend {
     /// Joins the job described by `cfg`.
     pub fn with_config(cfg: TcpConfig) -> Result<TcpBackend> {
         let keeper = cfg.serve_store.then_some(0);
-        Self::build(cfg, None, keeper)
+        let elastic = cfg.elastic;
+        let b = Self::build(cfg, None, keeper)?;
+        if elastic {
+            // Joiners find the job by these facts (`TcpBackend::join`).
+            elastic::announce(&b)?;
+        }
+        Ok(b)
     }
 
     /// The job's store, under a prefix of this job's own (`<job prefix>/user`; see

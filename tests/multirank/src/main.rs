@@ -13,6 +13,7 @@ mod elastic;
 mod failures;
 mod flow;
 mod groups;
+mod grow;
 mod hostile;
 mod hostile_inject;
 mod hostile_store;
@@ -241,6 +242,7 @@ fn main() -> ExitCode {
     let cases: Vec<Case> = CASES
         .iter()
         .chain(elastic::CASES)
+        .chain(grow::CASES)
         .chain(hosts::CASES)
         .chain(shm::CASES)
         .chain(shm_arena::CASES)

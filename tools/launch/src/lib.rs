@@ -35,6 +35,9 @@ pub struct Job {
     /// How many ranks may fail without failing the job (an elastic job's; see dist-run's
     /// `Launch::tolerate`).
     pub tolerate: usize,
+    /// How many replacements the launcher may start for ranks that die (dist-run's
+    /// `Launch::replace`).
+    pub replace: usize,
 }
 
 /// How a launch ended.
@@ -82,6 +85,7 @@ fn launch(job: &Job) -> dist_run::Launch {
     l.echo = job.echo;
     l.skip_status = Some(SKIP_STATUS);
     l.tolerate = job.tolerate;
+    l.replace = job.replace;
     l.signals = dist_run::Signals::Stop;
     // NVLink SHARP (NVLS) stays off in every process we start, as in every GPU run that
     // docs/benchmarks.md records.
@@ -260,6 +264,7 @@ impl Listed {
             plain_rank0: false,
             echo,
             tolerate: 0,
+            replace: 0,
         }
     }
 }
@@ -324,6 +329,7 @@ mod tests {
             plain_rank0: false,
             echo: false,
             tolerate: 0,
+            replace: 0,
         }
     }
 
@@ -334,6 +340,7 @@ mod tests {
         let script = r#"[ "$RANK" = 1 ] && kill -KILL $$; sleep 0.2"#;
         let tolerant = Job {
             tolerate: 1,
+            replace: 0,
             ..job(script)
         };
         assert!(matches!(run(&tolerant), Ok(Outcome::Passed)));

@@ -61,6 +61,7 @@ fn sh(script: &str, world: usize) -> Job {
         plain_rank0: false,
         echo: false,
         tolerate: 0,
+        replace: 0,
     }
 }
 
@@ -154,6 +155,7 @@ pub(crate) fn a_delay_holds_every_frame() -> Result<(), Failed> {
         plain_rank0: false,
         echo: false,
         tolerate: 0,
+        replace: 0,
     };
     let outcome = dist_launch::run_on(&job, Some(&hosts))?;
     drop(hosts);
@@ -245,6 +247,7 @@ fn a_rate_holds(delay: Option<Duration>) -> Result<(), Failed> {
         plain_rank0: false,
         echo: false,
         tolerate: 0,
+        replace: 0,
     };
     let outcome = dist_launch::run_on(&job, Some(&hosts))?;
     drop(hosts);
