@@ -62,13 +62,12 @@ pub(super) fn socket_pid(_u: &UnixStream) -> Option<u32> {
     None
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
 
     /// `SO_PEERCRED` over a connected pair names this process; a descriptor that is not a
     /// socket gives `None`, not an error or a pid.
-    #[cfg(target_os = "linux")]
     #[test]
     fn socket_pid_is_this_process_over_a_pair() {
         let (u, _v) = UnixStream::pair().unwrap();
