@@ -13,6 +13,9 @@
 //! through its shared-memory rings, between hosts over TCP. A host's block (the blocks of its
 //! ranks, which need not be consecutive ranks) travels packed, in rank order.
 //!
+//! all_reduce takes the hosts' path at every size where the group spans hosts as below
+//! ([`all_reduce_spans`]); within the arena's limit also where each host holds one rank.
+//!
 //! The choice, made alike on every rank ([`layout`]): the link offers a host arena whose host
 //! layout covers the group, that layout has more than one host and fewer hosts than ranks, the
 //! group's tuning allows the arena ([`Tuning::arena_max`](crate::Tuning::arena_max) above 0),
@@ -136,6 +139,18 @@ fn spanning<L: Link>(g: &Group<L>) -> Option<Layout> {
     }
     let l = Layout::new(hosts, g.link().rank());
     l.spans().then_some(l)
+}
+
+/// Whether an all_reduce on group `g` larger than its arena's limit runs on the hosts' path
+/// (`host::all_reduce_hosts`: inside each host on the arena, the hosts' leaders in a ring)
+/// rather than a flat algorithm over every rank: where the group spans hosts and some host
+/// holds more than one of its ranks (and the tuning allows the arena). Each host's link then
+/// carries 2(H − 1)/H of the buffer instead of the flat ring's 2(N − 1)/N, with H hosts and N
+/// ranks, and a link between hosts is taken to be slower than a host's memory. The arena's
+/// limit still governs a group all on one host (`host_arena_limit`), whose choices this leaves
+/// alone.
+pub(super) fn all_reduce_spans<L: Link>(g: &Group<L>) -> bool {
+    spanning(g).is_some()
 }
 
 /// Whether a call of `kind` on group `g` runs hierarchically, as the group stands (after its
