@@ -67,6 +67,11 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
         if local.len() == c.n && (bytes <= arena_max || direct) {
             return super::host::all_reduce_host(c, a, local, data, op);
         }
+        if bytes > arena_max
+            && let Some(l) = super::hier::all_reduce_columns_layout(c.g)
+        {
+            return super::hier::all_reduce_columns(c, &l, data, op);
+        }
         if bytes <= arena_max || super::hier::all_reduce_spans(c.g) {
             return super::host::all_reduce_hosts(c, a, data, op);
         }

@@ -31,10 +31,12 @@ use crate::link::Link;
 use super::call::Call;
 use super::desc::Kind;
 
+mod columns;
 mod rooted;
 mod spread;
 mod sub;
 
+pub(super) use columns::all_reduce as all_reduce_columns;
 pub(super) use rooted::{broadcast, gather, reduce, scatter};
 pub(super) use spread::{all_gather, barrier, reduce_scatter};
 
@@ -151,6 +153,13 @@ fn spanning<L: Link>(g: &Group<L>) -> Option<Layout> {
 /// alone.
 pub(super) fn all_reduce_spans<L: Link>(g: &Group<L>) -> bool {
     spanning(g).is_some()
+}
+
+/// The layout on which an all_reduce above the arena's limit runs by columns
+/// (`columns.rs`): the group spans hosts as for [`all_reduce_spans`] and every host holds the
+/// same number of its ranks. Uneven layouts take `host::all_reduce_hosts`.
+pub(super) fn all_reduce_columns_layout<L: Link>(g: &Group<L>) -> Option<Layout> {
+    spanning(g).filter(|l| columns::even(l).is_some())
 }
 
 /// Whether a call of `kind` on group `g` runs hierarchically, as the group stands (after its

@@ -461,3 +461,61 @@ fn a_large_all_reduce_across_shared_hosts_takes_the_hosts_path() {
         }
     }
 }
+
+/// Above the arena's limit on hosts of equal size (ranks of a host apart, or together; 2 and 3
+/// a host): the all_reduce runs by columns (`hier/columns.rs`), and every op and element type
+/// gives what the flat path gives, at a count that divides by neither the hosts nor the ranks.
+#[test]
+fn all_reduce_by_columns_matches_the_flat_path() {
+    fn each<E: Element>(g: &Group<MemLink>, got: &mut Vec<Vec<u8>>) -> Result<()> {
+        for op in super::matrix::ops_for::<E>() {
+            let mut x = inputs::<E>(op, g.rank(), 5_003);
+            g.all_reduce(&mut x, op)?;
+            got.push(bytes(&x).to_vec());
+        }
+        Ok(())
+    }
+    let run = |hosts: Option<&[usize]>, n: usize| {
+        let links = match hosts {
+            Some(h) => MemLink::mesh_on_hosts(h, SLOT),
+            None => MemLink::mesh(n),
+        };
+        let results = run_links(links, |l| {
+            let tuning = Tuning {
+                arena_max_kb: 4,
+                ..Tuning::default()
+            };
+            let g = Group::form(l, tuning, TIMEOUT)?;
+            g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+            let path = super::super::all_reduce_path(&g, 5_003, 5_003 * 4);
+            let mut got = Vec::new();
+            each::<f32>(&g, &mut got)?;
+            each::<half::bf16>(&g, &mut got)?;
+            each::<i64>(&g, &mut got)?;
+            each::<u8>(&g, &mut got)?;
+            Ok((path, got))
+        });
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+            .collect::<Vec<_>>()
+    };
+    for hosts in [
+        &[0usize, 1, 0, 1][..],
+        &[0, 0, 0, 1, 1, 1],
+        &[3, 3, 1, 1, 2, 2],
+    ] {
+        let n = hosts.len();
+        let hier = run(Some(hosts), n);
+        let flat = run(None, n);
+        for r in 0..n {
+            assert_eq!(hier[r].0, "hosts-columns", "hosts {hosts:?}, rank {r}");
+            assert_ne!(flat[r].0, "hosts-columns");
+            assert!(
+                hier[r].1 == flat[r].1,
+                "hosts {hosts:?}, rank {r}: results differ"
+            );
+        }
+    }
+}
