@@ -12,7 +12,8 @@
 #   (default 1), RATE in SEAL_RATES (default 1gbit);
 # - spread: two ranks a host, dist's own choice (`dist`) against the flat ring forced
 #   (`ring`, DIST_ALL_REDUCE=ring): spread-Hx2-RATE.txt for H in HOSTS, RATE in RATES
-#   (default "100mbit 1gbit").
+#   (default "100mbit 1gbit"); with OLD_PERF (a dist-perf of another build), that build's
+#   choice too (`before`).
 # Sizes B to E (default 16M to 64M, factor 2 for seal, 4 for spread), ITERS timed calls
 # (default 3 under 1 Gbit/s, else 5) after 2 warm-up calls. NO_BUILD=1 takes the binaries as
 # they are. Medians: python3 benches/hosts_sealed_table.py OUTDIR.
@@ -60,9 +61,14 @@ done
         link="-n $n --hosts $h --rate $rate --timeout 600"
         f="$out/spread-H${h}x2-$rate.txt"
         : >"$f"
-        "$alt" "$f" \
-            "dist=uptime; $run $link -- $perf --op all_reduce -b $lo -e $hi -f 4 --iters $iters --check | $r0" \
+        variants=(
+            "dist=uptime; $run $link -- $perf --op all_reduce -b $lo -e $hi -f 4 --iters $iters --check | $r0"
             "ring=uptime; DIST_ALL_REDUCE=ring $run $link -- $perf --op all_reduce -b $lo -e $hi -f 4 --iters $iters --check | $r0"
+        )
+        [ -n "${OLD_PERF:-}" ] && variants+=(
+            "before=uptime; $run $link -- $OLD_PERF --op all_reduce -b $lo -e $hi -f 4 --iters $iters --check | $r0"
+        )
+        "$alt" "$f" "${variants[@]}"
     done
 done
 python3 "$here/hosts_sealed_table.py" "$out"

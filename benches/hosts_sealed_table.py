@@ -47,6 +47,7 @@ def main():
     out = sys.argv[1]
     table(out, "seal-H*x*-*.txt", "plain", "sealed", "sealed ÷ plain (time)")
     table(out, "spread-H*x*-*.txt", "dist", "ring", "ring ÷ dist (time)")
+    table(out, "spread-H*x*-*.txt", "dist", "before", "before ÷ dist (time)")
 
 
 if __name__ == "__main__":
