@@ -5,7 +5,8 @@
 //!
 //! The files: `sub` (broadcast, reduce, and ring gather and reduce-scatter over a list of
 //! ranks: the phases), `rooted` (broadcast, reduce, gather, scatter), `spread` (all_gather,
-//! reduce_scatter, barrier).
+//! reduce_scatter, barrier), `columns` (all_reduce above the arena's limit on hosts of equal
+//! size).
 //!
 //! Each host's leader is its lowest rank, as for the hierarchical all_reduce
 //! (`collectives/host.rs`); a rooted collective's root stands for its own host instead. Every
