@@ -20,6 +20,12 @@ const TICK: Duration = Duration::from_millis(50);
 /// Room for any frame (the TAP's MTU is 1,500; a frame adds its 14-byte header).
 const FRAME_MAX: usize = 65_536;
 
+/// Something on the path between the hosts (for tests of what it can do to their traffic):
+/// the hub hands it each frame, with the host that sent it, before passing anything on, and
+/// passes on the frames it returns in its place (none: the frame is dropped; more: frames
+/// injected). It runs on the hub's one forwarding thread, frame after frame in order.
+pub type OnPath = Box<dyn FnMut(usize, Vec<u8>) -> Vec<Vec<u8>> + Send>;
+
 /// The hub's threads; dropping it stops and joins them.
 #[derive(Debug)]
 pub(crate) struct Hub {
@@ -104,8 +110,8 @@ fn readable(fd: &OwnedFd) -> bool {
 }
 
 impl Hub {
-    /// Starts passing frames between `taps`, each held `delay`.
-    pub(crate) fn start(taps: Vec<OwnedFd>, delay: Duration) -> Hub {
+    /// Starts passing frames between `taps`, each held `delay`, through `on_path` if given.
+    pub(crate) fn start(taps: Vec<OwnedFd>, delay: Duration, mut on_path: Option<OnPath>) -> Hub {
         let taps: Arc<Vec<OwnedFd>> = Arc::new(taps);
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel::<(Instant, usize, Vec<u8>)>();
@@ -146,14 +152,20 @@ impl Hub {
                 if due > now {
                     std::thread::sleep(due - now);
                 }
-                for (to, tap) in taps.iter().enumerate() {
-                    if to != from {
-                        // SAFETY: `frame` is valid for `frame.len()` reads for the call. A
-                        // frame the device refuses (its host's link down) is dropped, as a
-                        // wire would.
-                        let _ = unsafe {
-                            libc::write(tap.as_raw_fd(), frame.as_ptr().cast(), frame.len())
-                        };
+                let frames = match on_path.as_mut() {
+                    Some(f) => f(from, frame),
+                    None => vec![frame],
+                };
+                for frame in &frames {
+                    for (to, tap) in taps.iter().enumerate() {
+                        if to != from {
+                            // SAFETY: `frame` is valid for `frame.len()` reads for the call. A
+                            // frame the device refuses (its host's link down, or one malformed
+                            // by `on_path`) is dropped, as a wire would.
+                            let _ = unsafe {
+                                libc::write(tap.as_raw_fd(), frame.as_ptr().cast(), frame.len())
+                            };
+                        }
                     }
                 }
             }

@@ -27,6 +27,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+pub use crate::delay::OnPath;
+
 /// The first three octets of every simulated host's address.
 pub const SUBNET: &str = "10.213.0";
 /// The interface that links a simulated host to the bridge, inside its namespace.
@@ -172,6 +174,21 @@ impl Hosts {
     /// [`Hosts::create`] with the delay and the rate cap `link` asks for. A rate needs `tc` and
     /// a kernel with the token bucket filter; without them this fails, saying so.
     pub fn with_link(count: usize, link: Link) -> Result<Hosts, String> {
+        Hosts::make(count, link, None)
+    }
+
+    /// [`Hosts::with_delay`] with `on_path` on the hub: something on the path between the
+    /// hosts that sees every frame and may change, drop or add frames (see [`OnPath`]), for
+    /// tests of what such a thing can do to the hosts' connections.
+    pub fn with_path(count: usize, delay: Duration, on_path: OnPath) -> Result<Hosts, String> {
+        let link = Link {
+            delay: Some(delay),
+            rate: None,
+        };
+        Hosts::make(count, link, Some(on_path))
+    }
+
+    fn make(count: usize, link: Link, on_path: Option<OnPath>) -> Result<Hosts, String> {
         if !(1..=MAX_HOSTS).contains(&count) {
             return Err(format!(
                 "{count} simulated hosts: from 1 to {MAX_HOSTS} are possible"
@@ -197,7 +214,7 @@ impl Hosts {
                 hosts.address(h)?;
                 hosts.shape(h)?;
             }
-            hosts.hub = Some(crate::delay::Hub::start(taps, delay));
+            hosts.hub = Some(crate::delay::Hub::start(taps, delay, on_path));
             return Ok(hosts);
         }
         // `hosts` is dropped (and what it made deleted) if any step fails.

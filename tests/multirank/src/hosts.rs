@@ -53,6 +53,10 @@ pub const CASES: &[Case] = &[
         .hosts(3)
         .sizes(&[4, 5]),
     Case::new("hosts2_hier", hierarchical).hosts(2).sizes(&[5]),
+    // Also run by the harness's `hosts_sealed_path_*` trials, on a hostile path.
+    Case::new("hosts2_sealed_path", crate::hosts_sealed::sealed_path)
+        .hosts(2)
+        .only_at(&[2]),
 ];
 
 /// Two lanes, as [`TWO_LANES`], at 4 ranks only.

@@ -18,6 +18,7 @@ mod hostile;
 mod hostile_inject;
 mod hostile_store;
 mod hosts;
+mod hosts_sealed;
 mod hybrid_groups;
 mod lazy_death;
 mod p2p;

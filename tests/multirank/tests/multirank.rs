@@ -21,6 +21,8 @@ use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 #[path = "multirank/hosts.rs"]
 mod hosts;
+#[path = "multirank/on_path.rs"]
+mod on_path;
 
 /// How long one trial may run before every rank is killed.
 const TIMEOUT: Duration = Duration::from_secs(300);
@@ -125,8 +127,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    // The simulated hosts' guard: nothing left after a failed or an interrupted run; and the
-    // delay and the rate cap hold (the rate cap needs tc and the kernel's tbf besides).
+    // The simulated hosts' guard: nothing left after a failed or an interrupted run; the
+    // delay and the rate cap hold (the rate cap needs tc and the kernel's tbf besides); and a
+    // sealed connection refuses what a hub on the path forges, replays, reorders or cuts.
     let why = host.netns.clone();
     let rate_why = why.clone().or_else(dist_launch::rate::unavailable);
     for (name, test, why) in [
@@ -154,6 +157,26 @@ fn main() -> ExitCode {
             "hosts_rate_holds_through_the_hub",
             hosts::a_rate_holds_through_the_hub,
             &rate_why,
+        ),
+        (
+            "hosts_sealed_path_refuses_a_forged_segment",
+            on_path::a_forged_segment_is_refused,
+            &why,
+        ),
+        (
+            "hosts_sealed_path_refuses_a_replayed_segment",
+            on_path::a_replayed_segment_is_refused,
+            &why,
+        ),
+        (
+            "hosts_sealed_path_refuses_reordered_segments",
+            on_path::reordered_segments_are_refused,
+            &why,
+        ),
+        (
+            "hosts_sealed_path_refuses_a_truncated_stream",
+            on_path::a_truncated_stream_is_refused,
+            &why,
         ),
     ] {
         let trial = Trial::test(name, test).with_ignored_flag(why.is_some());

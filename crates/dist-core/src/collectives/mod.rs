@@ -27,7 +27,9 @@
 //! all_gather up to [`HOST_SMALL_MAX`] bytes a rank (`small`, `small_ops`), and every barrier;
 //! larger all_reduces take the arena's slots or read the peers' buffers (`host`, `direct`).
 //! Where the group's ranks span several hosts, some sharing one, all_reduce reduces within each
-//! host on the arena and between one leader per host (`host`); broadcast, reduce, gather,
+//! host on the arena and between one leader per host (`host`), or above the arena's limit on
+//! hosts of equal size by columns, one ring across the hosts per position in a host
+//! (`hier/columns.rs`); broadcast, reduce, gather,
 //! scatter, all_gather, reduce_scatter and the barrier run in phases inside each host and
 //! between one rank per host, each byte crossing between hosts once per host that needs it
 //! (`hier`).

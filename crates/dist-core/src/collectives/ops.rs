@@ -39,7 +39,9 @@ fn what(kind: Kind, count: usize, op: Option<ReduceOp>, root: usize) -> What {
 /// all_reduce in place: on the host arena where the group agreed to use one, up to the
 /// group's [`Tuning::arena_max`](crate::Tuning::arena_max) bytes, and above it where every
 /// rank of the group is on one host and they read each other's buffers directly
-/// ([`Group::arena_direct_min`](crate::Group::arena_direct_min)); else by size and world size
+/// ([`Group::arena_direct_min`](crate::Group::arena_direct_min)), or where the group spans
+/// hosts some of which hold several of its ranks (the hosts' path, `hier::all_reduce_spans`);
+/// else by size and world size
 /// ([`all_reduce_algorithm`]), or as the group forces. A limit of 0 keeps every all_reduce off
 /// the arena.
 fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: ReduceOp) -> Result<()> {
@@ -65,7 +67,12 @@ fn all_reduce_on<T: Element, L: Link>(c: &Call<'_, L>, data: &mut [T], op: Reduc
         if local.len() == c.n && (bytes <= arena_max || direct) {
             return super::host::all_reduce_host(c, a, local, data, op);
         }
-        if bytes <= arena_max {
+        if bytes > arena_max
+            && let Some(l) = super::hier::all_reduce_columns_layout(c.g)
+        {
+            return super::hier::all_reduce_columns(c, &l, data, op);
+        }
+        if bytes <= arena_max || super::hier::all_reduce_spans(c.g) {
             return super::host::all_reduce_hosts(c, a, data, op);
         }
     }

@@ -265,7 +265,10 @@ pub fn all_reduce_path<L: Link>(g: &Group<L>, count: usize, bytes: usize) -> Str
         if local == n && (bytes <= arena_max || direct) {
             return path.name().into();
         }
-        if bytes <= arena_max {
+        if bytes > arena_max && super::hier::all_reduce_columns_layout(g).is_some() {
+            return "hosts-columns".into();
+        }
+        if bytes <= arena_max || super::hier::all_reduce_spans(g) {
             let path = host_all_reduce_path(local, bytes, (a.small_len(), a.slot_len()), false);
             return format!("hosts-{}", path.name());
         }

@@ -486,7 +486,7 @@ impl Peer {
             e.kind(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
         );
-        let cause = if timed_out {
+        let mut cause = if timed_out {
             format!(
                 "send blocked for {:.1?} with {sent} of {total} bytes sent: peer not reading",
                 started.elapsed()
@@ -502,6 +502,12 @@ impl Peer {
                 .checked_add(HUNG_UP_READ_WAIT)
                 .map_or(by, |t| t.min(by));
             self.wait_read_end(limit, false);
+            // The read side may have ended the connection itself, on what it read (a sealed
+            // record that failed its check shuts the socket both ways): that is why this send
+            // failed, so the error says it.
+            if let Some(read) = self.lock().closed.clone() {
+                cause = format!("{cause}; the connection had ended on its read side: {read}");
+            }
         }
         w.broken = Some(cause.clone());
         let _ = w.sock.shutdown(Shutdown::Both);

@@ -5,13 +5,17 @@
 //!
 //! The files: `sub` (broadcast, reduce, and ring gather and reduce-scatter over a list of
 //! ranks: the phases), `rooted` (broadcast, reduce, gather, scatter), `spread` (all_gather,
-//! reduce_scatter, barrier).
+//! reduce_scatter, barrier), `columns` (all_reduce above the arena's limit on hosts of equal
+//! size).
 //!
 //! Each host's leader is its lowest rank, as for the hierarchical all_reduce
 //! (`collectives/host.rs`); a rooted collective's root stands for its own host instead. Every
 //! phase moves messages over the group's link: between ranks of one host dist-tcp carries them
 //! through its shared-memory rings, between hosts over TCP. A host's block (the blocks of its
 //! ranks, which need not be consecutive ranks) travels packed, in rank order.
+//!
+//! all_reduce takes the hosts' path at every size where the group spans hosts as below
+//! ([`all_reduce_spans`]); within the arena's limit also where each host holds one rank.
 //!
 //! The choice, made alike on every rank ([`layout`]): the link offers a host arena whose host
 //! layout covers the group, that layout has more than one host and fewer hosts than ranks, the
@@ -28,10 +32,12 @@ use crate::link::Link;
 use super::call::Call;
 use super::desc::Kind;
 
+mod columns;
 mod rooted;
 mod spread;
 mod sub;
 
+pub(super) use columns::all_reduce as all_reduce_columns;
 pub(super) use rooted::{broadcast, gather, reduce, scatter};
 pub(super) use spread::{all_gather, barrier, reduce_scatter};
 
@@ -136,6 +142,25 @@ fn spanning<L: Link>(g: &Group<L>) -> Option<Layout> {
     }
     let l = Layout::new(hosts, g.link().rank());
     l.spans().then_some(l)
+}
+
+/// Whether an all_reduce on group `g` larger than its arena's limit runs on the hosts' path
+/// (`host::all_reduce_hosts`: inside each host on the arena, the hosts' leaders in a ring)
+/// rather than a flat algorithm over every rank: where the group spans hosts and some host
+/// holds more than one of its ranks (and the tuning allows the arena). Each host's link then
+/// carries 2(H − 1)/H of the buffer instead of the flat ring's 2(N − 1)/N, with H hosts and N
+/// ranks, and a link between hosts is taken to be slower than a host's memory. The arena's
+/// limit still governs a group all on one host (`host_arena_limit`), whose choices this leaves
+/// alone.
+pub(super) fn all_reduce_spans<L: Link>(g: &Group<L>) -> bool {
+    spanning(g).is_some()
+}
+
+/// The layout on which an all_reduce above the arena's limit runs by columns
+/// (`columns.rs`): the group spans hosts as for [`all_reduce_spans`] and every host holds the
+/// same number of its ranks. Uneven layouts take `host::all_reduce_hosts`.
+pub(super) fn all_reduce_columns_layout<L: Link>(g: &Group<L>) -> Option<Layout> {
+    spanning(g).filter(|l| columns::even(l).is_some())
 }
 
 /// Whether a call of `kind` on group `g` runs hierarchically, as the group stands (after its

@@ -371,3 +371,151 @@ fn a_mismatched_count_across_hosts_is_an_error_on_every_rank() {
         }
     }
 }
+
+/// All_reduces of `count` u32 on `hosts` with the arena's limit at `arena_max_kb`: each rank's
+/// path name and result, and the bytes of all_reduce that crossed between hosts.
+fn all_reduce_across(
+    hosts: &[usize],
+    arena_max_kb: u32,
+    count: usize,
+) -> (Vec<(String, Vec<u32>)>, u64) {
+    let links = MemLink::mesh_on_hosts(hosts, SLOT);
+    let seen = count_crossing(&links, hosts);
+    let results = run_links(links, |l| {
+        let tuning = Tuning {
+            arena_max_kb,
+            ..Tuning::default()
+        };
+        let g = Group::form(l, tuning, TIMEOUT)?;
+        let me = g.rank();
+        // The vote, which crosses too: counted apart below.
+        g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+        g.barrier()?;
+        let path = super::super::all_reduce_path(&g, count, count * 4);
+        let mut x: Vec<u32> = (0..count).map(|i| own(me, i)).collect();
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        Ok((path, x))
+    });
+    let out: Vec<_> = results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect();
+    (
+        out,
+        seen.bytes[Kind::AllReduce as usize].load(Ordering::Relaxed),
+    )
+}
+
+/// Above the arena's limit, an all_reduce whose ranks share hosts takes the hosts' path: the
+/// true sums, and the hosts' links carry the leaders' ring (2(H − 1)/H of the buffer from each
+/// host), fewer than the flat path's; a group all on one host keeps its own
+/// choice there (not the hosts' path), and one rank a host stays flat.
+#[test]
+fn a_large_all_reduce_across_shared_hosts_takes_the_hosts_path() {
+    // 64 KiB of u32 against a limit of 16 KiB.
+    let (count, kb) = (16 << 10, 16);
+    let sum = |n: usize, i: usize| (0..n).map(|r| own(r, i)).fold(0u32, u32::wrapping_add);
+    for hosts in [&[0usize, 0, 1, 1][..], &[0, 1, 1, 2, 2, 2], &[4, 4, 4, 9]] {
+        let n = hosts.len();
+        let h = {
+            let mut u = hosts.to_vec();
+            u.sort_unstable();
+            u.dedup();
+            u.len() as u64
+        };
+        // What the group's first all_reduce (its arena vote) sends, to take off.
+        let (_, vote) = all_reduce_across(hosts, kb, 0);
+        let (out, crossed) = all_reduce_across(hosts, kb, count);
+        let crossed = crossed - vote;
+        for (r, (path, x)) in out.iter().enumerate() {
+            assert!(path.starts_with("hosts-"), "rank {r} on {hosts:?}: {path}");
+            assert!(
+                x.iter().enumerate().all(|(i, v)| *v == sum(n, i)),
+                "rank {r} on {hosts:?}: a wrong sum"
+            );
+        }
+        // The leaders' ring: each of H leaders sends 2(H − 1)/H of the buffer, (H − 1)/H in
+        // each half (the buffer divides evenly here), all of it between hosts.
+        let buf = (count * 4) as u64;
+        let want = 2 * (h - 1) * buf;
+        assert_eq!(
+            crossed, want,
+            "{hosts:?}: bytes of all_reduce that crossed, against the leaders' ring"
+        );
+        // The flat path (the arena off) sends more across.
+        let (_, flat_vote) = all_reduce_across(hosts, 0, 0);
+        let (_, flat) = all_reduce_across(hosts, 0, count);
+        let flat = flat - flat_vote;
+        assert!(
+            crossed < flat,
+            "{hosts:?}: {crossed} bytes crossed against flat {flat}"
+        );
+    }
+    // All on one host, and one rank a host: never the hosts' path above the limit.
+    for hosts in [&[0usize, 0, 0][..], &[0, 1, 2, 3]] {
+        let (out, _) = all_reduce_across(hosts, kb, count);
+        for (r, (path, x)) in out.iter().enumerate() {
+            assert!(!path.starts_with("hosts-"), "rank {r} on {hosts:?}: {path}");
+            assert!(x.iter().enumerate().all(|(i, v)| *v == sum(hosts.len(), i)));
+        }
+    }
+}
+
+/// Above the arena's limit on hosts of equal size (ranks of a host apart, or together; 2 and 3
+/// a host): the all_reduce runs by columns (`hier/columns.rs`), and every op and element type
+/// gives what the flat path gives, at a count that divides by neither the hosts nor the ranks.
+#[test]
+fn all_reduce_by_columns_matches_the_flat_path() {
+    fn each<E: Element>(g: &Group<MemLink>, got: &mut Vec<Vec<u8>>) -> Result<()> {
+        for op in super::matrix::ops_for::<E>() {
+            let mut x = inputs::<E>(op, g.rank(), 5_003);
+            g.all_reduce(&mut x, op)?;
+            got.push(bytes(&x).to_vec());
+        }
+        Ok(())
+    }
+    let run = |hosts: Option<&[usize]>, n: usize| {
+        let links = match hosts {
+            Some(h) => MemLink::mesh_on_hosts(h, SLOT),
+            None => MemLink::mesh(n),
+        };
+        let results = run_links(links, |l| {
+            let tuning = Tuning {
+                arena_max_kb: 4,
+                ..Tuning::default()
+            };
+            let g = Group::form(l, tuning, TIMEOUT)?;
+            g.all_reduce(&mut [0u8], ReduceOp::Sum)?;
+            let path = super::super::all_reduce_path(&g, 5_003, 5_003 * 4);
+            let mut got = Vec::new();
+            each::<f32>(&g, &mut got)?;
+            each::<half::bf16>(&g, &mut got)?;
+            each::<i64>(&g, &mut got)?;
+            each::<u8>(&g, &mut got)?;
+            Ok((path, got))
+        });
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+            .collect::<Vec<_>>()
+    };
+    for hosts in [
+        &[0usize, 1, 0, 1][..],
+        &[0, 0, 0, 1, 1, 1],
+        &[3, 3, 1, 1, 2, 2],
+    ] {
+        let n = hosts.len();
+        let hier = run(Some(hosts), n);
+        let flat = run(None, n);
+        for r in 0..n {
+            assert_eq!(hier[r].0, "hosts-columns", "hosts {hosts:?}, rank {r}");
+            assert_ne!(flat[r].0, "hosts-columns");
+            assert!(
+                hier[r].1 == flat[r].1,
+                "hosts {hosts:?}, rank {r}: results differ"
+            );
+        }
+    }
+}
