@@ -222,6 +222,7 @@ fn refused(attack: Attack) -> Result<(), Failed> {
         plain_rank0: false,
         echo: false,
         tolerate: 0,
+        replace: 0,
     };
     let outcome = dist_launch::run_on(&job, Some(&hosts))?;
     drop(hosts);
