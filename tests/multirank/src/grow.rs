@@ -28,6 +28,7 @@ pub const CASES: &[Case] = &[
     Case::new("grow_at_recovery", at_recovery).only_at(&[3]),
     Case::new("grow_refused", refused).only_at(&[3]),
     Case::new("grow_timeout", timeout).only_at(&[3]),
+    Case::new("grow_beside_a_wait", beside_a_wait).only_at(&[3]),
 ];
 
 /// The job, the joiner and every later epoch connected lazily (each pair on first use).
@@ -321,6 +322,52 @@ pub fn refused() -> Result<(), String> {
     b.barrier().unwrap();
     if let Some(c) = child {
         reap(c, "refused");
+    }
+    Ok(())
+}
+
+/// Rank 0's look for joiners at `admit` does not wait behind a user's wait on the store: a
+/// thread of rank 0 waits 20 s in `store().get` for a key nobody sets while every member calls
+/// `admit` with 2 s, a joiner waiting; the joiner is taken in (epoch 1) within 8 s.
+pub fn beside_a_wait() -> Result<(), String> {
+    if role().is_some() {
+        let b = joiner(Admission::AtAdmit, 1, &[0, 1, 2, 3]);
+        hand_state(&b);
+        checked_all_reduce(&b);
+        return Ok(());
+    }
+    let b = member(Admission::AtAdmit);
+    let me = b.rank();
+    let child = (me == 0).then(|| start_joiner("one"));
+    wait_elastic_key(&b, "join/3");
+    if me == 0 {
+        let user = b.store();
+        std::thread::spawn(move || {
+            let _ = user.get("absent", Duration::from_secs(20));
+        });
+        // The user's get is under way (holding the connection) before the admit.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    b.barrier().unwrap();
+    let t = Instant::now();
+    let b = b
+        .admit(Duration::from_secs(2))
+        .unwrap_or_else(|e| panic!("rank {me}: admit: {e}"));
+    let took = t.elapsed();
+    println!("rank {me}: admit took {took:.2?}, epoch {}", b.epoch());
+    assert_eq!(
+        (b.epoch(), b.members()),
+        (1, &[0, 1, 2, 3][..]),
+        "rank {me}: the joiner was not taken in"
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "rank {me}: admit took {took:?}"
+    );
+    hand_state(&b);
+    checked_all_reduce(&b);
+    if let Some(c) = child {
+        reap(c, "one");
     }
     Ok(())
 }

@@ -172,7 +172,11 @@ impl TcpBackend {
     pub fn admit(self, timeout: Duration) -> Result<TcpBackend> {
         let me = self.shared.rank;
         let deadline = deadline_in(me, "admit", timeout)?;
-        let waiting = if me == 0 { self.joiners_waiting() } else { 0 };
+        let waiting = if me == 0 {
+            self.joiners_waiting(deadline)
+        } else {
+            0
+        };
         let mut word = [waiting as u64];
         match self.broadcast(&mut word, 0) {
             Ok(()) if word[0] == 0 => Ok(self),
@@ -192,12 +196,28 @@ impl TcpBackend {
         }
     }
 
-    /// On rank 0 at `admit`: how many joiners the policy takes in now. A store that fails the
-    /// look is logged and counts as none waiting (the next call looks again).
-    fn joiners_waiting(&self) -> usize {
+    /// On rank 0 at `admit`: how many joiners the policy takes in now, looked for before
+    /// `deadline`. A store that fails the look is logged and counts as none waiting (the next
+    /// call looks again).
+    ///
+    /// Over a connection of its own, as the agreement of [`TcpBackend::recover`]: the
+    /// backend's connection is the one [`TcpBackend::store`] hands out, held for the whole of
+    /// a user's wait on it, which would hold the look past `deadline`.
+    fn joiners_waiting(&self, deadline: Instant) -> usize {
         let base = self.store.prefix.clone();
-        let client = &*self.store.client;
-        let root = PrefixStore::new(format!("{base}/elastic"), client);
+        let at = self.store.client.server().to_string();
+        let client = match TcpStore::connect(at.as_str(), left(deadline)) {
+            Ok(c) => c.with_timeout(left(deadline)),
+            Err(e) => {
+                tracing::warn!(
+                    store = %at,
+                    error = %crate::init::store_error_text(&e),
+                    "admit: could not connect to the store to look for joiners"
+                );
+                return 0;
+            }
+        };
+        let root = PrefixStore::new(format!("{base}/elastic"), &client);
         let intake = Intake {
             root: &root,
             base: &base,
