@@ -125,8 +125,9 @@ impl TcpBackend {
             reason: format!("its verdict key holds {text:?}, neither an epoch nor a refusal"),
         })?;
         let keys = PrefixStore::new(format!("{base}/elastic/{epoch}"), &client);
+        // Present: the verdict is set after the agreement.
         let v = keys
-            .get("members", left(deadline))
+            .get("members", PRESENT)
             .map_err(store_err(id, "join: read the members that took it in"))?;
         // Any job rank: the joiner knows none of the members yet.
         let agreed = decode(&v, &[], 0)
@@ -163,7 +164,8 @@ impl TcpBackend {
     /// tells the others by a broadcast. With none to take in, it returns this backend as it
     /// is; otherwise the members move to the next epoch without revoking anything: they agree
     /// (as [`TcpBackend::recover`] does) on the members, every survivor and then the joiners,
-    /// and form it, which returns once the joiners are connected. Compare
+    /// and form it, which returns once every member, the joiners too, is ready in it (with
+    /// [`Formation::Lazy`](crate::Formation::Lazy), each pair connects on first use). Compare
     /// [`TcpBackend::epoch`] before and after, and when it changed send the job's state to the
     /// joiners (a broadcast from rank 0) before the next step.
     ///
@@ -224,6 +226,7 @@ impl TcpBackend {
             secret: self.cfg.secret.as_deref(),
             policy: self.cfg.admission,
             moment: Moment::Admit,
+            deadline,
         };
         match intake.waiting(self.members()) {
             Ok(w) => w.len(),
