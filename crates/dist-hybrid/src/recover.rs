@@ -17,7 +17,8 @@ use crate::{HybridBackend, HybridError, Result, nccl_config_for};
 const LET_GO: Duration = Duration::from_secs(5);
 
 impl HybridBackend {
-    /// Recovers from a failure, as [`TcpBackend::recover`] does for the TCP side: the NCCL
+    /// Recovers from a failure, as [`TcpBackend::recover_members`] does for the TCP side (no
+    /// process waiting to join is taken in: it goes on waiting): the NCCL
     /// side is revoked at once ([`Communicator::revoke`]: its pending and later calls fail),
     /// the survivors agree through the job's store on the next epoch's members and form its
     /// TCP backend, and the NCCL communicator is shrunk to the same members, renumbered alike
@@ -52,7 +53,8 @@ impl HybridBackend {
         drop(self);
         let tcp = sole_owner(tcp, me)?;
         let old_members = tcp.members().to_vec();
-        let tcp = tcp.recover(timeout)?;
+        // No joiner: the NCCL side is shrunk to survivors, and a joiner has no GPU rank.
+        let tcp = tcp.recover_members(timeout)?;
         let Some(comm) = comm else {
             return Ok(Self::tcp_only(tcp, why_no_nccl));
         };

@@ -28,6 +28,9 @@ pub const CASES: &[Case] = &[
     Case::new("grow_at_recovery", at_recovery).only_at(&[3]),
     Case::new("grow_refused", refused).only_at(&[3]),
     Case::new("grow_timeout", timeout).only_at(&[3]),
+    Case::new("grow_beside_a_wait", beside_a_wait).only_at(&[3]),
+    Case::new("grow_counter_raised", counter_raised).only_at(&[3]),
+    Case::new("grow_recover_members", recover_members).only_at(&[3]),
 ];
 
 /// The job, the joiner and every later epoch connected lazily (each pair on first use).
@@ -321,6 +324,119 @@ pub fn refused() -> Result<(), String> {
     b.barrier().unwrap();
     if let Some(c) = child {
         reap(c, "refused");
+    }
+    Ok(())
+}
+
+/// Rank 0's look for joiners at `admit` does not wait behind a user's wait on the store: a
+/// thread of rank 0 waits 20 s in `store().get` for a key nobody sets while every member calls
+/// `admit` with 2 s, a joiner waiting; the joiner is taken in (epoch 1) within 8 s.
+pub fn beside_a_wait() -> Result<(), String> {
+    if role().is_some() {
+        let b = joiner(Admission::AtAdmit, 1, &[0, 1, 2, 3]);
+        hand_state(&b);
+        checked_all_reduce(&b);
+        return Ok(());
+    }
+    let b = member(Admission::AtAdmit);
+    let me = b.rank();
+    let child = (me == 0).then(|| start_joiner("one"));
+    wait_elastic_key(&b, "join/3");
+    if me == 0 {
+        let user = b.store();
+        std::thread::spawn(move || {
+            let _ = user.get("absent", Duration::from_secs(20));
+        });
+        // The user's get is under way (holding the connection) before the admit.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    b.barrier().unwrap();
+    let t = Instant::now();
+    let b = b
+        .admit(Duration::from_secs(2))
+        .unwrap_or_else(|e| panic!("rank {me}: admit: {e}"));
+    let took = t.elapsed();
+    println!("rank {me}: admit took {took:.2?}, epoch {}", b.epoch());
+    assert_eq!(
+        (b.epoch(), b.members()),
+        (1, &[0, 1, 2, 3][..]),
+        "rank {me}: the joiner was not taken in"
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "rank {me}: admit took {took:?}"
+    );
+    hand_state(&b);
+    checked_all_reduce(&b);
+    if let Some(c) = child {
+        reap(c, "one");
+    }
+    Ok(())
+}
+
+/// A count of joiners raised to 2^40 by hand (the store takes anyone's `add`): the look for
+/// joiners reads a bounded number of ids, so `admit(1s)` returns within 6 s, taking no one in.
+pub fn counter_raised() -> Result<(), String> {
+    let b = member(Admission::AtAdmit);
+    let me = b.rank();
+    if me == 0 {
+        b.store_under("elastic")
+            .add("joiners", 1 << 40)
+            .map_err(|e| format!("raise the count: {e}"))?;
+    }
+    b.barrier().unwrap();
+    let t = Instant::now();
+    let b = b
+        .admit(Duration::from_secs(1))
+        .unwrap_or_else(|e| panic!("rank {me}: admit: {e}"));
+    let took = t.elapsed();
+    println!("rank {me}: admit took {took:.2?}");
+    assert!(
+        took < Duration::from_secs(6),
+        "rank {me}: admit took {took:?}"
+    );
+    assert_eq!((b.epoch(), b.world_size()), (0, 3), "rank {me}");
+    checked_all_reduce(&b);
+    Ok(())
+}
+
+/// `recover_members` takes no joiner in under the default policy: a joiner waits while the
+/// members recover (epoch 1, the same three), its verdict still unset after, and it withdraws
+/// at its own deadline (5 s) with a timeout.
+pub fn recover_members() -> Result<(), String> {
+    if role().is_some() {
+        let e = TcpBackend::join(member_config(Admission::AtAdmit), Duration::from_secs(5))
+            .expect_err("taken in by recover_members");
+        println!("joiner: {e}");
+        assert!(matches!(&e, DistError::Timeout { rank: 3, .. }), "{e}");
+        return Ok(());
+    }
+    let b = member(Admission::AtAdmit);
+    let me = b.rank();
+    let child = (me == 0).then(|| start_joiner("left"));
+    wait_elastic_key(&b, "join/3");
+    let b = b
+        .recover_members(LONG)
+        .unwrap_or_else(|e| panic!("rank {me}: recover_members: {e}"));
+    assert_eq!(
+        (b.epoch(), b.members()),
+        (1, &[0, 1, 2][..]),
+        "rank {me}: recover_members took in a joiner"
+    );
+    let there = b
+        .store_under("elastic")
+        .check(&["join/3/verdict"])
+        .map_err(|e| format!("check the verdict: {e}"))?;
+    assert!(
+        !there,
+        "rank {me}: the joiner has a verdict after recover_members"
+    );
+    checked_all_reduce(&b);
+    b.barrier().unwrap();
+    let verdict = wait_elastic_key(&b, "join/3/verdict");
+    assert_eq!(verdict, b"withdrawn");
+    if let Some(c) = child {
+        reap(c, "left");
     }
     Ok(())
 }

@@ -27,6 +27,9 @@ pub(crate) enum Moment {
     Admit,
     /// [`TcpBackend::recover`](crate::TcpBackend::recover), or a later agreement of one.
     Recovery,
+    /// [`TcpBackend::recover_members`](crate::TcpBackend::recover_members): no joiner is
+    /// taken in, whatever the policy.
+    MembersOnly,
 }
 
 impl Admission {
@@ -49,6 +52,7 @@ impl Admission {
     /// Whether `waiting` joiners are taken in at `moment`.
     pub(crate) fn takes(self, waiting: usize, moment: Moment) -> bool {
         waiting > 0
+            && moment != Moment::MembersOnly
             && match self {
                 Admission::AtAdmit => true,
                 Admission::AtRecovery => moment == Moment::Recovery,
@@ -83,5 +87,12 @@ mod tests {
         assert!(Admission::AtRecovery.takes(1, Recovery));
         assert!(!Admission::AtLeast(2).takes(1, Recovery));
         assert!(Admission::AtLeast(2).takes(2, Admit));
+        for p in [
+            Admission::AtAdmit,
+            Admission::AtRecovery,
+            Admission::AtLeast(1),
+        ] {
+            assert!(!p.takes(5, Moment::MembersOnly), "{p:?}");
+        }
     }
 }

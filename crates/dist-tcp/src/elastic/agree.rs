@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use dist_core::{DistError, Result};
 use dist_store::{PrefixStore, Store, StoreError, TcpStore};
 
+use super::joiners::PRESENT;
 use super::left;
 
 /// The key of job rank `id`'s check-in.
@@ -79,7 +80,7 @@ pub(super) fn agree(
         std::process::exit(0);
     }
     let decided = if keys.check(&["members"]).map_err(err)? {
-        keys.get("members", left(deadline)).map_err(err)?
+        keys.get("members", PRESENT).map_err(err)?
     } else {
         let expected: Vec<String> = current
             .iter()

@@ -125,8 +125,9 @@ impl TcpBackend {
             reason: format!("its verdict key holds {text:?}, neither an epoch nor a refusal"),
         })?;
         let keys = PrefixStore::new(format!("{base}/elastic/{epoch}"), &client);
+        // Present: the verdict is set after the agreement.
         let v = keys
-            .get("members", left(deadline))
+            .get("members", PRESENT)
             .map_err(store_err(id, "join: read the members that took it in"))?;
         // Any job rank: the joiner knows none of the members yet.
         let agreed = decode(&v, &[], 0)
@@ -163,7 +164,8 @@ impl TcpBackend {
     /// tells the others by a broadcast. With none to take in, it returns this backend as it
     /// is; otherwise the members move to the next epoch without revoking anything: they agree
     /// (as [`TcpBackend::recover`] does) on the members, every survivor and then the joiners,
-    /// and form it, which returns once the joiners are connected. Compare
+    /// and form it, which returns once every member, the joiners too, is ready in it (with
+    /// [`Formation::Lazy`](crate::Formation::Lazy), each pair connects on first use). Compare
     /// [`TcpBackend::epoch`] before and after, and when it changed send the job's state to the
     /// joiners (a broadcast from rank 0) before the next step.
     ///
@@ -172,7 +174,11 @@ impl TcpBackend {
     pub fn admit(self, timeout: Duration) -> Result<TcpBackend> {
         let me = self.shared.rank;
         let deadline = deadline_in(me, "admit", timeout)?;
-        let waiting = if me == 0 { self.joiners_waiting() } else { 0 };
+        let waiting = if me == 0 {
+            self.joiners_waiting(deadline)
+        } else {
+            0
+        };
         let mut word = [waiting as u64];
         match self.broadcast(&mut word, 0) {
             Ok(()) if word[0] == 0 => Ok(self),
@@ -192,18 +198,35 @@ impl TcpBackend {
         }
     }
 
-    /// On rank 0 at `admit`: how many joiners the policy takes in now. A store that fails the
-    /// look is logged and counts as none waiting (the next call looks again).
-    fn joiners_waiting(&self) -> usize {
+    /// On rank 0 at `admit`: how many joiners the policy takes in now, looked for before
+    /// `deadline`. A store that fails the look is logged and counts as none waiting (the next
+    /// call looks again).
+    ///
+    /// Over a connection of its own, as the agreement of [`TcpBackend::recover`]: the
+    /// backend's connection is the one [`TcpBackend::store`] hands out, held for the whole of
+    /// a user's wait on it, which would hold the look past `deadline`.
+    fn joiners_waiting(&self, deadline: Instant) -> usize {
         let base = self.store.prefix.clone();
-        let client = &*self.store.client;
-        let root = PrefixStore::new(format!("{base}/elastic"), client);
+        let at = self.store.client.server().to_string();
+        let client = match TcpStore::connect(at.as_str(), left(deadline)) {
+            Ok(c) => c.with_timeout(left(deadline)),
+            Err(e) => {
+                tracing::warn!(
+                    store = %at,
+                    error = %crate::init::store_error_text(&e),
+                    "admit: could not connect to the store to look for joiners"
+                );
+                return 0;
+            }
+        };
+        let root = PrefixStore::new(format!("{base}/elastic"), &client);
         let intake = Intake {
             root: &root,
             base: &base,
             secret: self.cfg.secret.as_deref(),
             policy: self.cfg.admission,
             moment: Moment::Admit,
+            deadline,
         };
         match intake.waiting(self.members()) {
             Ok(w) => w.len(),

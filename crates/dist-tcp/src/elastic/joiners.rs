@@ -13,6 +13,15 @@ use super::admission::{Admission, Moment};
 pub(super) const JOB: &str = "job";
 /// The key counting the joiners that registered.
 pub(super) const JOINERS: &str = "joiners";
+/// The key of the joiners' low-water mark: every joiner id below the job rank it holds has a
+/// verdict (taken in, refused or withdrawn), so that a look for joiners starts there rather
+/// than reading again every joiner the job ever settled.
+pub(super) const SETTLED: &str = "settled";
+/// The most joiner ids one look for joiners reads (from the low-water mark [`SETTLED`]), one
+/// or two store round trips each: the count of joiners is a counter anyone who reaches the
+/// store can raise, and a look must end within its call's timeout however high it is. Joiners
+/// past the bound are looked at once those before them are settled.
+pub(super) const SCAN_AT_MOST: usize = 256;
 /// The key of the last epoch formed.
 pub(super) const EPOCH: &str = "epoch";
 /// The verdict of a joiner that gave up waiting.
@@ -153,23 +162,52 @@ pub(super) struct Intake<'a> {
     pub(super) secret: Option<&'a [u8]>,
     pub(super) policy: Admission,
     pub(super) moment: Moment,
+    /// When the look stops: the joiners found by then are those waiting.
+    pub(super) deadline: std::time::Instant,
 }
 
 impl Intake<'_> {
     /// The joiners to take in now, by job rank, ascending (none where the policy says to wait):
-    /// those registered with a ticket and no verdict, that are not of `current`. A ticket that
-    /// fails its check is refused here (its verdict says why) and left out.
+    /// those registered with a ticket and no verdict, that are not of `current`, among the
+    /// [`SCAN_AT_MOST`] ids from the low-water mark ([`SETTLED`]), found before the deadline.
+    /// A ticket that fails its check is refused here (its verdict says why) and left out.
     pub(super) fn waiting(&self, current: &[usize]) -> std::result::Result<Vec<usize>, StoreError> {
         let Some(facts) = Facts::read(self.root)? else {
             return Ok(Vec::new());
         };
         let registered = usize::try_from(self.root.add(JOINERS, 0)?).unwrap_or(0);
+        let end = facts.first_world.saturating_add(registered);
+        let from = if self.root.check(&[SETTLED])? {
+            let v = self.root.get(SETTLED, PRESENT)?;
+            std::str::from_utf8(&v)
+                .ok()
+                .and_then(|t| t.parse::<usize>().ok())
+                .unwrap_or(0)
+                .max(facts.first_world)
+        } else {
+            facts.first_world
+        };
+        let to = end.min(from.saturating_add(SCAN_AT_MOST));
+        // Every id below `low` is settled.
+        let mut low = from;
         let mut out = Vec::new();
-        for id in facts.first_world..facts.first_world.saturating_add(registered) {
-            if current.contains(&id)
-                || self.root.check(&[&verdict_key(id)])?
-                || !self.root.check(&[&ticket_key(id)])?
-            {
+        for id in from..to {
+            if std::time::Instant::now() >= self.deadline {
+                tracing::warn!(
+                    looked_at = id - from,
+                    registered,
+                    "the look for joiners ran out of time; taking those found"
+                );
+                break;
+            }
+            let settled = current.contains(&id) || self.root.check(&[&verdict_key(id)])?;
+            if settled {
+                if low == id {
+                    low = id + 1;
+                }
+                continue;
+            }
+            if !self.root.check(&[&ticket_key(id)])? {
                 continue;
             }
             let t = self.root.get(&ticket_key(id), PRESENT)?;
@@ -182,8 +220,16 @@ impl Intake<'_> {
                         b"",
                         format!("{REFUSED}{why}").as_bytes(),
                     )?;
+                    if low == id {
+                        low = id + 1;
+                    }
                 }
             }
+        }
+        // A verdict is never taken back: any mark written here stays true, whichever of two
+        // looks writes last.
+        if low > from {
+            self.root.set(SETTLED, low.to_string().as_bytes())?;
         }
         Ok(if self.policy.takes(out.len(), self.moment) {
             out

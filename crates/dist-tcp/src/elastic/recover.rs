@@ -44,6 +44,21 @@ impl TcpBackend {
         self.move_on(deadline, Moment::Recovery)
     }
 
+    /// Recovers as [`TcpBackend::recover`] does, but takes in no joiner, whatever the policy
+    /// ([`TcpConfig::admission`](crate::TcpConfig::admission)): the next epoch's members are
+    /// survivors of this one only, and the processes waiting to join go on waiting (for a
+    /// later [`TcpBackend::admit`] or [`TcpBackend::recover`], or their own deadline). For a
+    /// layer that keeps its own group beside this one, of the same members (the hybrid
+    /// backend shrinks its NCCL communicator to the survivors), and has no way to take a
+    /// joiner in.
+    pub fn recover_members(self, timeout: Duration) -> Result<TcpBackend> {
+        let me = self.shared.rank;
+        let deadline = deadline_in(me, "recover", timeout)?;
+        self.shared
+            .revoke(None, format!("rank {me} began to recover"));
+        self.move_on(deadline, Moment::MembersOnly)
+    }
+
     /// Moves this rank to the next epoch: takes the backend apart, then agrees on the
     /// members with the others (the joiners waiting included, as the policy says at `moment`)
     /// and forms the epoch.
@@ -181,6 +196,7 @@ impl Mover {
                                 secret: self.cfg.secret.as_deref(),
                                 policy: self.cfg.admission,
                                 moment: self.moment,
+                                deadline,
                             };
                             agree(
                                 keys,
