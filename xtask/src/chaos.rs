@@ -233,9 +233,9 @@ impl Soak {
             (Some(j), _) if j != job => self.problems.push(format!(
                 "process {r}: job rank {job} in epoch {epoch}, {j} before"
             )),
-            (_, Some(&q)) if q != r => self.problems.push(format!(
-                "job rank {job}: claimed by processes {q} and {r}"
-            )),
+            (_, Some(&q)) if q != r => self
+                .problems
+                .push(format!("job rank {job}: claimed by processes {q} and {r}")),
             _ => {
                 self.ranks[r].job = Some(job);
                 self.jobs.insert(job, r);
@@ -256,7 +256,11 @@ impl Soak {
         if members.contains(&fault.victim_job) {
             return None;
         }
-        let before = self.epochs.get(&fault.epoch_before).cloned().unwrap_or_default();
+        let before = self
+            .epochs
+            .get(&fault.epoch_before)
+            .cloned()
+            .unwrap_or_default();
         let want: Vec<usize> = (0..self.ranks.len())
             .filter(|&q| {
                 self.ranks[q].fate == Fate::Survive
@@ -300,7 +304,8 @@ impl Soak {
                     v.get(1).map(|j| j.parse::<usize>()),
                     v.get(2),
                 ) else {
-                    self.problems.push(format!("process {r}: a malformed line {line:?}"));
+                    self.problems
+                        .push(format!("process {r}: a malformed line {line:?}"));
                     return None;
                 };
                 let members = parse_members(m);
@@ -319,9 +324,9 @@ impl Soak {
                             (t - started).as_secs_f64()
                         );
                     }
-                    _ => self
-                        .problems
-                        .push(format!("process {r}: joined, though no replacement: {line}")),
+                    _ => self.problems.push(format!(
+                        "process {r}: joined, though no replacement: {line}"
+                    )),
                 }
             }
             Some("done") => {
@@ -363,7 +368,8 @@ impl Soak {
                     v.get(1).map(|j| j.parse::<usize>()),
                     v.get(2),
                 ) else {
-                    self.problems.push(format!("process {r}: a malformed line {line:?}"));
+                    self.problems
+                        .push(format!("process {r}: a malformed line {line:?}"));
                     return None;
                 };
                 let members = parse_members(m);
@@ -622,7 +628,10 @@ pub fn run(a: &Args) -> Result<()> {
         }
         if let Some(j) = rank.joining
             && j.joined.is_none()
-            && !s.problems.iter().any(|p| p.contains(&format!("process {r})")))
+            && !s
+                .problems
+                .iter()
+                .any(|p| p.contains(&format!("process {r})")))
         {
             s.problems.push(format!(
                 "the replacement for fault {} (job rank {}, process {r}) was not a member by \
