@@ -135,8 +135,10 @@ struct Launch {
 
 impl Launch {
     /// Starts process `index` as job rank `rank` (a replacement: `DIST_JOIN=1`, the rank it
-    /// replaces), its lines sent to the driver.
+    /// replaces, whose `RANK` is only checked against `WORLD_SIZE`: `join` takes the store's
+    /// next job rank), its lines sent to the driver.
     fn start(&self, index: usize, rank: usize, join: bool) -> Result<Child> {
+        let rank = rank % self.world;
         let mut cmd = Command::new(&self.program);
         cmd.env("RANK", rank.to_string())
             .env("WORLD_SIZE", self.world.to_string())

@@ -80,7 +80,10 @@ pub(crate) fn summary(
             .iter()
             .filter_map(|f| f.recovered.map(|r| ms(r.0)))
             .collect();
-        let unseen = of.iter().filter(|f| f.detected.is_none()).count();
+        let unseen = of
+            .iter()
+            .filter(|f| f.recovered.is_some() && f.detected.is_none())
+            .count();
         println!(
             "chaos: {}: detection {}; recovery {}; detected inside admit {unseen}",
             kind.unwrap_or("all faults"),
