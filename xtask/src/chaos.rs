@@ -25,16 +25,15 @@
 //! member.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use dist_store::StoreServer;
 
+use crate::chaos_launch::{Dice, Launch, parse_members, signal};
 use crate::chaos_report::{Fault, Joining, summary};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -74,7 +73,7 @@ pub struct Args {
 
 /// What the driver did to a rank, and so how it must end.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Fate {
+enum Fate {
     Survive,
     Killed,
     Stopped,
@@ -94,93 +93,6 @@ struct Rank {
     seen: Vec<(usize, [u64; 3])>,
     /// Where it is a replacement: its fault and join.
     joining: Option<Joining>,
-}
-
-/// A small deterministic generator for the faults' choices.
-struct Dice(u64);
-
-impl Dice {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut x = self.0;
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^ (x >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn signal(pid: u32, sig: &str) {
-    let _ = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-}
-
-/// What every rank's process is started with.
-struct Launch {
-    program: PathBuf,
-    logs: PathBuf,
-    world: usize,
-    port: u16,
-    seed: u64,
-    until_s: u64,
-    peer_timeout_ms: u64,
-    admit_ms: u64,
-    tx: mpsc::Sender<(usize, Instant, String)>,
-}
-
-impl Launch {
-    /// Starts process `index` as job rank `rank` (a replacement: `DIST_JOIN=1`, the rank it
-    /// replaces, whose `RANK` is only checked against `WORLD_SIZE`: `join` takes the store's
-    /// next job rank), its lines sent to the driver.
-    fn start(&self, index: usize, rank: usize, join: bool) -> Result<Child> {
-        let rank = rank % self.world;
-        let mut cmd = Command::new(&self.program);
-        cmd.env("RANK", rank.to_string())
-            .env("WORLD_SIZE", self.world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", self.world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", self.port.to_string())
-            .env("DIST_SERVE_STORE", "0")
-            .env("DIST_STORE_PREFIX", format!("chaos/{}", self.seed))
-            .env("CHAOS_UNTIL", self.until_s.to_string())
-            .env("CHAOS_PEER_TIMEOUT_MS", self.peer_timeout_ms.to_string())
-            .env("CHAOS_ADMIT_MS", self.admit_ms.to_string())
-            .env("NCCL_NVLS_ENABLE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log_path(&self.logs, index))?);
-        if join {
-            cmd.env("DIST_JOIN", "1");
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("start {}", self.program.display()))?;
-        let out = child.stdout.take().expect("piped");
-        let tx = self.tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(std::io::Result::ok) {
-                if tx.send((index, Instant::now(), line)).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(child)
-    }
-}
-
-fn log_path(logs: &Path, index: usize) -> PathBuf {
-    logs.join(format!("proc{index}.err"))
-}
-
-/// Job ranks from a line's comma-separated list.
-fn parse_members(text: &str) -> Vec<usize> {
-    text.split(',').filter_map(|m| m.parse().ok()).collect()
 }
 
 /// The driver's view of the soak.
@@ -623,6 +535,13 @@ pub fn run(a: &Args) -> Result<()> {
             end_by - started
         ));
     }
+    // A replacement not a member when the soak ends: at its end, a failure to join; where
+    // another problem stopped the soak, only how far it got.
+    let when = if s.problems.is_empty() {
+        "by the end"
+    } else {
+        "when the soak stopped"
+    };
     for (r, rank) in s.ranks.iter_mut().enumerate() {
         if rank.exit.is_none() {
             let _ = rank.child.kill();
@@ -636,8 +555,8 @@ pub fn run(a: &Args) -> Result<()> {
                 .any(|p| p.contains(&format!("process {r})")))
         {
             s.problems.push(format!(
-                "the replacement for fault {} (job rank {}, process {r}) was not a member by \
-                 the end",
+                "the replacement for fault {} (job rank {}, process {r}) was not a member \
+                 {when}",
                 j.fault + 1,
                 j.replaces
             ));
