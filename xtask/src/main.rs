@@ -7,6 +7,8 @@
 mod bindgen;
 mod bundle;
 mod chaos;
+mod chaos_launch;
+mod chaos_report;
 mod multirank;
 mod package;
 mod plot;
